@@ -1,0 +1,95 @@
+#include <fsdp/nn/module_call.h>
+
+#include <algorithm>
+#include <mutex>
+
+namespace fsdp::nn {
+namespace {
+
+// The hooks of one module live in a child module registered under this name: libtorch modules have no slot
+// for extra state, and a child keeps the hooks' lifetime tied to the module without any global registry.
+// It holds no parameters or buffers, so state dicts and optimizers never see it.
+constexpr const char* kHookStoreName = "_forward_hooks";
+
+struct HookStore : torch::nn::Module {
+  struct Entry {
+    uint64_t id;
+    ForwardPreHook pre;
+    ForwardHook post;
+  };
+  std::vector<Entry> pre_hooks;
+  std::vector<Entry> post_hooks;
+  uint64_t next_id = 1;
+};
+
+std::shared_ptr<HookStore> find_store(const torch::nn::Module& module) {
+  // named_children() is the only public lookup; modules have few children, so this stays cheap.
+  for (const auto& child : module.named_children()) {
+    if (child.key() == kHookStoreName) return std::dynamic_pointer_cast<HookStore>(child.value());
+  }
+  return nullptr;
+}
+
+std::shared_ptr<HookStore> get_or_create_store(torch::nn::Module& module) {
+  if (auto store = find_store(module)) return store;
+  return module.register_module(kHookStoreName, std::make_shared<HookStore>());
+}
+
+}  // namespace
+
+void HookHandle::remove() {
+  auto base = store_.lock();
+  if (!base) return;
+  auto store = std::dynamic_pointer_cast<HookStore>(base);
+  auto by_id = [&](const HookStore::Entry& e) { return e.id == id_; };
+  store->pre_hooks.erase(std::remove_if(store->pre_hooks.begin(), store->pre_hooks.end(), by_id), store->pre_hooks.end());
+  store->post_hooks.erase(std::remove_if(store->post_hooks.begin(), store->post_hooks.end(), by_id),
+                          store->post_hooks.end());
+  store_.reset();
+}
+
+HookHandle register_forward_pre_hook(torch::nn::Module& module, ForwardPreHook hook, bool prepend) {
+  auto store = get_or_create_store(module);
+  HookStore::Entry entry{store->next_id++, std::move(hook), nullptr};
+  const uint64_t id = entry.id;
+  if (prepend) {
+    store->pre_hooks.insert(store->pre_hooks.begin(), std::move(entry));
+  } else {
+    store->pre_hooks.push_back(std::move(entry));
+  }
+  return HookHandle(store, id);
+}
+
+HookHandle register_forward_hook(torch::nn::Module& module, ForwardHook hook, bool prepend) {
+  auto store = get_or_create_store(module);
+  HookStore::Entry entry{store->next_id++, nullptr, std::move(hook)};
+  const uint64_t id = entry.id;
+  if (prepend) {
+    store->post_hooks.insert(store->post_hooks.begin(), std::move(entry));
+  } else {
+    store->post_hooks.push_back(std::move(entry));
+  }
+  return HookHandle(store, id);
+}
+
+bool has_forward_hooks(const torch::nn::Module& module) {
+  auto store = find_store(module);
+  return store && (!store->pre_hooks.empty() || !store->post_hooks.empty());
+}
+
+void run_forward_pre_hooks(torch::nn::Module& module, TensorList& inputs) {
+  auto store = find_store(module);
+  if (!store) return;
+  // Copy: a hook may register or remove hooks.
+  auto hooks = store->pre_hooks;
+  for (auto& entry : hooks) entry.pre(module, inputs);
+}
+
+void run_forward_hooks(torch::nn::Module& module, const TensorList& inputs, TensorList& outputs) {
+  auto store = find_store(module);
+  if (!store) return;
+  auto hooks = store->post_hooks;
+  for (auto& entry : hooks) entry.post(module, inputs, outputs);
+}
+
+}  // namespace fsdp::nn
