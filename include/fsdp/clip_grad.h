@@ -1,0 +1,16 @@
+#pragma once
+// Global-norm gradient clipping for FSDP-sharded models. Each rank holds only its shard of every gradient,
+// so the norm is reduced across the shard group before clipping: the result equals clipping the full,
+// unsharded gradients (PyTorch issue 170862 is about the local-norm mistake this avoids).
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+namespace fsdp {
+
+// Clips the gradients of root.parameters() in place so that their global norm is at most max_norm.
+// Returns the total (pre-clipping) norm as a 0-dim fp32 tensor. norm_type: 2.0, 1.0 or infinity.
+// Collective: every rank of the model's meshes must call it.
+at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm, double norm_type = 2.0);
+
+}  // namespace fsdp

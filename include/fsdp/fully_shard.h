@@ -1,0 +1,116 @@
+#pragma once
+// fsdp::fully_shard — PyTorch FSDP2's per-parameter sharding for libtorch module trees.
+//
+//   auto mesh = fsdp::init_device_mesh("cpu", {world});
+//   for (auto& block : *model->layers) fsdp::fully_shard(block, {.mesh = mesh});   // bottom-up
+//   fsdp::fully_shard(model, {.mesh = mesh});                                          // then the root
+//   auto loss = fsdp::nn::call(model, tokens) ...;                                     // see the hook rule
+//
+// The hook rule: libtorch modules have no forward hooks, so a module given to fully_shard must be invoked as
+// fsdp::nn::call(module, args...) (by its parent, or by the training loop for the root) instead of
+// module->forward(args...). Forgetting it is detected: a gradient that reaches a sharded parameter raises
+// an error naming the module, instead of silently producing wrong gradients. See docs/hooks.md.
+
+#include <fsdp/device_mesh.h>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+namespace fsdp {
+
+// Python's MixedPrecisionPolicy. param_dtype: dtype of the unsharded (all-gathered) parameters used in
+// forward/backward; reduce_dtype: dtype of gradient reduction (ignored when equal to param_dtype... as in
+// PyTorch, it defaults to param_dtype); output_dtype: forward outputs are cast to it; cast_forward_inputs:
+// floating-point forward inputs are cast to param_dtype.
+struct MixedPrecisionPolicy {
+  std::optional<c10::ScalarType> param_dtype;
+  std::optional<c10::ScalarType> reduce_dtype;
+  std::optional<c10::ScalarType> output_dtype;
+  bool cast_forward_inputs = true;
+};
+
+// Python's OffloadPolicy / CPUOffloadPolicy: sharded parameters and gradients live on the CPU; the optimizer
+// steps there; all-gather inputs are copied to the compute device, reduced gradients copied back.
+struct OffloadPolicy {
+  bool cpu_offload = false;
+  bool pin_memory = true;
+};
+
+// true  = free the unsharded parameters after forward, all-gather again in backward (ZeRO-3);
+// false = keep them until backward (ZeRO-2);
+// N (int) = keep an N-way sharded copy after forward; backward all-gathers within N ranks (ZeRO++ hpZ).
+//           N must divide the shard-group size; 1 == false, shard size == true.
+using ReshardAfterForward = std::variant<bool, int>;
+
+struct FullyShardOptions {
+  DeviceMesh mesh;  // invalid (default) = 1-D mesh over the world; 2-D = HSDP (replicate, shard)
+  std::optional<ReshardAfterForward> reshard_after_forward;  // nullopt = true for non-root, false for root
+  MixedPrecisionPolicy mp_policy;
+  OffloadPolicy offload_policy;
+  // Not sharded, not moved, gradients not reduced (e.g. parameters managed by another scheme).
+  std::vector<at::Tensor> ignored_params;
+};
+
+class FSDPState;  // internal
+
+// Waitable result of FSDPModule::unshard(async=true); the next forward also waits on it implicitly.
+class UnshardHandle {
+ public:
+  UnshardHandle() = default;
+  explicit UnshardHandle(std::weak_ptr<FSDPState> state) : state_(std::move(state)) {}
+  void wait();
+
+ private:
+  std::weak_ptr<FSDPState> state_;
+};
+
+// A handle on a module's FSDP state (Python's FSDPModule methods). Cheap to copy. The state itself lives
+// with the module (it is destroyed with it).
+class FSDPModule {
+ public:
+  FSDPModule() = default;
+  explicit FSDPModule(std::shared_ptr<FSDPState> state) : state_(std::move(state)) {}
+
+  torch::nn::Module& module() const;
+  bool valid() const { return state_ != nullptr; }
+
+  UnshardHandle unshard(bool async_op = false);
+  void reshard();
+
+  void set_requires_gradient_sync(bool requires_sync, bool recurse = true);
+  void set_requires_all_reduce(bool requires_all_reduce, bool recurse = true);  // HSDP replicate-dim all-reduce
+  void set_reshard_after_forward(ReshardAfterForward value, bool recurse = true);
+  void set_reshard_after_backward(bool value, bool recurse = true);
+  void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules);
+  void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules);
+  void set_gradient_divide_factor(double factor);
+  void set_is_last_backward(bool is_last);
+
+  FSDPState& state() const;
+
+ private:
+  std::shared_ptr<FSDPState> state_;
+};
+
+FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options = {});
+// Several modules share one parameter group (pre-forward on the first, post-forward on the last).
+FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                       const FullyShardOptions& options = {});
+template <class Impl>
+FSDPModule fully_shard(const torch::nn::ModuleHolder<Impl>& module, const FullyShardOptions& options = {}) {
+  return fully_shard(std::static_pointer_cast<torch::nn::Module>(module.ptr()), options);
+}
+
+// The FSDP handle of a module that fully_shard was applied to, or nullopt.
+std::optional<FSDPModule> fsdp_module(const torch::nn::Module& module);
+
+}  // namespace fsdp
