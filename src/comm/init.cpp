@@ -1,0 +1,231 @@
+// Rendezvous and the group registry: init_process_group, new_group, world, destroy_process_group.
+//
+// The registry below is the library's only global mutable state (allowed by design: process groups are
+// process-wide, like torch.distributed's default group). Everything else hangs off ProcessGroup objects.
+
+#include "comm/process_group_impl.h"
+
+#include <ATen/Context.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef FSDP_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <cstdlib>
+#include <mutex>
+#include <set>
+
+namespace fsdp {
+namespace {
+
+struct Registry {
+  std::mutex mu;
+  c10::intrusive_ptr<c10d::Store> store;  // null when the world has one rank
+  ProcessGroupPtr world;
+  std::string backend;  // "gloo" or "nccl"
+  c10::Device device{c10::kCPU};
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  std::shared_ptr<::gloo::transport::Device> gloo_device;  // one transport device shared by all Gloo groups
+  int64_t groups_created = 0;  // advances identically on every rank: names the key space of each new group
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+const char* getenv_or_null(const char* name) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? v : nullptr;
+}
+
+int parse_int(const char* name, const char* value) {
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(value, &end, 10);
+  TORCH_CHECK(end != value && *end == '\0' && errno == 0 && v >= INT32_MIN && v <= INT32_MAX,
+              "fsdp: environment variable ", name, "='", value, "' is not an integer");
+  return static_cast<int>(v);
+}
+
+int require_env_int(const char* name) {
+  const char* v = getenv_or_null(name);
+  TORCH_CHECK(v != nullptr, "fsdp: environment variable ", name,
+              " is not set (start the program with fsdprun/torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR, "
+              "MASTER_PORT, or fill fsdp::InitOptions)");
+  return parse_int(name, v);
+}
+
+std::string resolve_backend(const std::string& requested) {
+  if (requested == "gloo") return "gloo";
+  if (requested == "nccl") {
+#ifdef FSDP_WITH_NCCL
+    TORCH_CHECK(at::hasCUDA(), "fsdp: backend 'nccl' requested but CUDA is not available");
+    return "nccl";
+#else
+    TORCH_CHECK(false, "fsdp: backend 'nccl' is unavailable: libfsdp was built without NCCL support "
+                       "(configure with FSDP_WITH_NCCL on a CUDA build of libtorch), use 'gloo'");
+#endif
+  }
+  if (requested == "auto") {
+#ifdef FSDP_WITH_NCCL
+    if (at::hasCUDA()) return "nccl";
+#endif
+    return "gloo";
+  }
+  TORCH_CHECK(false, "fsdp: unknown backend '", requested, "' (expected 'auto', 'gloo' or 'nccl')");
+}
+
+std::shared_ptr<::gloo::transport::Device> make_gloo_device() {
+  // Same choice as torch.distributed: GLOO_SOCKET_IFNAME pins the interface, else the host's address.
+  if (const char* ifname = getenv_or_null("GLOO_SOCKET_IFNAME")) {
+    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  }
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+// Builds a group (caller holds the registry lock). `ranks` are world ranks; `group_rank` is ours in it.
+ProcessGroupPtr make_group(Registry& r, const std::string& prefix, const std::string& name,
+                           const std::vector<int>& ranks, int group_rank) {
+  auto impl = std::make_unique<ProcessGroup::Impl>();
+  impl->rank = group_rank;
+  impl->size = static_cast<int>(ranks.size());
+  impl->name = name;
+  impl->global_ranks = ranks;
+  impl->backend_name = r.backend;
+  impl->device = r.device;
+  impl->timeout = r.timeout;
+  if (impl->size > 1) {
+    auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, r.store);
+    try {
+      if (r.backend == "gloo") {
+        auto opts = c10d::ProcessGroupGloo::Options::create(r.timeout);
+        opts->devices = {r.gloo_device};
+        impl->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, group_rank, impl->size, opts);
+      } else {
+#ifdef FSDP_WITH_NCCL
+        auto opts = c10d::ProcessGroupNCCL::Options::create();
+        opts->timeout = r.timeout;
+        impl->backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, group_rank, impl->size, opts);
+#else
+        TORCH_CHECK(false, "fsdp: NCCL support not compiled in");
+#endif
+      }
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "fsdp: creating ", r.backend, " ", impl->describe(), " failed (timeout ", r.timeout.count(),
+                  " ms): ", e.what());
+    }
+  }
+  return std::make_shared<ProcessGroup>(std::move(impl));
+}
+
+}  // namespace
+
+int env_rank() { return require_env_int("RANK"); }
+int env_world_size() { return require_env_int("WORLD_SIZE"); }
+int env_local_rank() {
+  const char* v = getenv_or_null("LOCAL_RANK");
+  return v ? parse_int("LOCAL_RANK", v) : 0;
+}
+
+ProcessGroupPtr init_process_group(const InitOptions& options) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  TORCH_CHECK(r.world == nullptr, "fsdp: init_process_group called twice (call destroy_process_group first)");
+  TORCH_CHECK(options.timeout.count() > 0, "fsdp: InitOptions.timeout must be positive");
+
+  const int rank = options.rank >= 0 ? options.rank : env_rank();
+  const int world_size = options.world_size >= 0 ? options.world_size : env_world_size();
+  TORCH_CHECK(world_size >= 1, "fsdp: world size must be >= 1, got ", world_size);
+  TORCH_CHECK(rank >= 0 && rank < world_size, "fsdp: rank ", rank, " is outside the world of size ", world_size);
+  const std::string backend = resolve_backend(options.backend);
+
+  c10::intrusive_ptr<c10d::Store> store;
+  if (world_size > 1) {
+    std::string addr = options.master_addr;
+    if (addr.empty()) {
+      const char* v = getenv_or_null("MASTER_ADDR");
+      TORCH_CHECK(v != nullptr, "fsdp: environment variable MASTER_ADDR is not set (start the program with "
+                                "fsdprun/torchrun, or fill fsdp::InitOptions.master_addr)");
+      addr = v;
+    }
+    const int port = options.master_port >= 0 ? options.master_port : require_env_int("MASTER_PORT");
+    TORCH_CHECK(port > 0 && port < 65536, "fsdp: MASTER_PORT ", port, " is not a valid TCP port");
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<std::uint16_t>(port);
+    so.isServer = rank == 0;
+    so.numWorkers = static_cast<std::size_t>(world_size);
+    so.waitWorkers = true;
+    so.timeout = options.timeout;
+    try {
+      store = c10::make_intrusive<c10d::TCPStore>(addr, so);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "fsdp: rendezvous at ", addr, ":", port, " failed for rank ", rank, " of ", world_size,
+                  " (timeout ", options.timeout.count(), " ms): ", e.what());
+    }
+  }
+
+  r.store = store;
+  r.backend = backend;
+  r.timeout = options.timeout;
+  r.groups_created = 0;
+  r.device = backend == "nccl" ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env_local_rank()))
+                               : c10::Device(c10::kCPU);
+  if (backend == "gloo" && world_size > 1 && !r.gloo_device) r.gloo_device = make_gloo_device();
+  std::vector<int> all(world_size);
+  for (int i = 0; i < world_size; ++i) all[i] = i;
+  try {
+    r.world = make_group(r, "fsdp/world", "world", all, rank);
+  } catch (...) {
+    r.store.reset();
+    throw;
+  }
+  return r.world;
+}
+
+bool is_initialized() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  return r.world != nullptr;
+}
+
+ProcessGroupPtr world() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  TORCH_CHECK(r.world != nullptr, "fsdp: the process group is not initialized (call fsdp::init_process_group)");
+  return r.world;
+}
+
+ProcessGroupPtr new_group(const std::vector<int>& ranks, const std::string& name) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  TORCH_CHECK(r.world != nullptr, "fsdp: new_group before init_process_group");
+  const int world_size = r.world->size();
+  TORCH_CHECK(!ranks.empty(), "fsdp: new_group needs at least one rank");
+  std::set<int> seen;
+  int me = -1;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    TORCH_CHECK(ranks[i] >= 0 && ranks[i] < world_size, "fsdp: new_group: rank ", ranks[i],
+                " is outside the world of size ", world_size);
+    TORCH_CHECK(seen.insert(ranks[i]).second, "fsdp: new_group: rank ", ranks[i], " listed twice");
+    if (ranks[i] == r.world->rank()) me = static_cast<int>(i);
+  }
+  // Every rank advances the counter, members or not, so group k has the same key space everywhere.
+  const int64_t id = r.groups_created++;
+  if (me < 0) return nullptr;
+  return make_group(r, c10::str("fsdp/group", id), name.empty() ? c10::str("group", id) : name, ranks, me);
+}
+
+void destroy_process_group() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  // Groups handed out earlier stay usable while referenced: each keeps its backend and store alive.
+  r.world.reset();
+  r.store.reset();
+  r.groups_created = 0;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,276 @@
+// fsdp::ProcessGroup collectives on top of a c10d::Backend (Gloo on CPU).
+//
+// Rules every collective follows:
+//  - Tensors must be contiguous and on the group's device type; we raise instead of copying silently, because
+//    FSDP works on flat buffers and a hidden copy would hide the result from the caller's tensor.
+//  - Size-1 groups and empty tensors take a local fast path (copy or no-op): no communication, same result.
+//    Every rank of a group sees the same sizes, so this never desynchronises the group.
+//  - Calls and bytes are counted per group (bytes from comm/byte_model.h).
+//  - Every c10d call gets the group's current timeout explicitly.
+
+#include "comm/byte_model.h"
+#include "comm/process_group_impl.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <sstream>
+
+namespace fsdp {
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "Sum";
+    case ReduceOp::Avg: return "Avg";
+    case ReduceOp::Max: return "Max";
+    case ReduceOp::Min: return "Min";
+  }
+  return "?";
+}
+
+std::string ProcessGroup::Impl::describe() const {
+  std::ostringstream os;
+  os << "group '" << name << "' (world ranks [";
+  for (size_t i = 0; i < global_ranks.size(); ++i) os << (i ? ", " : "") << global_ranks[i];
+  os << "], this rank " << rank << ")";
+  return os.str();
+}
+
+namespace {
+
+int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+void check_tensor(const ProcessGroup::Impl& g, const char* coll, const char* what, const at::Tensor& t) {
+  TORCH_CHECK(t.defined(), "fsdp: ", coll, " on ", g.describe(), ": ", what, " is undefined");
+  TORCH_CHECK(t.is_contiguous(), "fsdp: ", coll, " on ", g.describe(), ": ", what,
+              " must be contiguous (call .contiguous() and copy the result back yourself); sizes ", t.sizes(),
+              ", strides ", t.strides());
+  TORCH_CHECK(t.device().type() == g.device.type(), "fsdp: ", coll, " on ", g.describe(), ": ", what, " is on ",
+              t.device(), " but the ", g.backend_name, " group works on ", g.device);
+  TORCH_CHECK(!t.is_sparse(), "fsdp: ", coll, ": sparse tensors are not supported");
+}
+
+void check_same_dtype(const ProcessGroup::Impl& g, const char* coll, const at::Tensor& out, const at::Tensor& in) {
+  TORCH_CHECK(out.scalar_type() == in.scalar_type(), "fsdp: ", coll, " on ", g.describe(), ": output dtype ",
+              out.scalar_type(), " differs from input dtype ", in.scalar_type());
+}
+
+void check_op(const ProcessGroup::Impl& g, const char* coll, ReduceOp op, const at::Tensor& t) {
+  TORCH_CHECK(op != ReduceOp::Avg || at::isFloatingType(t.scalar_type()), "fsdp: ", coll, " on ", g.describe(),
+              ": ReduceOp::Avg needs a floating dtype, got ", t.scalar_type());
+}
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Avg:  // Avg = Sum, then divide locally (Gloo's AVG support varies by version)
+      return c10d::ReduceOp(c10d::ReduceOp::SUM);
+    case ReduceOp::Max: return c10d::ReduceOp(c10d::ReduceOp::MAX);
+    case ReduceOp::Min: return c10d::ReduceOp(c10d::ReduceOp::MIN);
+  }
+  TORCH_CHECK(false, "fsdp: unknown ReduceOp");
+}
+
+// Reduce the `size` rows of `chunks` ([size, n]) into `out` (n elements). Low-precision floats accumulate in
+// fp32 and are rounded once at the end, so the result does not depend on rounding after every addition.
+void reduce_rows(const at::Tensor& chunks, ReduceOp op, const at::Tensor& out) {
+  const auto dt = chunks.scalar_type();
+  const bool low = dt == at::kBFloat16 || dt == at::kHalf;
+  const at::Tensor x = low ? chunks.to(at::kFloat) : chunks;
+  at::Tensor r;
+  switch (op) {
+    case ReduceOp::Sum: r = x.sum(0); break;
+    case ReduceOp::Avg: r = x.sum(0).div_(chunks.size(0)); break;
+    case ReduceOp::Max: r = x.amax(0); break;
+    case ReduceOp::Min: r = x.amin(0); break;
+  }
+  out.view({-1}).copy_(r);
+}
+
+Work completed() { return Work(); }
+
+}  // namespace
+
+ProcessGroup::ProcessGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
+  TORCH_CHECK(impl_ != nullptr, "fsdp: ProcessGroup needs an implementation");
+}
+ProcessGroup::~ProcessGroup() = default;
+
+int ProcessGroup::rank() const { return impl_->rank; }
+int ProcessGroup::size() const { return impl_->size; }
+const std::string& ProcessGroup::name() const { return impl_->name; }
+const std::vector<int>& ProcessGroup::global_ranks() const { return impl_->global_ranks; }
+const std::string& ProcessGroup::backend() const { return impl_->backend_name; }
+c10::Device ProcessGroup::device() const { return impl_->device; }
+const CommStats& ProcessGroup::stats() const { return impl_->stats; }
+void ProcessGroup::reset_stats() { impl_->stats = CommStats{}; }
+
+void ProcessGroup::set_timeout(std::chrono::milliseconds timeout) {
+  TORCH_CHECK(timeout.count() > 0, "fsdp: set_timeout on ", impl_->describe(), ": timeout must be positive, got ",
+              timeout.count(), " ms");
+  impl_->timeout = timeout;
+  if (impl_->backend) impl_->backend->setTimeout(timeout);
+}
+
+namespace {
+
+std::string label(const ProcessGroup::Impl& g, const char* coll, const std::string& detail) {
+  return c10::str(coll, "(", detail, ") on ", g.describe());
+}
+
+Work make_work(const ProcessGroup::Impl& g, std::string what, c10::intrusive_ptr<c10d::Work> w,
+               std::function<void()> on_complete = nullptr) {
+  auto impl = std::make_shared<Work::Impl>();
+  impl->what = std::move(what);
+  impl->pending.push_back(std::move(w));
+  impl->on_complete = std::move(on_complete);
+  impl->timeout = g.timeout;
+  return Work(std::move(impl));
+}
+
+// Launch failures (e.g. the backend rejects the dtype) get the same context as wait() failures.
+template <typename F>
+c10::intrusive_ptr<c10d::Work> launch(const std::string& what, F&& f) {
+  try {
+    return f();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "fsdp: ", what, " failed to start: ", e.what());
+  }
+}
+
+}  // namespace
+
+Work ProcessGroup::all_gather_into_tensor(at::Tensor output, at::Tensor input) {
+  Impl& g = *impl_;
+  const char* coll = "all_gather_into_tensor";
+  check_tensor(g, coll, "output", output);
+  check_tensor(g, coll, "input", input);
+  check_same_dtype(g, coll, output, input);
+  TORCH_CHECK(output.numel() == g.size * input.numel(), "fsdp: ", coll, " on ", g.describe(), ": output has ",
+              output.numel(), " elements but needs size() * input.numel() = ", g.size, " * ", input.numel());
+  g.stats.all_gather_calls++;
+  if (g.size == 1 || input.numel() == 0) {
+    if (output.data_ptr() != input.data_ptr()) output.view({-1}).copy_(input.view({-1}));
+    return completed();
+  }
+  g.stats.bytes_sent += comm::all_gather_bytes(nbytes(input), g.size);
+  const auto what = label(g, coll, c10::str(input.numel(), " x ", input.scalar_type(), " per rank"));
+  at::Tensor out_flat = output.view({-1});
+  at::Tensor in_flat = input.view({-1});
+  c10d::AllgatherOptions opts;
+  opts.timeout = g.timeout;
+  auto w = launch(what, [&] { return g.backend->_allgather_base(out_flat, in_flat, opts); });
+  return make_work(g, what, std::move(w));
+}
+
+Work ProcessGroup::reduce_scatter_tensor(at::Tensor output, at::Tensor input, ReduceOp op) {
+  Impl& g = *impl_;
+  const char* coll = "reduce_scatter_tensor";
+  check_tensor(g, coll, "output", output);
+  check_tensor(g, coll, "input", input);
+  check_same_dtype(g, coll, output, input);
+  check_op(g, coll, op, input);
+  TORCH_CHECK(input.numel() == g.size * output.numel(), "fsdp: ", coll, " on ", g.describe(), ": input has ",
+              input.numel(), " elements but needs size() * output.numel() = ", g.size, " * ", output.numel(),
+              " (uneven inputs must be zero-padded by the caller to a multiple of the group size)");
+  g.stats.reduce_scatter_calls++;
+  if (g.size == 1 || input.numel() == 0) {
+    // One contributor: Sum/Avg/Max/Min of a single value is the value.
+    if (output.data_ptr() != input.data_ptr()) output.view({-1}).copy_(input.view({-1}));
+    return completed();
+  }
+  g.stats.bytes_sent += comm::reduce_scatter_bytes(nbytes(input), g.size);
+  const auto what = label(g, coll, c10::str(to_string(op), ", ", input.numel(), " x ", input.scalar_type()));
+  // All-to-all of the s chunks: afterwards row r of `received` is rank r's contribution to our chunk.
+  at::Tensor in_flat = input.view({-1});
+  at::Tensor received = at::empty_like(in_flat);
+  std::vector<int64_t> equal_splits;  // empty = equal splits
+  c10d::AllToAllOptions opts;
+  opts.timeout = g.timeout;
+  auto w = launch(what, [&] { return g.backend->alltoall_base(received, in_flat, equal_splits, equal_splits, opts); });
+  const int64_t s = g.size;
+  // The lambda keeps `input` alive until the transfer is done.
+  return make_work(g, what, std::move(w), [received, output, input, op, s] {
+    reduce_rows(received.view({s, -1}), op, output);
+  });
+}
+
+Work ProcessGroup::all_reduce(at::Tensor tensor, ReduceOp op) {
+  Impl& g = *impl_;
+  const char* coll = "all_reduce";
+  check_tensor(g, coll, "tensor", tensor);
+  check_op(g, coll, op, tensor);
+  g.stats.all_reduce_calls++;
+  if (g.size == 1 || tensor.numel() == 0) return completed();
+  g.stats.bytes_sent += comm::all_reduce_bytes(nbytes(tensor), g.size);
+  const auto what = label(g, coll, c10::str(to_string(op), ", ", tensor.numel(), " x ", tensor.scalar_type()));
+  std::vector<at::Tensor> ts{tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(op);
+  opts.timeout = g.timeout;
+  auto w = launch(what, [&] { return g.backend->allreduce(ts, opts); });
+  std::function<void()> post;
+  if (op == ReduceOp::Avg) {
+    const int64_t s = g.size;
+    post = [tensor, s]() mutable { tensor.div_(s); };
+  }
+  return make_work(g, what, std::move(w), std::move(post));
+}
+
+Work ProcessGroup::broadcast(at::Tensor tensor, int root) {
+  Impl& g = *impl_;
+  const char* coll = "broadcast";
+  check_tensor(g, coll, "tensor", tensor);
+  TORCH_CHECK(root >= 0 && root < g.size, "fsdp: ", coll, " on ", g.describe(), ": root ", root,
+              " is not a rank of this group of size ", g.size, " (root is a group rank, not a world rank)");
+  g.stats.broadcast_calls++;
+  if (g.size == 1 || tensor.numel() == 0) return completed();
+  g.stats.bytes_sent += comm::broadcast_bytes(nbytes(tensor), g.size, g.rank == root);
+  const auto what = label(g, coll, c10::str("root ", root, ", ", tensor.numel(), " x ", tensor.scalar_type()));
+  std::vector<at::Tensor> ts{tensor};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  opts.rootTensor = 0;
+  opts.timeout = g.timeout;
+  auto w = launch(what, [&] { return g.backend->broadcast(ts, opts); });
+  return make_work(g, what, std::move(w));
+}
+
+Work ProcessGroup::all_to_all(at::Tensor output, at::Tensor input) {
+  Impl& g = *impl_;
+  const char* coll = "all_to_all";
+  check_tensor(g, coll, "output", output);
+  check_tensor(g, coll, "input", input);
+  check_same_dtype(g, coll, output, input);
+  TORCH_CHECK(output.numel() == input.numel() && input.numel() % g.size == 0, "fsdp: ", coll, " on ",
+              g.describe(), ": input (", input.numel(), " elements) and output (", output.numel(),
+              " elements) must have the same size, a multiple of the group size ", g.size);
+  g.stats.all_to_all_calls++;
+  if (g.size == 1 || input.numel() == 0) {
+    if (output.data_ptr() != input.data_ptr()) output.view({-1}).copy_(input.view({-1}));
+    return completed();
+  }
+  g.stats.bytes_sent += comm::all_to_all_bytes(nbytes(input), g.size);
+  const auto what = label(g, coll, c10::str(input.numel(), " x ", input.scalar_type()));
+  at::Tensor out_flat = output.view({-1});
+  at::Tensor in_flat = input.view({-1});
+  std::vector<int64_t> equal_splits;
+  c10d::AllToAllOptions opts;
+  opts.timeout = g.timeout;
+  auto w = launch(what, [&] { return g.backend->alltoall_base(out_flat, in_flat, equal_splits, equal_splits, opts); });
+  return make_work(g, what, std::move(w));
+}
+
+Work ProcessGroup::barrier() {
+  Impl& g = *impl_;
+  g.stats.barrier_calls++;
+  if (g.size == 1) return completed();
+  const auto what = label(g, "barrier", "");
+  c10d::BarrierOptions opts;
+  opts.timeout = g.timeout;
+  auto w = launch(what, [&] { return g.backend->barrier(opts); });
+  return make_work(g, what, std::move(w));
+}
+
+}  // namespace fsdp

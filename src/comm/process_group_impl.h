@@ -1,0 +1,42 @@
+#pragma once
+// Private: the state behind fsdp::ProcessGroup and fsdp::Work. Only src/comm/*.cpp include this header, so
+// c10d's headers never leak into the public API.
+
+#include <fsdp/process_group.h>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+
+struct ProcessGroup::Impl {
+  // Null for size-1 groups: every collective takes the local fast path, so no communicator is needed.
+  c10::intrusive_ptr<c10d::Backend> backend;
+  int rank = 0;
+  int size = 1;
+  std::string name;
+  std::vector<int> global_ranks;
+  std::string backend_name;
+  c10::Device device{c10::kCPU};
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  CommStats stats;
+
+  // "group 'world' (world ranks [0, 1, 2], this rank 1)" — used in every error message.
+  std::string describe() const;
+};
+
+struct Work::Impl {
+  std::string what;  // "reduce_scatter_tensor(Sum, 8 x BFloat16) on group '...' (...)"
+  std::vector<c10::intrusive_ptr<c10d::Work>> pending;
+  std::function<void()> on_complete;  // local post-processing once `pending` is done (e.g. the local sum)
+  std::chrono::milliseconds timeout{0};
+  bool done = false;
+  std::string error;  // non-empty once failed: later wait() calls rethrow the same failure
+};
+
+}  // namespace fsdp

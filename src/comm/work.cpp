@@ -1,0 +1,49 @@
+// fsdp::Work: waits on the c10d work items of one collective, runs its local post-processing, and turns any
+// failure (Gloo timeout, peer gone, c10d's own wait timeout) into a c10::Error that names the collective and
+// the group, so a stuck or broken collective surfaces as an exception instead of a hang.
+
+#include "comm/process_group_impl.h"
+
+#include <c10/util/Exception.h>
+
+namespace fsdp {
+
+Work::Work(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+bool Work::is_completed() const {
+  if (!impl_ || impl_->done) return true;
+  for (const auto& w : impl_->pending) {
+    if (!w->isCompleted()) return false;
+  }
+  // The transfers are done; the local post-processing runs in wait().
+  return impl_->on_complete == nullptr;
+}
+
+void Work::wait() {
+  if (!impl_) return;
+  Impl& w = *impl_;
+  TORCH_CHECK(w.error.empty(), w.error);
+  if (w.done) return;
+  // Gloo enforces the timeout itself on every transfer; c10d's wait() timeout is a backstop for work that
+  // never started (e.g. queued behind a stuck collective). The slack lets Gloo's more precise message win.
+  const auto backstop = w.timeout + std::max(std::chrono::milliseconds(1000), w.timeout / 10);
+  try {
+    for (auto& p : w.pending) {
+      const bool ok = p->wait(backstop);
+      TORCH_CHECK(ok, "the collective was aborted");
+    }
+    w.pending.clear();
+    if (w.on_complete) {
+      w.on_complete();
+      w.on_complete = nullptr;
+    }
+  } catch (const std::exception& e) {
+    w.error = c10::str("fsdp: ", w.what, " failed (timeout ", w.timeout.count(), " ms): ", e.what());
+    w.pending.clear();
+    w.on_complete = nullptr;
+    TORCH_CHECK(false, w.error);
+  }
+  w.done = true;
+}
+
+}  // namespace fsdp
