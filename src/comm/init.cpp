@@ -116,7 +116,7 @@ ProcessGroupPtr make_group(Registry& r, const std::string& prefix, const std::st
       }
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "fsdp: creating ", r.backend, " ", impl->describe(), " failed (timeout ", r.timeout.count(),
-                  " ms): ", e.what());
+                  " ms): ", message_of(e));
     }
   }
   return std::make_shared<ProcessGroup>(std::move(impl));
@@ -164,7 +164,7 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
       store = c10::make_intrusive<c10d::TCPStore>(addr, so);
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "fsdp: rendezvous at ", addr, ":", port, " failed for rank ", rank, " of ", world_size,
-                  " (timeout ", options.timeout.count(), " ms): ", e.what());
+                  " (timeout ", options.timeout.count(), " ms): ", message_of(e));
     }
   }
 

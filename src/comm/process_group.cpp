@@ -135,7 +135,7 @@ c10::intrusive_ptr<c10d::Work> launch(const std::string& what, F&& f) {
   try {
     return f();
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "fsdp: ", what, " failed to start: ", e.what());
+    TORCH_CHECK(false, "fsdp: ", what, " failed to start: ", message_of(e));
   }
 }
 

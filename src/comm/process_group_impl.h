@@ -4,6 +4,7 @@
 
 #include <fsdp/process_group.h>
 
+#include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -29,6 +30,12 @@ struct ProcessGroup::Impl {
   // "group 'world' (world ranks [0, 1, 2], this rank 1)" — used in every error message.
   std::string describe() const;
 };
+
+// The message of a caught exception without c10::Error's backtrace (we wrap it in our own context).
+inline const char* message_of(const std::exception& e) {
+  const auto* ce = dynamic_cast<const c10::Error*>(&e);
+  return ce ? ce->what_without_backtrace() : e.what();
+}
 
 struct Work::Impl {
   std::string what;  // "reduce_scatter_tensor(Sum, 8 x BFloat16) on group '...' (...)"

@@ -38,7 +38,7 @@ void Work::wait() {
       w.on_complete = nullptr;
     }
   } catch (const std::exception& e) {
-    w.error = c10::str("fsdp: ", w.what, " failed (timeout ", w.timeout.count(), " ms): ", e.what());
+    w.error = c10::str("fsdp: ", w.what, " failed (timeout ", w.timeout.count(), " ms): ", message_of(e));
     w.pending.clear();
     w.on_complete = nullptr;
     TORCH_CHECK(false, w.error);
