@@ -1,0 +1,470 @@
+// The config schema and its parsers (TOML via toml++, command-line overrides). See config.h.
+#include "config.h"
+
+#include <toml++/toml.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <variant>
+
+namespace fsdp_train {
+namespace {
+
+using FieldPtr = std::variant<bool*, int64_t*, double*, std::string*, std::optional<double>*, std::vector<std::string>*>;
+
+struct Field {
+  const char* section;
+  const char* key;
+  FieldPtr ptr;
+  const char* help;
+  bool implemented = true;
+};
+
+// The schema: every key the trainer accepts, bound to one JobConfig instance. Section order = TOML/doc order.
+std::vector<Field> fields(JobConfig& c) {
+  return {
+      {"job", "dump_folder", &c.job.dump_folder, "folder for metrics.jsonl, the effective config.toml and checkpoints"},
+      {"job", "description", &c.job.description, "free text, printed at startup"},
+      {"model", "name", &c.model.name, "model family; only llama3"},
+      {"model", "flavor", &c.model.flavor, "llama3 flavor: cpu_tiny, cpu_small, cpu_medium, debugmodel, 1B, 3B, 8B, 70B, 405B"},
+      {"model", "tokenizer_path", &c.model.tokenizer_path,
+       "\"\" = byte-level tokenizer (256 bytes + BOS + EOS); else a Hugging Face tokenizer.json (byte-level BPE). "
+       "The model's vocab_size is set to the tokenizer's, as TorchTitan does"},
+      {"optimizer", "name", &c.optimizer.name, "AdamW or Adam"},
+      {"optimizer", "lr", &c.optimizer.lr, "peak learning rate"},
+      {"optimizer", "beta1", &c.optimizer.beta1, "Adam beta1"},
+      {"optimizer", "beta2", &c.optimizer.beta2, "Adam beta2"},
+      {"optimizer", "eps", &c.optimizer.eps, "Adam epsilon"},
+      {"optimizer", "weight_decay", &c.optimizer.weight_decay, "decoupled weight decay (AdamW)"},
+      {"lr_scheduler", "warmup_steps", &c.lr_scheduler.warmup_steps, "linear warmup steps (capped at training.steps)"},
+      {"lr_scheduler", "decay_ratio", &c.lr_scheduler.decay_ratio,
+       "unset = decay over every step after warmup; a value in [0,1] = warmup-stable-decay with that share of steps decaying"},
+      {"lr_scheduler", "decay_type", &c.lr_scheduler.decay_type, "linear | sqrt | cosine"},
+      {"lr_scheduler", "min_lr_factor", &c.lr_scheduler.min_lr_factor, "the decay ends at lr x min_lr_factor"},
+      {"training", "dataset", &c.training.dataset,
+       "common_licenses (Debian's /usr/share/common-licenses, always installed) | text (text files) | tokens (pre-tokenized files)"},
+      {"training", "dataset_path", &c.training.dataset_path,
+       "file, directory or comma-separated list; \"\" = the dataset's default location. *.tok/*.u16/*.u32 files are "
+       "pre-tokenized, anything else is text"},
+      {"training", "local_batch_size", &c.training.local_batch_size, "samples per rank per micro-batch"},
+      {"training", "global_batch_size", &c.training.global_batch_size,
+       "samples per optimizer step over all ranks; -1 = local x dp degree. Gradient accumulation = global / (local x dp)"},
+      {"training", "seq_len", &c.training.seq_len, "tokens per sample"},
+      {"training", "max_norm", &c.training.max_norm, "gradient clipping: max global L2 norm"},
+      {"training", "steps", &c.training.steps, "optimizer steps"},
+      {"training", "mixed_precision_param", &c.training.mixed_precision_param,
+       "float32 | bfloat16: FSDP all-gathers and computes in this dtype (only when FSDP is applied)"},
+      {"training", "mixed_precision_reduce", &c.training.mixed_precision_reduce, "float32 | bfloat16: gradient reduction dtype (FSDP)"},
+      {"training", "enable_cpu_offload", &c.training.enable_cpu_offload, "FSDP CPU offload policy (no effect on a CPU run)"},
+      {"parallelism", "data_parallel_replicate_degree", &c.parallelism.data_parallel_replicate_degree,
+       "replicas (HSDP's replicate dim; plain DDP when the shard degree is 1)"},
+      {"parallelism", "data_parallel_shard_degree", &c.parallelism.data_parallel_shard_degree,
+       "FSDP shard group size; -1 = the ranks left over"},
+      {"parallelism", "fsdp_reshard_after_forward", &c.parallelism.fsdp_reshard_after_forward, "default | always | never"},
+      {"parallelism", "tensor_parallel_degree", &c.parallelism.tensor_parallel_degree, "only 1", false},
+      {"checkpoint", "enable", &c.checkpoint.enable, "save/load checkpoints (not implemented yet: a later issue)", false},
+      {"checkpoint", "folder", &c.checkpoint.folder, "under job.dump_folder", false},
+      {"checkpoint", "interval", &c.checkpoint.interval, "steps between saves", false},
+      {"checkpoint", "initial_load_path", &c.checkpoint.initial_load_path, "checkpoint to start from", false},
+      {"checkpoint", "last_save_model_only", &c.checkpoint.last_save_model_only, "final save without optimizer state", false},
+      {"checkpoint", "export_dtype", &c.checkpoint.export_dtype, "dtype of a model-only save", false},
+      {"checkpoint", "async_mode", &c.checkpoint.async_mode, "disabled | async | async_with_pinned_mem", false},
+      {"checkpoint", "keep_latest_k", &c.checkpoint.keep_latest_k, "older checkpoints are deleted", false},
+      {"checkpoint", "load_step", &c.checkpoint.load_step, "-1 = latest", false},
+      {"checkpoint", "exclude_from_loading", &c.checkpoint.exclude_from_loading, "state names not to load", false},
+      {"activation_checkpoint", "mode", &c.activation_checkpoint.mode,
+       "selective | full | none (not implemented yet: runs without recomputation)", false},
+      {"activation_checkpoint", "selective_ac_option", &c.activation_checkpoint.selective_ac_option, "\"2\" = every 2nd layer", false},
+      {"metrics", "log_freq", &c.metrics.log_freq, "log every N steps (and the first and last step)"},
+      {"metrics", "enable_tensorboard", &c.metrics.enable_tensorboard, "not implemented: metrics go to job.dump_folder/metrics.jsonl", false},
+      {"metrics", "save_tb_folder", &c.metrics.save_tb_folder, "unused", false},
+      {"metrics", "save_for_all_ranks", &c.metrics.save_for_all_ranks, "every rank writes metrics_rank<r>.jsonl"},
+      {"metrics", "peak_tflops", &c.metrics.peak_tflops, "per-rank peak for MFU; 0 = measure with a matmul benchmark at startup"},
+      {"comm", "init_timeout_seconds", &c.comm.init_timeout_seconds, "rendezvous and first collectives"},
+      {"comm", "train_timeout_seconds", &c.comm.train_timeout_seconds, "collectives after the first step"},
+      {"debug", "seed", &c.debug.seed, "model init and anything random"},
+      {"debug", "deterministic", &c.debug.deterministic, "torch deterministic algorithms"},
+  };
+}
+
+const char* type_name(const FieldPtr& p) {
+  switch (p.index()) {
+    case 0: return "boolean";
+    case 1: return "integer";
+    case 2: return "float";
+    case 3: return "string";
+    case 4: return "float (optional)";
+    default: return "array of strings";
+  }
+}
+
+std::string format_double(double v) {
+  // Shortest text that reads back to the same double, always with a '.' or exponent so TOML keeps it a float.
+  std::string s;
+  for (int prec = 6; prec <= 17; ++prec) {
+    std::ostringstream os;
+    os.precision(prec);
+    os << v;
+    s = os.str();
+    if (std::strtod(s.c_str(), nullptr) == v) break;
+  }
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return s;
+}
+
+std::string quote(const std::string& s) {
+  std::string out = "\"";
+  for (char ch : s) {
+    if (ch == '"' || ch == '\\') out += '\\';
+    if (ch == '\n') { out += "\\n"; continue; }
+    out += ch;
+  }
+  return out + "\"";
+}
+
+std::string value_text(const FieldPtr& p) {
+  return std::visit(
+      [](auto* v) -> std::string {
+        using T = std::remove_pointer_t<decltype(v)>;
+        if constexpr (std::is_same_v<T, bool>) return *v ? "true" : "false";
+        else if constexpr (std::is_same_v<T, int64_t>) return std::to_string(*v);
+        else if constexpr (std::is_same_v<T, double>) return format_double(*v);
+        else if constexpr (std::is_same_v<T, std::string>) return quote(*v);
+        else if constexpr (std::is_same_v<T, std::optional<double>>) return v->has_value() ? format_double(**v) : "";
+        else {
+          std::string s = "[";
+          for (size_t i = 0; i < v->size(); ++i) s += (i ? ", " : "") + quote((*v)[i]);
+          return s + "]";
+        }
+      },
+      p);
+}
+
+std::string known_keys(const std::vector<Field>& fs, const std::string& section) {
+  std::string s;
+  for (const auto& f : fs)
+    if (section == f.section) s += (s.empty() ? "" : ", ") + std::string(f.key);
+  return s;
+}
+
+std::string known_sections(const std::vector<Field>& fs) {
+  std::string s, last;
+  for (const auto& f : fs) {
+    if (last == f.section) continue;
+    last = f.section;
+    s += (s.empty() ? "" : ", ") + last;
+  }
+  return s;
+}
+
+Field* find_field(std::vector<Field>& fs, const std::string& section, const std::string& key) {
+  for (auto& f : fs)
+    if (section == f.section && key == f.key) return &f;
+  return nullptr;
+}
+
+bool has_section(const std::vector<Field>& fs, const std::string& section) {
+  for (const auto& f : fs)
+    if (section == f.section) return true;
+  return false;
+}
+
+std::string where(const toml::source_region& src) {
+  std::ostringstream os;
+  os << (src.path ? *src.path : std::string("<config>")) << ":" << src.begin.line << ":" << src.begin.column;
+  return os.str();
+}
+
+const char* toml_type_name(const toml::node& n) {
+  switch (n.type()) {
+    case toml::node_type::table: return "a table";
+    case toml::node_type::array: return "an array";
+    case toml::node_type::string: return "a string";
+    case toml::node_type::integer: return "an integer";
+    case toml::node_type::floating_point: return "a float";
+    case toml::node_type::boolean: return "a boolean";
+    default: return "a date/time";
+  }
+}
+
+void set_from_node(const Field& f, const toml::node& n) {
+  const std::string name = std::string(f.section) + "." + f.key;
+  auto fail = [&]() {
+    throw ConfigError("config error: " + name + ": expected " + type_name(f.ptr) + ", got " + toml_type_name(n) + " (" +
+                      where(n.source()) + ")");
+  };
+  std::visit(
+      [&](auto* v) {
+        using T = std::remove_pointer_t<decltype(v)>;
+        if constexpr (std::is_same_v<T, bool>) {
+          if (!n.is_boolean()) fail();
+          *v = n.as_boolean()->get();
+        } else if constexpr (std::is_same_v<T, int64_t>) {
+          if (!n.is_integer()) fail();
+          *v = n.as_integer()->get();
+        } else if constexpr (std::is_same_v<T, double> || std::is_same_v<T, std::optional<double>>) {
+          if (n.is_integer()) *v = static_cast<double>(n.as_integer()->get());
+          else if (n.is_floating_point()) *v = n.as_floating_point()->get();
+          else fail();
+        } else if constexpr (std::is_same_v<T, std::string>) {
+          if (!n.is_string()) fail();
+          *v = n.as_string()->get();
+        } else {
+          if (!n.is_array()) fail();
+          v->clear();
+          for (const auto& e : *n.as_array()) {
+            if (!e.is_string()) fail();
+            v->push_back(e.as_string()->get());
+          }
+        }
+      },
+      f.ptr);
+}
+
+void set_from_text(const Field& f, const std::string& text, const std::string& origin) {
+  const std::string name = std::string(f.section) + "." + f.key;
+  auto fail = [&]() {
+    throw ConfigError("config error: " + name + ": expected " + type_name(f.ptr) + ", got '" + text + "' (" + origin + ")");
+  };
+  std::visit(
+      [&](auto* v) {
+        using T = std::remove_pointer_t<decltype(v)>;
+        if constexpr (std::is_same_v<T, bool>) {
+          if (text == "true" || text == "1") *v = true;
+          else if (text == "false" || text == "0") *v = false;
+          else fail();
+        } else if constexpr (std::is_same_v<T, int64_t>) {
+          char* end = nullptr;
+          errno = 0;
+          long long x = std::strtoll(text.c_str(), &end, 10);
+          if (text.empty() || *end != '\0' || errno == ERANGE) fail();
+          *v = x;
+        } else if constexpr (std::is_same_v<T, double> || std::is_same_v<T, std::optional<double>>) {
+          if constexpr (std::is_same_v<T, std::optional<double>>) {
+            if (text.empty() || text == "none" || text == "None") {
+              v->reset();
+              return;
+            }
+          }
+          char* end = nullptr;
+          double x = std::strtod(text.c_str(), &end);
+          if (text.empty() || *end != '\0') fail();
+          *v = x;
+        } else if constexpr (std::is_same_v<T, std::string>) {
+          *v = text;
+        } else {
+          v->clear();
+          std::stringstream ss(text);
+          std::string item;
+          while (std::getline(ss, item, ','))
+            if (!item.empty()) v->push_back(item);
+        }
+      },
+      f.ptr);
+}
+
+void check_choice(const std::string& name, const std::string& value, const std::vector<std::string>& choices) {
+  for (const auto& c : choices)
+    if (value == c) return;
+  std::string list;
+  for (const auto& c : choices) list += (list.empty() ? "" : " | ") + c;
+  throw ConfigError("config error: " + name + ": expected one of " + list + ", got '" + value + "'");
+}
+
+void check(bool ok, const std::string& msg) {
+  if (!ok) throw ConfigError("config error: " + msg);
+}
+
+}  // namespace
+
+std::vector<KeyInfo> config_schema() {
+  JobConfig defaults;
+  std::vector<KeyInfo> out;
+  for (const auto& f : fields(defaults)) {
+    std::string def = value_text(f.ptr);
+    out.push_back({f.section, f.key, type_name(f.ptr), def.empty() ? "(unset)" : def, f.help, f.implemented});
+  }
+  return out;
+}
+
+JobConfig parse_toml(std::string_view text, const std::string& source) {
+  JobConfig config;
+  auto fs = fields(config);
+  toml::table tbl;
+  try {
+    tbl = toml::parse(text, source);
+  } catch (const toml::parse_error& e) {
+    throw ConfigError("config error: invalid TOML: " + std::string(e.description()) + " (" + where(e.source()) + ")");
+  }
+  for (const auto& [section_key, section_node] : tbl) {
+    const std::string section(section_key.str());
+    if (!has_section(fs, section))
+      throw ConfigError("config error: unknown section [" + section + "] (" + where(section_key.source()) +
+                        "); known sections: " + known_sections(fs));
+    if (!section_node.is_table())
+      throw ConfigError("config error: " + section + ": expected a table [" + section + "], got " +
+                        toml_type_name(section_node) + " (" + where(section_node.source()) + ")");
+    for (const auto& [key, node] : *section_node.as_table()) {
+      const std::string k(key.str());
+      Field* f = find_field(fs, section, k);
+      if (!f)
+        throw ConfigError("config error: unknown key '" + section + "." + k + "' (" + where(key.source()) +
+                          "); known keys in [" + section + "]: " + known_keys(fs, section));
+      set_from_node(*f, node);
+    }
+  }
+  return config;
+}
+
+void apply_overrides(JobConfig& config, const std::vector<std::string>& args) {
+  auto fs = fields(config);
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (arg.rfind("--", 0) != 0)
+      throw ConfigError("config error: unexpected argument '" + arg + "' (expected --section.key value)");
+    std::string name = arg.substr(2), value;
+    bool has_value = false;
+    if (auto eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      has_value = true;
+    }
+    if (name == "config" || name == "job.config_file") {  // consumed by load_config
+      if (!has_value) ++i;
+      continue;
+    }
+    const auto dot = name.find('.');
+    const std::string section = dot == std::string::npos ? name : name.substr(0, dot);
+    const std::string key = dot == std::string::npos ? "" : name.substr(dot + 1);
+    Field* f = find_field(fs, section, key);
+    if (!f) {
+      if (!has_section(fs, section))
+        throw ConfigError("config error: unknown command-line option '--" + name + "'; known sections: " + known_sections(fs));
+      throw ConfigError("config error: unknown key '" + name + "' (command line); known keys in [" + section +
+                        "]: " + known_keys(fs, section));
+    }
+    if (!has_value) {
+      const bool next_is_value = i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0;
+      if (std::holds_alternative<bool*>(f->ptr) && !next_is_value) {
+        value = "true";  // a bare boolean flag
+      } else {
+        if (i + 1 >= args.size())
+          throw ConfigError("config error: --" + name + ": missing value (expected " + type_name(f->ptr) + ")");
+        value = args[++i];
+      }
+    }
+    set_from_text(*f, value, "command line --" + name);
+  }
+}
+
+JobConfig load_config(const std::vector<std::string>& args) {
+  std::string path;
+  for (size_t i = 0; i < args.size(); ++i) {
+    for (const std::string opt : {"--config", "--job.config_file"}) {
+      if (args[i] == opt) {
+        if (i + 1 >= args.size()) throw ConfigError("config error: " + opt + ": missing file name");
+        path = args[i + 1];
+      } else if (args[i].rfind(opt + "=", 0) == 0) {
+        path = args[i].substr(opt.size() + 1);
+      }
+    }
+  }
+  JobConfig config;
+  if (path.empty()) {
+    config = parse_toml(embedded_default_config(), "<embedded configs/debug.toml>");
+  } else {
+    std::ifstream in(path);
+    if (!in) throw ConfigError("config error: cannot open config file '" + path + "'");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    config = parse_toml(ss.str(), path);
+  }
+  apply_overrides(config, args);
+  validate(config);
+  return config;
+}
+
+std::string to_toml(const JobConfig& config_in) {
+  JobConfig config = config_in;  // fields() binds non-const pointers
+  std::ostringstream os;
+  std::string last;
+  for (const auto& f : fields(config)) {
+    if (last != f.section) {
+      os << (last.empty() ? "" : "\n") << "[" << f.section << "]\n";
+      last = f.section;
+    }
+    const std::string v = value_text(f.ptr);
+    if (v.empty()) os << "# " << f.key << " = (unset)\n";
+    else os << f.key << " = " << v << "\n";
+  }
+  return os.str();
+}
+
+void validate(const JobConfig& c) {
+  check_choice("model.name", c.model.name, {"llama3"});
+  check_choice("optimizer.name", c.optimizer.name, {"AdamW", "Adam"});
+  check_choice("lr_scheduler.decay_type", c.lr_scheduler.decay_type, {"linear", "sqrt", "cosine"});
+  check_choice("training.dataset", c.training.dataset, {"common_licenses", "text", "tokens"});
+  check_choice("training.mixed_precision_param", c.training.mixed_precision_param, {"float32", "bfloat16"});
+  check_choice("training.mixed_precision_reduce", c.training.mixed_precision_reduce, {"float32", "bfloat16"});
+  check_choice("parallelism.fsdp_reshard_after_forward", c.parallelism.fsdp_reshard_after_forward,
+               {"default", "always", "never"});
+  check_choice("checkpoint.async_mode", c.checkpoint.async_mode, {"disabled", "async", "async_with_pinned_mem"});
+  check_choice("activation_checkpoint.mode", c.activation_checkpoint.mode, {"selective", "full", "none"});
+  check(c.optimizer.lr > 0, "optimizer.lr: expected > 0, got " + format_double(c.optimizer.lr));
+  check(c.lr_scheduler.warmup_steps >= 0, "lr_scheduler.warmup_steps: expected >= 0");
+  if (c.lr_scheduler.decay_ratio)
+    check(*c.lr_scheduler.decay_ratio >= 0 && *c.lr_scheduler.decay_ratio <= 1,
+          "lr_scheduler.decay_ratio: expected a value in [0, 1], got " + format_double(*c.lr_scheduler.decay_ratio));
+  check(c.lr_scheduler.min_lr_factor >= 0 && c.lr_scheduler.min_lr_factor <= 1,
+        "lr_scheduler.min_lr_factor: expected a value in [0, 1]");
+  check(c.training.local_batch_size > 0, "training.local_batch_size: expected > 0, got " + std::to_string(c.training.local_batch_size));
+  check(c.training.global_batch_size == -1 || c.training.global_batch_size > 0,
+        "training.global_batch_size: expected -1 or > 0, got " + std::to_string(c.training.global_batch_size));
+  check(c.training.seq_len > 0, "training.seq_len: expected > 0, got " + std::to_string(c.training.seq_len));
+  check(c.training.steps > 0, "training.steps: expected > 0, got " + std::to_string(c.training.steps));
+  check(c.training.max_norm > 0, "training.max_norm: expected > 0");
+  check(c.metrics.log_freq > 0, "metrics.log_freq: expected > 0");
+  check(c.metrics.peak_tflops >= 0, "metrics.peak_tflops: expected >= 0");
+  check(c.parallelism.data_parallel_replicate_degree >= 1,
+        "parallelism.data_parallel_replicate_degree: expected >= 1, got " +
+            std::to_string(c.parallelism.data_parallel_replicate_degree));
+  check(c.parallelism.data_parallel_shard_degree == -1 || c.parallelism.data_parallel_shard_degree >= 1,
+        "parallelism.data_parallel_shard_degree: expected -1 or >= 1, got " +
+            std::to_string(c.parallelism.data_parallel_shard_degree));
+  check(c.parallelism.tensor_parallel_degree == 1,
+        "parallelism.tensor_parallel_degree: only 1 is implemented, got " + std::to_string(c.parallelism.tensor_parallel_degree));
+}
+
+ParallelDims resolve_parallelism(const JobConfig& c, int64_t world_size) {
+  ParallelDims d;
+  d.world_size = world_size;
+  d.dp_replicate = c.parallelism.data_parallel_replicate_degree;
+  const std::string W = std::to_string(world_size), R = std::to_string(d.dp_replicate);
+  if (c.parallelism.data_parallel_shard_degree == -1) {
+    check(world_size % d.dp_replicate == 0, "parallelism.data_parallel_replicate_degree (" + R +
+                                                ") must divide the world size (" + W + ") when data_parallel_shard_degree = -1");
+    d.dp_shard = world_size / d.dp_replicate;
+  } else {
+    d.dp_shard = c.parallelism.data_parallel_shard_degree;
+    check(d.dp_replicate * d.dp_shard == world_size,
+          "parallelism.data_parallel_replicate_degree (" + R + ") x parallelism.data_parallel_shard_degree (" +
+              std::to_string(d.dp_shard) + ") = " + std::to_string(d.dp_replicate * d.dp_shard) +
+              ", expected the world size " + W);
+  }
+  d.local_batch_size = c.training.local_batch_size;
+  const int64_t per_micro = d.local_batch_size * d.dp_degree();
+  d.global_batch_size = c.training.global_batch_size == -1 ? per_micro : c.training.global_batch_size;
+  check(d.global_batch_size % per_micro == 0,
+        "training.global_batch_size (" + std::to_string(d.global_batch_size) +
+            ") must be a multiple of training.local_batch_size (" + std::to_string(d.local_batch_size) +
+            ") x data-parallel degree (" + std::to_string(d.dp_degree()) + ") = " + std::to_string(per_micro));
+  d.grad_accum_steps = d.global_batch_size / per_micro;
+  return d;
+}
+
+}  // namespace fsdp_train

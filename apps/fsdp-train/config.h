@@ -1,0 +1,132 @@
+#pragma once
+// fsdp-train's job configuration: TorchTitan's TOML sections and key names, TorchTitan's defaults, an embedded
+// default file (configs/debug.toml compiled in), and `--section.key value` command-line overrides.
+//
+// Every key is declared once in the schema (config.cpp): its type, default, help and whether the trainer
+// implements it yet. Parsing, type checks, the unknown-key check, to_toml() and the docs' reference table all
+// come from that one list, so they cannot drift apart. No torch headers here.
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace fsdp_train {
+
+// Thrown for every bad configuration; the message names the key, what was expected and where (file:line:col).
+struct ConfigError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct JobConfig {
+  struct Job {
+    std::string dump_folder = "./outputs";
+    std::string description = "default job";
+  } job;
+  struct Model {
+    std::string name = "llama3";
+    std::string flavor = "debugmodel";
+    std::string tokenizer_path;  // "" = byte-level tokenizer; else a Hugging Face tokenizer.json (byte-level BPE)
+  } model;
+  struct Optimizer {
+    std::string name = "AdamW";
+    double lr = 8e-4;
+    double beta1 = 0.9;
+    double beta2 = 0.95;
+    double eps = 1e-8;
+    double weight_decay = 0.1;
+  } optimizer;
+  struct LRScheduler {
+    int64_t warmup_steps = 200;
+    std::optional<double> decay_ratio;  // unset = decay over all steps after warmup; set = warmup-stable-decay
+    std::string decay_type = "linear";  // linear | sqrt | cosine
+    double min_lr_factor = 0.0;
+  } lr_scheduler;
+  struct Training {
+    std::string dataset = "common_licenses";
+    std::string dataset_path;  // "" = the dataset's default location
+    int64_t local_batch_size = 8;
+    int64_t global_batch_size = -1;  // -1 = local_batch_size x data-parallel degree (no accumulation)
+    int64_t seq_len = 2048;
+    double max_norm = 1.0;
+    int64_t steps = 10000;
+    std::string mixed_precision_param = "bfloat16";
+    std::string mixed_precision_reduce = "float32";
+    bool enable_cpu_offload = false;
+  } training;
+  struct Parallelism {
+    int64_t data_parallel_replicate_degree = 1;
+    int64_t data_parallel_shard_degree = -1;  // -1 = the ranks left over by the other degrees
+    std::string fsdp_reshard_after_forward = "default";  // default | always | never
+    int64_t tensor_parallel_degree = 1;
+  } parallelism;
+  struct Checkpoint {
+    bool enable = false;
+    std::string folder = "checkpoint";
+    int64_t interval = 500;
+    std::string initial_load_path;
+    bool last_save_model_only = true;
+    std::string export_dtype = "float32";
+    std::string async_mode = "disabled";  // disabled | async | async_with_pinned_mem
+    int64_t keep_latest_k = 10;
+    int64_t load_step = -1;
+    std::vector<std::string> exclude_from_loading;
+  } checkpoint;
+  struct ActivationCheckpoint {
+    std::string mode = "selective";  // selective | full | none
+    std::string selective_ac_option = "2";
+  } activation_checkpoint;
+  struct Metrics {
+    int64_t log_freq = 10;
+    bool enable_tensorboard = false;
+    std::string save_tb_folder = "tb";
+    bool save_for_all_ranks = false;
+    double peak_tflops = 0.0;  // 0 = measure with a short matmul benchmark at startup
+  } metrics;
+  struct Comm {
+    int64_t init_timeout_seconds = 300;
+    int64_t train_timeout_seconds = 100;
+  } comm;
+  struct Debug {
+    int64_t seed = 0;
+    bool deterministic = false;
+  } debug;
+};
+
+// One schema entry (for docs and tooling).
+struct KeyInfo {
+  std::string section, key, type, default_value, help;
+  bool implemented;
+};
+std::vector<KeyInfo> config_schema();
+
+// The embedded default configuration (the text of configs/debug.toml at build time).
+std::string_view embedded_default_config();
+
+// Parse TOML text over the TorchTitan defaults. `source` names the text in errors (a path or "<embedded>").
+JobConfig parse_toml(std::string_view text, const std::string& source);
+// Apply --section.key value / --section.key=value overrides (a bool key alone means true).
+void apply_overrides(JobConfig& config, const std::vector<std::string>& args);
+// The whole command line: --config FILE (else the embedded default), then overrides in order.
+JobConfig load_config(const std::vector<std::string>& args);
+// The effective configuration as TOML (every key), for logs and the dump folder.
+std::string to_toml(const JobConfig& config);
+
+// Degrees resolved against the world size: shard -1 = leftover; gradient accumulation from the batch sizes.
+struct ParallelDims {
+  int64_t world_size = 1;
+  int64_t dp_replicate = 1;
+  int64_t dp_shard = 1;
+  int64_t dp_degree() const { return dp_replicate * dp_shard; }
+  int64_t local_batch_size = 1;
+  int64_t global_batch_size = 1;
+  int64_t grad_accum_steps = 1;  // global / (local x dp)
+};
+ParallelDims resolve_parallelism(const JobConfig& config, int64_t world_size);
+
+// Checks of values that do not depend on the world size (enums, ranges). load_config() calls it.
+void validate(const JobConfig& config);
+
+}  // namespace fsdp_train

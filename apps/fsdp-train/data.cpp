@@ -1,0 +1,356 @@
+// Streaming token data for fsdp-train (see data.h).
+#include "data.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+namespace fsdp_train {
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr char kMagic[8] = {'F', 'S', 'D', 'P', 'T', 'O', 'K', '1'};
+constexpr int64_t kHeaderBytes = 32;
+constexpr int64_t kTextChunkBytes = 64 * 1024;      // text is tokenized this much at a time (cut at a newline)
+constexpr int64_t kTokenChunkTokens = 1 << 20;      // token files are read this many tokens at a time
+
+std::string extension(const std::string& path) { return fs::path(path).extension().string(); }
+
+struct TokenFileInfo {
+  int64_t data_offset = 0, width = 0, count = 0, vocab = 0;
+};
+
+TokenFileInfo token_file_info(const std::string& path) {
+  TokenFileInfo info;
+  const auto ext = extension(path);
+  const auto size = static_cast<int64_t>(fs::file_size(path));
+  if (ext == ".u16" || ext == ".u32") {
+    info.width = ext == ".u16" ? 2 : 4;
+    if (size % info.width != 0)
+      throw std::runtime_error("token file '" + path + "': size " + std::to_string(size) + " is not a multiple of " +
+                               std::to_string(info.width));
+    info.count = size / info.width;
+    return info;
+  }
+  std::ifstream in(path, std::ios::binary);
+  unsigned char h[kHeaderBytes];
+  if (!in.read(reinterpret_cast<char*>(h), kHeaderBytes) || std::memcmp(h, kMagic, 8) != 0)
+    throw std::runtime_error("token file '" + path + "': missing the FSDPTOK1 header (see docs/trainer.md)");
+  auto u32 = [&](int at) { return uint32_t(h[at]) | uint32_t(h[at + 1]) << 8 | uint32_t(h[at + 2]) << 16 | uint32_t(h[at + 3]) << 24; };
+  auto u64 = [&](int at) { return uint64_t(u32(at)) | uint64_t(u32(at + 4)) << 32; };
+  if (u32(8) != 1) throw std::runtime_error("token file '" + path + "': unsupported version " + std::to_string(u32(8)));
+  info.width = u32(12);
+  if (info.width != 2 && info.width != 4)
+    throw std::runtime_error("token file '" + path + "': bytes_per_token must be 2 or 4, got " + std::to_string(info.width));
+  info.count = static_cast<int64_t>(u64(16));
+  info.vocab = u32(24);
+  info.data_offset = kHeaderBytes;
+  if (info.data_offset + info.count * info.width > size)
+    throw std::runtime_error("token file '" + path + "': header says " + std::to_string(info.count) + " tokens, file is too short");
+  return info;
+}
+
+void read_tokens(const std::string& path, const TokenFileInfo& info, int64_t first, int64_t n, int64_t* out) {
+  std::ifstream in(path, std::ios::binary);
+  in.seekg(info.data_offset + first * info.width);
+  std::vector<unsigned char> buf(static_cast<size_t>(n * info.width));
+  if (!in.read(reinterpret_cast<char*>(buf.data()), static_cast<std::streamsize>(buf.size())))
+    throw std::runtime_error("token file '" + path + "': short read at token " + std::to_string(first));
+  for (int64_t i = 0; i < n; ++i) {
+    const unsigned char* p = buf.data() + i * info.width;
+    out[i] = info.width == 2 ? int64_t(p[0] | p[1] << 8)
+                             : int64_t(uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24);
+  }
+}
+
+}  // namespace
+
+bool is_token_file(const std::string& path) {
+  const auto ext = extension(path);
+  return ext == ".tok" || ext == ".u16" || ext == ".u32";
+}
+
+void write_token_file(const std::string& path, const std::vector<uint32_t>& tokens, int64_t vocab_size) {
+  const bool narrow = vocab_size <= 65536;
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) throw std::runtime_error("cannot write token file '" + path + "'");
+  unsigned char h[kHeaderBytes] = {};
+  std::memcpy(h, kMagic, 8);
+  auto put32 = [&](int at, uint32_t v) {
+    for (int k = 0; k < 4; ++k) h[at + k] = static_cast<unsigned char>(v >> (8 * k));
+  };
+  put32(8, 1);
+  put32(12, narrow ? 2 : 4);
+  put32(16, static_cast<uint32_t>(tokens.size()));
+  put32(20, static_cast<uint32_t>(static_cast<uint64_t>(tokens.size()) >> 32));
+  put32(24, static_cast<uint32_t>(vocab_size));
+  out.write(reinterpret_cast<const char*>(h), kHeaderBytes);
+  std::vector<unsigned char> buf;
+  buf.reserve(tokens.size() * (narrow ? 2 : 4));
+  for (uint32_t t : tokens)
+    for (int k = 0; k < (narrow ? 2 : 4); ++k) buf.push_back(static_cast<unsigned char>(t >> (8 * k)));
+  out.write(reinterpret_cast<const char*>(buf.data()), static_cast<std::streamsize>(buf.size()));
+  if (!out) throw std::runtime_error("short write to token file '" + path + "'");
+}
+
+std::vector<uint32_t> read_token_file(const std::string& path) {
+  const auto info = token_file_info(path);
+  std::vector<int64_t> tmp(static_cast<size_t>(info.count));
+  if (info.count) read_tokens(path, info, 0, info.count, tmp.data());
+  return {tmp.begin(), tmp.end()};
+}
+
+std::vector<std::string> resolve_dataset_files(const std::string& dataset, const std::string& path_in) {
+  std::string path = path_in;
+  if (path.empty()) {
+    if (dataset == "common_licenses") path = "/usr/share/common-licenses";
+    else throw std::runtime_error("training.dataset_path: required for training.dataset = '" + dataset + "'");
+  }
+  std::vector<std::string> files;
+  std::stringstream ss(path);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (item.empty()) continue;
+    if (!fs::exists(item)) throw std::runtime_error("training.dataset_path: '" + item + "' does not exist");
+    if (fs::is_directory(item)) {
+      std::vector<std::string> found;
+      for (const auto& e : fs::recursive_directory_iterator(item))
+        if (!e.is_symlink() && e.is_regular_file()) found.push_back(e.path().string());
+      std::sort(found.begin(), found.end());
+      if (found.empty()) throw std::runtime_error("training.dataset_path: directory '" + item + "' has no files");
+      files.insert(files.end(), found.begin(), found.end());
+    } else {
+      files.push_back(item);
+    }
+  }
+  if (files.empty()) throw std::runtime_error("training.dataset_path: no files in '" + path + "'");
+  for (const auto& f : files) {
+    if (dataset == "tokens" && !is_token_file(f))
+      throw std::runtime_error("training.dataset_path: '" + f + "' is not a token file (*.tok, *.u16, *.u32) but training.dataset = 'tokens'");
+  }
+  return files;
+}
+
+// ---- TokenStream ---------------------------------------------------------------------------------------------
+
+struct TokenStream::Chunk {
+  int64_t length = 0;       // tokens in the chunk
+  int64_t next_offset = 0;  // where the next chunk of the same file starts
+  bool last_in_file = false;
+  std::vector<int64_t> tokens;  // filled for text; for token files only when read
+  bool loaded = false;
+  TokenFileInfo info;
+};
+
+TokenStream::TokenStream(std::vector<std::string> files, std::shared_ptr<const Tokenizer> tokenizer, int64_t vocab_limit)
+    : files_(std::move(files)), tokenizer_(std::move(tokenizer)), vocab_limit_(vocab_limit) {
+  if (files_.empty()) throw std::runtime_error("data: no input files");
+  for (const auto& f : files_) {
+    if (!fs::exists(f)) throw std::runtime_error("training.dataset_path: '" + f + "' does not exist");
+    token_file_.push_back(is_token_file(f));
+    if (token_file_.back()) {
+      const auto info = token_file_info(f);  // validates the header early
+      if (info.vocab > vocab_limit_)
+        throw std::runtime_error("token file '" + f + "' was written for vocab " + std::to_string(info.vocab) +
+                                 ", the model's vocab is " + std::to_string(vocab_limit_));
+    }
+  }
+}
+
+void TokenStream::ensure_chunk() {
+  if (chunk_) return;
+  auto c = std::make_shared<Chunk>();
+  const std::string& path = files_[static_cast<size_t>(file_)];
+  if (token_file_[static_cast<size_t>(file_)]) {
+    c->info = token_file_info(path);
+    c->length = std::min(kTokenChunkTokens, c->info.count - offset_);
+    c->next_offset = offset_ + c->length;
+    c->last_in_file = c->next_offset >= c->info.count;
+  } else {
+    const auto size = static_cast<int64_t>(fs::file_size(path));
+    std::ifstream in(path, std::ios::binary);
+    in.seekg(offset_);
+    std::string text(static_cast<size_t>(std::min(kTextChunkBytes, size - offset_)), '\0');
+    in.read(text.data(), static_cast<std::streamsize>(text.size()));
+    if (offset_ + static_cast<int64_t>(text.size()) < size) {
+      // Cut at the last newline so that words are not split between chunks (tokenization stays stable).
+      const auto nl = text.rfind('\n');
+      if (nl != std::string::npos) text.resize(nl + 1);
+    }
+    c->next_offset = offset_ + static_cast<int64_t>(text.size());
+    c->last_in_file = c->next_offset >= size;
+    if (offset_ == 0 && tokenizer_->bos_id()) c->tokens.push_back(*tokenizer_->bos_id());
+    for (uint32_t t : tokenizer_->encode(text)) c->tokens.push_back(t);
+    if (c->last_in_file && tokenizer_->eos_id()) c->tokens.push_back(*tokenizer_->eos_id());
+    c->length = static_cast<int64_t>(c->tokens.size());
+    c->loaded = true;
+  }
+  chunk_ = std::move(c);
+}
+
+int64_t TokenStream::chunk_remaining() {
+  ensure_chunk();
+  return chunk_->length - consumed_;
+}
+
+void TokenStream::advance_chunk() {
+  ensure_chunk();
+  const bool last = chunk_->last_in_file;
+  offset_ = chunk_->next_offset;
+  consumed_ = 0;
+  chunk_.reset();
+  if (last) {
+    offset_ = 0;
+    if (++file_ == static_cast<int64_t>(files_.size())) {
+      file_ = 0;
+      ++epoch_;
+    }
+  }
+}
+
+void TokenStream::read(int64_t n, int64_t* out) {
+  int64_t guard = 0;  // a corpus with no tokens at all would loop forever
+  while (n > 0) {
+    const int64_t r = chunk_remaining();
+    if (r == 0) {
+      advance_chunk();
+      if (++guard > static_cast<int64_t>(files_.size()) + 1)
+        throw std::runtime_error("data: the dataset yields no tokens");
+      continue;
+    }
+    guard = 0;
+    const int64_t take = std::min(n, r);
+    if (!chunk_->loaded) {
+      chunk_->tokens.resize(static_cast<size_t>(chunk_->length));
+      read_tokens(files_[static_cast<size_t>(file_)], chunk_->info, offset_, chunk_->length, chunk_->tokens.data());
+      chunk_->loaded = true;
+    }
+    const int64_t* src = chunk_->tokens.data() + consumed_;
+    for (int64_t i = 0; i < take; ++i) {
+      if (src[i] < 0 || src[i] >= vocab_limit_)
+        throw std::runtime_error("data: token id " + std::to_string(src[i]) + " in '" + files_[static_cast<size_t>(file_)] +
+                                 "' is outside the model's vocab of " + std::to_string(vocab_limit_));
+      out[i] = src[i];
+    }
+    out += take;
+    n -= take;
+    consumed_ += take;
+  }
+}
+
+void TokenStream::skip(int64_t n) {
+  while (n > 0) {
+    const int64_t r = chunk_remaining();  // token files: metadata only, nothing is read
+    if (r == 0) {
+      advance_chunk();
+      continue;
+    }
+    const int64_t take = std::min(n, r);
+    consumed_ += take;
+    n -= take;
+  }
+}
+
+nlohmann::json TokenStream::state() const {
+  return {{"epoch", epoch_}, {"file", file_}, {"offset", offset_}, {"consumed", consumed_},
+          {"num_files", static_cast<int64_t>(files_.size())},
+          {"file_name", files_[static_cast<size_t>(file_)]}};
+}
+
+void TokenStream::load_state(const nlohmann::json& s) {
+  if (s.at("num_files").get<int64_t>() != static_cast<int64_t>(files_.size()) ||
+      s.at("file_name").get<std::string>() != files_[static_cast<size_t>(s.at("file").get<int64_t>())])
+    throw std::runtime_error("data: the saved position refers to a different set of dataset files");
+  epoch_ = s.at("epoch").get<int64_t>();
+  file_ = s.at("file").get<int64_t>();
+  offset_ = s.at("offset").get<int64_t>();
+  consumed_ = s.at("consumed").get<int64_t>();
+  chunk_.reset();
+}
+
+// ---- DataLoader ----------------------------------------------------------------------------------------------
+
+DataLoader::DataLoader(std::vector<std::string> files, std::shared_ptr<const Tokenizer> tokenizer, int64_t vocab_limit,
+                       LoaderOptions options)
+    : opt_(options), stream_(std::move(files), std::move(tokenizer), vocab_limit) {
+  if (opt_.seq_len <= 0 || opt_.local_batch_size <= 0 || opt_.grad_accum_steps <= 0 || opt_.dp_degree <= 0 ||
+      opt_.dp_rank < 0 || opt_.dp_rank >= opt_.dp_degree)
+    throw std::runtime_error("data: invalid loader options");
+}
+
+Batch DataLoader::next() {
+  const int64_t L = opt_.local_batch_size, A = opt_.grad_accum_steps, S = opt_.seq_len;
+  const int64_t G = L * A * opt_.dp_degree;
+  const int64_t step = micro_ / A, m = micro_ % A;
+  const int64_t first = step * G + opt_.dp_rank * L * A + m * L;
+  stream_.skip((first - next_sample_) * (S + 1));  // other ranks' samples
+  std::vector<int64_t> buf(static_cast<size_t>(L * (S + 1)));
+  stream_.read(L * (S + 1), buf.data());
+  next_sample_ = first + L;
+  ++micro_;
+  Batch b;
+  b.batch = L;
+  b.seq_len = S;
+  b.inputs.resize(static_cast<size_t>(L * S));
+  b.labels.resize(static_cast<size_t>(L * S));
+  for (int64_t r = 0; r < L; ++r) {
+    std::copy_n(buf.begin() + r * (S + 1), S, b.inputs.begin() + r * S);
+    std::copy_n(buf.begin() + r * (S + 1) + 1, S, b.labels.begin() + r * S);
+    b.sample_ids.push_back(first + r);
+  }
+  return b;
+}
+
+nlohmann::json DataLoader::state() const {
+  return {{"stream", stream_.state()},
+          {"next_sample", next_sample_},
+          {"micro", micro_},
+          {"seq_len", opt_.seq_len},
+          {"local_batch_size", opt_.local_batch_size},
+          {"grad_accum_steps", opt_.grad_accum_steps},
+          {"dp_rank", opt_.dp_rank},
+          {"dp_degree", opt_.dp_degree}};
+}
+
+void DataLoader::load_state(const nlohmann::json& s) {
+  for (const auto& [key, value] : std::initializer_list<std::pair<const char*, int64_t>>{
+           {"seq_len", opt_.seq_len}, {"local_batch_size", opt_.local_batch_size},
+           {"grad_accum_steps", opt_.grad_accum_steps}, {"dp_rank", opt_.dp_rank}, {"dp_degree", opt_.dp_degree}}) {
+    if (s.at(key).get<int64_t>() != value)
+      throw std::runtime_error(std::string("data: saved loader state has ") + key + " = " +
+                               std::to_string(s.at(key).get<int64_t>()) + ", this run has " + std::to_string(value));
+  }
+  stream_.load_state(s.at("stream"));
+  next_sample_ = s.at("next_sample").get<int64_t>();
+  micro_ = s.at("micro").get<int64_t>();
+}
+
+double unigram_entropy_nats(const std::vector<std::string>& files, std::shared_ptr<const Tokenizer> tokenizer,
+                            int64_t vocab_limit, int64_t* num_tokens) {
+  TokenStream stream(files, std::move(tokenizer), vocab_limit);
+  std::vector<int64_t> counts(static_cast<size_t>(vocab_limit), 0);
+  int64_t total = 0, tok = 0;
+  while (true) {
+    stream.read(1, &tok);
+    if (stream.epoch() != 0) break;  // that token opened the second epoch
+    ++counts[static_cast<size_t>(tok)];
+    ++total;
+  }
+  double h = 0;
+  for (int64_t c : counts)
+    if (c > 0) {
+      const double p = static_cast<double>(c) / static_cast<double>(total);
+      h -= p * std::log(p);
+    }
+  if (num_tokens) *num_tokens = total;
+  return h;
+}
+
+}  // namespace fsdp_train

@@ -1,0 +1,109 @@
+#pragma once
+// The streaming data loader of fsdp-train. No torch headers: batches are plain int64 vectors.
+//
+// The corpus is one endless token stream: the dataset's files in sorted order, each file a document (BOS, its
+// tokens, EOS), repeated epoch after epoch. Sample k of the stream is tokens [k*(S+1), (k+1)*(S+1)) (inputs are
+// the first S, labels the last S, as TorchTitan's packed text datasets).
+//
+// Global-batch invariance: step t consumes samples [t*G, (t+1)*G) of the stream, G = global batch size. Sample
+// t*G + i goes to data-parallel rank i / (L*A) and, within that rank, to micro-batch (i % (L*A)) / L
+// (L = local batch, A = gradient accumulation steps). So 1 rank with A = k sees exactly the union of what k ranks
+// with A = 1 see in one step, in the same order. Each rank only reads its own samples: pre-tokenized files are
+// addressed directly (a skip is arithmetic), text is tokenized chunk by chunk and skipped samples are never
+// materialised as tensors.
+//
+// The position (state) is small and exact: a JSON object with the stream position (epoch, file, chunk offset,
+// tokens consumed in the chunk) and the loader's sample/micro-batch counters; load_state() reproduces the next
+// batch bit for bit.
+
+#include "tokenizer.h"
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fsdp_train {
+
+// Pre-tokenized files. ".tok": a 32-byte little-endian header, then the tokens:
+//   char magic[8] = "FSDPTOK1"; uint32 version = 1; uint32 bytes_per_token (2 or 4); uint64 num_tokens;
+//   uint32 vocab_size; uint32 reserved = 0
+// ".u16" / ".u32": raw little-endian tokens, no header (e.g. nanoGPT's train.bin renamed to .u16).
+// Token files carry their own BOS/EOS (write_token_file stores exactly what it is given).
+bool is_token_file(const std::string& path);
+void write_token_file(const std::string& path, const std::vector<uint32_t>& tokens, int64_t vocab_size);
+std::vector<uint32_t> read_token_file(const std::string& path);  // whole file (tests, tools)
+
+// Files of a dataset from the config: common_licenses (default path /usr/share/common-licenses), text, tokens.
+// `path` may be a file, a directory (its regular files, recursively, sorted; symlinks skipped so that aliases
+// such as GPL -> GPL-3 are not read twice) or a comma-separated list. Throws naming training.dataset_path
+// when something is missing.
+std::vector<std::string> resolve_dataset_files(const std::string& dataset, const std::string& path);
+
+// The endless token stream over `files` (see above).
+class TokenStream {
+ public:
+  TokenStream(std::vector<std::string> files, std::shared_ptr<const Tokenizer> tokenizer, int64_t vocab_limit);
+  void read(int64_t n, int64_t* out);  // the next n tokens
+  void skip(int64_t n);                // drop the next n tokens (arithmetic for token files)
+  nlohmann::json state() const;
+  void load_state(const nlohmann::json& state);
+  int64_t epoch() const { return epoch_; }
+  const std::vector<std::string>& files() const { return files_; }
+
+ private:
+  struct Chunk;
+  void ensure_chunk();  // load the chunk at the current position if not loaded
+  void advance_chunk();
+  int64_t chunk_remaining();
+
+  std::vector<std::string> files_;
+  std::vector<bool> token_file_;
+  std::shared_ptr<const Tokenizer> tokenizer_;
+  int64_t vocab_limit_;
+  // Position: file_ in epoch_, the chunk starting at offset_ (bytes for text, tokens for token files), of which
+  // consumed_ tokens are used.
+  int64_t epoch_ = 0, file_ = 0, offset_ = 0, consumed_ = 0;
+  std::shared_ptr<Chunk> chunk_;  // the loaded chunk (cache; not part of the state)
+};
+
+struct LoaderOptions {
+  int64_t seq_len = 0;
+  int64_t local_batch_size = 1;
+  int64_t grad_accum_steps = 1;
+  int64_t dp_rank = 0;
+  int64_t dp_degree = 1;
+};
+
+// A micro-batch: tokens of shape [local_batch, seq_len] (row-major) and labels of the same shape.
+struct Batch {
+  int64_t batch = 0, seq_len = 0;
+  std::vector<int64_t> inputs, labels;
+  std::vector<int64_t> sample_ids;  // global sample index of each row (for tests and debugging)
+};
+
+class DataLoader {
+ public:
+  DataLoader(std::vector<std::string> files, std::shared_ptr<const Tokenizer> tokenizer, int64_t vocab_limit,
+             LoaderOptions options);
+  Batch next();  // the next micro-batch of this rank (grad_accum_steps of them per optimizer step)
+  nlohmann::json state() const;
+  void load_state(const nlohmann::json& state);
+  const LoaderOptions& options() const { return opt_; }
+  int64_t epoch() const { return stream_.epoch(); }
+
+ private:
+  LoaderOptions opt_;
+  TokenStream stream_;
+  int64_t next_sample_ = 0;  // stream position in samples
+  int64_t micro_ = 0;        // micro-batches delivered so far
+};
+
+// Shannon entropy (nats) of the unigram distribution of one epoch of the stream: the loss of the best model
+// that ignores context. A trained model must get well below it.
+double unigram_entropy_nats(const std::vector<std::string>& files, std::shared_ptr<const Tokenizer> tokenizer,
+                            int64_t vocab_limit, int64_t* num_tokens = nullptr);
+
+}  // namespace fsdp_train

@@ -1,0 +1,81 @@
+// See metrics.h.
+#include "metrics.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+namespace fsdp_train {
+
+int64_t peak_rss_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) {
+      std::istringstream ss(line.substr(6));
+      int64_t kb = 0;
+      ss >> kb;
+      return kb * 1024;
+    }
+  }
+  return 0;
+}
+
+namespace {
+std::string thousands(double v) {
+  std::string s = std::to_string(static_cast<int64_t>(std::llround(v)));
+  for (int i = static_cast<int>(s.size()) - 3; i > 0 && s[static_cast<size_t>(i - 1)] != '-'; i -= 3) s.insert(static_cast<size_t>(i), ",");
+  return s;
+}
+}  // namespace
+
+std::string format_duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  const int64_t t = static_cast<int64_t>(std::llround(s));
+  char buf[32];
+  if (t >= 3600) std::snprintf(buf, sizeof buf, "%lldh%02lldm", static_cast<long long>(t / 3600), static_cast<long long>(t / 60 % 60));
+  else if (t >= 60) std::snprintf(buf, sizeof buf, "%lldm%02llds", static_cast<long long>(t / 60), static_cast<long long>(t % 60));
+  else std::snprintf(buf, sizeof buf, "%llds", static_cast<long long>(t));
+  return buf;
+}
+
+std::string format_log_line(const StepMetrics& m) {
+  char buf[320];
+  std::snprintf(buf, sizeof buf,
+                "step: %4lld  loss: %8.4f  grad_norm: %7.3f  lr: %.2e  memory: %.2fGiB (max %.2fGiB)  tps: %s  "
+                "tflops: %.3f  mfu: %.1f%%",
+                static_cast<long long>(m.step), m.loss, m.grad_norm, m.lr, m.mem_gib, m.mem_max_gib,
+                thousands(m.tps).c_str(), m.tflops, m.mfu);
+  return buf;
+}
+
+std::string format_progress(const StepMetrics& m, double eta_s) {
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "[%4lld/%lld]  loss %.4f  %s tok/s  ETA %s", static_cast<long long>(m.step),
+                static_cast<long long>(m.total_steps), m.loss, thousands(m.tps).c_str(), format_duration(eta_s).c_str());
+  return buf;
+}
+
+JsonlWriter::JsonlWriter(const std::string& path) : path_(path) {
+  const auto parent = std::filesystem::path(path).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent);
+  out_.open(path, std::ios::trunc);
+  if (!out_) throw std::runtime_error("metrics: cannot write '" + path + "'");
+}
+
+void JsonlWriter::write(const StepMetrics& m) {
+  if (!out_.is_open()) return;
+  nlohmann::json j = {{"step", m.step},       {"loss", m.loss}, {"grad_norm", m.grad_norm}, {"lr", m.lr},
+                      {"tps", m.tps},         {"tflops", m.tflops}, {"mfu", m.mfu},       {"memory_gib", m.mem_gib},
+                      {"memory_max_gib", m.mem_max_gib}, {"data_s", m.data_s}, {"elapsed_s", m.elapsed_s},
+                      {"tokens_seen", m.tokens_seen}};
+  out_ << j.dump() << "\n";
+  out_.flush();  // a crash keeps every step written so far
+}
+
+}  // namespace fsdp_train

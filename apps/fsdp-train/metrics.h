@@ -1,0 +1,49 @@
+#pragma once
+// Training metrics like TorchTitan's: the per-step record, peak memory from /proc, the rank-0 log line, a
+// progress line with ETA when stdout is a terminal, and the JSONL file in job.dump_folder. No torch headers.
+
+#include <cstdint>
+#include <fstream>
+#include <string>
+
+namespace fsdp_train {
+
+struct StepMetrics {
+  int64_t step = 0, total_steps = 0;
+  double loss = 0;            // global mean token loss of the step (nats)
+  double grad_norm = 0;       // before clipping
+  double lr = 0;
+  double tps = 0;             // tokens/s per rank since the previous log
+  double tflops = 0;          // achieved TFLOP/s per rank
+  double mfu = 0;             // % of the peak
+  double mem_gib = 0;         // this rank's peak RSS
+  double mem_max_gib = 0;     // max over ranks
+  double data_s = 0;          // time spent loading data since the previous log
+  double elapsed_s = 0;       // since the first step started
+  int64_t tokens_seen = 0;    // global tokens so far
+};
+
+// Peak resident set size of this process in bytes (VmHWM of /proc/self/status); 0 where unavailable.
+int64_t peak_rss_bytes();
+
+// "step:  10  loss:  2.3456  grad_norm:  0.812  lr: 3.0e-03  memory: 0.21GiB (max 0.22GiB)  tps: 1,234  tflops: 0.01  mfu: 4.2%"
+std::string format_log_line(const StepMetrics& m);
+// "[ 12/300]  loss 2.3456  1,234 tok/s  ETA 1m20s"
+std::string format_progress(const StepMetrics& m, double eta_s);
+std::string format_duration(double seconds);
+
+// Appends one JSON object per record.
+class JsonlWriter {
+ public:
+  JsonlWriter() = default;
+  explicit JsonlWriter(const std::string& path);  // creates parent folders, truncates
+  bool is_open() const { return out_.is_open(); }
+  void write(const StepMetrics& m);
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::ofstream out_;
+};
+
+}  // namespace fsdp_train

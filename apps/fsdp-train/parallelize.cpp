@@ -1,0 +1,96 @@
+// See parallelize.h.
+#include "parallelize.h"
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+
+namespace fsdp_train {
+namespace {
+
+c10::ScalarType dtype_of(const std::string& name) { return name == "bfloat16" ? c10::kBFloat16 : c10::kFloat; }
+
+void broadcast_parameters(torch::nn::Module& model, const fsdp::ProcessGroupPtr& group) {
+  // Every rank initialised from the same seed already; the broadcast makes identity a guarantee, not a hope.
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> params;
+  for (auto& p : model.parameters()) params.push_back(p.detach().reshape(-1));
+  auto flat = at::cat(params);
+  group->broadcast(flat, 0).wait();
+  int64_t off = 0;
+  for (auto& p : model.parameters()) {
+    p.detach().view(-1).copy_(flat.narrow(0, off, p.numel()));
+    off += p.numel();
+  }
+}
+
+}  // namespace
+
+ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobConfig& config, const ParallelDims& dims,
+                               const fsdp::ProcessGroupPtr& group) {
+  ParallelPlan plan;
+  plan.dp_group = group;
+  if (!group || dims.world_size == 1) {
+    if (!kApplyFsdpOnSingleRank) {
+      plan.description = "single process (fully_shard not applied on 1 rank yet)";
+      return plan;
+    }
+  }
+  if (dims.dp_shard == 1 && dims.dp_replicate > 1) {
+    plan.ddp = true;
+    broadcast_parameters(*model, group);
+    plan.description = "data parallel (replicate " + std::to_string(dims.dp_replicate) + ", gradient all-reduce)";
+    return plan;
+  }
+  if (dims.dp_replicate > 1) {
+    plan.mesh = fsdp::init_device_mesh("cpu", {dims.dp_replicate, dims.dp_shard}, {"dp_replicate", "dp_shard"});
+  } else {
+    plan.mesh = fsdp::init_device_mesh("cpu", {dims.dp_shard}, {"dp_shard"});
+  }
+  fsdp::FullyShardOptions base;
+  base.mesh = plan.mesh;
+  if (config.training.mixed_precision_param != "float32" || config.training.mixed_precision_reduce != "float32") {
+    base.mp_policy.param_dtype = dtype_of(config.training.mixed_precision_param);
+    base.mp_policy.reduce_dtype = dtype_of(config.training.mixed_precision_reduce);
+  }
+  base.offload_policy.cpu_offload = config.training.enable_cpu_offload;
+  const std::string& policy = config.parallelism.fsdp_reshard_after_forward;
+  auto& blocks = model->blocks();
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    fsdp::FullyShardOptions opts = base;
+    if (policy == "always") opts.reshard_after_forward = true;
+    else if (policy == "never") opts.reshard_after_forward = false;
+    else opts.reshard_after_forward = i + 1 < blocks.size();  // backward starts with the last block: keep it
+    plan.fsdp_modules.push_back(fsdp::fully_shard(blocks[i], opts));
+  }
+  fsdp::FullyShardOptions root = base;
+  if (policy == "always") root.reshard_after_forward = true;  // default/never: the root stays unsharded (FSDP2's root rule)
+  plan.fsdp_modules.push_back(fsdp::fully_shard(model, root));
+  for (auto& m : plan.fsdp_modules) m.set_gradient_divide_factor(1.0);
+  plan.fsdp = true;
+  plan.description = std::string(dims.dp_replicate > 1 ? "HSDP" : "FSDP") + " mesh " + plan.mesh.to_string() +
+                     ", reshard_after_forward " + policy + ", param " + config.training.mixed_precision_param +
+                     ", reduce " + config.training.mixed_precision_reduce;
+  return plan;
+}
+
+void sync_replicated_gradients(torch::nn::Module& model, const ParallelPlan& plan) {
+  if (!plan.ddp) return;
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  std::vector<at::Tensor> params;
+  for (auto& p : model.parameters()) {
+    if (!p.requires_grad()) continue;
+    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+    params.push_back(p);
+    grads.push_back(p.grad().reshape(-1));
+  }
+  auto flat = at::cat(grads);
+  plan.dp_group->all_reduce(flat, fsdp::ReduceOp::Sum).wait();
+  int64_t off = 0;
+  for (auto& p : params) {
+    p.mutable_grad().view(-1).copy_(flat.narrow(0, off, p.numel()));
+    off += p.numel();
+  }
+}
+
+}  // namespace fsdp_train

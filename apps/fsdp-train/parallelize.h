@@ -1,0 +1,46 @@
+#pragma once
+// TorchTitan's declarative split between the model and its parallelisation: the model (fsdp/nn/llama.h) knows
+// nothing of FSDP; this step applies fsdp::fully_shard to every transformer block and then to the root, from
+// the [parallelism] and [training] keys:
+//   mesh            1-D over the data-parallel ranks, or 2-D ("dp_replicate", "dp_shard") = HSDP
+//   shard degree 1  with replicate > 1: plain data parallelism (TorchTitan's DDP path): parameters broadcast
+//                   from rank 0, gradients summed by one all-reduce per step
+//   reshard         fsdp_reshard_after_forward: default (every block but the last, which backward needs at
+//                   once; root kept, as TorchTitan), always, never
+//   precision       mixed_precision_param / mixed_precision_reduce (FSDP only, as in TorchTitan)
+// Gradients are summed, not averaged, across ranks (gradient divide factor 1): the loss is already divided by
+// the global token count, so the sum is the full-batch gradient.
+
+#include "config.h"
+
+#include <fsdp/device_mesh.h>
+#include <fsdp/fully_shard.h>
+#include <fsdp/nn/llama.h>
+#include <fsdp/process_group.h>
+
+#include <string>
+#include <vector>
+
+namespace fsdp_train {
+
+// fully_shard is applied when the data-parallel world is larger than 1. Once fully_shard is complete it is
+// applied on a single rank too (TorchTitan with dp_shard = -1 always wraps); flip this then.
+inline constexpr bool kApplyFsdpOnSingleRank = false;
+
+struct ParallelPlan {
+  bool fsdp = false;  // fully_shard applied (sharded parameters; clip with fsdp::clip_grad_norm_)
+  bool ddp = false;   // replicated parameters, gradient all-reduce
+  fsdp::DeviceMesh mesh;
+  fsdp::ProcessGroupPtr dp_group;  // all data-parallel ranks (loss and token-count reductions); null on 1 rank
+  std::vector<fsdp::FSDPModule> fsdp_modules;
+  std::string description;
+};
+
+// `group` is the world group when distributed, or null for a single process (no collectives at all).
+ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobConfig& config, const ParallelDims& dims,
+                               const fsdp::ProcessGroupPtr& group);
+
+// DDP path: sum every gradient over plan.dp_group (one flat all-reduce). No-op unless plan.ddp.
+void sync_replicated_gradients(torch::nn::Module& model, const ParallelPlan& plan);
+
+}  // namespace fsdp_train

@@ -1,0 +1,277 @@
+// The training loop (see trainer.h). The only translation unit of the trainer that includes <torch/torch.h>.
+#include "trainer.h"
+
+#include "checkpoint_seam.h"
+#include "data.h"
+#include "lr_schedule.h"
+#include "metrics.h"
+#include "parallelize.h"
+
+#include <fsdp/clip_grad.h>
+#include <fsdp/nn/llama.h>
+#include <fsdp/nn/module_call.h>
+
+#include <torch/torch.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+namespace fsdp_train {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Sum of a few doubles over the group (identity without a group).
+std::vector<double> all_reduce(const fsdp::ProcessGroupPtr& group, std::vector<double> values,
+                               fsdp::ReduceOp op = fsdp::ReduceOp::Sum) {
+  if (!group) return values;
+  auto t = torch::tensor(values, torch::kDouble);
+  group->all_reduce(t, op).wait();
+  auto* p = t.data_ptr<double>();
+  return std::vector<double>(p, p + values.size());
+}
+
+void set_threads() {
+  // torchrun sets OMP_NUM_THREADS for multi-process jobs; without it, share the cores between local ranks.
+  if (std::getenv("OMP_NUM_THREADS")) return;
+  int local_world = 1;
+  if (const char* s = std::getenv("LOCAL_WORLD_SIZE")) local_world = std::max(1, std::atoi(s));
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  torch::set_num_threads(std::max(1, hw / local_world));
+}
+
+}  // namespace
+
+double measure_peak_tflops() {
+  torch::NoGradGuard ng;
+  const int64_t n = 512;
+  auto a = torch::randn({n, n}), b = torch::randn({n, n}), c = torch::empty({n, n});
+  for (int i = 0; i < 3; ++i) torch::mm_out(c, a, b);
+  int64_t iters = 0;
+  const auto t0 = Clock::now();
+  double elapsed = 0;
+  while ((elapsed = seconds_since(t0)) < 0.5) {
+    for (int i = 0; i < 4; ++i) torch::mm_out(c, a, b);
+    iters += 4;
+  }
+  return 2.0 * n * n * n * static_cast<double>(iters) / elapsed / 1e12;
+}
+
+TrainEnv init_distributed(const JobConfig& config) {
+  TrainEnv env;
+  const char* ws = std::getenv("WORLD_SIZE");
+  if (ws && std::atoi(ws) > 1) {
+    fsdp::InitOptions opts;
+    opts.timeout = std::chrono::seconds(config.comm.init_timeout_seconds);
+    env.group = fsdp::init_process_group(opts);
+    env.rank = env.group->rank();
+    env.world_size = env.group->size();
+  }
+  return env;
+}
+
+TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool compute_entropy) {
+  const bool main_rank = env.rank == 0;
+  const bool say = main_rank && env.verbose;
+  const auto dims = resolve_parallelism(config, env.world_size);
+  set_threads();
+  torch::manual_seed(static_cast<uint64_t>(config.debug.seed));
+  if (config.debug.deterministic) at::globalContext().setDeterministicAlgorithms(true, false);
+
+  // ---- tokenizer, data, model ----
+  auto tokenizer = make_tokenizer(config.model.tokenizer_path);
+  const auto files = resolve_dataset_files(config.training.dataset, config.training.dataset_path);
+  fsdp::nn::llama::LlamaArgs args = fsdp::nn::llama::llama3_flavor(config.model.flavor);
+  args.vocab_size = tokenizer->vocab_size();  // TorchTitan: the model's vocab follows the tokenizer
+  args.max_seq_len = config.training.seq_len;
+  const int64_t dp_rank = env.rank;  // no tensor parallelism: every rank is a data-parallel rank
+  DataLoader loader(files, tokenizer, args.vocab_size,
+                    {config.training.seq_len, dims.local_batch_size, dims.grad_accum_steps, dp_rank, dims.dp_degree()});
+
+  fsdp::nn::llama::Transformer model(args);
+  model->init_weights(static_cast<uint64_t>(config.debug.seed));
+  const int64_t n_params = fsdp::nn::llama::num_params(args);
+  const double flops_per_token = fsdp::nn::llama::flops_per_token(args, config.training.seq_len);
+
+  ParallelPlan plan = parallelize_llama(model, config, dims, env.group);
+  if (env.group) env.group->set_timeout(std::chrono::seconds(config.comm.init_timeout_seconds));
+
+  // ---- optimizer and schedule ----
+  std::vector<torch::Tensor> params = model->parameters();
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (config.optimizer.name == "AdamW") {
+    optimizer = std::make_unique<torch::optim::AdamW>(
+        params, torch::optim::AdamWOptions(config.optimizer.lr)
+                    .betas({config.optimizer.beta1, config.optimizer.beta2})
+                    .eps(config.optimizer.eps)
+                    .weight_decay(config.optimizer.weight_decay));
+  } else {
+    optimizer = std::make_unique<torch::optim::Adam>(
+        params, torch::optim::AdamOptions(config.optimizer.lr)
+                    .betas({config.optimizer.beta1, config.optimizer.beta2})
+                    .eps(config.optimizer.eps)
+                    .weight_decay(config.optimizer.weight_decay));
+  }
+  const double* decay_ratio = config.lr_scheduler.decay_ratio ? &*config.lr_scheduler.decay_ratio : nullptr;
+  const LRSchedule schedule = LRSchedule::build(config.training.steps, config.lr_scheduler.warmup_steps, decay_ratio,
+                                                config.lr_scheduler.decay_type, config.lr_scheduler.min_lr_factor);
+
+  // ---- metrics ----
+  TrainSummary summary;
+  summary.plan = plan.description;
+  if (config.metrics.peak_tflops > 0) {
+    summary.peak_tflops = config.metrics.peak_tflops;
+  } else {
+    if (env.group) env.group->barrier().wait();  // all ranks measure together: the peak under the same sharing
+    summary.peak_tflops = measure_peak_tflops();
+    summary.peak_tflops = all_reduce(env.group, {summary.peak_tflops}, fsdp::ReduceOp::Min)[0];
+  }
+  JsonlWriter jsonl;
+  if (main_rank || config.metrics.save_for_all_ranks) {
+    const std::string name = main_rank && !config.metrics.save_for_all_ranks ? "metrics.jsonl"
+                                                                              : "metrics_rank" + std::to_string(env.rank) + ".jsonl";
+    jsonl = JsonlWriter((std::filesystem::path(config.job.dump_folder) / name).string());
+  }
+  if (main_rank) {
+    std::filesystem::create_directories(config.job.dump_folder);
+    std::ofstream(std::filesystem::path(config.job.dump_folder) / "config.toml") << to_toml(config);
+  }
+  if (say) {
+    std::cout << "fsdp-train: " << config.job.description << "\n"
+              << "  model     llama3 " << config.model.flavor << ": dim " << args.dim << ", " << args.n_layers << " layers, "
+              << args.n_heads << " heads (" << args.kv_heads() << " kv), ffn " << args.ffn_hidden_dim() << ", vocab "
+              << args.vocab_size << ", " << n_params << " parameters\n"
+              << "  tokenizer " << tokenizer->describe() << "\n"
+              << "  data      " << config.training.dataset << ": " << files.size() << " files\n"
+              << "  ranks     " << env.world_size << " (dp replicate " << dims.dp_replicate << " x shard " << dims.dp_shard
+              << "); " << summary.plan << "\n"
+              << "  batch     global " << dims.global_batch_size << " x " << config.training.seq_len << " tokens = local "
+              << dims.local_batch_size << " x " << dims.grad_accum_steps << " accumulation x " << dims.dp_degree()
+              << " ranks; " << torch::get_num_threads() << " threads per rank\n"
+              << "  peak      " << summary.peak_tflops << " TFLOP/s per rank ("
+              << (config.metrics.peak_tflops > 0 ? "metrics.peak_tflops" : "measured") << "), "
+              << flops_per_token / 1e6 << " MFLOP per token\n"
+              << "  output    " << config.job.dump_folder << "/metrics.jsonl" << std::endl;
+    if (config.activation_checkpoint.mode != "none")
+      std::cout << "  note      activation_checkpoint.mode = " << config.activation_checkpoint.mode
+                << " is not implemented yet: running without recomputation" << std::endl;
+  }
+
+  auto checkpointer = make_checkpointer(config, env.rank);
+  TrainState state{0, model.ptr().get(), optimizer.get(), &loader};
+  checkpointer->load(state);
+
+  const bool tty = say && isatty(STDOUT_FILENO);
+  const int64_t S = config.training.seq_len;
+  const int64_t tokens_per_step_local = dims.local_batch_size * dims.grad_accum_steps * S;
+  const auto t_start = Clock::now();
+  auto t_window = t_start;
+  int64_t window_tokens = 0, window_steps = 0;
+  double window_data_s = 0, tps_sum = 0, mfu_sum = 0;
+  int64_t tps_count = 0;
+  bool first_window = true;
+
+  for (int64_t step = state.step + 1; step <= config.training.steps; ++step) {
+    const double lr = config.optimizer.lr * schedule.factor(step - 1);
+    for (auto& group : optimizer->param_groups()) group.options().set_lr(lr);
+    optimizer->zero_grad();
+
+    // Data first, so that the global token count is known before any backward.
+    const auto t_data = Clock::now();
+    std::vector<Batch> batches;
+    int64_t local_tokens = 0;
+    for (int64_t m = 0; m < dims.grad_accum_steps; ++m) {
+      batches.push_back(loader.next());
+      for (int64_t l : batches.back().labels) local_tokens += l != -100;
+    }
+    window_data_s += seconds_since(t_data);
+    const double global_tokens = all_reduce(env.group, {static_cast<double>(local_tokens)})[0];
+
+    double local_loss_sum = 0;
+    for (auto& b : batches) {
+      auto inputs = torch::from_blob(b.inputs.data(), {b.batch, b.seq_len}, torch::kLong);
+      auto labels = torch::from_blob(b.labels.data(), {b.batch * b.seq_len}, torch::kLong);
+      auto logits = fsdp::nn::call(model, inputs);
+      auto loss_sum = torch::nn::functional::cross_entropy(
+          logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), labels,
+          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(-100));
+      // Divided by the global count: summed over micro-batches and ranks, this is the full-batch gradient.
+      (loss_sum / global_tokens).backward();
+      local_loss_sum += loss_sum.item<double>();
+    }
+    sync_replicated_gradients(*model, plan);
+    double grad_norm;
+    if (plan.fsdp) {
+      grad_norm = fsdp::clip_grad_norm_(*model, config.training.max_norm).item<double>();
+    } else {
+      grad_norm = torch::nn::utils::clip_grad_norm_(params, config.training.max_norm);
+    }
+    optimizer->step();
+    const double loss = all_reduce(env.group, {local_loss_sum})[0] / global_tokens;
+    summary.losses.push_back(loss);
+    summary.grad_norms.push_back(grad_norm);
+    if (step == 1 && env.group) env.group->set_timeout(std::chrono::seconds(config.comm.train_timeout_seconds));
+
+    state.step = step;
+    const bool last = step == config.training.steps;
+    checkpointer->maybe_save(state, last);
+
+    window_tokens += tokens_per_step_local;
+    ++window_steps;
+    StepMetrics m;
+    m.step = step;
+    m.total_steps = config.training.steps;
+    m.loss = loss;
+    m.grad_norm = grad_norm;
+    m.lr = lr;
+    m.elapsed_s = seconds_since(t_start);
+    m.tokens_seen = step * dims.global_batch_size * S;
+    const bool log_now = step == 1 || step % config.metrics.log_freq == 0 || last;
+    if (log_now) {
+      const double dt = seconds_since(t_window);
+      m.tps = static_cast<double>(window_tokens) / dt;
+      m.tflops = flops_per_token * m.tps / 1e12;
+      m.mfu = 100.0 * m.tflops / summary.peak_tflops;
+      m.data_s = window_data_s;
+      m.mem_gib = static_cast<double>(peak_rss_bytes()) / (1 << 30);
+      m.mem_max_gib = all_reduce(env.group, {m.mem_gib}, fsdp::ReduceOp::Max)[0];
+      if (!first_window) {  // the first window holds one-time costs (allocation, lazy init)
+        tps_sum += m.tps * static_cast<double>(window_steps);
+        mfu_sum += m.mfu * static_cast<double>(window_steps);
+        tps_count += window_steps;
+      }
+      first_window = false;
+      jsonl.write(m);
+      if (say) std::cout << (tty ? "\r\033[K" : "") << format_log_line(m) << std::endl;
+      t_window = Clock::now();
+      window_tokens = window_steps = 0;
+      window_data_s = 0;
+    } else if (tty) {
+      m.tps = static_cast<double>(window_tokens) / seconds_since(t_window);
+      const double eta = m.elapsed_s / static_cast<double>(step) * static_cast<double>(config.training.steps - step);
+      std::cout << "\r\033[K" << format_progress(m, eta) << std::flush;
+    }
+  }
+
+  summary.seconds = seconds_since(t_start);
+  const size_t n = summary.losses.size(), k = std::min<size_t>(10, n);
+  for (size_t i = n - k; i < n; ++i) summary.final_loss += summary.losses[i] / static_cast<double>(k);
+  if (tps_count > 0) {
+    summary.mean_tps = tps_sum / static_cast<double>(tps_count);
+    summary.mean_mfu = mfu_sum / static_cast<double>(tps_count);
+  }
+  if (compute_entropy && main_rank)
+    summary.unigram_entropy = unigram_entropy_nats(files, tokenizer, args.vocab_size, &summary.epoch_tokens);
+  return summary;
+}
+
+}  // namespace fsdp_train

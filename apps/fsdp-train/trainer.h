@@ -1,0 +1,44 @@
+#pragma once
+// The training loop of fsdp-train (TorchTitan's train.py in C++): build tokenizer, data, model, parallelize,
+// AdamW + warmup-stable-decay, then for each step: grad-accumulation micro-batches, loss = sum of token losses /
+// GLOBAL valid-token count, clip_grad_norm_, optimizer step; metrics on rank 0.
+
+#include "config.h"
+
+#include <fsdp/process_group.h>
+
+#include <string>
+#include <vector>
+
+namespace fsdp_train {
+
+struct TrainEnv {
+  int rank = 0;
+  int world_size = 1;
+  fsdp::ProcessGroupPtr group;  // world group; null = single process without any process group
+  bool verbose = true;          // rank-0 console output
+};
+
+struct TrainSummary {
+  std::vector<double> losses;       // global loss of every step (identical on every rank)
+  std::vector<double> grad_norms;
+  double final_loss = 0;            // mean of the last min(10, steps) losses
+  double unigram_entropy = 0;       // of one epoch of the stream (nats); computed when compute_entropy
+  int64_t epoch_tokens = 0;
+  double seconds = 0;
+  double mean_tps = 0;              // tokens/s per rank after the first step
+  double mean_mfu = 0;
+  double peak_tflops = 0;
+  std::string plan;                 // how the model was parallelised
+};
+
+// TorchTitan's env handling: init_process_group when WORLD_SIZE > 1 (RANK, MASTER_ADDR, MASTER_PORT from the
+// launcher), else a single process without collectives.
+TrainEnv init_distributed(const JobConfig& config);
+
+TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool compute_entropy = true);
+
+// Peak fp32 matmul TFLOP/s of this process with its current thread count (a ~0.5 s benchmark).
+double measure_peak_tflops();
+
+}  // namespace fsdp_train

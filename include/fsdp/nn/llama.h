@@ -1,0 +1,167 @@
+#pragma once
+// Llama 3 in libtorch: a small model zoo entry, the C++ counterpart of torchtitan.models.llama3.
+//
+// The model knows nothing of FSDP. It only follows the hook rule of <fsdp/nn/module_call.h>: every transformer
+// block is invoked as fsdp::nn::call(block, ...), so whatever wraps a block (fully_shard, activation
+// checkpointing) sees its forward. Module names and parameter FQNs are TorchTitan's:
+//   tok_embeddings.weight, layers.<i>.attention.{wq,wk,wv,wo}.weight, layers.<i>.feed_forward.{w1,w2,w3}.weight,
+//   layers.<i>.attention_norm.weight, layers.<i>.ffn_norm.weight, norm.weight, output.weight   (no biases)
+//
+// Parameters are created directly on LlamaArgs' device, so a "meta" device builds the real 8B/70B shapes
+// without allocating (for memory planning); init_weights() later fills them wherever they live.
+
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fsdp::nn::llama {
+
+// TorchTitan's TransformerModelArgs for llama3.
+struct LlamaArgs {
+  int64_t dim = 4096;
+  int64_t n_layers = 32;
+  int64_t n_heads = 32;
+  std::optional<int64_t> n_kv_heads;  // nullopt = n_heads (plain multi-head attention)
+  int64_t vocab_size = 128256;
+  int64_t multiple_of = 256;                 // FFN hidden size is rounded up to a multiple of this
+  std::optional<double> ffn_dim_multiplier;  // applied to 2/3 * 4 * dim before rounding
+  double norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  int64_t max_seq_len = 2048;  // RoPE tables are computed lazily for the sequence length actually seen
+  bool tie_embeddings = false;  // output.weight is tok_embeddings.weight (Llama 3.2 1B/3B)
+  bool depth_init = true;       // TorchTitan: block l's output projections use std 0.02/sqrt(2(l+1))
+  c10::Device device = c10::kCPU;  // where parameters are created (kMeta: shapes only)
+  c10::ScalarType dtype = c10::kFloat;
+
+  int64_t kv_heads() const { return n_kv_heads.value_or(n_heads); }
+  int64_t head_dim() const { return dim / n_heads; }
+  int64_t ffn_hidden_dim() const;  // TorchTitan's FeedForward sizing (768 for debugmodel)
+};
+
+// Flavors by name: "debugmodel" (exactly TorchTitan's), small CPU flavors ("cpu_tiny", "cpu_small", "cpu_medium"),
+// and the real shapes "1B", "3B", "8B", "70B", "405B". Throws naming the known flavors for an unknown name.
+LlamaArgs llama3_flavor(const std::string& name);
+std::vector<std::string> llama3_flavor_names();
+
+// Parameter counts (analytic, from the args alone; tied embeddings counted once).
+int64_t num_params(const LlamaArgs& args);
+int64_t num_embedding_params(const LlamaArgs& args);  // tok_embeddings (TorchTitan excludes it from FLOPs)
+// TorchTitan's training FLOPs per token: 6 * (params - embedding params) + 6 * n_layers * n_heads * head_dim * seq.
+double flops_per_token(const LlamaArgs& args, int64_t seq_len);
+
+// The leaf modules below read their parameter from the module's own registry on every forward (not from a
+// cached member as torch::nn::Linear does), so a wrapper that re-registers a parameter under the same name
+// (sharding, materialising a meta tensor) is seen by the model without further plumbing.
+class ParamModule : public torch::nn::Module {
+ public:
+  const at::Tensor& weight() const { return parameters_["weight"]; }
+  at::Tensor& weight() { return parameters_["weight"]; }
+};
+
+// A bias-free linear layer whose weight is created on a chosen device (torch::nn::Linear always allocates on
+// the CPU first, which rules out meta-device construction of large models). FQN: <name>.weight.
+class LinearImpl : public ParamModule {
+ public:
+  LinearImpl(int64_t in_features, int64_t out_features, const at::TensorOptions& options);
+  at::Tensor forward(const at::Tensor& x);
+};
+TORCH_MODULE(Linear);
+
+class EmbeddingImpl : public ParamModule {
+ public:
+  EmbeddingImpl(int64_t num_embeddings, int64_t dim, const at::TensorOptions& options);
+  at::Tensor forward(const at::Tensor& tokens);
+};
+TORCH_MODULE(Embedding);
+
+class RMSNormImpl : public ParamModule {
+ public:
+  RMSNormImpl(int64_t dim, double eps, const at::TensorOptions& options);
+  at::Tensor forward(const at::Tensor& x);
+  void reset_parameters();  // weight = 1
+  double eps;
+};
+TORCH_MODULE(RMSNorm);
+
+// Grouped-query causal self-attention with rotary position embeddings.
+class AttentionImpl : public torch::nn::Module {
+ public:
+  explicit AttentionImpl(const LlamaArgs& args);
+  // x: [B, S, dim]; rope_cos/rope_sin: [S, head_dim/2] (float32).
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin);
+  void init_weights(double init_std, at::Generator& gen);
+  int64_t n_heads, n_kv_heads, head_dim;
+  Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
+};
+TORCH_MODULE(Attention);
+
+// SwiGLU: w2(silu(w1 x) * w3 x).
+class FeedForwardImpl : public torch::nn::Module {
+ public:
+  FeedForwardImpl(int64_t dim, int64_t hidden_dim, const at::TensorOptions& options);
+  at::Tensor forward(const at::Tensor& x);
+  void init_weights(double init_std, at::Generator& gen);
+  Linear w1{nullptr}, w2{nullptr}, w3{nullptr};
+};
+TORCH_MODULE(FeedForward);
+
+class TransformerBlockImpl : public torch::nn::Module {
+ public:
+  TransformerBlockImpl(int64_t layer_id, const LlamaArgs& args);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin);
+  void init_weights(at::Generator& gen);
+  int64_t layer_id;
+  double weight_init_std;
+  Attention attention{nullptr};
+  FeedForward feed_forward{nullptr};
+  RMSNorm attention_norm{nullptr}, ffn_norm{nullptr};
+};
+TORCH_MODULE(TransformerBlock);
+
+class TransformerImpl : public torch::nn::Module {
+ public:
+  explicit TransformerImpl(LlamaArgs args);
+  // tokens: [B, S] int64 -> logits [B, S, vocab] (in the dtype the blocks computed in).
+  at::Tensor forward(const at::Tensor& tokens);
+  // TorchTitan's init_weights: embeddings N(0,1); wq/wk/wv/w1 trunc_normal(0.02); wo/w2/w3 trunc_normal with the
+  // depth-scaled std; norms 1; output trunc_normal(dim^-0.5, cut at 3 std). Deterministic for a seed: it draws
+  // from a private CPU generator (so the result does not depend on the device or on other RNG users) and
+  // copies into the parameters wherever they live. With tied embeddings there is no output layer: the logits
+  // are computed with tok_embeddings.weight, which is then the only copy of that matrix.
+  void init_weights(uint64_t seed);
+
+  const LlamaArgs& args() const { return args_; }
+  std::vector<TransformerBlock>& blocks() { return blocks_; }  // typed view of `layers`
+
+  Embedding tok_embeddings{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  RMSNorm norm{nullptr};
+  Linear output{nullptr};
+
+ private:
+  std::pair<at::Tensor, at::Tensor> rope_tables(int64_t seq_len, c10::Device device);
+  LlamaArgs args_;
+  std::vector<TransformerBlock> blocks_;
+  // RoPE cos/sin cache (not a buffer: it is derived, never checkpointed or sharded, as TorchTitan's
+  // non-persistent freqs_cis).
+  at::Tensor rope_cos_, rope_sin_;
+};
+TORCH_MODULE(Transformer);
+
+// RoPE tables for positions [0, seq_len): cos/sin of pos * theta^(-2i/head_dim), shape [seq_len, head_dim/2].
+std::pair<at::Tensor, at::Tensor> precompute_rope(int64_t head_dim, int64_t seq_len, double theta);
+// Rotates interleaved pairs (x[..., 2i], x[..., 2i+1]) of x [B, S, H, head_dim] like TorchTitan's complex
+// multiply by freqs_cis; computed in float32 and returned in x's dtype.
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+}  // namespace fsdp::nn::llama

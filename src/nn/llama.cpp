@@ -1,0 +1,261 @@
+// Llama 3 model (see include/fsdp/nn/llama.h). Shapes and initialisation follow TorchTitan's llama3 model.
+#include <fsdp/nn/llama.h>
+#include <fsdp/nn/module_call.h>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Exception.h>
+#include <torch/autograd.h>
+
+#include <cmath>
+
+namespace fsdp::nn::llama {
+
+int64_t LlamaArgs::ffn_hidden_dim() const {
+  // TorchTitan's FeedForward: hidden = int(2 * 4 * dim / 3); optional multiplier; round up to multiple_of.
+  int64_t hidden = 4 * dim;
+  hidden = static_cast<int64_t>(2 * hidden / 3);
+  if (ffn_dim_multiplier) hidden = static_cast<int64_t>(*ffn_dim_multiplier * static_cast<double>(hidden));
+  return multiple_of * ((hidden + multiple_of - 1) / multiple_of);
+}
+
+int64_t num_embedding_params(const LlamaArgs& a) { return a.vocab_size * a.dim; }
+
+int64_t num_params(const LlamaArgs& a) {
+  const int64_t hd = a.head_dim();
+  const int64_t attn = a.dim * a.n_heads * hd + 2 * a.dim * a.kv_heads() * hd + a.n_heads * hd * a.dim;
+  const int64_t ffn = 3 * a.dim * a.ffn_hidden_dim();
+  const int64_t per_layer = attn + ffn + 2 * a.dim;
+  const int64_t output = a.tie_embeddings ? 0 : a.vocab_size * a.dim;
+  return num_embedding_params(a) + a.n_layers * per_layer + a.dim + output;
+}
+
+double flops_per_token(const LlamaArgs& a, int64_t seq_len) {
+  const double dense = 6.0 * static_cast<double>(num_params(a) - num_embedding_params(a));
+  const double attention = 6.0 * a.n_layers * a.n_heads * a.head_dim() * static_cast<double>(seq_len);
+  return dense + attention;
+}
+
+std::vector<std::string> llama3_flavor_names() {
+  return {"cpu_tiny", "cpu_small", "cpu_medium", "debugmodel", "1B", "3B", "8B", "70B", "405B"};
+}
+
+LlamaArgs llama3_flavor(const std::string& name) {
+  LlamaArgs a;
+  a.rope_theta = 500000;
+  a.n_kv_heads.reset();
+  a.ffn_dim_multiplier.reset();
+  if (name == "debugmodel") {  // TorchTitan's, unchanged (hidden 768)
+    a.dim = 256, a.n_layers = 6, a.n_heads = 16, a.vocab_size = 2048, a.multiple_of = 256;
+  } else if (name == "cpu_tiny") {  // unit tests: a forward in milliseconds
+    a.dim = 64, a.n_layers = 2, a.n_heads = 4, a.n_kv_heads = 2, a.vocab_size = 2048, a.multiple_of = 64;
+  } else if (name == "cpu_small") {  // the default trainer config: hundreds of steps in minutes on 2 cores
+    a.dim = 128, a.n_layers = 4, a.n_heads = 4, a.n_kv_heads = 2, a.vocab_size = 2048, a.multiple_of = 128;
+  } else if (name == "cpu_medium") {
+    a.dim = 192, a.n_layers = 6, a.n_heads = 6, a.n_kv_heads = 2, a.vocab_size = 2048, a.multiple_of = 128;
+  } else if (name == "1B") {  // Llama 3.2 1B
+    a.dim = 2048, a.n_layers = 16, a.n_heads = 32, a.n_kv_heads = 8, a.vocab_size = 128256;
+    a.ffn_dim_multiplier = 1.5, a.multiple_of = 256, a.tie_embeddings = true;
+  } else if (name == "3B") {  // Llama 3.2 3B
+    a.dim = 3072, a.n_layers = 28, a.n_heads = 24, a.n_kv_heads = 8, a.vocab_size = 128256;
+    a.ffn_dim_multiplier = 1.0, a.multiple_of = 256, a.tie_embeddings = true;
+  } else if (name == "8B") {
+    a.dim = 4096, a.n_layers = 32, a.n_heads = 32, a.n_kv_heads = 8, a.vocab_size = 128256;
+    a.ffn_dim_multiplier = 1.3, a.multiple_of = 1024;
+  } else if (name == "70B") {
+    a.dim = 8192, a.n_layers = 80, a.n_heads = 64, a.n_kv_heads = 8, a.vocab_size = 128256;
+    a.ffn_dim_multiplier = 1.3, a.multiple_of = 4096;
+  } else if (name == "405B") {
+    a.dim = 16384, a.n_layers = 126, a.n_heads = 128, a.n_kv_heads = 8, a.vocab_size = 128256;
+    a.ffn_dim_multiplier = 1.2, a.multiple_of = 4096;
+  } else {
+    std::string known;
+    for (const auto& n : llama3_flavor_names()) known += (known.empty() ? "" : ", ") + n;
+    TORCH_CHECK(false, "unknown llama3 flavor '", name, "' (known: ", known, ")");
+  }
+  return a;
+}
+
+// ---- building blocks --------------------------------------------------------------------------------------
+
+LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, const at::TensorOptions& options) {
+  register_parameter("weight", at::empty({out_features, in_features}, options));
+}
+at::Tensor LinearImpl::forward(const at::Tensor& x) { return at::linear(x, weight()); }
+
+EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t dim, const at::TensorOptions& options) {
+  register_parameter("weight", at::empty({num_embeddings, dim}, options));
+}
+at::Tensor EmbeddingImpl::forward(const at::Tensor& tokens) { return at::embedding(weight(), tokens); }
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, const at::TensorOptions& options) : eps(eps_) {
+  register_parameter("weight", at::ones({dim}, options));
+}
+at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  // Normalise in float32 (bf16 sums of squares lose too much), then scale in the input's dtype.
+  auto xf = x.to(at::kFloat);
+  auto normed = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return normed.to(x.scalar_type()) * weight();
+}
+void RMSNormImpl::reset_parameters() {
+  torch::NoGradGuard no_grad;
+  weight().fill_(1.0);
+}
+
+std::pair<at::Tensor, at::Tensor> precompute_rope(int64_t head_dim, int64_t seq_len, double theta) {
+  // TorchTitan: freqs = 1 / theta^(arange(0, dim, 2)[: dim/2] / dim); angles = outer(t, freqs). In float64 then
+  // rounded, so tables match whatever the device.
+  auto opts = at::TensorOptions().dtype(at::kDouble);
+  auto exponents = at::arange(0, head_dim, 2, opts).slice(0, 0, head_dim / 2) / static_cast<double>(head_dim);
+  auto freqs = 1.0 / at::pow(theta, exponents);
+  auto angles = at::outer(at::arange(seq_len, opts), freqs);
+  return {angles.cos().to(at::kFloat), angles.sin().to(at::kFloat)};
+}
+
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  // x: [B, S, H, D] viewed as D/2 complex numbers (re, im) = (x[2i], x[2i+1]); multiply by e^{i*angle}.
+  const auto sizes = x.sizes();
+  auto xf = x.to(at::kFloat).reshape({sizes[0], sizes[1], sizes[2], sizes[3] / 2, 2});
+  auto re = xf.select(-1, 0), im = xf.select(-1, 1);
+  auto c = cos.view({1, sizes[1], 1, sizes[3] / 2});
+  auto s = sin.view({1, sizes[1], 1, sizes[3] / 2});
+  auto out = at::stack({re * c - im * s, re * s + im * c}, -1);
+  return out.flatten(3).to(x.scalar_type());
+}
+
+// PyTorch's trunc_normal_ (inverse-CDF sampling), drawn on the CPU from `gen` and copied into `param`.
+static void trunc_normal_(at::Tensor& param, double std, double a, double b, at::Generator& gen) {
+  auto norm_cdf = [](double v) { return (1.0 + std::erf(v / std::sqrt(2.0))) / 2.0; };
+  const double lo = norm_cdf(a / std), hi = norm_cdf(b / std);
+  auto t = at::empty(param.sizes(), at::TensorOptions().dtype(at::kFloat));
+  t.uniform_(2 * lo - 1, 2 * hi - 1, gen);
+  t.erfinv_().mul_(std * std::sqrt(2.0)).clamp_(a, b);
+  torch::NoGradGuard no_grad;
+  param.copy_(t);
+}
+
+static void normal_(at::Tensor& param, double std, at::Generator& gen) {
+  auto t = at::empty(param.sizes(), at::TensorOptions().dtype(at::kFloat));
+  t.normal_(0.0, std, gen);
+  torch::NoGradGuard no_grad;
+  param.copy_(t);
+}
+
+
+AttentionImpl::AttentionImpl(const LlamaArgs& a)
+    : n_heads(a.n_heads), n_kv_heads(a.kv_heads()), head_dim(a.head_dim()) {
+  TORCH_CHECK(a.dim % a.n_heads == 0, "llama: dim ", a.dim, " is not divisible by n_heads ", a.n_heads);
+  TORCH_CHECK(n_heads % n_kv_heads == 0, "llama: n_heads ", n_heads, " is not divisible by n_kv_heads ", n_kv_heads);
+  TORCH_CHECK(head_dim % 2 == 0, "llama: head_dim ", head_dim, " must be even for RoPE");
+  auto opts = at::TensorOptions().device(a.device).dtype(a.dtype);
+  wq = register_module("wq", Linear(a.dim, n_heads * head_dim, opts));
+  wk = register_module("wk", Linear(a.dim, n_kv_heads * head_dim, opts));
+  wv = register_module("wv", Linear(a.dim, n_kv_heads * head_dim, opts));
+  wo = register_module("wo", Linear(n_heads * head_dim, a.dim, opts));
+}
+
+at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin) {
+  const int64_t bs = x.size(0), seq = x.size(1);
+  auto xq = wq(x).view({bs, seq, n_heads, head_dim});
+  auto xk = wk(x).view({bs, seq, n_kv_heads, head_dim});
+  auto xv = wv(x).view({bs, seq, n_kv_heads, head_dim});
+  xq = apply_rope(xq, rope_cos, rope_sin);
+  xk = apply_rope(xk, rope_cos, rope_sin);
+  const int64_t n_rep = n_heads / n_kv_heads;
+  if (n_rep > 1) {  // grouped-query attention: each kv head serves n_rep query heads (TorchTitan's repeat_kv)
+    xk = xk.repeat_interleave(n_rep, /*dim=*/2);
+    xv = xv.repeat_interleave(n_rep, /*dim=*/2);
+  }
+  auto q = xq.transpose(1, 2), k = xk.transpose(1, 2), v = xv.transpose(1, 2);  // [B, H, S, D]
+  auto out = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+  return wo(out.transpose(1, 2).reshape({bs, seq, n_heads * head_dim}));
+}
+
+void AttentionImpl::init_weights(double init_std, at::Generator& gen) {
+  for (auto* l : {&wq, &wk, &wv}) trunc_normal_((*l)->weight(), 0.02, -2.0, 2.0, gen);
+  trunc_normal_(wo->weight(), init_std, -2.0, 2.0, gen);
+}
+
+FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t hidden, const at::TensorOptions& opts) {
+  w1 = register_module("w1", Linear(dim, hidden, opts));
+  w2 = register_module("w2", Linear(hidden, dim, opts));
+  w3 = register_module("w3", Linear(dim, hidden, opts));
+}
+
+at::Tensor FeedForwardImpl::forward(const at::Tensor& x) { return w2(at::silu(w1(x)) * w3(x)); }
+
+void FeedForwardImpl::init_weights(double init_std, at::Generator& gen) {
+  trunc_normal_(w1->weight(), 0.02, -2.0, 2.0, gen);
+  trunc_normal_(w2->weight(), init_std, -2.0, 2.0, gen);
+  trunc_normal_(w3->weight(), init_std, -2.0, 2.0, gen);
+}
+
+TransformerBlockImpl::TransformerBlockImpl(int64_t id, const LlamaArgs& a) : layer_id(id) {
+  auto opts = at::TensorOptions().device(a.device).dtype(a.dtype);
+  attention = register_module("attention", Attention(a));
+  feed_forward = register_module("feed_forward", FeedForward(a.dim, a.ffn_hidden_dim(), opts));
+  attention_norm = register_module("attention_norm", RMSNorm(a.dim, a.norm_eps, opts));
+  ffn_norm = register_module("ffn_norm", RMSNorm(a.dim, a.norm_eps, opts));
+  weight_init_std = a.depth_init ? 0.02 / std::sqrt(2.0 * static_cast<double>(id + 1))
+                                 : 0.02 / std::sqrt(2.0 * static_cast<double>(a.n_layers));
+}
+
+at::Tensor TransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin) {
+  auto h = x + attention(attention_norm(x), rope_cos, rope_sin);
+  return h + feed_forward(ffn_norm(h));
+}
+
+void TransformerBlockImpl::init_weights(at::Generator& gen) {
+  attention_norm->reset_parameters();
+  ffn_norm->reset_parameters();
+  attention->init_weights(weight_init_std, gen);
+  feed_forward->init_weights(weight_init_std, gen);
+}
+
+TransformerImpl::TransformerImpl(LlamaArgs a) : args_(std::move(a)) {
+  auto opts = at::TensorOptions().device(args_.device).dtype(args_.dtype);
+  tok_embeddings = register_module("tok_embeddings", Embedding(args_.vocab_size, args_.dim, opts));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < args_.n_layers; ++i) {
+    blocks_.emplace_back(i, args_);
+    layers->push_back(blocks_.back());
+  }
+  norm = register_module("norm", RMSNorm(args_.dim, args_.norm_eps, opts));
+  if (!args_.tie_embeddings) {
+    // Tied: no output layer. One tensor under two names would appear twice in parameters() (libtorch does not
+    // de-duplicate), so the optimizer would step it twice; forward() uses tok_embeddings.weight instead.
+    output = register_module("output", Linear(args_.dim, args_.vocab_size, opts));
+  }
+}
+
+std::pair<at::Tensor, at::Tensor> TransformerImpl::rope_tables(int64_t seq_len, c10::Device device) {
+  if (!rope_cos_.defined() || rope_cos_.size(0) < seq_len || rope_cos_.device() != device) {
+    auto [c, s] = precompute_rope(args_.head_dim(), std::max(seq_len, args_.max_seq_len), args_.rope_theta);
+    rope_cos_ = c.to(device);
+    rope_sin_ = s.to(device);
+  }
+  return {rope_cos_.slice(0, 0, seq_len), rope_sin_.slice(0, 0, seq_len)};
+}
+
+at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
+  TORCH_CHECK(tokens.dim() == 2, "llama: tokens must be [batch, seq], got ", tokens.sizes());
+  auto h = tok_embeddings(tokens);
+  auto [cos, sin] = rope_tables(tokens.size(1), h.device());
+  for (auto& block : blocks_) h = fsdp::nn::call(block, h, cos, sin);
+  h = norm(h);
+  if (args_.tie_embeddings) return at::linear(h, tok_embeddings->weight());
+  return output(h);
+}
+
+void TransformerImpl::init_weights(uint64_t seed) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  normal_(tok_embeddings->weight(), 1.0, gen);
+  for (auto& block : blocks_) block->init_weights(gen);
+  norm->reset_parameters();
+  if (!args_.tie_embeddings) {
+    const double std = std::pow(static_cast<double>(args_.dim), -0.5);
+    trunc_normal_(output->weight(), std, -3 * std, 3 * std, gen);
+  }
+}
+
+}  // namespace fsdp::nn::llama

@@ -1,0 +1,209 @@
+// fsdp-train configuration: TorchTitan defaults, the embedded default file, overrides, and each class of bad
+// input (the message must name the key, what was expected and where).
+#include "config.h"
+#include "data.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <regex>
+#include <sstream>
+
+using namespace fsdp_train;
+
+namespace {
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Runs f, expects a ConfigError whose message contains every fragment.
+template <class F>
+void expect_config_error(F&& f, std::initializer_list<std::string> fragments) {
+  try {
+    f();
+    FAIL() << "no error thrown";
+  } catch (const ConfigError& e) {
+    const std::string msg = e.what();
+    for (const auto& frag : fragments) EXPECT_NE(msg.find(frag), std::string::npos) << "'" << frag << "' not in: " << msg;
+  }
+}
+}  // namespace
+
+TEST(Config, EmbeddedDefaultIsConfigsDebugToml) {
+  const std::string file = read_file(FSDP_SOURCE_DIR "/configs/debug.toml");
+  ASSERT_FALSE(file.empty());
+  EXPECT_EQ(std::string(embedded_default_config()), file);
+}
+
+TEST(Config, TorchTitanDefaultsWhenKeysAreAbsent) {
+  const JobConfig c = parse_toml("", "empty.toml");
+  EXPECT_EQ(c.job.dump_folder, "./outputs");
+  EXPECT_EQ(c.model.flavor, "debugmodel");
+  EXPECT_EQ(c.optimizer.name, "AdamW");
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 8e-4);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta1, 0.9);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.95);
+  EXPECT_DOUBLE_EQ(c.optimizer.eps, 1e-8);
+  EXPECT_DOUBLE_EQ(c.optimizer.weight_decay, 0.1);
+  EXPECT_EQ(c.lr_scheduler.warmup_steps, 200);
+  EXPECT_FALSE(c.lr_scheduler.decay_ratio.has_value());
+  EXPECT_EQ(c.lr_scheduler.decay_type, "linear");
+  EXPECT_EQ(c.training.local_batch_size, 8);
+  EXPECT_EQ(c.training.global_batch_size, -1);
+  EXPECT_EQ(c.training.seq_len, 2048);
+  EXPECT_DOUBLE_EQ(c.training.max_norm, 1.0);
+  EXPECT_EQ(c.training.mixed_precision_param, "bfloat16");
+  EXPECT_EQ(c.training.mixed_precision_reduce, "float32");
+  EXPECT_EQ(c.parallelism.data_parallel_replicate_degree, 1);
+  EXPECT_EQ(c.parallelism.data_parallel_shard_degree, -1);
+  EXPECT_EQ(c.parallelism.fsdp_reshard_after_forward, "default");
+  EXPECT_EQ(c.checkpoint.interval, 500);
+  EXPECT_EQ(c.checkpoint.keep_latest_k, 10);
+  EXPECT_EQ(c.checkpoint.load_step, -1);
+  EXPECT_EQ(c.activation_checkpoint.mode, "selective");
+  EXPECT_EQ(c.metrics.log_freq, 10);
+}
+
+TEST(Config, EmbeddedDefaultValues) {
+  const JobConfig c = load_config({});
+  EXPECT_EQ(c.model.flavor, "cpu_small");
+  EXPECT_EQ(c.training.dataset, "common_licenses");
+  EXPECT_EQ(c.training.global_batch_size, 16);
+  ASSERT_TRUE(c.lr_scheduler.decay_ratio.has_value());
+  EXPECT_DOUBLE_EQ(*c.lr_scheduler.decay_ratio, 0.8);
+}
+
+TEST(Config, CommandLineOverrides) {
+  const JobConfig c = load_config({"--training.steps", "7", "--optimizer.lr=0.01", "--checkpoint.enable",
+                                   "--lr_scheduler.decay_ratio", "none", "--job.dump_folder", "/tmp/x",
+                                   "--checkpoint.exclude_from_loading", "optimizer,lr_scheduler",
+                                   "--metrics.save_for_all_ranks=false"});
+  EXPECT_EQ(c.training.steps, 7);
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 0.01);
+  EXPECT_TRUE(c.checkpoint.enable);
+  EXPECT_FALSE(c.lr_scheduler.decay_ratio.has_value());
+  EXPECT_EQ(c.job.dump_folder, "/tmp/x");
+  EXPECT_EQ(c.checkpoint.exclude_from_loading, (std::vector<std::string>{"optimizer", "lr_scheduler"}));
+  EXPECT_FALSE(c.metrics.save_for_all_ranks);
+}
+
+TEST(Config, ConfigFileThenOverrides) {
+  const std::string path = ::testing::TempDir() + "/fsdp_train_cfg.toml";
+  std::ofstream(path) << "[training]\nsteps = 3\nseq_len = 64\n[model]\nflavor = \"cpu_tiny\"\n";
+  const JobConfig c = load_config({"--config", path, "--training.steps", "4"});
+  EXPECT_EQ(c.training.steps, 4);      // command line wins
+  EXPECT_EQ(c.training.seq_len, 64);   // from the file
+  EXPECT_EQ(c.model.flavor, "cpu_tiny");
+  EXPECT_EQ(c.optimizer.lr, 8e-4);     // neither: TorchTitan's default, not the embedded file's
+  const JobConfig d = load_config({"--job.config_file=" + path});
+  EXPECT_EQ(d.training.steps, 3);
+}
+
+TEST(Config, UnknownKeyNamesKeyAndLocation) {
+  expect_config_error([] { parse_toml("[job]\n\n[training]\nstepz = 3\n", "cfg.toml"); },
+                      {"unknown key 'training.stepz'", "cfg.toml:4:1", "known keys in [training]", "steps"});
+  expect_config_error([] { parse_toml("[trainign]\nsteps = 3\n", "cfg.toml"); },
+                      {"unknown section [trainign]", "cfg.toml:1:", "training"});
+  expect_config_error([] { load_config({"--training.stepz", "3"}); }, {"unknown key 'training.stepz'", "command line"});
+  expect_config_error([] { load_config({"--nonsense", "3"}); }, {"--nonsense", "known sections"});
+}
+
+TEST(Config, WrongTypeNamesKeyExpectedTypeAndLocation) {
+  expect_config_error([] { parse_toml("[training]\nsteps = \"ten\"\n", "cfg.toml"); },
+                      {"training.steps", "expected integer", "got a string", "cfg.toml:2:9"});
+  expect_config_error([] { parse_toml("[optimizer]\nlr = true\n", "cfg.toml"); },
+                      {"optimizer.lr", "expected float", "got a boolean", "cfg.toml:2:6"});
+  expect_config_error([] { parse_toml("[training]\nsteps = 1.5\n", "cfg.toml"); },
+                      {"training.steps", "expected integer", "got a float"});
+  expect_config_error([] { load_config({"--training.steps", "abc"}); },
+                      {"training.steps", "expected integer", "'abc'", "command line"});
+  expect_config_error([] { load_config({"--checkpoint.enable=maybe"}); }, {"checkpoint.enable", "expected boolean"});
+  expect_config_error([] { parse_toml("[training\n", "bad.toml"); }, {"invalid TOML", "bad.toml:1"});
+}
+
+TEST(Config, InvalidValuesNameTheChoices) {
+  expect_config_error([] { load_config({"--lr_scheduler.decay_type", "exp"}); },
+                      {"lr_scheduler.decay_type", "linear | sqrt | cosine", "'exp'"});
+  expect_config_error([] { load_config({"--parallelism.fsdp_reshard_after_forward", "sometimes"}); },
+                      {"parallelism.fsdp_reshard_after_forward", "default | always | never"});
+  expect_config_error([] { load_config({"--training.local_batch_size", "0"}); }, {"training.local_batch_size", "> 0"});
+}
+
+TEST(Config, ParallelismDegrees) {
+  JobConfig c = parse_toml("", "x");
+  c.training.local_batch_size = 8;
+  c.training.global_batch_size = 16;
+  auto d1 = resolve_parallelism(c, 1);
+  EXPECT_EQ(d1.dp_shard, 1);
+  EXPECT_EQ(d1.grad_accum_steps, 2);  // 16 / (8 x 1)
+  auto d2 = resolve_parallelism(c, 2);
+  EXPECT_EQ(d2.dp_shard, 2);  // -1 = leftover ranks
+  EXPECT_EQ(d2.grad_accum_steps, 1);
+  c.training.global_batch_size = -1;
+  auto d4 = resolve_parallelism(c, 4);
+  EXPECT_EQ(d4.global_batch_size, 32);  // local x dp
+  EXPECT_EQ(d4.grad_accum_steps, 1);
+  c.parallelism.data_parallel_replicate_degree = 2;
+  auto h = resolve_parallelism(c, 4);
+  EXPECT_EQ(h.dp_replicate, 2);
+  EXPECT_EQ(h.dp_shard, 2);
+}
+
+TEST(Config, ImpossibleParallelismIsRejected) {
+  JobConfig c = parse_toml("", "x");
+  c.parallelism.data_parallel_replicate_degree = 2;
+  c.parallelism.data_parallel_shard_degree = 3;
+  expect_config_error([&] { resolve_parallelism(c, 4); },
+                      {"parallelism.data_parallel_replicate_degree (2)", "data_parallel_shard_degree (3)", "= 6",
+                       "expected the world size 4"});
+  c.parallelism.data_parallel_shard_degree = -1;
+  c.parallelism.data_parallel_replicate_degree = 3;
+  expect_config_error([&] { resolve_parallelism(c, 4); }, {"data_parallel_replicate_degree (3)", "must divide the world size (4)"});
+  c.parallelism.data_parallel_replicate_degree = 1;
+  c.training.local_batch_size = 8;
+  c.training.global_batch_size = 20;
+  expect_config_error([&] { resolve_parallelism(c, 2); },
+                      {"training.global_batch_size (20)", "multiple of training.local_batch_size (8)",
+                       "data-parallel degree (2) = 16"});
+}
+
+TEST(Config, MissingDataFileNamesThePath) {
+  try {
+    resolve_dataset_files("text", "/nonexistent/corpus.txt");
+    FAIL() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("training.dataset_path: '/nonexistent/corpus.txt' does not exist"), std::string::npos)
+        << e.what();
+  }
+  try {
+    resolve_dataset_files("tokens", "");
+    FAIL() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("training.dataset_path: required"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Config, ToTomlRoundTripsEveryKey) {
+  JobConfig c = load_config({"--training.steps", "11", "--optimizer.lr", "0.000123", "--job.description", "a \"quoted\" text",
+                             "--checkpoint.exclude_from_loading", "a,b"});
+  const std::string text = to_toml(c);
+  const JobConfig back = parse_toml(text, "roundtrip");
+  EXPECT_EQ(to_toml(back), text);
+  EXPECT_EQ(back.training.steps, 11);
+  EXPECT_DOUBLE_EQ(back.optimizer.lr, 0.000123);
+  EXPECT_EQ(back.job.description, "a \"quoted\" text");
+  // Every schema key is in the output.
+  for (const auto& k : config_schema())
+    EXPECT_NE(text.find(k.key), std::string::npos) << k.section << "." << k.key;
+}
+
+TEST(Config, DocsListEveryKey) {
+  const std::string docs = read_file(FSDP_SOURCE_DIR "/docs/trainer.md");
+  ASSERT_FALSE(docs.empty()) << "docs/trainer.md missing";
+  for (const auto& k : config_schema())
+    EXPECT_NE(docs.find("`" + k.section + "." + k.key + "`"), std::string::npos)
+        << "docs/trainer.md lacks `" << k.section << "." << k.key << "`";
+}
