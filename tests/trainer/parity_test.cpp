@@ -32,7 +32,7 @@ JobConfig base(const std::string& name, int64_t replicate, int64_t shard) {
   return c;
 }
 
-void expect_parity(int64_t replicate, int64_t shard, const std::string& name) {
+void expect_parity(int64_t replicate, int64_t shard, const std::string& name, const std::string& plan) {
   auto world = fsdp::world();
   ASSERT_EQ(world->size(), 2) << "run with fsdprun --nproc-per-node 2";
   TrainEnv single;
@@ -44,6 +44,7 @@ void expect_parity(int64_t replicate, int64_t shard, const std::string& name) {
   dist.group = world;
   dist.verbose = false;
   const TrainSummary got = run_training(base(name, replicate, shard), dist, false);  // 2 ranks, accumulation 1
+  EXPECT_NE(got.plan.find(plan), std::string::npos) << got.plan;  // the intended parallelisation was applied
   ASSERT_EQ(ref.losses.size(), got.losses.size());
   for (size_t i = 0; i < ref.losses.size(); ++i) {
     EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5 * ref.losses[i]) << "step " << i + 1;
@@ -54,6 +55,6 @@ void expect_parity(int64_t replicate, int64_t shard, const std::string& name) {
 
 }  // namespace
 
-TEST(TrainerParity, ReplicateTwoRanksMatchesOneRankWithAccumulation) { expect_parity(2, 1, "ddp"); }
+TEST(TrainerParity, ReplicateTwoRanksMatchesOneRankWithAccumulation) { expect_parity(2, 1, "ddp", "data parallel (replicate 2"); }
 
-TEST(TrainerParity, ShardTwoRanksMatchesOneRankWithAccumulation) { expect_parity(1, -1, "fsdp"); }
+TEST(TrainerParity, ShardTwoRanksMatchesOneRankWithAccumulation) { expect_parity(1, -1, "fsdp", "FSDP mesh"); }
