@@ -158,10 +158,29 @@ Work ProcessGroup::all_gather_into_tensor(at::Tensor output, at::Tensor input) {
   const auto what = label(g, coll, c10::str(input.numel(), " x ", input.scalar_type(), " per rank"));
   at::Tensor out_flat = output.view({-1});
   at::Tensor in_flat = input.view({-1});
-  c10d::AllgatherOptions opts;
-  opts.timeout = g.timeout;
-  auto w = launch(what, [&] { return g.backend->_allgather_base(out_flat, in_flat, opts); });
-  return make_work(g, what, std::move(w));
+  const int64_t n = in_flat.numel();
+  at::Tensor own_slot = out_flat.narrow(0, g.rank * n, n);
+  if (own_slot.data_ptr() != in_flat.data_ptr()) own_slot.copy_(in_flat);
+  // Direct exchange: this rank's input goes to every peer and every peer's input lands straight in its
+  // slot of `output`. c10d Gloo's _allgather_base would gather into a temporary flat buffer as large as
+  // the output and copy out afterwards (one extra unsharded-size allocation per all-gather in flight); the
+  // exchange needs none and sends the same (size - 1) x input bytes.
+  auto impl = std::make_shared<Work::Impl>();
+  impl->what = what;
+  impl->timeout = g.timeout;
+  const int tag = static_cast<int>(g.next_p2p_tag++ & 0x3fffffff);
+  for (int step = 1; step < g.size; ++step) {
+    // Staggered peer order spreads the traffic instead of everyone sending to rank 0 first.
+    const int to = (g.rank + step) % g.size;
+    const int from = (g.rank - step + g.size) % g.size;
+    std::vector<at::Tensor> send_buf{in_flat};
+    std::vector<at::Tensor> recv_buf{out_flat.narrow(0, static_cast<int64_t>(from) * n, n)};
+    impl->pending.push_back(launch(what, [&] { return g.backend->send(send_buf, to, tag); }));
+    impl->pending.push_back(launch(what, [&] { return g.backend->recv(recv_buf, from, tag); }));
+  }
+  // The exchange reads `input` and writes `output` until it completes: keep both alive with the work.
+  impl->on_complete = [output, input] {};
+  return Work(std::move(impl));
 }
 
 Work ProcessGroup::reduce_scatter_tensor(at::Tensor output, at::Tensor input, ReduceOp op) {

@@ -26,6 +26,9 @@ struct ProcessGroup::Impl {
   c10::Device device{c10::kCPU};
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   CommStats stats;
+  // Point-to-point tag of the next all-gather exchange. Advances identically on every rank of the group
+  // because collectives are called in the same order everywhere.
+  uint32_t next_p2p_tag = 1;
 
   // "group 'world' (world ranks [0, 1, 2], this rank 1)" — used in every error message.
   std::string describe() const;

@@ -1,0 +1,172 @@
+#include "fully_shard/fsdp_param.h"
+
+#include "fully_shard/storage.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+namespace fsdp::detail {
+
+ShardGeometry ShardGeometry::make(c10::IntArrayRef sizes, int64_t world) {
+  TORCH_CHECK(world >= 1, "fsdp: shard group size must be positive, got ", world);
+  ShardGeometry g;
+  g.world = world;
+  if (sizes.empty()) {
+    // A 0-dim parameter shards like a one-row tensor (rank 0 holds it).
+    g.dim0 = 1;
+  } else {
+    g.dim0 = sizes[0];
+    for (size_t i = 1; i < sizes.size(); ++i) g.row_numel *= sizes[i];
+  }
+  g.chunk_rows = (g.dim0 + world - 1) / world;
+  return g;
+}
+
+int64_t ShardGeometry::offset_of(int64_t rank) const {
+  return std::min(dim0, rank * chunk_rows);
+}
+
+int64_t ShardGeometry::rows_of(int64_t rank) const {
+  return std::min(dim0, (rank + 1) * chunk_rows) - offset_of(rank);
+}
+
+namespace {
+c10::ScalarType resolve_param_dtype(const at::Tensor& p, const MixedPrecisionPolicy& mp) {
+  // As in PyTorch: param_dtype applies to floating-point parameters only.
+  if (mp.param_dtype && at::isFloatingType(p.scalar_type())) return *mp.param_dtype;
+  return p.scalar_type();
+}
+}  // namespace
+
+FSDPParam::FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int64_t shard_world,
+                     c10::Device device, const MixedPrecisionPolicy& mp, const OffloadPolicy& offload)
+    : param_(std::move(param)),
+      fqn_(std::move(fqn)),
+      unsharded_sizes_(param_.sizes().vec()),
+      geometry_(ShardGeometry::make(param_.sizes(), shard_world)),
+      shard_rank_(shard_rank),
+      requires_grad_(param_.requires_grad()),
+      orig_dtype_(param_.scalar_type()),
+      param_dtype_(resolve_param_dtype(param_, mp)),
+      reduce_dtype_(mp.reduce_dtype && at::isFloatingType(param_.scalar_type()) ? *mp.reduce_dtype
+                                                                                 : resolve_param_dtype(param_, mp)) {
+  TORCH_CHECK(param_.layout() == c10::kStrided, "fsdp: parameter '", fqn_, "' is not a dense strided tensor");
+  c10::NoGradGuard no_grad;
+  const bool on_meta = param_.is_meta();
+  const c10::Device sharded_device = on_meta ? param_.device() : (offload.cpu_offload ? c10::Device(c10::kCPU) : device);
+  const c10::Device unsharded_device = on_meta ? param_.device() : device;
+
+  // Padded shard: [chunk_rows, trailing dims...], zero padding rows at the end.
+  std::vector<int64_t> padded_sizes = unsharded_sizes_.empty() ? std::vector<int64_t>{1} : unsharded_sizes_;
+  padded_sizes[0] = geometry_.chunk_rows;
+  auto sharded_opts = param_.options().device(sharded_device);
+  if (offload.cpu_offload && offload.pin_memory && sharded_device.is_cpu() && device.is_cuda()) {
+    sharded_opts = sharded_opts.pinned_memory(true);
+  }
+  sharded_padded_ = on_meta ? at::empty(padded_sizes, sharded_opts) : at::zeros(padded_sizes, sharded_opts);
+  const int64_t rows = geometry_.rows_of(shard_rank_);
+  sharded_local_ = sharded_padded_.narrow(0, 0, rows);
+  if (!on_meta && rows > 0) {
+    at::Tensor full = unsharded_sizes_.empty() ? param_.reshape({1}) : param_;
+    sharded_local_.copy_(full.narrow(0, geometry_.offset_of(shard_rank_), rows));
+  }
+  if (unsharded_sizes_.empty()) {
+    // Keep the 0-dim look for the owner of the single row; others hold an empty [0] shard.
+    if (rows == 1) sharded_local_ = sharded_padded_.view({});
+  }
+
+  unsharded_ = at::empty(unsharded_sizes_, param_.options().dtype(param_dtype_).device(unsharded_device));
+  if (!on_meta) free_storage(unsharded_);
+
+  // The module's tensor now shows the shard. Its old full-size data is released with the old storage.
+  param_.set_data(sharded_local_);
+}
+
+void FSDPParam::alloc_unsharded() {
+  alloc_storage(unsharded_);
+}
+
+void FSDPParam::free_unsharded() {
+  free_storage(unsharded_);
+}
+
+bool FSDPParam::unsharded_allocated() const {
+  return storage_is_allocated(unsharded_) || unsharded_.numel() == 0;
+}
+
+void FSDPParam::to_unsharded() {
+  if (state_ == ShardedState::Unsharded) return;
+  check_identity("unshard");
+  at::Tensor& grad = param_.mutable_grad();
+  if (grad.defined()) {
+    stashed_sharded_grad_ = grad;
+    grad = at::Tensor();
+  }
+  param_.set_data(unsharded_);
+  state_ = ShardedState::Unsharded;
+}
+
+void FSDPParam::to_sharded() {
+  if (state_ == ShardedState::Sharded) return;
+  TORCH_CHECK(!param_.grad().defined(),
+              "fsdp internal: resharding '", fqn_, "' while it still holds an unsharded gradient");
+  param_.set_data(sharded_local_);
+  if (stashed_sharded_grad_.defined()) {
+    param_.mutable_grad() = stashed_sharded_grad_;
+    stashed_sharded_grad_ = at::Tensor();
+  }
+  state_ = ShardedState::Sharded;
+}
+
+at::Tensor FSDPParam::take_unsharded_grad() {
+  at::Tensor grad;
+  if (state_ == ShardedState::Unsharded) {
+    grad = param_.grad();
+    param_.mutable_grad() = at::Tensor();
+  }
+  if (accumulated_unsharded_grad_.defined()) {
+    if (grad.defined()) {
+      accumulated_unsharded_grad_.add_(grad.to(accumulated_unsharded_grad_.scalar_type()));
+    }
+    grad = accumulated_unsharded_grad_;
+    accumulated_unsharded_grad_ = at::Tensor();
+  }
+  return grad;
+}
+
+void FSDPParam::accumulate_unsharded_grad() {
+  if (state_ != ShardedState::Unsharded) return;
+  at::Tensor grad = param_.grad();
+  if (!grad.defined()) return;
+  param_.mutable_grad() = at::Tensor();
+  // Accumulate in the reduce dtype (fp32 under bf16 compute keeps micro-batch sums exact enough).
+  if (!accumulated_unsharded_grad_.defined()) {
+    // We took the only reference from the parameter, so the gradient itself can be kept.
+    accumulated_unsharded_grad_ = grad.scalar_type() == reduce_dtype_ ? grad : grad.to(reduce_dtype_);
+  } else {
+    accumulated_unsharded_grad_.add_(grad.to(reduce_dtype_));
+  }
+}
+
+void FSDPParam::accumulate_sharded_grad(const at::Tensor& local_grad) {
+  TORCH_CHECK(state_ == ShardedState::Sharded, "fsdp internal: sharded grad for '", fqn_, "' while unsharded");
+  at::Tensor g = local_grad.to(sharded_local_.device(), orig_dtype_);
+  if (unsharded_sizes_.empty() && g.numel() == 1) g = g.view({});
+  at::Tensor& grad = param_.mutable_grad();
+  if (grad.defined()) {
+    grad.add_(g);
+  } else {
+    // Own the memory: a view of the reduce-scatter buffer would pin the whole buffer, and optimizers'
+    // zero_grad() cannot detach views in place.
+    grad = g.is_view() || !g.is_contiguous() ? g.clone(at::MemoryFormat::Contiguous) : g;
+  }
+}
+
+void FSDPParam::check_identity(const char* where) const {
+  const bool shows_ours = param_.storage().is_alias_of(sharded_local_.storage()) ||
+                          param_.storage().is_alias_of(unsharded_.storage());
+  TORCH_CHECK(shows_ours, "fsdp: parameter '", fqn_, "' was re-pointed to other data outside FSDP (before ",
+              where, "); modify sharded parameters in place (e.g. param.copy_()) instead of replacing them");
+}
+
+}  // namespace fsdp::detail

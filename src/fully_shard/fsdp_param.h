@@ -1,0 +1,105 @@
+#pragma once
+// FSDPParam: one parameter managed by fully_shard.
+//
+// Identity: the module's registered tensor (`param()`) is never replaced — optimizers, tied references and
+// autograd all hold that one TensorImpl. FSDP switches what it *shows*: in the sharded state it is this
+// rank's dim-0 shard (a narrow of a zero-padded buffer, so the padding stays internal); in the unsharded
+// state it is the full parameter in a persistent storage that is freed (resized to 0 bytes) between uses.
+// The switch is Tensor::set_data (Python's `param.data = ...`), which keeps autograd metadata and the
+// version counter, so an optimizer sees shards, a forward sees full parameters, and saved activations stay
+// valid across free / re-gather.
+
+#include <fsdp/fully_shard.h>
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fsdp::detail {
+
+// torch.chunk-style dim-0 sharding: chunk = ceil(dim0 / world); rank r owns rows
+// [r*chunk, min(dim0, (r+1)*chunk)), which may be empty for trailing ranks.
+struct ShardGeometry {
+  int64_t dim0 = 0;
+  int64_t chunk_rows = 0;    // rows of every rank's padded shard
+  int64_t row_numel = 1;     // elements per dim-0 row
+  int64_t world = 1;
+
+  static ShardGeometry make(c10::IntArrayRef sizes, int64_t world);
+  int64_t rows_of(int64_t rank) const;    // unpadded rows held by `rank`
+  int64_t offset_of(int64_t rank) const;  // first global row of `rank`
+  int64_t padded_numel() const { return chunk_rows * row_numel; }
+};
+
+enum class ShardedState { Sharded, Unsharded };
+
+class FSDPParam {
+ public:
+  FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int64_t shard_world, c10::Device device,
+            const MixedPrecisionPolicy& mp, const OffloadPolicy& offload);
+
+  const at::Tensor& param() const { return param_; }
+  const std::string& fqn() const { return fqn_; }
+  void set_fqn(std::string fqn) { fqn_ = std::move(fqn); }
+  const ShardGeometry& geometry() const { return geometry_; }
+  const std::vector<int64_t>& unsharded_sizes() const { return unsharded_sizes_; }
+  bool requires_grad() const { return requires_grad_; }
+  ShardedState state() const { return state_; }
+  c10::ScalarType orig_dtype() const { return orig_dtype_; }
+  c10::ScalarType param_dtype() const { return param_dtype_; }   // dtype of the unsharded parameter
+  c10::ScalarType reduce_dtype() const { return reduce_dtype_; } // dtype of gradient reduction
+  int64_t shard_rank() const { return shard_rank_; }
+
+  // This rank's zero-padded shard [chunk_rows, ...] in the original dtype (all-gather input source).
+  const at::Tensor& sharded_padded() const { return sharded_padded_; }
+  // The visible local shard [rows_of(rank), ...] (a narrow of sharded_padded()).
+  const at::Tensor& sharded_local() const { return sharded_local_; }
+  // The unsharded parameter's persistent storage, a tensor of its own (writing into it does not bump the
+  // parameter's version counter). Allocated only between alloc_unsharded() and free_unsharded().
+  const at::Tensor& unsharded() const { return unsharded_; }
+
+  void alloc_unsharded();
+  void free_unsharded();
+  bool unsharded_allocated() const;
+
+  // Show the full parameter (after its data was copied into unsharded()). Stashes the sharded gradient so
+  // that backward accumulates a fresh unsharded one.
+  void to_unsharded();
+  // Show the local shard again; restores the stashed sharded gradient.
+  void to_sharded();
+
+  // The gradient that backward produced on the unsharded parameter (undefined if none), plus what earlier
+  // no-sync micro-batches accumulated. Clears both.
+  at::Tensor take_unsharded_grad();
+  // No-sync micro-batch: keep the unsharded gradient for the next synchronized backward.
+  void accumulate_unsharded_grad();
+  bool has_accumulated_unsharded_grad() const { return accumulated_unsharded_grad_.defined(); }
+  // Adds (or sets) this rank's reduced gradient shard [rows_of(rank), ...] into the sharded gradient.
+  void accumulate_sharded_grad(const at::Tensor& local_grad);
+
+  // After an optimizer or user replaced the sharded data in place nothing is needed; but if the user
+  // called module->to() etc. the param may have been re-pointed: this checks it still shows our storage.
+  void check_identity(const char* where) const;
+
+ private:
+  at::Tensor param_;
+  std::string fqn_;
+  std::vector<int64_t> unsharded_sizes_;
+  ShardGeometry geometry_;
+  int64_t shard_rank_;
+  bool requires_grad_;
+  c10::ScalarType orig_dtype_;
+  c10::ScalarType param_dtype_;
+  c10::ScalarType reduce_dtype_;
+  ShardedState state_ = ShardedState::Sharded;
+
+  at::Tensor sharded_padded_;
+  at::Tensor sharded_local_;
+  at::Tensor unsharded_;
+  at::Tensor stashed_sharded_grad_;
+  at::Tensor accumulated_unsharded_grad_;
+};
+
+}  // namespace fsdp::detail

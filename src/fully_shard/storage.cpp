@@ -1,0 +1,32 @@
+#include "fully_shard/storage.h"
+
+#include <c10/core/StorageImpl.h>
+
+namespace fsdp::detail {
+
+void free_storage(const at::Tensor& tensor) {
+  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  if (storage->nbytes() == 0) return;
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
+  storage->set_nbytes(0);
+}
+
+void alloc_storage(const at::Tensor& tensor) {
+  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  const size_t nbytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
+  TORCH_CHECK(tensor.storage_offset() == 0 && tensor.is_contiguous(),
+              "fsdp internal: alloc_storage expects a contiguous tensor that owns its storage");
+  if (storage->nbytes() == nbytes) return;
+  TORCH_CHECK(storage->nbytes() == 0, "fsdp internal: re-allocating a storage that is still allocated (",
+              storage->nbytes(), " bytes, want ", nbytes, ")");
+  at::Allocator* allocator = storage->allocator();
+  TORCH_CHECK(allocator != nullptr, "fsdp internal: storage on ", storage->device(), " has no allocator");
+  storage->set_data_ptr_noswap(allocator->allocate(nbytes));
+  storage->set_nbytes(nbytes);
+}
+
+bool storage_is_allocated(const at::Tensor& tensor) {
+  return tensor.storage().nbytes() > 0;
+}
+
+}  // namespace fsdp::detail
