@@ -1,0 +1,281 @@
+// Our side of the side-by-side benchmark against PyTorch FSDP2 (bench/vs_pytorch/run.py drives both).
+//
+//   fsdp-bench-ours init   --flavor F --seed S --out init.safetensors       initial weights (+ model args)
+//   fsdp-bench-ours train  --weights W --tokens T --steps N --local-batch B --seq S --out-dir D [...]
+//                          (under fsdprun: fully_shard per block + root, AdamW, cross-entropy mean)
+//   fsdp-bench-ours single --weights W --tokens T ... (one process, no FSDP: the roofline's compute limit)
+//   fsdp-bench-ours memcpy                        (memcpy bandwidth: the roofline's communication limit)
+//
+// Every rank writes one JSON line per step to D/ours_rank<r>.jsonl: global mean loss, step time, peak RSS
+// (VmHWM), bytes this rank sent during the step (CommStats) and collective counts. The training step is
+// exactly the Python side's (vs_pytorch.py): forward, cross-entropy mean, backward, AdamW step, zero_grad.
+#include <fsdp/checkpoint/safetensors.h>
+#include <fsdp/device_mesh.h>
+#include <fsdp/fully_shard.h>
+#include <fsdp/nn/llama.h>
+#include <fsdp/nn/module_call.h>
+#include <fsdp/process_group.h>
+
+#include "bench_util.h"
+
+#include <ATen/ATen.h>
+#include <CLI/CLI.hpp>
+#include <torch/optim/adamw.h>
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <variant>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+namespace llama = fsdp::nn::llama;
+namespace st = fsdp::checkpoint::safetensors;
+
+namespace {
+
+struct Options {
+  std::string flavor = "debugmodel";
+  uint64_t seed = 0;
+  std::string out;
+  std::string weights, tokens, out_dir = ".";
+  int64_t steps = 50, local_batch = 2, seq = 128;
+  std::string reshard = "default";  // default | true | false | <int>
+  double lr = 8e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
+  bool reset_peak = true;  // reset VmHWM after setup, so the peak is the training phase's
+};
+
+// Model args travel inside the weights file, so both sides build exactly the same model.
+std::map<std::string, std::string> args_metadata(const std::string& flavor, const llama::LlamaArgs& a) {
+  std::ostringstream theta, eps;
+  theta.precision(17), eps.precision(17);
+  theta << a.rope_theta, eps << a.norm_eps;
+  return {{"flavor", flavor},
+          {"dim", std::to_string(a.dim)},
+          {"n_layers", std::to_string(a.n_layers)},
+          {"n_heads", std::to_string(a.n_heads)},
+          {"n_kv_heads", std::to_string(a.kv_heads())},
+          {"vocab_size", std::to_string(a.vocab_size)},
+          {"ffn_hidden_dim", std::to_string(a.ffn_hidden_dim())},
+          {"norm_eps", eps.str()},
+          {"rope_theta", theta.str()},
+          {"tie_embeddings", a.tie_embeddings ? "1" : "0"}};
+}
+
+int cmd_init(const Options& o) {
+  llama::LlamaArgs args = llama::llama3_flavor(o.flavor);
+  llama::Transformer model(args);
+  model->init_weights(o.seed);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& item : model->named_parameters()) tensors.emplace_back(item.key(), item.value());
+  st::save_file(o.out, tensors, args_metadata(o.flavor, args));
+  std::cout << "wrote " << tensors.size() << " tensors (" << llama::num_params(args) << " parameters) to " << o.out
+            << "\n";
+  return 0;
+}
+
+// A model built from the flavor named in the weights file, with the file's weights.
+llama::Transformer load_model(const std::string& path, std::string* flavor = nullptr) {
+  st::Reader reader(path);
+  const auto& meta = reader.metadata();
+  TORCH_CHECK(meta.count("flavor"), "bench: ", path, " has no 'flavor' metadata (write it with `init`)");
+  llama::Transformer model(llama::llama3_flavor(meta.at("flavor")));
+  for (auto& item : model->named_parameters()) reader.read_into(item.key(), item.value());
+  if (flavor) *flavor = meta.at("flavor");
+  return model;
+}
+
+// The step's token rows for this rank: rows [rank*B, (rank+1)*B) of step `step` in an int64 file of shape
+// [steps, global_batch, seq + 1].
+struct Batches {
+  at::Tensor all;  // [steps, global_batch, seq+1]
+  Batches(const std::string& path, int64_t steps, int64_t global_batch, int64_t seq) {
+    std::ifstream f(path, std::ios::binary | std::ios::ate);
+    TORCH_CHECK(f, "bench: cannot open tokens file ", path);
+    const int64_t want = steps * global_batch * (seq + 1) * 8;
+    TORCH_CHECK(static_cast<int64_t>(f.tellg()) >= want, "bench: ", path, " has ", static_cast<int64_t>(f.tellg()),
+                " bytes; ", steps, " steps x ", global_batch, " x ", seq + 1, " int64 need ", want);
+    f.seekg(0);
+    all = at::empty({steps, global_batch, seq + 1}, at::kLong);
+    f.read(static_cast<char*>(all.data_ptr()), want);
+  }
+  std::pair<at::Tensor, at::Tensor> get(int64_t step, int64_t rank, int64_t local_batch) const {
+    at::Tensor rows = all[step].narrow(0, rank * local_batch, local_batch);
+    return {rows.narrow(1, 0, rows.size(1) - 1).contiguous(), rows.narrow(1, 1, rows.size(1) - 1).contiguous()};
+  }
+};
+
+std::optional<fsdp::ReshardAfterForward> parse_reshard(const std::string& s) {
+  if (s == "default") return std::nullopt;
+  if (s == "true") return fsdp::ReshardAfterForward(true);
+  if (s == "false") return fsdp::ReshardAfterForward(false);
+  return fsdp::ReshardAfterForward(std::stoi(s));
+}
+
+torch::optim::AdamW make_adamw(const Options& o, std::vector<at::Tensor> params) {
+  return torch::optim::AdamW(std::move(params), torch::optim::AdamWOptions(o.lr)
+                                                    .betas({o.beta1, o.beta2})
+                                                    .eps(o.eps)
+                                                    .weight_decay(o.weight_decay)
+                                                    .amsgrad(false));
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+int cmd_train(const Options& o) {
+  const int64_t baseline_rss = bench::rss_kib("VmRSS");
+  auto world = fsdp::init_process_group();
+  const int rank = world->rank(), W = world->size();
+  auto mesh = fsdp::init_device_mesh("cpu", {W}, {"shard"});
+  const int64_t rss_after_init = bench::rss_kib("VmRSS");
+
+  std::string flavor;
+  llama::Transformer model = load_model(o.weights, &flavor);
+  const auto& args = model->args();
+  // Bottom-up: each block is one group, the root group holds embeddings, final norm and output.
+  fsdp::FullyShardOptions block_opts;
+  block_opts.mesh = mesh;
+  block_opts.reshard_after_forward = parse_reshard(o.reshard);
+  for (auto& block : model->blocks()) fsdp::fully_shard(block, block_opts);
+  fsdp::FullyShardOptions root_opts;
+  root_opts.mesh = mesh;  // root: default policy (not resharded after forward), as PyTorch's root
+  fsdp::fully_shard(model, root_opts);
+  auto optim = make_adamw(o, model->parameters());
+  Batches batches(o.tokens, o.steps, o.local_batch * W, o.seq);
+
+  // Analytic optimum bytes sent per rank per step (fp32): each parameter is all-gathered in forward,
+  // re-gathered in backward when its group was resharded, and its gradient reduce-scattered: (W-1)/W of
+  // its bytes each time. Ours adds shard padding and 16-byte alignment on top.
+  const bool blocks_regathered = !block_opts.reshard_after_forward ||
+                                 (std::holds_alternative<bool>(*block_opts.reshard_after_forward)
+                                      ? std::get<bool>(*block_opts.reshard_after_forward)
+                                      : std::get<int>(*block_opts.reshard_after_forward) > 1);
+  const int64_t P = llama::num_params(args);
+  int64_t P_blocks = 0;  // parameters of the transformer blocks (the non-root groups)
+  for (int64_t l = 0; l < args.n_layers; ++l) {
+    const int64_t hd = args.head_dim();
+    P_blocks += args.dim * args.n_heads * hd * 2 + 2 * args.dim * args.kv_heads() * hd +
+                3 * args.dim * args.ffn_hidden_dim() + 2 * args.dim;
+  }
+  const double frac = static_cast<double>(W - 1) / W;
+  const double optimum = frac * 4.0 * static_cast<double>(2 * P + (blocks_regathered ? P_blocks : 0));
+
+  if (o.reset_peak) bench::reset_peak_rss();
+  const int64_t rss_setup = bench::rss_kib("VmRSS");
+  std::ofstream out(o.out_dir + "/ours_rank" + std::to_string(rank) + ".jsonl");
+  out << "{\"event\":\"setup\",\"side\":\"ours\",\"world\":" << W << ",\"rank\":" << rank << ",\"flavor\":\""
+      << flavor << "\",\"params\":" << P << ",\"baseline_rss_kib\":" << baseline_rss
+      << ",\"rss_after_init_kib\":" << rss_after_init << ",\"rss_setup_kib\":" << rss_setup
+      << ",\"optimum_bytes_per_step\":" << static_cast<int64_t>(optimum) << "}\n";
+
+  auto& group = *mesh.group(0);
+  for (int64_t step = 0; step < o.steps; ++step) {
+    auto [inputs, targets] = batches.get(step, rank, o.local_batch);
+    const fsdp::CommStats before = group.stats();
+    const auto t0 = std::chrono::steady_clock::now();
+    at::Tensor logits = fsdp::nn::call(model, inputs);
+    at::Tensor loss = at::cross_entropy_loss(logits.flatten(0, 1), targets.flatten());
+    loss.backward();
+    optim.step();
+    optim.zero_grad();
+    const double step_time = seconds_since(t0);
+    const fsdp::CommStats after = group.stats();
+    // Global mean loss for the log (outside the timed step and the byte count).
+    at::Tensor l = loss.detach().clone();
+    world->all_reduce(l, fsdp::ReduceOp::Sum).wait();
+    const double global_loss = l.item<double>() / W;
+    out << "{\"event\":\"step\",\"step\":" << step << ",\"loss\":" << bench::fmt(global_loss)
+        << ",\"local_loss\":" << bench::fmt(loss.item<double>()) << ",\"step_time\":" << bench::fmt(step_time)
+        << ",\"vmhwm_kib\":" << bench::rss_kib("VmHWM") << ",\"vmrss_kib\":" << bench::rss_kib("VmRSS")
+        << ",\"bytes_sent\":" << (after.bytes_sent - before.bytes_sent)
+        << ",\"all_gather_calls\":" << (after.all_gather_calls - before.all_gather_calls)
+        << ",\"reduce_scatter_calls\":" << (after.reduce_scatter_calls - before.reduce_scatter_calls) << "}\n";
+    out.flush();
+  }
+  world->barrier().wait();
+  fsdp::destroy_process_group();
+  return 0;
+}
+
+// The same per-rank work on one process without FSDP: the compute limit of the roofline.
+int cmd_single(const Options& o) {
+  llama::Transformer model = load_model(o.weights);
+  auto optim = make_adamw(o, model->parameters());
+  Batches batches(o.tokens, o.steps, o.local_batch, o.seq);
+  std::ofstream out(o.out_dir + "/single.jsonl");
+  for (int64_t step = 0; step < o.steps; ++step) {
+    auto [inputs, targets] = batches.get(step, 0, o.local_batch);
+    const auto t0 = std::chrono::steady_clock::now();
+    at::Tensor logits = model->forward(inputs);
+    at::Tensor loss = at::cross_entropy_loss(logits.flatten(0, 1), targets.flatten());
+    loss.backward();
+    optim.step();
+    optim.zero_grad();
+    const double step_time = seconds_since(t0);
+    out << "{\"event\":\"step\",\"step\":" << step << ",\"loss\":" << bench::fmt(loss.item<double>())
+        << ",\"step_time\":" << bench::fmt(step_time) << "}\n";
+  }
+  return 0;
+}
+
+// Single-threaded memcpy bandwidth over buffers much larger than the caches (GB/s = 1e9 bytes/s), best of 5:
+// every byte a process sends through loopback TCP is copied at least once, so bytes / this is a lower bound on
+// communication time on this machine.
+int cmd_memcpy(const Options&) {
+  const int64_t n = 256 << 20;
+  std::vector<char> a(n, 1), b(n, 0);
+  double best = 1e30;
+  for (int i = 0; i < 5; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::memcpy(b.data(), a.data(), n);
+    best = std::min(best, seconds_since(t0));
+    a[i] = b[n - 1 - i];  // keep the copies observable
+  }
+  std::cout << "{\"event\":\"memcpy\",\"bytes\":" << n << ",\"seconds\":" << bench::fmt(best)
+            << ",\"gb_per_s\":" << bench::fmt(n / best / 1e9) << "}\n";
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"libfsdp side of the PyTorch FSDP2 comparison"};
+  app.require_subcommand(1);
+  Options o;
+  auto* init = app.add_subcommand("init", "write initial weights (safetensors, with model args as metadata)");
+  init->add_option("--flavor", o.flavor, "llama3 flavor")->required();
+  init->add_option("--seed", o.seed);
+  init->add_option("--out", o.out)->required();
+  auto add_train_opts = [&](CLI::App* c) {
+    c->add_option("--weights", o.weights)->required();
+    c->add_option("--tokens", o.tokens)->required();
+    c->add_option("--steps", o.steps);
+    c->add_option("--local-batch", o.local_batch);
+    c->add_option("--seq", o.seq);
+    c->add_option("--out-dir", o.out_dir);
+    c->add_option("--lr", o.lr);
+    c->add_option("--weight-decay", o.weight_decay);
+  };
+  auto* train = app.add_subcommand("train", "FSDP training under fsdprun");
+  add_train_opts(train);
+  train->add_option("--reshard", o.reshard, "reshard_after_forward of the blocks: default|true|false|<int>");
+  train->add_flag("!--no-reset-peak", o.reset_peak, "keep VmHWM from process start");
+  auto* single = app.add_subcommand("single", "the same per-rank work without FSDP (one process)");
+  add_train_opts(single);
+  auto* memcpy_cmd = app.add_subcommand("memcpy", "memcpy bandwidth");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (*init) return cmd_init(o);
+    if (*train) return cmd_train(o);
+    if (*single) return cmd_single(o);
+    if (*memcpy_cmd) return cmd_memcpy(o);
+  } catch (const std::exception& e) {
+    std::cerr << "fsdp-bench-ours: " << e.what() << "\n";
+    return 1;
+  }
+  return 2;
+}

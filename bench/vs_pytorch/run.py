@@ -1,0 +1,287 @@
+"""Side-by-side: libfsdp (ours.cpp under fsdprun) vs PyTorch FSDP2 (vs_pytorch.py under torchrun).
+
+For each world size: same initial weights (safetensors written by our side), same token batches (a raw int64
+file written here), same mesh (1-D over the world), reshard policy, dtype (fp32) and AdamW settings. Prints a
+table: loss match, median step time ratio, peak RSS ratio, bytes per step (ours measured, FSDP2 requested,
+analytic optimum), and a roofline (compute limit = the same per-rank work without FSDP on one process; comm
+limit = bytes / memcpy bandwidth). Exit status 1 when a loss curve differs by more than --check-rtol.
+
+    .venv/bin/python bench/vs_pytorch/run.py --build-dir build-bench            (or bench/vs_pytorch/run.sh)
+"""
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import st_io  # noqa: E402
+
+
+def write_tokens(path, steps, global_batch, seq, vocab, seed):
+    """Learnable synthetic data: each sequence follows t[i+1] = (a*t[i] + c) mod V, with 20% of positions
+    replaced by random tokens. Deterministic for a seed; both sides read the same file."""
+    g = torch.Generator().manual_seed(seed)
+    n = steps * global_batch
+    a = torch.randint(1, 16, (n, 1), generator=g)
+    c = torch.randint(0, vocab, (n, 1), generator=g)
+    t = torch.empty(n, seq + 1, dtype=torch.int64)
+    t[:, 0] = torch.randint(0, vocab, (n,), generator=g)
+    for i in range(seq):
+        t[:, i + 1] = (a[:, 0] * t[:, i] + c[:, 0]) % vocab
+    noise = torch.rand(n, seq + 1, generator=g) < 0.2
+    t[noise] = torch.randint(0, vocab, (int(noise.sum()),), generator=g)
+    t.numpy().tofile(path)
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run(cmd, env, log, timeout):
+    with open(log, "w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        t0 = time.time()
+        r = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+    if r.returncode != 0:
+        with open(log) as f:
+            sys.stderr.write(f.read()[-6000:])
+        raise SystemExit(f"command failed ({r.returncode}): {' '.join(cmd)}")
+    return time.time() - t0
+
+
+def machine_details():
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        with open("/proc/meminfo") as f:
+            mem = f"{int(f.readline().split()[1]) / 2**20:.1f} GiB"
+    except OSError:
+        pass
+    load = os.getloadavg()
+    return (f"{cpu}, {os.cpu_count()} cores, {mem} RAM, Linux {platform.release()}, torch {torch.__version__} "
+            f"(both sides: same libtorch), Python {platform.python_version()}, load average at start "
+            f"{load[0]:.1f}")
+
+
+def med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--build-dir", default=os.path.join(HERE, "..", "..", "build"))
+    p.add_argument("--ours", help="fsdp-bench-ours binary (default: <build-dir>/bench/fsdp-bench-ours)")
+    p.add_argument("--fsdprun", help="fsdprun binary (default: <build-dir>/apps/fsdprun/fsdprun)")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--flavor", default="debugmodel")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--global-batch", type=int, default=8, help="fixed across world sizes (local = global / W)")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--reshard", default="default", help="blocks' reshard_after_forward: default|true|false|<int>")
+    p.add_argument("--lr", type=float, default=8e-4)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every rank, both sides")
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of the median step time")
+    p.add_argument("--no-roofline", action="store_true")
+    p.add_argument("--no-force-sum", action="store_true", help="FSDP2 side: keep AVG reductions on Gloo")
+    p.add_argument("--check-rtol", type=float, default=None, help="exit 1 if max relative loss diff exceeds this")
+    p.add_argument("--work-dir", help="keep inputs, logs and JSONL here (default: a temp dir, removed)")
+    p.add_argument("--markdown", help="also write the report (markdown) to this file")
+    p.add_argument("--timeout", type=int, default=1800, help="per command, seconds")
+    o = p.parse_args()
+
+    ours = o.ours or os.path.join(o.build_dir, "bench", "fsdp-bench-ours")
+    fsdprun = o.fsdprun or os.path.join(o.build_dir, "apps", "fsdprun", "fsdprun")
+    for b in (ours, fsdprun):
+        if not os.access(b, os.X_OK):
+            raise SystemExit(f"missing binary {b}: build targets fsdp-bench-ours and fsdprun first")
+    work = o.work_dir or tempfile.mkdtemp(prefix="vs_pytorch_")
+    os.makedirs(work, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(o.threads))
+    details = machine_details()
+    try:
+        weights = os.path.join(work, "init.safetensors")
+        run([ours, "init", "--flavor", o.flavor, "--seed", str(o.seed), "--out", weights], env,
+            os.path.join(work, "init.log"), o.timeout)
+        _, meta = st_io.load(weights)
+        vocab = int(meta["vocab_size"])
+        tokens = os.path.join(work, "tokens.bin")
+        write_tokens(tokens, o.steps, o.global_batch, o.seq, vocab, o.seed + 1)
+
+        memcpy_gbs = None
+        if not o.no_roofline:
+            r = subprocess.run([ours, "memcpy"], env=env, capture_output=True, text=True, check=True)
+            memcpy_gbs = json.loads(r.stdout.strip().splitlines()[-1])["gb_per_s"]
+
+        results = []
+        for W in o.world_sizes:
+            if o.global_batch % W:
+                raise SystemExit(f"--global-batch {o.global_batch} is not divisible by world size {W}")
+            lb = o.global_batch // W
+            d = os.path.join(work, f"w{W}")
+            os.makedirs(d, exist_ok=True)
+            common = ["--weights", weights, "--tokens", tokens, "--steps", str(o.steps), "--local-batch", str(lb),
+                      "--seq", str(o.seq), "--out-dir", d, "--lr", str(o.lr), "--weight-decay", str(o.weight_decay)]
+            t_ours = run([fsdprun, "--nproc-per-node", str(W), "--timeout", str(o.timeout), ours, "train", *common,
+                          "--reshard", o.reshard], env, os.path.join(d, "ours.log"), o.timeout + 30)
+            theirs_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(W),
+                          os.path.join(HERE, "vs_pytorch.py"), *common, "--reshard", o.reshard]
+            if o.no_force_sum:
+                theirs_cmd.append("--no-force-sum")
+            t_theirs = run(theirs_cmd, env, os.path.join(d, "theirs.log"), o.timeout + 30)
+            single = None
+            if not o.no_roofline:
+                run([ours, "single", *common], env, os.path.join(d, "single.log"), o.timeout)
+                single = [r for r in read_jsonl(os.path.join(d, "single.jsonl")) if r["event"] == "step"]
+            ranks = []
+            for r in range(W):
+                ranks.append((read_jsonl(os.path.join(d, f"ours_rank{r}.jsonl")),
+                              read_jsonl(os.path.join(d, f"theirs_rank{r}.jsonl"))))
+            results.append(summarize(W, lb, ranks, single, memcpy_gbs, o, t_ours, t_theirs))
+
+        report = render(results, o, details, memcpy_gbs)
+        print(report)
+        if o.markdown:
+            with open(o.markdown, "w") as f:
+                f.write(report)
+        with open(os.path.join(work, "summary.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        if o.check_rtol is not None:
+            bad = [r for r in results if not (r["max_rel_diff"] <= o.check_rtol)]
+            if bad:
+                print(f"FAIL: loss curves differ by more than {o.check_rtol} at world sizes "
+                      f"{[r['world'] for r in bad]}", file=sys.stderr)
+                return 1
+            print(f"PASS: loss curves match within rtol {o.check_rtol} at world sizes {o.world_sizes}")
+        return 0
+    finally:
+        if not o.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def summarize(W, lb, ranks, single, memcpy_gbs, o, t_ours, t_theirs):
+    ours0 = [r for r in ranks[0][0] if r["event"] == "step"]
+    theirs0 = [r for r in ranks[0][1] if r["event"] == "step"]
+    setup_ours = ranks[0][0][0]
+    assert len(ours0) == len(theirs0) == o.steps, (len(ours0), len(theirs0))
+    losses = [(a["loss"], b["loss"]) for a, b in zip(ours0, theirs0)]
+    rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in losses]
+    absd = [abs(a - b) for a, b in losses]
+    w = o.warmup if o.steps > o.warmup + 2 else 0
+
+    def step_times(side):  # per step, the slowest rank (the step ends for everyone at the last collective)
+        per_rank = [[r["step_time"] for r in ranks[k][side] if r["event"] == "step"] for k in range(W)]
+        return [max(ts) for ts in zip(*per_rank)][w:]
+
+    t_o, t_t = med(step_times(0)), med(step_times(1))
+
+    def peak(side, key="vmhwm_kib"):
+        return max(max(r[key] for r in ranks[k][side] if r["event"] == "step") for k in range(W))
+
+    def growth(side):  # training-phase peak above the RSS right after set-up, max over ranks
+        out = []
+        for k in range(W):
+            setup = ranks[k][side][0]["rss_setup_kib"]
+            out.append(max(r["vmhwm_kib"] for r in ranks[k][side] if r["event"] == "step") - setup)
+        return max(out)
+
+    bytes_ours = med([r["bytes_sent"] for r in ours0[1:]])
+    bytes_theirs = med([r["bytes_requested"] for r in theirs0[1:]])
+    res = {
+        "world": W, "local_batch": lb,
+        "losses": losses, "max_rel_diff": max(rel), "max_abs_diff": max(absd), "rel_diff_step0": rel[0],
+        "step_time_ours": t_o, "step_time_theirs": t_t, "time_ratio": t_o / t_t,
+        "wall_ours": t_ours, "wall_theirs": t_theirs,
+        "peak_rss_ours_mib": peak(0) / 1024, "peak_rss_theirs_mib": peak(1) / 1024,
+        "rss_ratio": peak(0) / peak(1),
+        "growth_ours_mib": growth(0) / 1024, "growth_theirs_mib": growth(1) / 1024,
+        "bytes_ours": bytes_ours, "bytes_theirs_requested": bytes_theirs,
+        "bytes_optimum": setup_ours["optimum_bytes_per_step"],
+        "ag_calls_ours": ours0[-1]["all_gather_calls"], "rs_calls_ours": ours0[-1]["reduce_scatter_calls"],
+        "ag_calls_theirs": theirs0[-1]["all_gather_calls"], "rs_calls_theirs": theirs0[-1]["reduce_scatter_calls"],
+    }
+    if single is not None:
+        t_single = med([r["step_time"] for r in single][w:])
+        cores = os.cpu_count() or 1
+        oversub = max(1.0, W * o.threads / cores)  # ranks share the cores: each gets cores/W of one
+        compute = t_single * oversub
+        comm = bytes_ours / (memcpy_gbs * 1e9) if memcpy_gbs else 0.0
+        res.update({"single_step_time": t_single, "oversubscription": oversub, "compute_limit": compute,
+                    "comm_limit": comm, "limit": max(compute, comm), "ours_over_limit": t_o / max(compute, comm),
+                    "theirs_over_limit": t_t / max(compute, comm), "single_loss_step0": single[0]["loss"]})
+    return res
+
+
+def fmt_bytes(b):
+    return f"{b / 2**20:.3f} MiB"
+
+
+def render(results, o, details, memcpy_gbs):
+    L = []
+    L.append(f"### libfsdp vs PyTorch FSDP2 (torch {torch.__version__}), flavor `{o.flavor}`, fp32, Gloo on CPU")
+    L.append("")
+    L.append(f"- machine: {details}")
+    L.append(f"- setup: {o.steps} steps, global batch {o.global_batch} (local = global / world), seq {o.seq}, "
+             f"AdamW lr {o.lr} betas (0.9, 0.95) eps 1e-8 weight_decay {o.weight_decay}, cross-entropy mean, "
+             f"1-D mesh, fully_shard per block (reshard_after_forward={o.reshard}) + root (default), "
+             f"OMP_NUM_THREADS={o.threads} on every rank of both sides")
+    L.append(f"- FSDP2 side: {'set_force_sum_reduction_for_comms(True) (SUM + post-divide) on every FSDP module' if not o.no_force_sum else 'AVG reductions (force-sum off)'}")
+    if memcpy_gbs:
+        L.append(f"- memcpy bandwidth (1 thread): {memcpy_gbs:.2f} GB/s")
+    L.append("")
+    L.append("| world | loss max rel diff | (step 0) | step time ours / theirs (median) | ratio | peak RSS ours / theirs (max rank) | ratio | training-phase RSS growth ours / theirs | bytes/step ours | FSDP2 requested | analytic optimum | AG/RS calls ours, theirs |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        L.append(f"| {r['world']} | {r['max_rel_diff']:.2e} | {r['rel_diff_step0']:.1e} | "
+                 f"{r['step_time_ours'] * 1e3:.1f} / {r['step_time_theirs'] * 1e3:.1f} ms | {r['time_ratio']:.2f} | "
+                 f"{r['peak_rss_ours_mib']:.0f} / {r['peak_rss_theirs_mib']:.0f} MiB | {r['rss_ratio']:.2f} | "
+                 f"{r['growth_ours_mib']:.1f} / {r['growth_theirs_mib']:.1f} MiB | {fmt_bytes(r['bytes_ours'])} | "
+                 f"{fmt_bytes(r['bytes_theirs_requested'])} | {fmt_bytes(r['bytes_optimum'])}"
+                 f"{' (ours x%.4f)' % (r['bytes_ours'] / r['bytes_optimum']) if r['bytes_optimum'] else ''} | "
+                 f"{r['ag_calls_ours']}/{r['rs_calls_ours']}, {r['ag_calls_theirs']}/{r['rs_calls_theirs']} |")
+    if "limit" in results[0]:
+        L.append("")
+        L.append("Roofline (per step): compute limit = the same per-rank work on one process without FSDP "
+                 "(x oversubscription when ranks > cores); comm limit = bytes/step / memcpy bandwidth.")
+        L.append("")
+        L.append("| world | single-process step | oversubscription | compute limit | comm limit | ours / limit | theirs / limit |")
+        L.append("|---|---|---|---|---|---|---|")
+        for r in results:
+            L.append(f"| {r['world']} | {r['single_step_time'] * 1e3:.1f} ms | x{r['oversubscription']:.0f} | "
+                     f"{r['compute_limit'] * 1e3:.1f} ms | {r['comm_limit'] * 1e3:.2f} ms | "
+                     f"{r['ours_over_limit']:.2f} | {r['theirs_over_limit']:.2f} |")
+    L.append("")
+    L.append("Loss at each logged step (ours / theirs):")
+    L.append("")
+    head = "| step | " + " | ".join(f"world {r['world']} ours | theirs" for r in results) + " |"
+    L.append(head)
+    L.append("|---" * (1 + 2 * len(results)) + "|")
+    steps = len(results[0]["losses"])
+    log_every = max(1, steps // 10)
+    for s in list(range(0, steps, log_every)) + ([steps - 1] if (steps - 1) % log_every else []):
+        L.append(f"| {s} | " + " | ".join(f"{r['losses'][s][0]:.6f} | {r['losses'][s][1]:.6f}" for r in results) + " |")
+    return "\n".join(L) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

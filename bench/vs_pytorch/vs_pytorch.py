@@ -1,0 +1,278 @@
+"""PyTorch FSDP2 side of the side-by-side benchmark (run under torchrun; run.py drives both sides).
+
+The model is a line-by-line transcription of our C++ Llama 3 (src/nn/llama.cpp), not TorchTitan's code:
+  - RMSNorm: normalise in float32, x * rsqrt(mean(x^2) + eps), cast back, times weight;
+  - RoPE: interleaved pairs (x[2i], x[2i+1]) rotated as complex numbers, tables cos/sin of
+    pos * theta^(-2i/head_dim) computed in float64 and rounded to float32 (TorchTitan's freqs_cis convention);
+  - attention: grouped-query (repeat_interleave of kv heads), scaled_dot_product_attention(is_causal=True),
+    i.e. the default 1/sqrt(head_dim) scaling; no biases anywhere;
+  - SwiGLU feed-forward w2(silu(w1 x) * w3 x); TorchTitan FQNs so the safetensors file loads as a state dict.
+Weights come from the file our side wrote (model args in its metadata), tokens from the same raw int64 file.
+Sharding: fully_shard per block (reshard_after_forward as given) then the root (default policy), the same
+1-D mesh over the world as ours. On Gloo, gradient reduction uses set_force_sum_reduction_for_comms(True):
+SUM collectives + a post-division by the data-parallel size (see run.py's --no-force-sum for the check).
+Writes one JSON line per step to <out-dir>/theirs_rank<r>.jsonl.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import st_io  # noqa: E402
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+def precompute_rope(head_dim, seq_len, theta):
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64)[: head_dim // 2] / head_dim
+    freqs = 1.0 / torch.pow(theta, exponents)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), freqs)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x, cos, sin):
+    b, s, h, d = x.shape
+    xf = x.float().reshape(b, s, h, d // 2, 2)
+    re, im = xf[..., 0], xf[..., 1]
+    c = cos.view(1, s, 1, d // 2)
+    si = sin.view(1, s, 1, d // 2)
+    out = torch.stack([re * c - im * si, re * si + im * c], dim=-1)
+    return out.flatten(3).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = a["n_heads"], a["n_kv_heads"]
+        self.head_dim = a["dim"] // a["n_heads"]
+        self.wq = nn.Linear(a["dim"], self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(a["dim"], self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(a["dim"], self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, a["dim"], bias=False)
+
+    def forward(self, x, cos, sin):
+        bs, seq, _ = x.shape
+        xq = self.wq(x).view(bs, seq, self.n_heads, self.head_dim)
+        xk = self.wk(x).view(bs, seq, self.n_kv_heads, self.head_dim)
+        xv = self.wv(x).view(bs, seq, self.n_kv_heads, self.head_dim)
+        xq, xk = apply_rope(xq, cos, sin), apply_rope(xk, cos, sin)
+        n_rep = self.n_heads // self.n_kv_heads
+        if n_rep > 1:
+            xk = xk.repeat_interleave(n_rep, dim=2)
+            xv = xv.repeat_interleave(n_rep, dim=2)
+        q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bs, seq, self.n_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        self.attention = Attention(a)
+        self.feed_forward = FeedForward(a["dim"], a["ffn_hidden_dim"])
+        self.attention_norm = RMSNorm(a["dim"], a["norm_eps"])
+        self.ffn_norm = RMSNorm(a["dim"], a["norm_eps"])
+
+    def forward(self, x, cos, sin):
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        assert not a["tie_embeddings"], "tied embeddings are not part of this comparison"
+        self.a = a
+        self.tok_embeddings = nn.Embedding(a["vocab_size"], a["dim"])
+        self.layers = nn.ModuleList([TransformerBlock(a) for _ in range(a["n_layers"])])
+        self.norm = RMSNorm(a["dim"], a["norm_eps"])
+        self.output = nn.Linear(a["dim"], a["vocab_size"], bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        seq = tokens.shape[1]
+        if getattr(self, "_rope", None) is None or self._rope[0].shape[0] != seq:  # cached, as ours
+            self._rope = precompute_rope(self.a["dim"] // self.a["n_heads"], seq, self.a["rope_theta"])
+        cos, sin = self._rope
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+
+def model_args(meta):
+    ints = ["dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim", "tie_embeddings"]
+    a = {k: int(meta[k]) for k in ints}
+    a["norm_eps"] = float(meta["norm_eps"])
+    a["rope_theta"] = float(meta["rope_theta"])
+    return a
+
+
+def rss_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak_rss():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+class CommCounter:
+    """Counts the collectives FSDP2 issues and the bytes each rank would send under the same byte model as our
+    CommStats (ring all-gather (W-1) x input; reduce-scatter (W-1)/W x input; all-reduce 2(W-1)/W x tensor).
+    This is what FSDP2 *asks for*; Gloo's own algorithms may move more (see run.py's notes)."""
+
+    def __init__(self):
+        self.calls = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        self.bytes = 0
+        ag, rs, ar = dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce
+
+        def nbytes(t):
+            return t.numel() * t.element_size()
+
+        def size(group):
+            return dist.get_world_size(group)
+
+        def all_gather_single(output, input, group=None, async_op=False):
+            self.calls["all_gather"] += 1
+            self.bytes += (size(group) - 1) * nbytes(input)
+            return ag(output, input, group=group, async_op=async_op)
+
+        def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            self.calls["reduce_scatter"] += 1
+            w = size(group)
+            self.bytes += (w - 1) * nbytes(input) // w
+            return rs(output, input, op=op, group=group, async_op=async_op)
+
+        def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            self.calls["all_reduce"] += 1
+            w = size(group)
+            self.bytes += 2 * (w - 1) * nbytes(tensor) // w
+            return ar(tensor, op=op, group=group, async_op=async_op)
+
+        dist.all_gather_single = all_gather_single
+        dist.reduce_scatter_single = reduce_scatter_single
+        dist.all_reduce = all_reduce
+
+    def snapshot(self):
+        return dict(self.calls), self.bytes
+
+
+def parse_reshard(s):
+    """default | true | false | <int>, as ours.cpp's --reshard."""
+    if s in ("default", "true", "false"):
+        return {"default": None, "true": True, "false": False}[s]
+    return int(s)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--weights", required=True)
+    p.add_argument("--tokens", required=True)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--local-batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--out-dir", default=".")
+    p.add_argument("--reshard", default="default")
+    p.add_argument("--lr", type=float, default=8e-4)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--no-force-sum", action="store_true", help="keep FSDP2's AVG reduce-scatter on Gloo")
+    o = p.parse_args()
+
+    baseline_rss = rss_kib("VmRSS")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    rss_after_init = rss_kib("VmRSS")
+
+    tensors, meta = st_io.load(o.weights)
+    a = model_args(meta)
+    model = Transformer(a)
+    model.load_state_dict(tensors, strict=True)  # raises on any missing/unexpected/mis-shaped tensor
+    del tensors
+
+    reshard = parse_reshard(o.reshard)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh)  # root: default policy (kept unsharded between forward and backward)
+    if not o.no_force_sum:
+        for m in model.modules():
+            if hasattr(m, "set_force_sum_reduction_for_comms"):
+                m.set_force_sum_reduction_for_comms(True)
+    optim = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(0.9, 0.95), eps=1e-8,
+                              weight_decay=o.weight_decay, amsgrad=False, foreach=False, fused=False)
+
+    gb = o.local_batch * world
+    raw = torch.from_file(o.tokens, shared=False, size=o.steps * gb * (o.seq + 1), dtype=torch.int64)
+    tokens = raw.view(o.steps, gb, o.seq + 1)
+
+    counter = CommCounter()
+    reset_peak_rss()
+    out = open(os.path.join(o.out_dir, f"theirs_rank{rank}.jsonl"), "w")
+    out.write(json.dumps({"event": "setup", "side": "theirs", "world": world, "rank": rank,
+                          "flavor": meta.get("flavor"), "torch": torch.__version__,
+                          "force_sum": not o.no_force_sum, "baseline_rss_kib": baseline_rss,
+                          "rss_after_init_kib": rss_after_init, "rss_setup_kib": rss_kib("VmRSS")}) + "\n")
+    for step in range(o.steps):
+        rows = tokens[step, rank * o.local_batch:(rank + 1) * o.local_batch]
+        inputs, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        calls0, bytes0 = counter.snapshot()
+        t0 = time.perf_counter()
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        step_time = time.perf_counter() - t0
+        calls1, bytes1 = counter.snapshot()
+        gl = loss.detach().clone()
+        dist.all_reduce(gl, op=dist.ReduceOp.SUM)
+        out.write(json.dumps({"event": "step", "step": step, "loss": gl.item() / world, "local_loss": loss.item(),
+                              "step_time": step_time, "vmhwm_kib": rss_kib("VmHWM"),
+                              "vmrss_kib": rss_kib("VmRSS"), "bytes_requested": bytes1 - bytes0,
+                              "all_gather_calls": calls1["all_gather"] - calls0["all_gather"],
+                              "reduce_scatter_calls": calls1["reduce_scatter"] - calls0["reduce_scatter"],
+                              "all_reduce_calls": calls1["all_reduce"] - calls0["all_reduce"]}) + "\n")
+        out.flush()
+        del logits, loss  # as ours, whose step-local tensors die at the end of the iteration
+    out.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
