@@ -56,14 +56,19 @@ double measure_peak_tflops() {
   const int64_t n = 512;
   auto a = torch::randn({n, n}), b = torch::randn({n, n}), c = torch::empty({n, n});
   for (int i = 0; i < 3; ++i) torch::mm_out(c, a, b);
-  int64_t iters = 0;
-  const auto t0 = Clock::now();
-  double elapsed = 0;
-  while ((elapsed = seconds_since(t0)) < 0.5) {
-    for (int i = 0; i < 4; ++i) torch::mm_out(c, a, b);
-    iters += 4;
+  // Best of five 0.1 s trials: a trial disturbed by another process on a shared machine does not lower the peak.
+  double best = 0;
+  for (int trial = 0; trial < 5; ++trial) {
+    int64_t iters = 0;
+    const auto t0 = Clock::now();
+    double elapsed = 0;
+    while ((elapsed = seconds_since(t0)) < 0.1) {
+      torch::mm_out(c, a, b);
+      ++iters;
+    }
+    best = std::max(best, 2.0 * n * n * n * static_cast<double>(iters) / elapsed / 1e12);
   }
-  return 2.0 * n * n * n * static_cast<double>(iters) / elapsed / 1e12;
+  return best;
 }
 
 TrainEnv init_distributed(const JobConfig& config) {

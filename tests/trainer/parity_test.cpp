@@ -1,6 +1,6 @@
-// Multi-process parity (run under fsdprun with 2 ranks): the loss curve of 2 data-parallel ranks equals that of
-// 1 rank with gradient accumulation 2 over the same global batches, to 1e-5 (relative). The 1-rank reference
-// runs inside each process without any process group.
+// Multi-process parity (run under fsdprun with W = 2 or 4 ranks): the loss curve of W data-parallel ranks
+// (accumulation 4 / W) equals that of 1 rank with gradient accumulation 4 over the same global batches, to 1e-5
+// (relative). The 1-rank reference runs inside each process without any process group.
 #include "config.h"
 #include "trainer.h"
 
@@ -22,7 +22,7 @@ class DistEnv : public ::testing::Environment {
 const auto* const kEnv = ::testing::AddGlobalTestEnvironment(new DistEnv);
 
 JobConfig base(const std::string& name, int64_t replicate, int64_t shard) {
-  JobConfig c = load_config({"--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--training.local_batch_size", "4",
+  JobConfig c = load_config({"--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
                              "--training.global_batch_size", "8", "--training.steps", "8", "--lr_scheduler.warmup_steps",
                              "2", "--metrics.peak_tflops", "1"});
   c.parallelism.data_parallel_replicate_degree = replicate;
@@ -34,16 +34,17 @@ JobConfig base(const std::string& name, int64_t replicate, int64_t shard) {
 
 void expect_parity(int64_t replicate, int64_t shard, const std::string& name, const std::string& plan) {
   auto world = fsdp::world();
-  ASSERT_EQ(world->size(), 2) << "run with fsdprun --nproc-per-node 2";
+  const int64_t shard_size = shard == -1 ? world->size() / replicate : shard;
+  if (replicate * shard_size != world->size()) GTEST_SKIP() << "needs replicate x shard = world size " << world->size();
   TrainEnv single;
   single.verbose = false;
-  const TrainSummary ref = run_training(base(name + "_ref", 1, -1), single, false);  // 1 rank, accumulation 2
+  const TrainSummary ref = run_training(base(name + "_ref", 1, -1), single, false);  // 1 rank, accumulation 4
   TrainEnv dist;
   dist.rank = world->rank();
   dist.world_size = world->size();
   dist.group = world;
   dist.verbose = false;
-  const TrainSummary got = run_training(base(name, replicate, shard), dist, false);  // 2 ranks, accumulation 1
+  const TrainSummary got = run_training(base(name, replicate, shard), dist, false);  // W ranks, accumulation 4 / W
   EXPECT_NE(got.plan.find(plan), std::string::npos) << got.plan;  // the intended parallelisation was applied
   ASSERT_EQ(ref.losses.size(), got.losses.size());
   for (size_t i = 0; i < ref.losses.size(); ++i) {
@@ -55,6 +56,13 @@ void expect_parity(int64_t replicate, int64_t shard, const std::string& name, co
 
 }  // namespace
 
-TEST(TrainerParity, ReplicateTwoRanksMatchesOneRankWithAccumulation) { expect_parity(2, 1, "ddp", "data parallel (replicate 2"); }
+TEST(TrainerParity, ReplicateMatchesOneRankWithAccumulation) {
+  expect_parity(fsdp::world()->size(), 1, "ddp", "data parallel (replicate");
+}
 
-TEST(TrainerParity, ShardTwoRanksMatchesOneRankWithAccumulation) { expect_parity(1, -1, "fsdp", "FSDP mesh"); }
+TEST(TrainerParity, ShardMatchesOneRankWithAccumulation) { expect_parity(1, -1, "fsdp", "FSDP mesh"); }
+
+TEST(TrainerParity, HsdpMatchesOneRankWithAccumulation) {
+  if (fsdp::world()->size() != 4) GTEST_SKIP() << "HSDP 2 x 2 needs 4 ranks";
+  expect_parity(2, 2, "hsdp", "HSDP mesh");
+}
