@@ -24,6 +24,7 @@ struct RunConfig {
   Opt opt = Opt::SGD;
   int micro_batches = 1;   // gradient accumulation: sync only on the last
   double clip = 0.0;       // > 0: clip the global grad norm
+  std::vector<int64_t> mesh_shape;  // empty = default 1-D mesh; {R, S} = HSDP
 };
 
 // Single-process reference: the whole global batch (split into the same micro-batches).
@@ -52,6 +53,7 @@ std::map<std::string, torch::Tensor> train_fsdp(const RunConfig& cfg) {
   MLP model = make_mlp(42);
   fsdp::FullyShardOptions opts;
   opts.reshard_after_forward = cfg.reshard;
+  if (!cfg.mesh_shape.empty()) opts.mesh = fsdp::init_device_mesh("cpu", cfg.mesh_shape, {"replicate", "shard"});
   std::vector<fsdp::FSDPModule> units;
   for (size_t i = 0; i < model->blocks->size(); ++i) {
     units.push_back(fsdp::fully_shard(model->blocks[i], opts));
@@ -121,3 +123,14 @@ TEST(FullyShardParity, GradientAccumulationWithoutSync) {
   expect_parity({fsdp::ReshardAfterForward(true), Opt::AdamW, 2});
 }
 TEST(FullyShardParity, ClipGradNorm) { expect_parity({std::nullopt, Opt::SGD, 1, 0.05}); }
+
+// HSDP: 2-D mesh (replicate x shard): reduce-scatter within shards, all-reduce across replicas.
+TEST(FullyShardParity, HybridShard) {
+  const int64_t n = test_world()->size();
+  if (n % 2 != 0) {
+    expect_parity({std::nullopt, Opt::SGD, 1, 0.0, {1, n}});  // degenerate replicate dim of 1
+    return;
+  }
+  expect_parity({std::nullopt, Opt::AdamW, 1, 0.0, {2, n / 2}});
+  expect_parity({fsdp::ReshardAfterForward(true), Opt::SGD, 2, 0.05, {2, n / 2}});
+}

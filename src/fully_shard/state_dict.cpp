@@ -1,0 +1,165 @@
+// Sharded and full state dicts of fully_shard models.
+#include <fsdp/state_dict.h>
+
+#include "fully_shard/fsdp_state.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <unordered_map>
+#include <unordered_set>
+
+namespace fsdp {
+namespace {
+
+// What the root's tree knows about its parameters: the FSDPParam behind each managed one, and one mesh to
+// describe replicated entries with.
+struct ModelIndex {
+  std::unordered_map<const c10::TensorImpl*, std::pair<detail::FSDPParam*, const detail::MeshInfo*>> managed;
+  DeviceMesh any_mesh;
+};
+
+ModelIndex index_model(torch::nn::Module& root, const char* what) {
+  // (what: the public function's name, for messages)
+  ModelIndex index;
+  for (const auto& sub : root.modules(/*include_self=*/true)) {
+    auto s = detail::find_state(*sub);
+    if (!s || !s->param_group()) continue;
+    detail::FSDPParamGroup* g = s->param_group();
+    // A group left unsharded after forward (the root keeps its parameters until backward by default, an
+    // explicit unshard()) is resharded: the state dict describes shards. A later backward re-gathers.
+    if (g->is_unsharded() || g->unshard_in_flight()) g->reshard();
+    if (!index.any_mesh.valid()) index.any_mesh = g->mesh_info().mesh;
+    for (auto* p : g->params()) index.managed[p->param().unsafeGetTensorImpl()] = {p, &g->mesh_info()};
+  }
+  TORCH_CHECK(index.any_mesh.valid(), "fsdp::", what, ": no fully_shard module with parameters under ", root.name());
+  return index;
+}
+
+Placements fsdp_placements(const detail::MeshInfo& info) {
+  if (info.mesh.ndim() == 2) return {Replicate(), Shard(0)};
+  return {Shard(0)};
+}
+
+Placements replicated(const DeviceMesh& mesh) { return Placements(static_cast<size_t>(mesh.ndim()), Replicate()); }
+
+// Every parameter (deduplicated: a tied parameter is listed under its first FQN) and buffer of the root.
+template <class F>
+void for_each_entry(torch::nn::Module& root, F&& f) {
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& item : root.named_parameters(/*recurse=*/true)) {
+    if (seen.insert(item.value().unsafeGetTensorImpl()).second) f(item.key(), item.value(), /*is_param=*/true);
+  }
+  for (const auto& item : root.named_buffers(/*recurse=*/true)) f(item.key(), item.value(), /*is_param=*/false);
+}
+
+}  // namespace
+
+ShardedStateDict sharded_state_dict(torch::nn::Module& root) {
+  ModelIndex index = index_model(root, "sharded_state_dict");
+  ShardedStateDict out;
+  for_each_entry(root, [&](const std::string& fqn, const at::Tensor& t, bool) {
+    auto it = index.managed.find(t.unsafeGetTensorImpl());
+    if (it == index.managed.end()) {
+      out.emplace(fqn, ShardedTensor::from_local(t.detach(), index.any_mesh, replicated(index.any_mesh), t.sizes().vec()));
+      return;
+    }
+    const auto& [param, info] = it->second;
+    out.emplace(fqn, ShardedTensor::from_local(param->sharded_local().detach(), info->mesh, fsdp_placements(*info),
+                                               param->unsharded_sizes()));
+  });
+  return out;
+}
+
+void load_sharded_state_dict(torch::nn::Module& root, const ShardedStateDict& state) {
+  ModelIndex index = index_model(root, "load_sharded_state_dict");
+  c10::NoGradGuard no_grad;
+  std::unordered_set<std::string> used;
+  for_each_entry(root, [&](const std::string& fqn, const at::Tensor& t, bool) {
+    auto found = state.find(fqn);
+    TORCH_CHECK(found != state.end(), "fsdp::load_sharded_state_dict: missing key '", fqn, "'");
+    used.insert(fqn);
+    const ShardedTensor& src = found->second;
+    auto it = index.managed.find(t.unsafeGetTensorImpl());
+    const at::Tensor dst = it == index.managed.end() ? t : it->second.first->sharded_local();
+    const std::vector<int64_t> global =
+        it == index.managed.end() ? t.sizes().vec() : it->second.first->unsharded_sizes();
+    TORCH_CHECK(src.sizes() == global, "fsdp::load_sharded_state_dict: '", fqn, "' has global shape ",
+                c10::IntArrayRef(src.sizes()), " in the state dict but ", c10::IntArrayRef(global), " in the model");
+    TORCH_CHECK(src.local().sizes() == dst.sizes(), "fsdp::load_sharded_state_dict: '", fqn, "' local shard ",
+                src.local().sizes(), " does not match this rank's shard ", dst.sizes(),
+                " (a different mesh or world size needs checkpoint resharding)");
+    dst.copy_(src.local());
+  });
+  for (const auto& [key, value] : state) {
+    TORCH_CHECK(used.count(key), "fsdp::load_sharded_state_dict: unexpected key '", key, "' (not in the model)");
+  }
+}
+
+FullStateDict full_state_dict(torch::nn::Module& root, const FullStateDictOptions& options) {
+  ModelIndex index = index_model(root, "full_state_dict");
+  const bool keep = !options.rank0_only || world()->rank() == 0;
+  FullStateDict out;
+  for_each_entry(root, [&](const std::string& fqn, const at::Tensor& t, bool) {
+    auto it = index.managed.find(t.unsafeGetTensorImpl());
+    at::Tensor full;
+    if (it == index.managed.end()) {
+      full = t.detach();
+    } else {
+      const auto& [param, info] = it->second;
+      // One parameter at a time: gather, move off the device, drop — the peak is one full parameter.
+      full = ShardedTensor::from_local(param->sharded_local().detach().contiguous(), info->mesh, fsdp_placements(*info),
+                                       param->unsharded_sizes())
+                 .full_tensor();
+    }
+    if (!keep) return;
+    if (options.cpu_offload) full = full.to(c10::kCPU);
+    out.emplace(fqn, it == index.managed.end() ? full.clone() : full);
+  });
+  return out;
+}
+
+void load_full_state_dict(torch::nn::Module& root, const FullStateDict& state, bool broadcast_from_rank0) {
+  ModelIndex index = index_model(root, "load_full_state_dict");
+  c10::NoGradGuard no_grad;
+  const bool reader = !broadcast_from_rank0 || world()->rank() == 0;
+  std::unordered_set<std::string> used;
+  for_each_entry(root, [&](const std::string& fqn, const at::Tensor& t, bool) {
+    auto it = index.managed.find(t.unsafeGetTensorImpl());
+    const std::vector<int64_t> global =
+        it == index.managed.end() ? t.sizes().vec() : it->second.first->unsharded_sizes();
+    at::Tensor full;
+    if (reader) {
+      auto found = state.find(fqn);
+      TORCH_CHECK(found != state.end(), "fsdp::load_full_state_dict: missing key '", fqn, "'");
+      used.insert(fqn);
+      full = found->second;
+      TORCH_CHECK(full.sizes() == c10::IntArrayRef(global), "fsdp::load_full_state_dict: '", fqn, "' has shape ",
+                  full.sizes(), " in the state dict but ", c10::IntArrayRef(global), " in the model");
+    }
+    const at::Tensor dst = it == index.managed.end() ? t : it->second.first->sharded_local();
+    if (broadcast_from_rank0) {
+      at::Tensor buf = reader ? full.to(dst.device(), dst.scalar_type()).contiguous()
+                              : at::empty(global, dst.options());
+      world()->broadcast(buf, 0).wait();
+      full = buf;
+    }
+    if (it == index.managed.end()) {
+      dst.copy_(full);
+      return;
+    }
+    const detail::FSDPParam& p = *it->second.first;
+    const auto& g = p.geometry();
+    const int64_t rows = g.rows_of(p.shard_rank());
+    if (rows == 0) return;
+    at::Tensor full_rows = global.empty() ? full.reshape({1}) : full;
+    dst.copy_(full_rows.narrow(0, g.offset_of(p.shard_rank()), rows).reshape(dst.sizes()));
+  });
+  if (reader) {
+    for (const auto& [key, value] : state) {
+      TORCH_CHECK(used.count(key), "fsdp::load_full_state_dict: unexpected key '", key, "' (not in the model)");
+    }
+  }
+}
+
+}  // namespace fsdp
