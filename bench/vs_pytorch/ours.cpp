@@ -132,6 +132,7 @@ int cmd_train(const Options& o) {
   const int rank = world->rank(), W = world->size();
   auto mesh = fsdp::init_device_mesh("cpu", {W}, {"shard"});
   const int64_t rss_after_init = bench::rss_kib("VmRSS");
+  const int64_t anon_after_init = bench::rss_kib("RssAnon");
 
   std::string flavor;
   llama::Transformer model = load_model(o.weights, &flavor);
@@ -169,7 +170,8 @@ int cmd_train(const Options& o) {
   std::ofstream out(o.out_dir + "/ours_rank" + std::to_string(rank) + ".jsonl");
   out << "{\"event\":\"setup\",\"side\":\"ours\",\"world\":" << W << ",\"rank\":" << rank << ",\"flavor\":\""
       << flavor << "\",\"params\":" << P << ",\"baseline_rss_kib\":" << baseline_rss
-      << ",\"rss_after_init_kib\":" << rss_after_init << ",\"rss_setup_kib\":" << rss_setup
+      << ",\"rss_after_init_kib\":" << rss_after_init << ",\"anon_after_init_kib\":" << anon_after_init
+      << ",\"rss_setup_kib\":" << rss_setup
       << ",\"optimum_bytes_per_step\":" << static_cast<int64_t>(optimum) << "}\n";
 
   auto& group = *mesh.group(0);
@@ -191,6 +193,8 @@ int cmd_train(const Options& o) {
     out << "{\"event\":\"step\",\"step\":" << step << ",\"loss\":" << bench::fmt(global_loss)
         << ",\"local_loss\":" << bench::fmt(loss.item<double>()) << ",\"step_time\":" << bench::fmt(step_time)
         << ",\"vmhwm_kib\":" << bench::rss_kib("VmHWM") << ",\"vmrss_kib\":" << bench::rss_kib("VmRSS")
+        << ",\"rss_anon_kib\":" << bench::rss_kib("RssAnon") << ",\"rss_file_kib\":" << bench::rss_kib("RssFile")
+        << ",\"rss_shmem_kib\":" << bench::rss_kib("RssShmem")
         << ",\"bytes_sent\":" << (after.bytes_sent - before.bytes_sent)
         << ",\"all_gather_calls\":" << (after.all_gather_calls - before.all_gather_calls)
         << ",\"reduce_scatter_calls\":" << (after.reduce_scatter_calls - before.reduce_scatter_calls) << "}\n";

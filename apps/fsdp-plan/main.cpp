@@ -1,0 +1,94 @@
+// fsdp-plan: per-rank memory and communication of FSDP training of a Llama 3 flavor (see docs/planner.md).
+//
+//   fsdp-plan --flavor 8B --shard 8 --compute-dtype bf16 --local-batch 2 --seq 8192 --ac selective
+//   fsdp-plan --torchtitan-8b        TorchTitan's published 8B / 8 x H100 run, next to its measured memory
+#include "plan.h"
+
+#include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <iostream>
+
+namespace {
+
+// TorchTitan's published run: Llama 3 8B on 8 x H100, FSDP 8, local batch 2, seq 8192, selective AC,
+// bf16 params / fp32 reduce, AdamW fp32 states; TorchTitan's loss upcasts logits and frees them before
+// backward. Published: 82.4 GiB max reserved memory per GPU (5,762 tokens/s/GPU).
+int torchtitan_8b() {
+  using namespace fsdp::plan;
+  std::cout << "TorchTitan Llama 3 8B, 8 x H100, FSDP, local batch 2, seq 8192, selective AC, bf16/fp32: "
+               "published 82.4 GiB per GPU (max reserved by the CUDA caching allocator)\n\n";
+  for (auto kind : {SelectiveKind::Op, SelectiveKind::Layer}) {
+    PlanConfig c;
+    c.flavor = "8B";
+    c.args = fsdp::nn::llama::llama3_flavor("8B");
+    c.shard = 8;
+    c.param_dtype = c10::kFloat;
+    c.compute_dtype = c10::kBFloat16;
+    c.reduce_dtype = c10::kFloat;
+    c.optim_dtype = c10::kFloat;
+    c.local_batch = 2;
+    c.seq_len = 8192;
+    c.ac = ACMode::Selective;
+    c.selective = kind;
+    c.loss.upcast_logits = true;
+    c.loss.free_logits_before_backward = true;
+    Plan p = make_plan(c);
+    std::cout << format_plan(p);
+    std::printf("  => predicted %.1f GiB vs published 82.4 GiB (%+.0f%%)\n\n",
+                static_cast<double>(p.memory.total) / (1 << 30),
+                100.0 * (static_cast<double>(p.memory.total) / (1 << 30) / 82.4 - 1.0));
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace fsdp::plan;
+  CLI::App app{"fsdp-plan: per-rank memory and communication of FSDP training (Llama 3)"};
+  std::string flavor = "8B", param = "fp32", compute = "fp32", reduce = "fp32", optim = "fp32", ac = "none",
+              selective = "layer", reshard = "true";
+  PlanConfig c;
+  bool tt8b = false;
+  app.add_option("--flavor", flavor, "llama3 flavor (cpu_tiny .. 405B)");
+  app.add_option("--replicate", c.replicate, "HSDP replicate degree");
+  app.add_option("--shard", c.shard, "FSDP shard degree");
+  app.add_option("--param-dtype", param, "sharded parameter / gradient dtype");
+  app.add_option("--compute-dtype", compute, "mixed-precision param_dtype (unsharded params, activations)");
+  app.add_option("--reduce-dtype", reduce, "gradient reduction dtype");
+  app.add_option("--optim-dtype", optim, "optimizer state dtype");
+  app.add_option("--optim-states", c.optim_states, "optimizer states per parameter (AdamW: 2)");
+  app.add_option("--local-batch", c.local_batch);
+  app.add_option("--seq", c.seq_len);
+  app.add_option("--ac", ac, "activation checkpointing: none | selective | full");
+  app.add_option("--selective", selective, "selective AC kind: layer | op");
+  app.add_option("--selective-every", c.selective_every, "layer SAC: checkpoint every N-th block");
+  app.add_option("--reshard", reshard, "blocks' reshard_after_forward: true | false | N");
+  app.add_flag("--loss-upcast", c.loss.upcast_logits, "cross-entropy on a float32 copy of the logits (TorchTitan)");
+  app.add_flag("--free-logits", c.loss.free_logits_before_backward, "logits freed before backward (TorchTitan)");
+  double overhead_mib = 0;
+  app.add_option("--runtime-overhead-mib", overhead_mib, "fixed runtime allocations (libtorch CPU: ~4.5)");
+  app.add_flag("--torchtitan-8b", tt8b, "TorchTitan's published 8B run, next to its published memory");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (tt8b) return torchtitan_8b();
+    c.flavor = flavor;
+    c.runtime_overhead = static_cast<int64_t>(overhead_mib * (1 << 20));
+    c.args = fsdp::nn::llama::llama3_flavor(flavor);
+    c.param_dtype = parse_dtype(param);
+    c.compute_dtype = parse_dtype(compute);
+    c.reduce_dtype = parse_dtype(reduce);
+    c.optim_dtype = parse_dtype(optim);
+    c.ac = parse_ac_mode(ac);
+    TORCH_CHECK(selective == "layer" || selective == "op", "fsdp-plan: --selective must be layer or op");
+    c.selective = selective == "op" ? SelectiveKind::Op : SelectiveKind::Layer;
+    c.block_reshard = reshard == "true" ? 1 : reshard == "false" ? 0 : std::stoll(reshard);
+    std::cout << format_plan(make_plan(c));
+  } catch (const std::exception& e) {
+    std::cerr << "fsdp-plan: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,289 @@
+// fsdp-plan's model (see plan.h and docs/planner.md for the formulas and what they assume).
+#include "plan.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+namespace fsdp::plan {
+namespace {
+
+int64_t bytes_of(c10::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); }
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t align16(int64_t n) { return (n + 15) / 16 * 16; }
+
+struct ParamShape {
+  int64_t dim0, row;  // [dim0, row] (1-D: row = 1)
+};
+
+// The parameters of one block / of the root, in registration order (src/nn/llama.cpp).
+std::vector<ParamShape> block_params(const nn::llama::LlamaArgs& a) {
+  const int64_t hq = a.n_heads * a.head_dim(), hkv = a.kv_heads() * a.head_dim(), f = a.ffn_hidden_dim();
+  return {{hq, a.dim}, {hkv, a.dim}, {hkv, a.dim}, {a.dim, hq},  // attention wq wk wv wo
+          {f, a.dim},  {a.dim, f},   {f, a.dim},                 // feed_forward w1 w2 w3
+          {a.dim, 1},  {a.dim, 1}};                              // attention_norm, ffn_norm
+}
+std::vector<ParamShape> root_params(const nn::llama::LlamaArgs& a) {
+  std::vector<ParamShape> p = {{a.vocab_size, a.dim}, {a.dim, 1}};
+  if (!a.tie_embeddings) p.push_back({a.vocab_size, a.dim});
+  return p;
+}
+
+GroupPlan group_plan(const std::string& name, const std::vector<ParamShape>& params, int64_t shard,
+                     int64_t compute_bytes) {
+  GroupPlan g;
+  g.name = name;
+  for (const auto& p : params) {
+    const int64_t shard_numel = ceil_div(p.dim0, shard) * p.row;
+    g.numel += p.dim0 * p.row;
+    g.shard_numel += shard_numel;
+    g.all_gather_bytes += align16(shard_numel * compute_bytes);
+  }
+  return g;
+}
+
+std::string gib(int64_t b) {
+  char buf[64];
+  if (std::llabs(b) >= (int64_t{1} << 30)) {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(b) / (1 << 30));
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f MiB", static_cast<double>(b) / (1 << 20));
+  }
+  return buf;
+}
+
+}  // namespace
+
+ACMode parse_ac_mode(const std::string& s) {
+  if (s == "none") return ACMode::None;
+  if (s == "selective") return ACMode::Selective;
+  if (s == "full") return ACMode::Full;
+  TORCH_CHECK(false, "fsdp-plan: unknown AC mode '", s, "' (none | selective | full)");
+}
+
+c10::ScalarType parse_dtype(const std::string& s) {
+  if (s == "fp32" || s == "float32" || s == "float") return c10::kFloat;
+  if (s == "bf16" || s == "bfloat16") return c10::kBFloat16;
+  if (s == "fp16" || s == "float16" || s == "half") return c10::kHalf;
+  TORCH_CHECK(false, "fsdp-plan: unknown dtype '", s, "' (fp32 | bf16 | fp16)");
+}
+
+Plan make_plan(const PlanConfig& c) {
+  const auto& a = c.args;
+  TORCH_CHECK(c.shard >= 1 && c.replicate >= 1, "fsdp-plan: mesh degrees must be >= 1");
+  TORCH_CHECK(c.block_reshard >= 0 && (c.block_reshard <= 1 || c.shard % c.block_reshard == 0),
+              "fsdp-plan: reshard_after_forward=", c.block_reshard, " must divide the shard degree ", c.shard);
+  Plan plan;
+  plan.config = c;
+  const int64_t e = bytes_of(c.compute_dtype), pb = bytes_of(c.param_dtype), rb = bytes_of(c.reduce_dtype),
+                ob = bytes_of(c.optim_dtype);
+  const int64_t S = c.shard, R = c.replicate;
+
+  for (int64_t l = 0; l < a.n_layers; ++l) plan.groups.push_back(group_plan("layers." + std::to_string(l), block_params(a), S, e));
+  plan.groups.push_back(group_plan("root", root_params(a), S, e));
+  for (const auto& g : plan.groups) plan.num_params += g.numel;
+  TORCH_CHECK(plan.num_params == nn::llama::num_params(a), "fsdp-plan internal: parameter shapes give ",
+              plan.num_params, " but llama::num_params gives ", nn::llama::num_params(a));
+  const GroupPlan& block = plan.groups.front();
+  const GroupPlan& root = plan.groups.back();
+
+  // ---- persistent: sharded params, sharded grads (param dtype), optimizer states ----
+  int64_t shard_numel = 0;
+  for (const auto& g : plan.groups) shard_numel += g.shard_numel;
+  MemoryPlan& m = plan.memory;
+  m.params = shard_numel * pb;
+  m.grads = shard_numel * pb;
+  m.optimizer = c.optim_states * shard_numel * ob;
+
+  // ---- activations saved per block, per token (docs/planner.md, "Activations") ----
+  const int64_t T = c.local_batch * c.seq_len;
+  const int64_t D = a.dim, hq = a.n_heads * a.head_dim(), hkv = a.kv_heads() * a.head_dim(),
+                F = a.ffn_hidden_dim();
+  const bool gqa = a.n_heads != a.kv_heads();
+  // RMSNorm: float32 input (the input itself in fp32, an upcast copy otherwise), normalized (compute dtype)
+  // saved for the weight multiply, output saved by the next linear(s).
+  const int64_t norm = 4 * D + 2 * e * D;
+  // Attention: q (roped), k and v as SDPA sees them (repeated to n_heads under GQA), SDPA output (= wo
+  // input), log-sum-exp (fp32 per head).
+  const int64_t attn = e * (hq + 2 * (gqa ? hq : hkv) + hq) + 4 * a.n_heads;
+  // SwiGLU: w1 out (silu input), silu out, w3 out, product (w2 input).
+  const int64_t ffn = 4 * e * F;
+  const int64_t full_per_token = 2 * norm + attn + ffn;
+  m.act_per_layer_full = T * full_per_token;
+  m.act_per_layer_checkpointed = T * e * D;  // the block input only
+  const int64_t op_sac_per_token = e * (D + hq + hkv + F + D + hq) + 4 * a.n_heads;  // x, wq, wv, w1, w2, sdpa, lse
+  // Saved bytes of each block, and whether its backward first recomputes its forward (a checkpointed block).
+  std::vector<int64_t> layer_saved(a.n_layers, m.act_per_layer_full);
+  std::vector<bool> recomputed(a.n_layers, false);
+  for (int64_t l = 0; l < a.n_layers; ++l) {
+    if (c.ac == ACMode::Full ||
+        (c.ac == ACMode::Selective && c.selective == SelectiveKind::Layer &&
+         (l + 1) % std::max<int64_t>(c.selective_every, 1) == 0)) {  // TorchTitan: every N-th block
+      layer_saved[l] = m.act_per_layer_checkpointed;
+      recomputed[l] = true;
+    } else if (c.ac == ACMode::Selective) {  // op-level: the saved op outputs, the rest recomputed
+      layer_saved[l] = T * op_sac_per_token;
+      recomputed[l] = true;
+    }
+  }
+  int64_t saved_layers_bytes = 0;
+  for (int64_t b : layer_saved) saved_layers_bytes += b;
+
+  // ---- root and loss ----
+  const int64_t final_norm = T * norm;
+  const int64_t V = a.vocab_size;
+  const int64_t logits = T * V * e;
+  const int64_t held_logits = c.loss.free_logits_before_backward ? 0 : logits;
+  const int64_t lsm = T * V * 4;  // log-softmax output (float32 when upcast; = compute dtype otherwise)
+  const int64_t lsm_bytes = c.loss.upcast_logits ? lsm : T * V * e;
+  // log-softmax backward: its saved output, the incoming gradient (nll backward, dense) and its result.
+  const int64_t loss_bwd = held_logits + 3 * lsm_bytes;
+  const int64_t loss_fwd = logits + lsm_bytes + (c.loss.upcast_logits ? lsm : 0);
+  m.root_unsharded = root.numel * e;
+
+  // ---- block groups in flight ----
+  const int64_t U = block.numel * e;                    // one block's unsharded params (or grads)
+  const int64_t ag_buffer = S * block.all_gather_bytes;  // flat all-gather output (before copy-out)
+  const int64_t rs_buffers = 2 * S * block.shard_numel * rb + block.shard_numel * rb;  // input, received, output
+  const int64_t fwd_in_flight = U + (a.n_layers > 1 ? ag_buffer : 0);       // current + prefetched next
+  const int64_t bwd_in_flight = U + U + rs_buffers + (a.n_layers > 1 ? ag_buffer : 0);  // params, grads, prev RS, prefetch
+  // Gradient of the activations flowing through a block's backward (docs/planner.md): the incoming and outgoing
+  // residual gradients and the SwiGLU intermediates' gradients.
+  const int64_t grad_workspace = T * e * (2 * D + 3 * F);
+  m.runtime = c.runtime_overhead;
+  // Sharded grads are freed by zero_grad(set_to_none): they exist from the reduce-scatters to the optimizer step.
+  const int64_t persist = m.params + m.optimizer + m.runtime;
+
+  struct Moment {
+    std::string name;
+    int64_t unsharded, acts, loss, sharded_grads;
+  };
+  std::vector<Moment> moments = {
+      {"end of forward (log-softmax computed)", m.root_unsharded, saved_layers_bytes + final_norm, loss_fwd, 0},
+      {"start of backward (log-softmax backward)", m.root_unsharded, saved_layers_bytes + final_norm, loss_bwd, 0},
+  };
+  // Backward of block i (last to first): the blocks below i still hold their activations, block i's are
+  // recomputed if checkpointed; the blocks above have been reduce-scattered into sharded gradients; the root's
+  // output-projection gradient (unsharded) waits for the root's reduce-scatter at the very end.
+  int64_t acts_below = saved_layers_bytes;
+  for (int64_t i = a.n_layers - 1; i >= 0; --i) {
+    const int64_t acts = acts_below + (recomputed[i] ? m.act_per_layer_full : 0) + grad_workspace;
+    moments.push_back({"backward of block " + std::to_string(i), m.root_unsharded + V * D * e + bwd_in_flight, acts,
+                       held_logits, (a.n_layers - 1 - i) * block.shard_numel * pb});
+    acts_below -= layer_saved[i];
+  }
+  // End of backward: the root's gradients packed into its reduce-scatter input (its params already resharded).
+  const int64_t root_rs = std::max(root.numel * e + S * root.shard_numel * rb, (2 * S + 1) * root.shard_numel * rb);
+  moments.push_back({"end of backward (root reduce-scatter)", root_rs, 0, held_logits,
+                     a.n_layers * block.shard_numel * pb});
+  int64_t best = -1;
+  for (const auto& mo : moments) {
+    const int64_t total = persist + mo.unsharded + mo.acts + mo.loss + mo.sharded_grads;
+    if (total > best) {
+      best = total;
+      m.peak_moment = mo.name;
+      m.unsharded_peak = mo.unsharded - m.root_unsharded;
+      m.activations = mo.acts;
+      m.loss = mo.loss;
+      m.sharded_grads_at_peak = mo.sharded_grads;
+    }
+  }
+  // Forward of the first block: its own params + prefetched buffer with almost no activations (never the peak
+  // when activations dominate, but it is for tiny batches).
+  const int64_t fwd_first = persist + m.root_unsharded + fwd_in_flight;
+  if (fwd_first > best) {
+    best = fwd_first;
+    m.peak_moment = "forward of the first block";
+    m.unsharded_peak = fwd_in_flight;
+    m.activations = 0;
+    m.loss = 0;
+  }
+  // Optimizer step: params, grads, states, one temporary of the largest shard.
+  const int64_t optim_step = persist + m.grads + held_logits;
+  if (optim_step > best) {
+    best = optim_step;
+    m.peak_moment = "optimizer step";
+    m.unsharded_peak = 0;
+    m.activations = 0;
+    m.loss = held_logits;
+    m.sharded_grads_at_peak = m.grads;
+  }
+  m.root_unsharded = m.peak_moment == "optimizer step" ? 0 : m.root_unsharded;
+  m.total = best;
+
+  // ---- communication per step ----
+  CommPlan& cm = plan.comm;
+  const int64_t n_groups = static_cast<int64_t>(plan.groups.size());
+  for (const auto& g : plan.groups) {
+    const bool is_root = &g == &plan.groups.back();
+    if (S > 1) {
+      cm.all_gather_bytes += (S - 1) * g.all_gather_bytes;  // forward
+      cm.all_gather_calls += 1;
+      cm.optimum_bytes += (S - 1) * g.numel * e / S;
+      if (!is_root && c.block_reshard == 1) {  // re-gathered in backward
+        cm.all_gather_bytes += (S - 1) * g.all_gather_bytes;
+        cm.all_gather_calls += 1;
+        cm.optimum_bytes += (S - 1) * g.numel * e / S;
+      } else if (!is_root && c.block_reshard > 1) {  // hpZ: within N ranks, from the N-way copy
+        const int64_t N = c.block_reshard;
+        cm.all_gather_bytes += (N - 1) * (S / N) * g.all_gather_bytes;
+        cm.all_gather_calls += 1;
+        cm.optimum_bytes += (N - 1) * g.numel * e / N;
+      }
+      cm.reduce_scatter_bytes += (S - 1) * g.shard_numel * rb;
+      cm.reduce_scatter_calls += 1;
+      cm.optimum_bytes += (S - 1) * g.numel * rb / S;
+    }
+    if (R > 1) {
+      cm.all_reduce_bytes += 2 * (R - 1) * g.shard_numel * rb / R;
+      cm.all_reduce_calls += 1;
+      cm.optimum_bytes += 2 * (R - 1) * (g.numel / S) * rb / R;
+    }
+  }
+  (void)n_groups;
+  cm.total_bytes = cm.all_gather_bytes + cm.reduce_scatter_bytes + cm.all_reduce_bytes;
+  return plan;
+}
+
+std::string format_plan(const Plan& p) {
+  const auto& c = p.config;
+  const auto& m = p.memory;
+  std::ostringstream os;
+  auto dt = [](c10::ScalarType t) { return std::string(c10::toString(t)); };
+  const char* ac = c.ac == ACMode::None ? "none" : c.ac == ACMode::Full ? "full" : "selective";
+  os << "model      llama3 " << (c.flavor.empty() ? "(custom)" : c.flavor) << ": " << p.num_params << " parameters ("
+     << static_cast<double>(p.num_params) / 1e9 << " B), " << c.args.n_layers << " blocks + root\n";
+  os << "mesh       replicate " << c.replicate << " x shard " << c.shard << " = " << c.replicate * c.shard << " ranks\n";
+  os << "dtypes     params " << dt(c.param_dtype) << ", compute " << dt(c.compute_dtype) << ", reduce "
+     << dt(c.reduce_dtype) << ", optimizer states " << dt(c.optim_dtype) << " x " << c.optim_states << "\n";
+  os << "batch      local " << c.local_batch << " x seq " << c.seq_len << "; AC " << ac;
+  if (c.ac == ACMode::Selective) {
+    os << (c.selective == SelectiveKind::Op ? " (op)" : " (every " + std::to_string(c.selective_every) + " layers)");
+  }
+  os << "; blocks reshard_after_forward=" << (c.block_reshard == 0 ? "false" : c.block_reshard == 1 ? "true" : std::to_string(c.block_reshard)) << "\n";
+  os << "memory per rank\n";
+  os << "  params (sharded)        " << gib(m.params) << "\n";
+  os << "  grads (sharded)         " << gib(m.grads) << "  (freed by zero_grad; present at the optimizer step)\n";
+  os << "  optimizer states        " << gib(m.optimizer) << "\n";
+  os << "  sharded grads at peak   " << gib(m.sharded_grads_at_peak) << "\n";
+  os << "  root unsharded params   " << gib(m.root_unsharded) << "\n";
+  os << "  blocks in flight        " << gib(m.unsharded_peak) << "\n";
+  os << "  activations             " << gib(m.activations) << "  (per block: " << gib(m.act_per_layer_full)
+     << " saved, " << gib(m.act_per_layer_checkpointed) << " checkpointed)\n";
+  os << "  loss (logits etc.)      " << gib(m.loss) << "\n";
+  if (m.runtime) os << "  runtime overhead        " << gib(m.runtime) << "\n";
+  os << "  peak                    " << gib(m.total) << "  at: " << m.peak_moment << "\n";
+  const auto& cm = p.comm;
+  os << "communication per rank per step\n";
+  os << "  all-gather              " << gib(cm.all_gather_bytes) << " (" << cm.all_gather_calls << " calls)\n";
+  os << "  reduce-scatter          " << gib(cm.reduce_scatter_bytes) << " (" << cm.reduce_scatter_calls << " calls)\n";
+  os << "  all-reduce (HSDP)       " << gib(cm.all_reduce_bytes) << " (" << cm.all_reduce_calls << " calls)\n";
+  os << "  total                   " << gib(cm.total_bytes) << "  (optimum without padding: " << gib(cm.optimum_bytes)
+     << ")\n";
+  return os.str();
+}
+
+}  // namespace fsdp::plan

@@ -1,0 +1,103 @@
+#pragma once
+// fsdp-plan: per-rank memory and communication of FSDP (fully_shard per transformer block + root) training
+// of a Llama 3 model, from the model args alone (no allocation; any size, 405B included). The formulas are
+// documented in docs/planner.md and mirror what our fully_shard and src/nn/llama.cpp actually allocate;
+// tests/plan/ checks them against measured peaks of small models.
+
+#include <fsdp/nn/llama.h>
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fsdp::plan {
+
+enum class ACMode { None, Selective, Full };
+// Selective AC: "layer" = checkpoint every `selective_every`-th block (TorchTitan's selective_ac_option "N");
+// "op" = TorchTitan's op-level policy (save every other matmul output and the attention outputs).
+enum class SelectiveKind { Layer, Op };
+
+// How the loss is computed from the logits (affects the largest transient of small-vocabulary models and the
+// largest of all at seq 8192 x vocab 128k).
+struct LossPath {
+  bool upcast_logits = false;   // TorchTitan: pred.float() before cross-entropy (a float32 copy)
+  bool free_logits_before_backward = false;  // TorchTitan: `del pred` before loss.backward()
+};
+
+struct PlanConfig {
+  nn::llama::LlamaArgs args;
+  std::string flavor;
+  int64_t replicate = 1;  // HSDP replicate degree (mesh dim 0)
+  int64_t shard = 1;      // FSDP shard degree (mesh dim 1)
+  c10::ScalarType param_dtype = c10::kFloat;    // sharded (master) parameters and their gradients
+  c10::ScalarType compute_dtype = c10::kFloat;  // MixedPrecisionPolicy.param_dtype: unsharded params, activations
+  c10::ScalarType reduce_dtype = c10::kFloat;   // gradient reduce-scatter / all-reduce
+  c10::ScalarType optim_dtype = c10::kFloat;    // optimizer states
+  int64_t optim_states = 2;                     // AdamW: exp_avg, exp_avg_sq
+  int64_t local_batch = 1;
+  int64_t seq_len = 2048;
+  ACMode ac = ACMode::None;
+  SelectiveKind selective = SelectiveKind::Layer;
+  int64_t selective_every = 2;
+  // Blocks' reshard_after_forward: 0 = false, 1 = true, N > 1 = hpZ N-way (must divide shard). The root keeps
+  // PyTorch's default (not resharded after forward).
+  int64_t block_reshard = 1;
+  LossPath loss;
+  // Fixed allocations of the framework's runtime, added to every moment (0 by default; ~4.5 MiB for libtorch
+  // on CPU, measured in tests/plan; on CUDA the context lives outside the allocator's statistics).
+  int64_t runtime_overhead = 0;
+};
+
+// One parameter group (a transformer block or the root) and its sizes.
+struct GroupPlan {
+  std::string name;
+  int64_t numel = 0;              // unsharded
+  int64_t shard_numel = 0;        // per rank, padded (ceil(dim0 / shard) rows per parameter)
+  int64_t all_gather_bytes = 0;   // per rank, in the compute dtype, 16-byte aligned per parameter
+};
+
+struct MemoryPlan {
+  // Persistent per rank.
+  int64_t params = 0, grads = 0, optimizer = 0;
+  // Transient, at the peak moment.
+  int64_t root_unsharded = 0;   // root group's unsharded params (kept from forward to backward)
+  int64_t unsharded_peak = 0;   // block groups in flight (params, all-gather buffer, grads, reduce-scatter buffers)
+  int64_t activations = 0;      // saved activations at the peak
+  int64_t loss = 0;             // logits / log-softmax tensors live at the peak
+  int64_t runtime = 0;          // PlanConfig::runtime_overhead
+  int64_t sharded_grads_at_peak = 0;
+  int64_t total = 0;
+  std::string peak_moment;      // which moment is the peak
+  // Saved activations per block (bytes), and of the checkpointed / recomputed layers.
+  int64_t act_per_layer_full = 0;
+  int64_t act_per_layer_checkpointed = 0;
+};
+
+struct CommPlan {
+  // Bytes this rank sends per step (our byte model: ring all-gather (n-1) x input, reduce-scatter (n-1)/n of
+  // the input, ring all-reduce 2(n-1)/n) and the calls.
+  int64_t all_gather_bytes = 0, reduce_scatter_bytes = 0, all_reduce_bytes = 0;
+  int64_t all_gather_calls = 0, reduce_scatter_calls = 0, all_reduce_calls = 0;
+  int64_t total_bytes = 0;
+  int64_t optimum_bytes = 0;  // the same without padding/alignment
+};
+
+struct Plan {
+  PlanConfig config;
+  int64_t num_params = 0;
+  std::vector<GroupPlan> groups;  // blocks 0..n-1, then "root"
+  MemoryPlan memory;
+  CommPlan comm;
+};
+
+Plan make_plan(const PlanConfig& config);
+
+// Human-readable report (GiB/MiB), one quantity per line.
+std::string format_plan(const Plan& plan);
+
+ACMode parse_ac_mode(const std::string& s);          // none | selective | full
+c10::ScalarType parse_dtype(const std::string& s);    // fp32|float32 | bf16|bfloat16 | fp16|float16
+
+}  // namespace fsdp::plan
