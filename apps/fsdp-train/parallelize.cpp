@@ -29,11 +29,10 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
                                const fsdp::ProcessGroupPtr& group) {
   ParallelPlan plan;
   plan.dp_group = group;
-  if (!group || dims.world_size == 1) {
-    if (!kApplyFsdpOnSingleRank) {
-      plan.description = "single process (fully_shard not applied on 1 rank yet)";
-      return plan;
-    }
+  if (!group) {
+    // fully_shard needs a process group (even a 1-rank one, as under fsdprun); a bare process trains unsharded.
+    plan.description = "single process (no process group: run under fsdprun to apply fully_shard)";
+    return plan;
   }
   if (dims.dp_shard == 1 && dims.dp_replicate > 1) {
     plan.ddp = true;

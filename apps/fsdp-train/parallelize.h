@@ -23,10 +23,6 @@
 
 namespace fsdp_train {
 
-// fully_shard is applied when the data-parallel world is larger than 1. Once fully_shard is complete it is
-// applied on a single rank too (TorchTitan with dp_shard = -1 always wraps); flip this then.
-inline constexpr bool kApplyFsdpOnSingleRank = false;
-
 struct ParallelPlan {
   bool fsdp = false;  // fully_shard applied (sharded parameters; clip with fsdp::clip_grad_norm_)
   bool ddp = false;   // replicated parameters, gradient all-reduce

@@ -8,6 +8,7 @@
 #include <fsdp/device_mesh.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/nn/module_call.h>
+#include <fsdp/state_dict.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -63,13 +64,10 @@ inline std::pair<torch::Tensor, torch::Tensor> global_batch(int64_t step, int64_
   return {x, y};
 }
 
-// All parameters of an FSDP model gathered to full tensors, by FQN (unshard() -> copy -> reshard()).
-inline std::map<std::string, torch::Tensor> full_params(torch::nn::Module& root, std::vector<fsdp::FSDPModule> units) {
-  for (auto& u : units) u.unshard();
-  std::map<std::string, torch::Tensor> out;
-  for (const auto& item : root.named_parameters()) out[item.key()] = item.value().detach().clone();
-  for (auto& u : units) u.reshard();
-  return out;
+// All parameters of an FSDP model gathered to full tensors, by FQN: the fp32 sharded (master) parameters,
+// all-gathered one by one (full_state_dict), on every rank.
+inline std::map<std::string, torch::Tensor> full_params(torch::nn::Module& root, const std::vector<fsdp::FSDPModule>&) {
+  return fsdp::full_state_dict(root, {/*cpu_offload=*/true, /*rank0_only=*/false});
 }
 
 inline double max_rel_diff(const torch::Tensor& a, const torch::Tensor& b) {
