@@ -148,13 +148,21 @@ int cmd_train(const Options& o) {
   auto optim = make_adamw(o, model->parameters());
   Batches batches(o.tokens, o.steps, o.local_batch * W, o.seq);
 
-  // Analytic optimum bytes sent per rank per step (fp32): each parameter is all-gathered in forward,
-  // re-gathered in backward when its group was resharded, and its gradient reduce-scattered: (W-1)/W of
-  // its bytes each time. Ours adds shard padding and 16-byte alignment on top.
-  const bool blocks_regathered = !block_opts.reshard_after_forward ||
-                                 (std::holds_alternative<bool>(*block_opts.reshard_after_forward)
-                                      ? std::get<bool>(*block_opts.reshard_after_forward)
-                                      : std::get<int>(*block_opts.reshard_after_forward) > 1);
+  // Analytic optimum bytes sent per rank per step (fp32): each parameter is all-gathered in forward and its
+  // gradient reduce-scattered, (W-1)/W of its bytes each time; a resharded block is re-gathered in backward,
+  // (W-1)/W of its bytes again, or (N-1)/N within N ranks under hpZ (reshard_after_forward = N). Ours adds shard
+  // padding and 16-byte alignment on top. The root keeps the default (not resharded after forward).
+  // Note: the measured bytes_sent below counts the mesh's shard group only; hpZ's N-rank groups are internal to
+  // fully_shard, so their backward all-gathers are not in it.
+  int64_t regather_ways = W;  // the group size of the backward all-gather of the blocks (1 = none)
+  if (block_opts.reshard_after_forward) {
+    const auto& r = *block_opts.reshard_after_forward;
+    if (std::holds_alternative<bool>(r)) {
+      regather_ways = std::get<bool>(r) ? W : 1;
+    } else {
+      regather_ways = std::get<int>(r);
+    }
+  }
   const int64_t P = llama::num_params(args);
   int64_t P_blocks = 0;  // parameters of the transformer blocks (the non-root groups)
   for (int64_t l = 0; l < args.n_layers; ++l) {
@@ -163,7 +171,8 @@ int cmd_train(const Options& o) {
                 3 * args.dim * args.ffn_hidden_dim() + 2 * args.dim;
   }
   const double frac = static_cast<double>(W - 1) / W;
-  const double optimum = frac * 4.0 * static_cast<double>(2 * P + (blocks_regathered ? P_blocks : 0));
+  const double regather_frac = static_cast<double>(regather_ways - 1) / regather_ways;
+  const double optimum = 4.0 * (frac * 2.0 * static_cast<double>(P) + regather_frac * static_cast<double>(P_blocks));
 
   if (o.reset_peak) bench::reset_peak_rss();
   const int64_t rss_setup = bench::rss_kib("VmRSS");

@@ -246,6 +246,9 @@ def render(results, o, details, memcpy_gbs):
              f"1-D mesh, fully_shard per block (reshard_after_forward={o.reshard}) + root (default), "
              f"OMP_NUM_THREADS={o.threads} on every rank of both sides")
     L.append(f"- FSDP2 side: {'set_force_sum_reduction_for_comms(True) (SUM + post-divide) on every FSDP module' if not o.no_force_sum else 'AVG reductions (force-sum off)'}")
+    if o.reshard not in ("default", "true", "false") and int(o.reshard) > 1:
+        L.append(f"- reshard_after_forward={o.reshard} (hpZ): 'bytes/step ours' counts the shard group only; the "
+                 f"backward all-gathers inside the {o.reshard}-rank groups are not included (the optimum includes them)")
     if memcpy_gbs:
         L.append(f"- memcpy bandwidth (1 thread): {memcpy_gbs:.2f} GB/s")
     L.append("")
