@@ -23,7 +23,10 @@
 #include <torch/optim/adamw.h>
 
 #include <chrono>
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <variant>
 #include <cstdio>
@@ -219,7 +222,10 @@ int cmd_single(const Options& o) {
   llama::Transformer model = load_model(o.weights);
   auto optim = make_adamw(o, model->parameters());
   Batches batches(o.tokens, o.steps, o.local_batch, o.seq);
-  std::ofstream out(o.out_dir + "/single.jsonl");
+  // Under fsdprun (several copies at once, to measure the compute limit under the same core sharing as W
+  // ranks) each copy writes its own file; alone, single.jsonl.
+  const char* rank_env = std::getenv("RANK");
+  std::ofstream out(o.out_dir + (rank_env ? "/single_rank" + std::string(rank_env) + ".jsonl" : "/single.jsonl"));
   for (int64_t step = 0; step < o.steps; ++step) {
     auto [inputs, targets] = batches.get(step, 0, o.local_batch);
     const auto t0 = std::chrono::steady_clock::now();
@@ -253,6 +259,46 @@ int cmd_memcpy(const Options&) {
   return 0;
 }
 
+// Effective send bandwidth of our collectives on this machine (Gloo over loopback TCP), at the message size of
+// one FSDP group: all-gather of `mib` MiB per rank and reduce-scatter of W x `mib` MiB, median of 20 after 3
+// warm-ups, timed between barriers. bytes_sent (CommStats) / time = what bytes per step cost here.
+int cmd_collectives(const Options& o, double mib) {
+  auto world = fsdp::init_process_group();
+  const int W = world->size();
+  const int64_t n = static_cast<int64_t>(mib * (1 << 20) / 4);
+  at::Tensor out = at::empty({W * n}, at::kFloat);
+  at::Tensor in = at::ones({n}, at::kFloat);
+  at::Tensor rs_in = at::ones({W * n}, at::kFloat), rs_out = at::empty({n}, at::kFloat);
+  auto measure = [&](const std::function<void()>& op) {
+    std::vector<double> t;
+    for (int i = 0; i < 23; ++i) {
+      world->barrier().wait();
+      const auto t0 = std::chrono::steady_clock::now();
+      op();
+      if (i >= 3) t.push_back(seconds_since(t0));
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  };
+  world->reset_stats();
+  const double t_ag = measure([&] { world->all_gather_into_tensor(out, in).wait(); });
+  const int64_t ag_bytes = world->stats().bytes_sent / 23;
+  world->reset_stats();
+  const double t_rs = measure([&] { world->reduce_scatter_tensor(rs_out, rs_in, fsdp::ReduceOp::Sum).wait(); });
+  const int64_t rs_bytes = world->stats().bytes_sent / 23;
+  if (world->rank() == 0) {
+    std::ofstream f(o.out_dir + "/collectives.json");
+    f << "{\"event\":\"collectives\",\"world\":" << W << ",\"mib\":" << bench::fmt(mib)
+      << ",\"all_gather_s\":" << bench::fmt(t_ag) << ",\"all_gather_bytes\":" << ag_bytes
+      << ",\"all_gather_gb_per_s\":" << bench::fmt(ag_bytes / t_ag / 1e9) << ",\"reduce_scatter_s\":"
+      << bench::fmt(t_rs) << ",\"reduce_scatter_bytes\":" << rs_bytes << ",\"reduce_scatter_gb_per_s\":"
+      << bench::fmt(rs_bytes / t_rs / 1e9) << "}\n";
+  }
+  world->barrier().wait();
+  fsdp::destroy_process_group();
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -280,12 +326,17 @@ int main(int argc, char** argv) {
   auto* single = app.add_subcommand("single", "the same per-rank work without FSDP (one process)");
   add_train_opts(single);
   auto* memcpy_cmd = app.add_subcommand("memcpy", "memcpy bandwidth");
+  double coll_mib = 1.0;
+  auto* coll = app.add_subcommand("collectives", "collective bandwidth under fsdprun (Gloo, loopback)");
+  coll->add_option("--mib", coll_mib, "per-rank message size, MiB");
+  coll->add_option("--out-dir", o.out_dir);
   CLI11_PARSE(app, argc, argv);
   try {
     if (*init) return cmd_init(o);
     if (*train) return cmd_train(o);
     if (*single) return cmd_single(o);
     if (*memcpy_cmd) return cmd_memcpy(o);
+    if (*coll) return cmd_collectives(o, coll_mib);
   } catch (const std::exception& e) {
     std::cerr << "fsdp-bench-ours: " << e.what() << "\n";
     return 1;
