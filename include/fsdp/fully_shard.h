@@ -1,10 +1,11 @@
 #pragma once
 // fsdp::fully_shard — PyTorch FSDP2's per-parameter sharding for libtorch module trees.
 //
-//   auto mesh = fsdp::init_device_mesh("cpu", {world});
-//   for (auto& block : *model->layers) fsdp::fully_shard(block, {.mesh = mesh});   // bottom-up
-//   fsdp::fully_shard(model, {.mesh = mesh});                                          // then the root
-//   auto loss = fsdp::nn::call(model, tokens) ...;                                     // see the hook rule
+//   fsdp::FullyShardOptions opts;
+//   opts.mesh = fsdp::init_device_mesh("cpu", {world});
+//   for (auto& block : *model->layers) fsdp::fully_shard(block, opts);   // bottom-up
+//   fsdp::fully_shard(model, opts);                                       // then the root
+//   auto loss = fsdp::nn::call(model, tokens) ...;                        // see the hook rule
 //
 // The hook rule: libtorch modules have no forward hooks, so a module given to fully_shard must be invoked as
 // fsdp::nn::call(module, args...) (by its parent, or by the training loop for the root) instead of
@@ -28,8 +29,8 @@
 namespace fsdp {
 
 // Python's MixedPrecisionPolicy. param_dtype: dtype of the unsharded (all-gathered) parameters used in
-// forward/backward; reduce_dtype: dtype of gradient reduction (ignored when equal to param_dtype... as in
-// PyTorch, it defaults to param_dtype); output_dtype: forward outputs are cast to it; cast_forward_inputs:
+// forward/backward (floating-point parameters only); reduce_dtype: dtype of gradient reduction (unset =
+// param_dtype, as in PyTorch); output_dtype: forward outputs are cast to it; cast_forward_inputs:
 // floating-point forward inputs are cast to param_dtype.
 struct MixedPrecisionPolicy {
   std::optional<c10::ScalarType> param_dtype;

@@ -331,3 +331,55 @@ TEST(FullyShard, ApplyingTwiceIsAnError) {
   fsdp::fully_shard(block, opts);
   EXPECT_THROW(fsdp::fully_shard(block, opts), c10::Error);
 }
+
+// Prefetching: while block i runs forward, block i+1's all-gather is already issued (or done); while block i
+// runs backward, block i-1's is. Explicit prefetch lists replace the implicit order.
+#include "fully_shard/fsdp_state.h"
+
+namespace {
+bool gather_issued(const fsdp::FSDPModule& unit) {
+  auto* group = unit.state().param_group();
+  return group->unshard_in_flight() || group->is_unsharded();
+}
+}  // namespace
+
+TEST(FullyShard, ForwardAndBackwardPrefetch) {
+  auto world = test_world();
+  MLP model = make_mlp(41, 4);
+  auto units = shard_mlp(model, fsdp::ReshardAfterForward(true));
+  auto x = torch::randn({3, 7});
+  fsdp::nn::call(model, x).sum().backward();  // records the forward order
+
+  std::vector<int> forward_seen(4, -1), backward_seen(4, -1);
+  for (int i = 0; i < 4; ++i) {
+    // Runs after FSDP's own hooks (registered later): block i is gathered; is block i+1 on its way?
+    fsdp::nn::register_forward_pre_hook(*model->blocks[i], [&, i](torch::nn::Module&, fsdp::nn::TensorList&) {
+      if (i + 1 < 4) forward_seen[i] = gather_issued(units[i + 1]);
+    });
+    fsdp::nn::register_forward_hook(*model->blocks[i],
+                                    [&, i](torch::nn::Module&, const fsdp::nn::TensorList&, fsdp::nn::TensorList& out) {
+                                      out[0].register_hook([&, i](const torch::Tensor&) {
+                                        if (i > 0) backward_seen[i] = gather_issued(units[i - 1]);
+                                      });
+                                    });
+  }
+  fsdp::nn::call(model, x).sum().backward();
+  for (int i = 0; i + 1 < 4; ++i) EXPECT_EQ(forward_seen[i], 1) << "forward prefetch of block " << i + 1;
+  for (int i = 1; i < 4; ++i) EXPECT_EQ(backward_seen[i], 1) << "backward prefetch of block " << i - 1;
+
+  // Explicit lists: block 0 prefetches blocks 1 and 2 in forward; counts stay one all-gather per group.
+  units[0].set_modules_to_forward_prefetch({units[1], units[2]});
+  std::fill(forward_seen.begin(), forward_seen.end(), -1);
+  auto group = world_mesh().group(0);
+  group->reset_stats();
+  bool block2_early = false;
+  fsdp::nn::register_forward_pre_hook(*model->blocks[0], [&](torch::nn::Module&, fsdp::nn::TensorList&) {
+    block2_early = gather_issued(units[2]);
+  });
+  auto y = fsdp::nn::call(model, x);
+  EXPECT_TRUE(block2_early);
+  EXPECT_EQ(group->stats().all_gather_calls, 5);  // 4 blocks + root, no duplicate gathers
+  y.sum().backward();
+  MLP reference = make_mlp(41, 4);
+  EXPECT_LE(max_rel_diff(fsdp::nn::call(model, x), reference->forward(x)), 1e-5);
+}
