@@ -169,13 +169,20 @@ void FSDPState::post_forward(torch::nn::Module& module, const nn::TensorList& in
   training_state_ = TrainingState::Idle;
 }
 
+namespace {
+// The states of an explicit prefetch list that still exist.
+std::vector<FSDPState*> live_states(const std::vector<std::weak_ptr<FSDPState>>& list) {
+  std::vector<FSDPState*> out;
+  for (auto& w : list) {
+    if (auto s = w.lock()) out.push_back(s.get());
+  }
+  return out;
+}
+}  // namespace
+
 void FSDPState::prefetch_for_forward() {
-  std::vector<FSDPState*> targets;
-  if (!forward_prefetch.empty()) {
-    for (auto& w : forward_prefetch) {
-      if (auto s = w.lock()) targets.push_back(s.get());
-    }
-  } else {
+  std::vector<FSDPState*> targets = live_states(forward_prefetch);
+  if (forward_prefetch.empty()) {
     // Implicit: the state that ran forward right after this one last time.
     const auto& order = ctx_->last_post_forward_order;
     // Pre-forward order differs from post-forward order for nested states; find the first state after
@@ -253,12 +260,8 @@ void FSDPState::pre_backward() {
 }
 
 void FSDPState::prefetch_for_backward() {
-  std::vector<FSDPState*> targets;
-  if (!backward_prefetch.empty()) {
-    for (auto& w : backward_prefetch) {
-      if (auto s = w.lock()) targets.push_back(s.get());
-    }
-  } else {
+  std::vector<FSDPState*> targets = live_states(backward_prefetch);
+  if (backward_prefetch.empty()) {
     // Implicit: backward runs in reverse post-forward order, so the state that posted just before this one
     // is the next to need its parameters.
     const auto& order = ctx_->post_forward_order;

@@ -27,14 +27,6 @@ struct DeviceMesh::Impl {
 
 namespace {
 
-std::string join(const std::vector<int64_t>& v) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
-  os << "]";
-  return os.str();
-}
-
 std::string join(const std::vector<std::string>& v) {
   std::ostringstream os;
   os << "[";
@@ -58,13 +50,13 @@ DeviceMesh::DeviceMesh(c10::DeviceType device_type, std::vector<int64_t> shape, 
   const int64_t nd = static_cast<int64_t>(shape.size());
   TORCH_CHECK(nd >= 1, "fsdp: DeviceMesh needs at least one dim");
   for (int64_t d = 0; d < nd; ++d) {
-    TORCH_CHECK(shape[d] > 0, "fsdp: DeviceMesh shape ", join(shape), ": dim ", d, " has size ", shape[d],
+    TORCH_CHECK(shape[d] > 0, "fsdp: DeviceMesh shape ", c10::IntArrayRef(shape), ": dim ", d, " has size ", shape[d],
                 "; sizes must be positive");
   }
   if (dim_names.empty()) {
     for (int64_t d = 0; d < nd; ++d) dim_names.push_back(c10::str("dim", d));
   }
-  TORCH_CHECK(static_cast<int64_t>(dim_names.size()) == nd, "fsdp: DeviceMesh shape ", join(shape), " has ", nd,
+  TORCH_CHECK(static_cast<int64_t>(dim_names.size()) == nd, "fsdp: DeviceMesh shape ", c10::IntArrayRef(shape), " has ", nd,
               " dims but ", dim_names.size(), " names were given: ", join(dim_names));
   std::set<std::string> seen;
   for (const auto& n : dim_names) {
@@ -74,12 +66,12 @@ DeviceMesh::DeviceMesh(c10::DeviceType device_type, std::vector<int64_t> shape, 
   int64_t numel = 1;
   for (auto s : shape) numel *= s;
   auto w = world();
-  TORCH_CHECK(numel == w->size(), "fsdp: DeviceMesh shape ", join(shape), " holds ", numel,
+  TORCH_CHECK(numel == w->size(), "fsdp: DeviceMesh shape ", c10::IntArrayRef(shape), " holds ", numel,
               " ranks but the world has ", w->size(), " (the mesh must cover the whole world)");
   if (ranks.empty()) {
     for (int64_t i = 0; i < numel; ++i) ranks.push_back(static_cast<int>(i));
   }
-  TORCH_CHECK(static_cast<int64_t>(ranks.size()) == numel, "fsdp: DeviceMesh shape ", join(shape), " needs ", numel,
+  TORCH_CHECK(static_cast<int64_t>(ranks.size()) == numel, "fsdp: DeviceMesh shape ", c10::IntArrayRef(shape), " needs ", numel,
               " ranks, got ", ranks.size());
   {
     std::vector<int> sorted = ranks;
@@ -218,7 +210,7 @@ std::string DeviceMesh::to_string() const {
   if (!impl_) return "DeviceMesh(empty)";
   std::ostringstream os;
   os << "DeviceMesh(" << c10::DeviceTypeName(impl_->device_type, /*lower_case=*/true) << ", shape "
-     << join(impl_->shape) << ", dims " << join(impl_->names) << ", coordinate " << join(impl_->coordinate) << ")";
+     << c10::IntArrayRef(impl_->shape) << ", dims " << join(impl_->names) << ", coordinate " << c10::IntArrayRef(impl_->coordinate) << ")";
   return os.str();
 }
 

@@ -48,28 +48,25 @@ void HookHandle::remove() {
   store_.reset();
 }
 
-HookHandle register_forward_pre_hook(torch::nn::Module& module, ForwardPreHook hook, bool prepend) {
+namespace {
+HookHandle add_hook(torch::nn::Module& module, ForwardPreHook pre, ForwardHook post, bool prepend) {
   auto store = get_or_create_store(module);
-  HookStore::Entry entry{store->next_id++, std::move(hook), nullptr};
+  auto& list = pre ? store->pre_hooks : store->post_hooks;
+  HookStore::Entry entry{store->next_id++, std::move(pre), std::move(post)};
   const uint64_t id = entry.id;
-  if (prepend) {
-    store->pre_hooks.insert(store->pre_hooks.begin(), std::move(entry));
-  } else {
-    store->pre_hooks.push_back(std::move(entry));
-  }
+  list.insert(prepend ? list.begin() : list.end(), std::move(entry));
   return HookHandle(store, id);
+}
+}  // namespace
+
+HookHandle register_forward_pre_hook(torch::nn::Module& module, ForwardPreHook hook, bool prepend) {
+  TORCH_CHECK(hook, "fsdp::nn::register_forward_pre_hook: empty hook");
+  return add_hook(module, std::move(hook), nullptr, prepend);
 }
 
 HookHandle register_forward_hook(torch::nn::Module& module, ForwardHook hook, bool prepend) {
-  auto store = get_or_create_store(module);
-  HookStore::Entry entry{store->next_id++, nullptr, std::move(hook)};
-  const uint64_t id = entry.id;
-  if (prepend) {
-    store->post_hooks.insert(store->post_hooks.begin(), std::move(entry));
-  } else {
-    store->post_hooks.push_back(std::move(entry));
-  }
-  return HookHandle(store, id);
+  TORCH_CHECK(hook, "fsdp::nn::register_forward_hook: empty hook");
+  return add_hook(module, nullptr, std::move(hook), prepend);
 }
 
 bool has_forward_hooks(const torch::nn::Module& module) {

@@ -19,14 +19,6 @@
 namespace fsdp {
 namespace {
 
-std::string join(const std::vector<int64_t>& v) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
-  os << "]";
-  return os.str();
-}
-
 // Validates placements for `mesh` and a tensor of `ndim` dims; wraps negative Shard dims.
 Placements normalize(const Placements& placements, const DeviceMesh& mesh, int64_t ndim, const char* where) {
   TORCH_CHECK(mesh.valid(), "fsdp: ", where, ": the DeviceMesh is empty");
@@ -105,12 +97,12 @@ ShardedTensor ShardedTensor::from_local(at::Tensor local, DeviceMesh mesh, Place
     }
   } else {
     TORCH_CHECK(static_cast<int64_t>(global_shape.size()) == local.dim(), "fsdp: ShardedTensor::from_local: global "
-                "shape ", join(global_shape), " has ", global_shape.size(), " dims but the local tensor has ",
+                "shape ", c10::IntArrayRef(global_shape), " has ", global_shape.size(), " dims but the local tensor has ",
                 local.dim());
     const auto chunk = compute_local_chunk(global_shape, mesh.shape(), placements, mesh.coordinate());
     TORCH_CHECK(chunk.shape == local.sizes().vec(), "fsdp: ShardedTensor::from_local: local shape ",
-                join(local.sizes().vec()), " is not the chunk ", join(chunk.shape), " that mesh coordinate ",
-                join(mesh.coordinate()), " holds of global shape ", join(global_shape), " with placements ",
+                c10::IntArrayRef(local.sizes().vec()), " is not the chunk ", c10::IntArrayRef(chunk.shape), " that mesh coordinate ",
+                c10::IntArrayRef(mesh.coordinate()), " holds of global shape ", c10::IntArrayRef(global_shape), " with placements ",
                 fsdp::to_string(placements));
   }
   ShardedTensor t;
@@ -203,9 +195,9 @@ ShardedTensor ShardedTensor::redistribute(const Placements& placements) const {
 std::string ShardedTensor::to_string() const {
   if (!defined()) return "ShardedTensor(undefined)";
   std::ostringstream os;
-  os << "ShardedTensor(global " << join(global_shape_) << ", " << dtype() << ", placements "
-     << fsdp::to_string(placements_) << ", local " << join(local_.sizes().vec()) << " at offset "
-     << join(local_offset()) << ", " << mesh_.to_string() << ")";
+  os << "ShardedTensor(global " << c10::IntArrayRef(global_shape_) << ", " << dtype() << ", placements "
+     << fsdp::to_string(placements_) << ", local " << c10::IntArrayRef(local_.sizes().vec()) << " at offset "
+     << c10::IntArrayRef(local_offset()) << ", " << mesh_.to_string() << ")";
   return os.str();
 }
 

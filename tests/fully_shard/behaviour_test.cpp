@@ -24,10 +24,7 @@ std::vector<fsdp::FSDPModule> shard_mlp(MLP& model, std::optional<fsdp::ReshardA
   fsdp::FullyShardOptions opts;
   opts.mesh = world_mesh();
   opts.reshard_after_forward = reshard;
-  std::vector<fsdp::FSDPModule> units;
-  for (size_t i = 0; i < model->blocks->size(); ++i) units.push_back(fsdp::fully_shard(model->blocks[i], opts));
-  units.push_back(fsdp::fully_shard(model, opts));
-  return units;
+  return fsdp_test::shard_mlp(model, opts);
 }
 
 }  // namespace

@@ -56,6 +56,14 @@ inline MLP make_mlp(uint64_t seed, int64_t n_blocks = 3) {
   return MLP(7, 19, 13, 5, n_blocks);
 }
 
+// fully_shard every block, then the root (bottom-up), with the same options.
+inline std::vector<fsdp::FSDPModule> shard_mlp(MLP& model, const fsdp::FullyShardOptions& opts) {
+  std::vector<fsdp::FSDPModule> units;
+  for (size_t i = 0; i < model->blocks->size(); ++i) units.push_back(fsdp::fully_shard(model->blocks[i], opts));
+  units.push_back(fsdp::fully_shard(model, opts));
+  return units;
+}
+
 // Deterministic global batch for step `step`: every rank can build it.
 inline std::pair<torch::Tensor, torch::Tensor> global_batch(int64_t step, int64_t batch, int64_t in, int64_t out) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step);

@@ -50,9 +50,7 @@ TEST(MixedPrecision, Bf16ParamsFp32ReduceMatchesManualCasts) {
   fsdp::FullyShardOptions opts;
   opts.mp_policy.param_dtype = torch::kBFloat16;
   opts.mp_policy.reduce_dtype = torch::kFloat;
-  std::vector<fsdp::FSDPModule> units;
-  for (size_t i = 0; i < model->blocks->size(); ++i) units.push_back(fsdp::fully_shard(model->blocks[i], opts));
-  units.push_back(fsdp::fully_shard(model, opts));
+  auto units = shard_mlp(model, opts);
   torch::optim::SGD optim(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   const int64_t local = kBatch / n;
   for (int64_t step = 0; step < kSteps; ++step) {

@@ -54,11 +54,7 @@ std::map<std::string, torch::Tensor> train_fsdp(const RunConfig& cfg) {
   fsdp::FullyShardOptions opts;
   opts.reshard_after_forward = cfg.reshard;
   if (!cfg.mesh_shape.empty()) opts.mesh = fsdp::init_device_mesh("cpu", cfg.mesh_shape, {"replicate", "shard"});
-  std::vector<fsdp::FSDPModule> units;
-  for (size_t i = 0; i < model->blocks->size(); ++i) {
-    units.push_back(fsdp::fully_shard(model->blocks[i], opts));
-  }
-  units.push_back(fsdp::fully_shard(model, opts));
+  auto units = shard_mlp(model, opts);
   fsdp::FSDPModule root = units.back();
   auto optim = make_optimizer(cfg.opt, model->parameters());  // built on the sharded parameters
   const int64_t local = kGlobalBatch / n;

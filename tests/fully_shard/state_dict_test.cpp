@@ -11,10 +11,7 @@ namespace {
 std::vector<fsdp::FSDPModule> shard(MLP& model, const fsdp::DeviceMesh& mesh) {
   fsdp::FullyShardOptions opts;
   opts.mesh = mesh;
-  std::vector<fsdp::FSDPModule> units;
-  for (size_t i = 0; i < model->blocks->size(); ++i) units.push_back(fsdp::fully_shard(model->blocks[i], opts));
-  units.push_back(fsdp::fully_shard(model, opts));
-  return units;
+  return shard_mlp(model, opts);
 }
 }  // namespace
 
