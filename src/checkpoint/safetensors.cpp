@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 
 namespace fsdp::checkpoint::safetensors {
 namespace {
@@ -305,6 +306,44 @@ void save_file(const std::string& path, const std::vector<std::pair<std::string,
       ::unlink(tmp.c_str());
       throw;
     }
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    TORCH_CHECK(false, "safetensors: cannot rename ", tmp, " to ", path, ": ", std::strerror(err));
+  }
+}
+
+// ---- index of a sharded set ------------------------------------------------------------------------------
+
+std::map<std::string, std::string> read_index(const std::string& path) {
+  std::ifstream f(path);
+  TORCH_CHECK(f, "safetensors: cannot open index ", path);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(f);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "safetensors: index ", path, " is not valid JSON: ", e.what());
+  }
+  TORCH_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(), "safetensors: index ", path,
+              " has no \"weight_map\" object");
+  std::map<std::string, std::string> out;
+  for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
+    TORCH_CHECK(it.value().is_string(), "safetensors: index ", path, ": file of '", it.key(), "' is not a string");
+    out[it.key()] = it.value().get<std::string>();
+  }
+  return out;
+}
+
+void save_index(const std::string& path, const std::map<std::string, std::string>& weight_map, int64_t total_size) {
+  nlohmann::json j = {{"metadata", {{"total_size", total_size}}}, {"weight_map", weight_map}};
+  const std::string text = j.dump(2) + "\n";
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  {
+    Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    TORCH_CHECK(fd.get() >= 0, "safetensors: cannot create ", tmp, ": ", std::strerror(errno));
+    write_all(fd.get(), text.data(), static_cast<int64_t>(text.size()), tmp);
+    TORCH_CHECK(::fsync(fd.get()) == 0, "safetensors: fsync of ", tmp, " failed: ", std::strerror(errno));
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     const int err = errno;

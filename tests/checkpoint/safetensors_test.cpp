@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 
 namespace st = fsdp::checkpoint::safetensors;
@@ -155,4 +156,23 @@ TEST(Safetensors, IndependentPythonReaderReadsOurFile) {
   for (const auto& [name, t] : fixture()) tensors.emplace_back(name, t);
   st::save_file(path, tensors, {{"format", "pt"}, {"writer", "st_io.py"}});
   EXPECT_EQ(run(std::string(FSDP_TEST_PYTHON) + " " + FSDP_TEST_ST_IO + " check-fixture " + path), 0);
+}
+
+TEST(Safetensors, IndexOfShardedSet) {
+  TempDir dir;
+  const std::string index = dir.file("model.safetensors.index.json");
+  st::save_index(index, {{"a.weight", "model-00001-of-00002.safetensors"}, {"b.weight", "model-00002-of-00002.safetensors"}},
+                 1234);
+  // The layout Hugging Face writes, checked on the text.
+  std::ifstream f(index);
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("\"total_size\": 1234"), std::string::npos) << text;
+  const auto map = st::read_index(index);
+  ASSERT_EQ(map.size(), 2u);
+  EXPECT_EQ(map.at("b.weight"), "model-00002-of-00002.safetensors");
+  {
+    std::ofstream bad(dir.file("bad.json"));
+    bad << R"({"metadata": {}})";
+  }
+  EXPECT_THROW(st::read_index(dir.file("bad.json")), c10::Error);
 }

@@ -74,4 +74,11 @@ std::map<std::string, at::Tensor> load_file(const std::string& path);
 void save_file(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                const std::map<std::string, std::string>& metadata = {});
 
+// Sharded sets (Hugging Face layout): model.safetensors.index.json =
+//   {"metadata": {"total_size": <bytes>}, "weight_map": {"<tensor name>": "<file name>", ...}}
+// read_index returns the weight map (tensor -> file name relative to the index's directory); save_index writes
+// one (atomically, like save_file).
+std::map<std::string, std::string> read_index(const std::string& path);
+void save_index(const std::string& path, const std::map<std::string, std::string>& weight_map, int64_t total_size);
+
 }  // namespace fsdp::checkpoint::safetensors
