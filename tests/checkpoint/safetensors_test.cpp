@@ -50,6 +50,11 @@ void expect_same(const at::Tensor& got, const at::Tensor& want, const std::strin
 
 int run(const std::string& cmd) { return std::system(cmd.c_str()); }
 
+// The interop tests need torch in FSDP_PYTHON (the project venv, as scripts/setup.sh configures it).
+bool python_has_torch() {
+  return run(std::string(FSDP_TEST_PYTHON) + " -c 'import torch' > /dev/null 2>&1") == 0;
+}
+
 void write_raw(const std::string& path, const std::string& header, const std::string& data) {
   std::ofstream f(path, std::ios::binary);
   uint64_t n = header.size();
@@ -139,6 +144,7 @@ TEST(Safetensors, RejectsMalformedFiles) {
 }
 
 TEST(Safetensors, ReadsFileWrittenByIndependentPythonWriter) {
+  if (!python_has_torch()) GTEST_SKIP() << FSDP_TEST_PYTHON << " has no torch (configure with the project venv)";
   TempDir dir;
   const std::string path = dir.file("py.safetensors");
   ASSERT_EQ(run(std::string(FSDP_TEST_PYTHON) + " " + FSDP_TEST_ST_IO + " write-fixture " + path), 0);
@@ -150,6 +156,7 @@ TEST(Safetensors, ReadsFileWrittenByIndependentPythonWriter) {
 }
 
 TEST(Safetensors, IndependentPythonReaderReadsOurFile) {
+  if (!python_has_torch()) GTEST_SKIP() << FSDP_TEST_PYTHON << " has no torch (configure with the project venv)";
   TempDir dir;
   const std::string path = dir.file("cpp.safetensors");
   std::vector<std::pair<std::string, at::Tensor>> tensors;
