@@ -46,6 +46,7 @@ struct Options {
   std::string weights, tokens, out_dir = ".";
   int64_t steps = 50, local_batch = 2, seq = 128;
   std::string reshard = "default";  // default | true | false | <int>
+  int64_t replicate = 1;            // HSDP replicate degree (1 = plain FSDP over the world)
   double lr = 8e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
   bool reset_peak = true;  // reset VmHWM after setup, so the peak is the training phase's
 };
@@ -133,7 +134,12 @@ int cmd_train(const Options& o) {
   const int64_t baseline_rss = bench::rss_kib("VmRSS");
   auto world = fsdp::init_process_group();
   const int rank = world->rank(), W = world->size();
-  auto mesh = fsdp::init_device_mesh("cpu", {W}, {"shard"});
+  TORCH_CHECK(o.replicate >= 1 && W % o.replicate == 0, "bench: --replicate ", o.replicate,
+              " does not divide the world size ", W);
+  const int64_t R = o.replicate, S = W / o.replicate;
+  // 1-D: FSDP over the world; 2-D (replicate, shard): HSDP, as torch's init_device_mesh on the Python side.
+  auto mesh = R > 1 ? fsdp::init_device_mesh("cpu", {R, S}, {"replicate", "shard"})
+                    : fsdp::init_device_mesh("cpu", {W}, {"shard"});
   const int64_t rss_after_init = bench::rss_kib("VmRSS");
   const int64_t anon_after_init = bench::rss_kib("RssAnon");
 
@@ -157,11 +163,11 @@ int cmd_train(const Options& o) {
   // padding and 16-byte alignment on top. The root keeps the default (not resharded after forward).
   // Note: the measured bytes_sent below counts the mesh's shard group only; hpZ's N-rank groups are internal to
   // fully_shard, so their backward all-gathers are not in it.
-  int64_t regather_ways = W;  // the group size of the backward all-gather of the blocks (1 = none)
+  int64_t regather_ways = S;  // the group size of the backward all-gather of the blocks (1 = none)
   if (block_opts.reshard_after_forward) {
     const auto& r = *block_opts.reshard_after_forward;
     if (std::holds_alternative<bool>(r)) {
-      regather_ways = std::get<bool>(r) ? W : 1;
+      regather_ways = std::get<bool>(r) ? S : 1;
     } else {
       regather_ways = std::get<int>(r);
     }
@@ -173,9 +179,12 @@ int cmd_train(const Options& o) {
     P_blocks += args.dim * args.n_heads * hd * 2 + 2 * args.dim * args.kv_heads() * hd +
                 3 * args.dim * args.ffn_hidden_dim() + 2 * args.dim;
   }
-  const double frac = static_cast<double>(W - 1) / W;
+  // HSDP adds the all-reduce of every gradient shard (P/S elements) across the R replicas: 2(R-1)/R of it.
+  const double frac = static_cast<double>(S - 1) / S;
   const double regather_frac = static_cast<double>(regather_ways - 1) / regather_ways;
-  const double optimum = 4.0 * (frac * 2.0 * static_cast<double>(P) + regather_frac * static_cast<double>(P_blocks));
+  const double all_reduce = 2.0 * static_cast<double>(R - 1) / R * static_cast<double>(P) / S;
+  const double optimum =
+      4.0 * (frac * 2.0 * static_cast<double>(P) + regather_frac * static_cast<double>(P_blocks) + all_reduce);
 
   if (o.reset_peak) bench::reset_peak_rss();
   const int64_t rss_setup = bench::rss_kib("VmRSS");
@@ -186,10 +195,21 @@ int cmd_train(const Options& o) {
       << ",\"rss_setup_kib\":" << rss_setup
       << ",\"optimum_bytes_per_step\":" << static_cast<int64_t>(optimum) << "}\n";
 
-  auto& group = *mesh.group(0);
+  // Bytes and calls summed over the mesh's groups (shard, and replicate under HSDP).
+  auto mesh_stats = [&mesh] {
+    fsdp::CommStats sum;
+    for (int64_t d = 0; d < mesh.ndim(); ++d) {
+      const fsdp::CommStats& s = mesh.group(d)->stats();
+      sum.bytes_sent += s.bytes_sent;
+      sum.all_gather_calls += s.all_gather_calls;
+      sum.reduce_scatter_calls += s.reduce_scatter_calls;
+      sum.all_reduce_calls += s.all_reduce_calls;
+    }
+    return sum;
+  };
   for (int64_t step = 0; step < o.steps; ++step) {
     auto [inputs, targets] = batches.get(step, rank, o.local_batch);
-    const fsdp::CommStats before = group.stats();
+    const fsdp::CommStats before = mesh_stats();
     const auto t0 = std::chrono::steady_clock::now();
     at::Tensor logits = fsdp::nn::call(model, inputs);
     at::Tensor loss = at::cross_entropy_loss(logits.flatten(0, 1), targets.flatten());
@@ -197,7 +217,7 @@ int cmd_train(const Options& o) {
     optim.step();
     optim.zero_grad();
     const double step_time = seconds_since(t0);
-    const fsdp::CommStats after = group.stats();
+    const fsdp::CommStats after = mesh_stats();
     // Global mean loss for the log (outside the timed step and the byte count).
     at::Tensor l = loss.detach().clone();
     world->all_reduce(l, fsdp::ReduceOp::Sum).wait();
@@ -209,7 +229,8 @@ int cmd_train(const Options& o) {
         << ",\"rss_shmem_kib\":" << bench::rss_kib("RssShmem")
         << ",\"bytes_sent\":" << (after.bytes_sent - before.bytes_sent)
         << ",\"all_gather_calls\":" << (after.all_gather_calls - before.all_gather_calls)
-        << ",\"reduce_scatter_calls\":" << (after.reduce_scatter_calls - before.reduce_scatter_calls) << "}\n";
+        << ",\"reduce_scatter_calls\":" << (after.reduce_scatter_calls - before.reduce_scatter_calls)
+        << ",\"all_reduce_calls\":" << (after.all_reduce_calls - before.all_reduce_calls) << "}\n";
     out.flush();
   }
   world->barrier().wait();
@@ -322,6 +343,7 @@ int main(int argc, char** argv) {
   auto* train = app.add_subcommand("train", "FSDP training under fsdprun");
   add_train_opts(train);
   train->add_option("--reshard", o.reshard, "reshard_after_forward of the blocks: default|true|false|<int>");
+  train->add_option("--replicate", o.replicate, "HSDP replicate degree (mesh replicate x world/replicate)");
   train->add_flag("!--no-reset-peak", o.reset_peak, "keep VmHWM from process start");
   auto* single = app.add_subcommand("single", "the same per-rank work without FSDP (one process)");
   add_train_opts(single);

@@ -102,6 +102,7 @@ def main():
     p.add_argument("--global-batch", type=int, default=8, help="fixed across world sizes (local = global / W)")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--reshard", default="default", help="blocks' reshard_after_forward: default|true|false|<int>")
+    p.add_argument("--replicate", type=int, default=1, help="HSDP replicate degree (mesh replicate x W/replicate)")
     p.add_argument("--lr", type=float, default=8e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
@@ -166,9 +167,11 @@ def main():
             common = ["--weights", weights, "--tokens", tokens, "--steps", str(o.steps), "--local-batch", str(lb),
                       "--seq", str(o.seq), "--out-dir", d, "--lr", str(o.lr), "--weight-decay", str(o.weight_decay)]
             t_ours = run([fsdprun, "--nproc-per-node", str(W), "--timeout", str(o.timeout), ours, "train", *common,
-                          "--reshard", o.reshard], env, os.path.join(d, "ours.log"), o.timeout + 30)
+                          "--reshard", o.reshard, "--replicate", str(o.replicate)], env, os.path.join(d, "ours.log"),
+                         o.timeout + 30)
             theirs_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(W),
-                          os.path.join(HERE, "vs_pytorch.py"), *common, "--reshard", o.reshard]
+                          os.path.join(HERE, "vs_pytorch.py"), *common, "--reshard", o.reshard,
+                          "--replicate", str(o.replicate)]
             if o.no_force_sum:
                 theirs_cmd.append("--no-force-sum")
             t_theirs = run(theirs_cmd, env, os.path.join(d, "theirs.log"), o.timeout + 30)
@@ -296,7 +299,7 @@ def render(results, o, details, memcpy_gbs):
     L.append(f"- machine: {details}")
     L.append(f"- setup: {o.steps} steps, global batch {o.global_batch} (local = global / world), seq {o.seq}, "
              f"AdamW lr {o.lr} betas (0.9, 0.95) eps 1e-8 weight_decay {o.weight_decay}, cross-entropy mean, "
-             f"1-D mesh, fully_shard per block (reshard_after_forward={o.reshard}) + root (default), "
+             f"{'1-D mesh' if o.replicate == 1 else f'HSDP mesh (replicate {o.replicate} x shard W/{o.replicate})'}, fully_shard per block (reshard_after_forward={o.reshard}) + root (default), "
              f"OMP_NUM_THREADS={o.threads} on every rank of both sides")
     L.append(f"- FSDP2 side: {'set_force_sum_reduction_for_comms(True) (SUM + post-divide) on every FSDP module' if not o.no_force_sum else 'AVG reductions (force-sum off)'}")
     if o.reshard not in ("default", "true", "false") and int(o.reshard) > 1:

@@ -209,6 +209,7 @@ def main():
     p.add_argument("--reshard", default="default")
     p.add_argument("--lr", type=float, default=8e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--replicate", type=int, default=1, help="HSDP replicate degree")
     p.add_argument("--no-force-sum", action="store_true", help="keep FSDP2's AVG reduce-scatter on Gloo")
     o = p.parse_args()
 
@@ -216,7 +217,10 @@ def main():
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    if o.replicate > 1:  # HSDP: (replicate, shard), as ours
+        mesh = init_device_mesh("cpu", (o.replicate, world // o.replicate), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     rss_after_init = rss_kib("VmRSS")
 
     tensors, meta = st_io.load(o.weights)
