@@ -52,6 +52,7 @@ struct Case {
   int world;
   int64_t local_batch, seq;
   std::string reshard = "default";
+  int replicate = 1;  // HSDP replicate degree
 };
 
 void check_case(const Case& k) {
@@ -72,14 +73,15 @@ void check_case(const Case& k) {
                           " --nproc-per-node " + std::to_string(k.world) + " --timeout 200 " + FSDP_TEST_BENCH +
                           " train --weights " + weights + " --tokens " + tokens + " --steps " +
                           std::to_string(steps) + " --local-batch " + std::to_string(k.local_batch) + " --seq " +
-                          std::to_string(k.seq) + " --reshard " + k.reshard + " --out-dir " + dir.path.string() +
+                          std::to_string(k.seq) + " --reshard " + k.reshard + " --replicate " + std::to_string(k.replicate) + " --out-dir " + dir.path.string() +
                           " > " + (dir.path / "log").string() + " 2>&1";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
 
   PlanConfig c;
   c.flavor = k.flavor;
   c.args = fsdp::nn::llama::llama3_flavor(k.flavor);
-  c.shard = k.world;
+  c.replicate = k.replicate;
+  c.shard = k.world / k.replicate;
   c.local_batch = k.local_batch;
   c.seq_len = k.seq;
   c.block_reshard = k.reshard == "false" ? 0 : 1;
@@ -118,3 +120,6 @@ TEST(PlanVsMeasured, DebugmodelTwoRanksNoReshard) { check_case({"debugmodel", 2,
 TEST(PlanVsMeasured, CpuMediumTwoRanksLongerSequence) { check_case({"cpu_medium", 2, 2, 256}); }
 // A 16-token batch: the model states and groups in flight, not the activations, make the peak.
 TEST(PlanVsMeasured, DebugmodelTinyBatch) { check_case({"debugmodel", 2, 1, 16}); }
+// HSDP 2 x 2: reduce-scatter over 2 shard ranks, then the all-reduce over the 2 replicas (bytes summed over both
+// mesh dims' groups).
+TEST(PlanVsMeasured, CpuSmallHsdp2x2) { check_case({"cpu_small", 4, 2, 128, "default", 2}); }
