@@ -47,6 +47,7 @@ struct Options {
   int64_t steps = 50, local_batch = 2, seq = 128;
   std::string reshard = "default";  // default | true | false | <int>
   int64_t replicate = 1;            // HSDP replicate degree (1 = plain FSDP over the world)
+  std::string mp = "fp32";          // fp32 | bf16 (MixedPrecisionPolicy: bf16 params in compute, fp32 reduce)
   double lr = 8e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
   bool reset_peak = true;  // reset VmHWM after setup, so the peak is the training phase's
 };
@@ -150,9 +151,16 @@ int cmd_train(const Options& o) {
   fsdp::FullyShardOptions block_opts;
   block_opts.mesh = mesh;
   block_opts.reshard_after_forward = parse_reshard(o.reshard);
+  TORCH_CHECK(o.mp == "fp32" || o.mp == "bf16", "bench: --mp must be fp32 or bf16, got ", o.mp);
+  const bool bf16 = o.mp == "bf16";
+  if (bf16) {  // TorchTitan's default: bf16 unsharded params / activations, fp32 gradient reduction
+    block_opts.mp_policy.param_dtype = at::kBFloat16;
+    block_opts.mp_policy.reduce_dtype = at::kFloat;
+  }
   for (auto& block : model->blocks()) fsdp::fully_shard(block, block_opts);
   fsdp::FullyShardOptions root_opts;
   root_opts.mesh = mesh;  // root: default policy (not resharded after forward), as PyTorch's root
+  root_opts.mp_policy = block_opts.mp_policy;
   fsdp::fully_shard(model, root_opts);
   auto optim = make_adamw(o, model->parameters());
   Batches batches(o.tokens, o.steps, o.local_batch * W, o.seq);
@@ -183,8 +191,10 @@ int cmd_train(const Options& o) {
   const double frac = static_cast<double>(S - 1) / S;
   const double regather_frac = static_cast<double>(regather_ways - 1) / regather_ways;
   const double all_reduce = 2.0 * static_cast<double>(R - 1) / R * static_cast<double>(P) / S;
-  const double optimum =
-      4.0 * (frac * 2.0 * static_cast<double>(P) + regather_frac * static_cast<double>(P_blocks) + all_reduce);
+  // All-gathers move the compute dtype (bf16 under --mp bf16), reductions fp32.
+  const double ag_bytes = bf16 ? 2.0 : 4.0;
+  const double optimum = ag_bytes * (frac * static_cast<double>(P) + regather_frac * static_cast<double>(P_blocks)) +
+                         4.0 * (frac * static_cast<double>(P) + all_reduce);
 
   if (o.reset_peak) bench::reset_peak_rss();
   const int64_t rss_setup = bench::rss_kib("VmRSS");
@@ -212,7 +222,10 @@ int cmd_train(const Options& o) {
     const fsdp::CommStats before = mesh_stats();
     const auto t0 = std::chrono::steady_clock::now();
     at::Tensor logits = fsdp::nn::call(model, inputs);
-    at::Tensor loss = at::cross_entropy_loss(logits.flatten(0, 1), targets.flatten());
+    // Under bf16 the loss is computed on a float32 copy of the logits (TorchTitan's cross_entropy_loss).
+    at::Tensor flat = bf16 ? logits.flatten(0, 1).to(at::kFloat) : logits.flatten(0, 1);
+    at::Tensor loss = at::cross_entropy_loss(flat, targets.flatten());
+    flat = at::Tensor();
     loss.backward();
     optim.step();
     optim.zero_grad();
@@ -344,6 +357,7 @@ int main(int argc, char** argv) {
   add_train_opts(train);
   train->add_option("--reshard", o.reshard, "reshard_after_forward of the blocks: default|true|false|<int>");
   train->add_option("--replicate", o.replicate, "HSDP replicate degree (mesh replicate x world/replicate)");
+  train->add_option("--mp", o.mp, "fp32 | bf16 (bf16 params in compute, fp32 reduce, loss on fp32 logits)");
   train->add_flag("!--no-reset-peak", o.reset_peak, "keep VmHWM from process start");
   auto* single = app.add_subcommand("single", "the same per-rank work without FSDP (one process)");
   add_train_opts(single);

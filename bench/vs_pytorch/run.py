@@ -103,6 +103,8 @@ def main():
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--reshard", default="default", help="blocks' reshard_after_forward: default|true|false|<int>")
     p.add_argument("--replicate", type=int, default=1, help="HSDP replicate degree (mesh replicate x W/replicate)")
+    p.add_argument("--mp", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: MixedPrecisionPolicy(bf16 params, fp32 reduce) on both sides, loss on fp32 logits")
     p.add_argument("--lr", type=float, default=8e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
@@ -167,11 +169,11 @@ def main():
             common = ["--weights", weights, "--tokens", tokens, "--steps", str(o.steps), "--local-batch", str(lb),
                       "--seq", str(o.seq), "--out-dir", d, "--lr", str(o.lr), "--weight-decay", str(o.weight_decay)]
             t_ours = run([fsdprun, "--nproc-per-node", str(W), "--timeout", str(o.timeout), ours, "train", *common,
-                          "--reshard", o.reshard, "--replicate", str(o.replicate)], env, os.path.join(d, "ours.log"),
+                          "--reshard", o.reshard, "--replicate", str(o.replicate), "--mp", o.mp], env, os.path.join(d, "ours.log"),
                          o.timeout + 30)
             theirs_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(W),
                           os.path.join(HERE, "vs_pytorch.py"), *common, "--reshard", o.reshard,
-                          "--replicate", str(o.replicate)]
+                          "--replicate", str(o.replicate), "--mp", o.mp]
             if o.no_force_sum:
                 theirs_cmd.append("--no-force-sum")
             t_theirs = run(theirs_cmd, env, os.path.join(d, "theirs.log"), o.timeout + 30)
@@ -294,7 +296,8 @@ def fmt_bytes(b):
 
 def render(results, o, details, memcpy_gbs):
     L = []
-    L.append(f"### libfsdp vs PyTorch FSDP2 (torch {torch.__version__}), flavor `{o.flavor}`, fp32, Gloo on CPU")
+    L.append(f"### libfsdp vs PyTorch FSDP2 (torch {torch.__version__}), flavor `{o.flavor}`, "
+             f"{'fp32' if o.mp == 'fp32' else 'bf16 compute / fp32 params and reduce'}, Gloo on CPU")
     L.append("")
     L.append(f"- machine: {details}")
     L.append(f"- setup: {o.steps} steps, global batch {o.global_batch} (local = global / world), seq {o.seq}, "

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import st_io  # noqa: E402
@@ -210,6 +210,7 @@ def main():
     p.add_argument("--lr", type=float, default=8e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--replicate", type=int, default=1, help="HSDP replicate degree")
+    p.add_argument("--mp", default="fp32", choices=["fp32", "bf16"], help="bf16: bf16 params in compute, fp32 reduce")
     p.add_argument("--no-force-sum", action="store_true", help="keep FSDP2's AVG reduce-scatter on Gloo")
     o = p.parse_args()
 
@@ -230,9 +231,11 @@ def main():
     del tensors
 
     reshard = parse_reshard(o.reshard)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if o.mp == "bf16" \
+        else MixedPrecisionPolicy()
     for block in model.layers:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh)  # root: default policy (kept unsharded between forward and backward)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)  # root: default policy (kept unsharded between forward and backward)
     if not o.no_force_sum:
         for m in model.modules():
             if hasattr(m, "set_force_sum_reduction_for_comms"):
@@ -257,7 +260,9 @@ def main():
         calls0, bytes0 = counter.snapshot()
         t0 = time.perf_counter()
         logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        flat = logits.flatten(0, 1).float() if o.mp == "bf16" else logits.flatten(0, 1)
+        loss = F.cross_entropy(flat, targets.flatten())
+        del flat
         loss.backward()
         optim.step()
         optim.zero_grad()
