@@ -114,6 +114,13 @@ ProcessGroupPtr make_group(Registry& r, const std::string& prefix, const std::st
         TORCH_CHECK(false, "fsdp: NCCL support not compiled in");
 #endif
       }
+      // Store-based barrier (as torch.distributed does after new_group): a member that finished connecting
+      // must not return — and possibly destroy the group — while a peer is still inside connectFullMesh,
+      // which then fails with "Connection closed by peer".
+      store->set(c10::str("ready/", group_rank), std::vector<uint8_t>{1});
+      std::vector<std::string> ready;
+      for (int i = 0; i < impl->size; ++i) ready.push_back(c10::str("ready/", i));
+      store->wait(ready, r.timeout);
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "fsdp: creating ", r.backend, " ", impl->describe(), " failed (timeout ", r.timeout.count(),
                   " ms): ", message_of(e));
