@@ -165,12 +165,12 @@ int cmd_train(const Options& o) {
   auto optim = make_adamw(o, model->parameters());
   Batches batches(o.tokens, o.steps, o.local_batch * W, o.seq);
 
-  // Analytic optimum bytes sent per rank per step (fp32): each parameter is all-gathered in forward and its
-  // gradient reduce-scattered, (W-1)/W of its bytes each time; a resharded block is re-gathered in backward,
-  // (W-1)/W of its bytes again, or (N-1)/N within N ranks under hpZ (reshard_after_forward = N). Ours adds shard
-  // padding and 16-byte alignment on top. The root keeps the default (not resharded after forward).
-  // Note: the measured bytes_sent below counts the mesh's shard group only; hpZ's N-rank groups are internal to
-  // fully_shard, so their backward all-gathers are not in it.
+  // Analytic optimum bytes sent per rank per step: each parameter is all-gathered in forward and its gradient
+  // reduce-scattered within the shard group, (S-1)/S of its bytes each time; a resharded block is re-gathered in
+  // backward, (S-1)/S of its bytes again, or (N-1)/N within N ranks under hpZ (reshard_after_forward = N). Ours
+  // adds shard padding and 16-byte alignment on top. The root keeps the default (not resharded after forward).
+  // Note: the measured bytes_sent below sums the mesh's groups; hpZ's N-rank groups are internal to fully_shard,
+  // so their backward all-gathers are not in it.
   int64_t regather_ways = S;  // the group size of the backward all-gather of the blocks (1 = none)
   if (block_opts.reshard_after_forward) {
     const auto& r = *block_opts.reshard_after_forward;
