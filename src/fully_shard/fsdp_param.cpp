@@ -56,30 +56,52 @@ FSDPParam::FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int6
   const c10::Device sharded_device = on_meta ? param_.device() : (offload.cpu_offload ? c10::Device(c10::kCPU) : device);
   const c10::Device unsharded_device = on_meta ? param_.device() : device;
 
+  allocate_storage(sharded_device, unsharded_device, offload, device, /*copy_from_param=*/!on_meta);
+  // The module's tensor now shows the shard. Its old full-size data is released with the old storage.
+  param_.set_data(sharded_local_);
+}
+
+void FSDPParam::allocate_storage(c10::Device sharded_device, c10::Device unsharded_device, const OffloadPolicy& offload,
+                                 c10::Device compute_device, bool copy_from_param) {
+  const bool on_meta = sharded_device.is_meta();
   // Padded shard: [chunk_rows, trailing dims...], zero padding rows at the end.
   std::vector<int64_t> padded_sizes = unsharded_sizes_.empty() ? std::vector<int64_t>{1} : unsharded_sizes_;
   padded_sizes[0] = geometry_.chunk_rows;
-  auto sharded_opts = param_.options().device(sharded_device);
-  if (offload.cpu_offload && offload.pin_memory && sharded_device.is_cpu() && device.is_cuda()) {
+  auto sharded_opts = at::TensorOptions().dtype(orig_dtype_).device(sharded_device);
+  if (offload.cpu_offload && offload.pin_memory && sharded_device.is_cpu() && compute_device.is_cuda()) {
     sharded_opts = sharded_opts.pinned_memory(true);
   }
   sharded_padded_ = on_meta ? at::empty(padded_sizes, sharded_opts) : at::zeros(padded_sizes, sharded_opts);
   const int64_t rows = geometry_.rows_of(shard_rank_);
   sharded_local_ = sharded_padded_.narrow(0, 0, rows);
-  if (!on_meta && rows > 0) {
+  if (copy_from_param && rows > 0) {
     at::Tensor full = unsharded_sizes_.empty() ? param_.reshape({1}) : param_;
     sharded_local_.copy_(full.narrow(0, geometry_.offset_of(shard_rank_), rows));
   }
-  if (unsharded_sizes_.empty()) {
+  if (unsharded_sizes_.empty() && rows == 1) {
     // Keep the 0-dim look for the owner of the single row; others hold an empty [0] shard.
-    if (rows == 1) sharded_local_ = sharded_padded_.view({});
+    sharded_local_ = sharded_padded_.view({});
   }
-
-  unsharded_ = at::empty(unsharded_sizes_, param_.options().dtype(param_dtype_).device(unsharded_device));
+  unsharded_ = at::empty(unsharded_sizes_, at::TensorOptions().dtype(param_dtype_).device(unsharded_device));
   if (!on_meta) free_storage(unsharded_);
+}
 
-  // The module's tensor now shows the shard. Its old full-size data is released with the old storage.
-  param_.set_data(sharded_local_);
+void FSDPParam::materialize(c10::Device device, const OffloadPolicy& offload) {
+  if (!sharded_padded_.is_meta()) return;
+  TORCH_CHECK(state_ == ShardedState::Sharded, "fsdp internal: materializing '", fqn_, "' while unsharded");
+  c10::NoGradGuard no_grad;
+  allocate_storage(offload.cpu_offload ? c10::Device(c10::kCPU) : device, device, offload, device,
+                   /*copy_from_param=*/false);
+  replace_data(param_, sharded_local_);
+}
+
+void FSDPParam::write_back_shard() {
+  TORCH_CHECK(state_ == ShardedState::Unsharded, "fsdp internal: write_back_shard of '", fqn_, "' while sharded");
+  const int64_t rows = geometry_.rows_of(shard_rank_);
+  if (rows == 0) return;
+  c10::NoGradGuard no_grad;
+  at::Tensor full = unsharded_sizes_.empty() ? unsharded_.reshape({1}) : unsharded_;
+  sharded_local_.copy_(full.narrow(0, geometry_.offset_of(shard_rank_), rows).reshape(sharded_local_.sizes()));
 }
 
 void FSDPParam::alloc_unsharded() {

@@ -83,7 +83,18 @@ class FSDPParam {
   // called module->to() etc. the param may have been re-pointed: this checks it still shows our storage.
   void check_identity(const char* where) const;
 
+  // Meta-device init: give a parameter created on `meta` real (zeroed) shard storage on `device` (CPU when
+  // offloaded), and an unsharded storage there. No-op for parameters that are not on meta.
+  void materialize(c10::Device device, const OffloadPolicy& offload);
+  // Copies this rank's rows of the (shown, unsharded) full parameter back into its shard: after an
+  // initializer wrote the full parameter.
+  void write_back_shard();
+
  private:
+  // (Re)creates the padded shard, its visible narrow and the (freed) unsharded storage.
+  void allocate_storage(c10::Device sharded_device, c10::Device unsharded_device, const OffloadPolicy& offload,
+                        c10::Device compute_device, bool copy_from_param);
+
   at::Tensor param_;
   std::string fqn_;
   std::vector<int64_t> unsharded_sizes_;

@@ -143,6 +143,19 @@ void FSDPParamGroup::reshard(bool keep_post_forward_shard) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// Meta-device init
+
+void FSDPParamGroup::materialize() {
+  TORCH_CHECK(!is_unsharded_ && !unshard_in_flight(), "fsdp: materialize while group ", name_, " is unsharded");
+  for (FSDPParam* p : param_ptrs_) p->materialize(mesh_info_.device, options_.offload_policy);
+}
+
+void FSDPParamGroup::write_back_shards() {
+  TORCH_CHECK(is_unsharded_, "fsdp internal: write_back_shards of a sharded group ", name_);
+  for (FSDPParam* p : param_ptrs_) p->write_back_shard();
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // Forward / backward
 
 void FSDPParamGroup::pre_forward() {

@@ -56,6 +56,10 @@ class FSDPParamGroup {
   // Frees the full parameters. With reshard_after_forward = N after forward, keeps an N-way sharded copy.
   void reshard(bool keep_post_forward_shard = false);
 
+  // --- meta-device init ---------------------------------------------------------------------------------
+  void materialize();         // real shard storage on the mesh's device for parameters created on meta
+  void write_back_shards();   // unsharded (shown) parameters -> this rank's shards
+
   // --- forward / backward steps ------------------------------------------------------------------------
   void pre_forward();
   void post_forward(bool grad_enabled);

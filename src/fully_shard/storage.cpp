@@ -30,3 +30,18 @@ bool storage_is_allocated(const at::Tensor& tensor) {
 }
 
 }  // namespace fsdp::detail
+
+namespace fsdp::detail {
+
+void replace_data(const at::Tensor& tensor, const at::Tensor& data) {
+  if (!tensor.is_meta()) {
+    tensor.set_data(data);
+    return;
+  }
+  TORCH_CHECK(tensor.dtype() == data.dtype(), "fsdp internal: replace_data changes dtype");
+  // A meta tensor was never used in a graph (no grad accumulator to reset): swapping its metadata and
+  // storage is what set_data does after its type check.
+  tensor.unsafeGetTensorImpl()->shallow_copy_from(data.getIntrusivePtr());
+}
+
+}  // namespace fsdp::detail

@@ -14,4 +14,10 @@ void free_storage(const at::Tensor& tensor);
 void alloc_storage(const at::Tensor& tensor);
 bool storage_is_allocated(const at::Tensor& tensor);
 
+// Makes `tensor` (same TensorImpl, autograd metadata kept) show `data`, also from `meta` to a real device,
+// which Tensor::set_data refuses as an "incompatible tensor type" (Python's to_empty swaps the Parameter
+// object instead; here optimizers and modules hold the TensorImpl, so it must stay). Only for tensors that
+// are not part of any autograd graph yet.
+void replace_data(const at::Tensor& tensor, const at::Tensor& data);
+
 }  // namespace fsdp::detail

@@ -248,13 +248,18 @@ at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
 }
 
 void TransformerImpl::init_weights(uint64_t seed) {
+  init_weights(seed, [](torch::nn::Module&, const std::function<void()>& fn) { fn(); });
+}
+
+void TransformerImpl::init_weights(uint64_t seed, const InitScope& scope) {
+  // One generator drawn in a fixed order: the same numbers whatever the scope does around each part.
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  normal_(tok_embeddings->weight(), 1.0, gen);
-  for (auto& block : blocks_) block->init_weights(gen);
-  norm->reset_parameters();
+  scope(*tok_embeddings, [&] { normal_(tok_embeddings->weight(), 1.0, gen); });
+  for (auto& block : blocks_) scope(*block, [&] { block->init_weights(gen); });
+  scope(*norm, [&] { norm->reset_parameters(); });
   if (!args_.tie_embeddings) {
     const double std = std::pow(static_cast<double>(args_.dim), -0.5);
-    trunc_normal_(output->weight(), std, -3 * std, 3 * std, gen);
+    scope(*output, [&] { trunc_normal_(output->weight(), std, -3 * std, 3 * std, gen); });
   }
 }
 

@@ -19,6 +19,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -139,6 +140,11 @@ class TransformerImpl : public torch::nn::Module {
   // copies into the parameters wherever they live. With tied embeddings there is no output layer: the logits
   // are computed with tok_embeddings.weight, which is then the only copy of that matrix.
   void init_weights(uint64_t seed);
+  // The same initialization, with each part (tok_embeddings, every block, norm, output) initialized inside
+  // scope(part, fn). A sharding wrapper passes a scope that shows the part's full parameters during fn
+  // (fsdp::full_params_init_scope): meta-device init then gives exactly the unsharded result.
+  using InitScope = std::function<void(torch::nn::Module& part, const std::function<void()>& fn)>;
+  void init_weights(uint64_t seed, const InitScope& scope);
 
   const LlamaArgs& args() const { return args_; }
   std::vector<TransformerBlock>& blocks() { return blocks_; }  // typed view of `layers`

@@ -1,0 +1,75 @@
+// Meta-device initialization: materialize shards, run full-parameter initializers unit by unit.
+#include <fsdp/materialize.h>
+
+#include "fully_shard/fsdp_state.h"
+#include "fully_shard/storage.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <unordered_map>
+#include <unordered_set>
+
+namespace fsdp {
+
+void materialize_module(torch::nn::Module& root, c10::Device device) {
+  c10::NoGradGuard no_grad;
+  std::unordered_set<const c10::TensorImpl*> managed;
+  for (const auto& sub : root.modules(/*include_self=*/true)) {
+    auto s = detail::find_state(*sub);
+    if (!s || !s->param_group()) continue;
+    s->param_group()->materialize();
+    for (auto* p : s->param_group()->params()) managed.insert(p->param().unsafeGetTensorImpl());
+  }
+  auto materialize_plain = [&](at::Tensor t) {
+    if (t.is_meta() && !managed.count(t.unsafeGetTensorImpl())) {
+      detail::replace_data(t, at::zeros(t.sizes(), t.options().device(device)));
+    }
+  };
+  for (const auto& p : root.parameters(/*recurse=*/true)) materialize_plain(p);
+  for (const auto& b : root.buffers(/*recurse=*/true)) materialize_plain(b);
+}
+
+void init_with_full_params(const FSDPModule& unit, const std::function<void()>& init) {
+  detail::FSDPParamGroup* group = unit.state().param_group();
+  if (!group) {
+    c10::NoGradGuard no_grad;
+    init();
+    return;
+  }
+  for (auto* p : group->params()) {
+    TORCH_CHECK(!p->param().is_meta(), "fsdp::init_with_full_params: parameter '", p->fqn(),
+                "' is still on meta; call fsdp::materialize_module first");
+  }
+  const bool was_unsharded = group->is_unsharded();
+  group->unshard();
+  group->wait_for_unshard();
+  {
+    c10::NoGradGuard no_grad;
+    init();
+  }
+  group->write_back_shards();
+  if (!was_unsharded) group->reshard();
+}
+
+std::function<void(torch::nn::Module&, const std::function<void()>&)> full_params_init_scope(torch::nn::Module& root) {
+  // parent links, to find the closest sharded ancestor of a part
+  auto parent = std::make_shared<std::unordered_map<const torch::nn::Module*, const torch::nn::Module*>>();
+  for (const auto& m : root.modules(/*include_self=*/true)) {
+    for (const auto& child : m->children()) parent->emplace(child.get(), m.get());
+  }
+  return [parent](torch::nn::Module& part, const std::function<void()>& fn) {
+    for (const torch::nn::Module* m = &part; m != nullptr;) {
+      if (auto state = detail::find_state(*m)) {
+        init_with_full_params(FSDPModule(state), fn);
+        return;
+      }
+      auto it = parent->find(m);
+      m = it == parent->end() ? nullptr : it->second;
+    }
+    c10::NoGradGuard no_grad;
+    fn();
+  };
+}
+
+}  // namespace fsdp
