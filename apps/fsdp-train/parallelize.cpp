@@ -25,6 +25,10 @@ void broadcast_parameters(torch::nn::Module& model, const fsdp::ProcessGroupPtr&
 
 }  // namespace
 
+bool plan_uses_fully_shard(const ParallelDims& dims, bool has_group) {
+  return has_group && !(dims.dp_shard == 1 && dims.dp_replicate > 1);
+}
+
 ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobConfig& config, const ParallelDims& dims,
                                const fsdp::ProcessGroupPtr& group) {
   ParallelPlan plan;
@@ -34,7 +38,7 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
     plan.description = "single process (no process group: run under fsdprun to apply fully_shard)";
     return plan;
   }
-  if (dims.dp_shard == 1 && dims.dp_replicate > 1) {
+  if (!plan_uses_fully_shard(dims, true)) {
     plan.ddp = true;
     broadcast_parameters(*model, group);
     plan.description = "data parallel (replicate " + std::to_string(dims.dp_replicate) + ", gradient all-reduce)";

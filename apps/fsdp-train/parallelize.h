@@ -32,6 +32,10 @@ struct ParallelPlan {
   std::string description;
 };
 
+// Whether parallelize_llama will apply fully_shard (then the trainer builds the model on `meta` and
+// materializes only the shards, as TorchTitan does). `has_group`: running under a process group.
+bool plan_uses_fully_shard(const ParallelDims& dims, bool has_group);
+
 // `group` is the world group when distributed, or null for a single process (no collectives at all).
 ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobConfig& config, const ParallelDims& dims,
                                const fsdp::ProcessGroupPtr& group);

@@ -8,6 +8,7 @@
 #include "parallelize.h"
 
 #include <fsdp/clip_grad.h>
+#include <fsdp/materialize.h>
 #include <fsdp/nn/llama.h>
 #include <fsdp/nn/module_call.h>
 
@@ -102,12 +103,21 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
   DataLoader loader(files, tokenizer, args.vocab_size,
                     {config.training.seq_len, dims.local_batch_size, dims.grad_accum_steps, dp_rank, dims.dp_degree()});
 
+  // With FSDP the model is built on `meta` (no full copy on any rank), sharded, then only the local shards are
+  // allocated and initialized unit by unit — the same weights as an unsharded init (TorchTitan's flow).
+  const bool meta_init = plan_uses_fully_shard(dims, env.group != nullptr);
+  const uint64_t seed = static_cast<uint64_t>(config.debug.seed);
+  if (meta_init) args.device = c10::kMeta;
   fsdp::nn::llama::Transformer model(args);
-  model->init_weights(static_cast<uint64_t>(config.debug.seed));
+  if (!meta_init) model->init_weights(seed);
   const int64_t n_params = fsdp::nn::llama::num_params(args);
   const double flops_per_token = fsdp::nn::llama::flops_per_token(args, config.training.seq_len);
 
   ParallelPlan plan = parallelize_llama(model, config, dims, env.group);
+  if (meta_init) {
+    fsdp::materialize_module(*model);
+    model->init_weights(seed, fsdp::full_params_init_scope(*model));
+  }
   if (env.group) env.group->set_timeout(std::chrono::seconds(config.comm.init_timeout_seconds));
 
   // ---- optimizer and schedule ----
