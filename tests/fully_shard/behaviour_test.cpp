@@ -380,3 +380,35 @@ TEST(FullyShard, ForwardAndBackwardPrefetch) {
   MLP reference = make_mlp(41, 4);
   EXPECT_LE(max_rel_diff(fsdp::nn::call(model, x), reference->forward(x)), 1e-5);
 }
+
+// Buffers are not sharded: they stay whole on every rank, are used by forward as-is, and appear in both
+// state dicts unchanged.
+TEST(FullyShard, BuffersStayReplicated) {
+  auto world = test_world();
+  struct ScaledImpl : torch::nn::Module {
+    ScaledImpl() {
+      fc = register_module("fc", torch::nn::Linear(6, 4));
+      scale = register_buffer("scale", torch::arange(1, 5, torch::kFloat));
+    }
+    torch::Tensor forward(torch::Tensor x) { return fc(x) * scale; }
+    torch::nn::Linear fc{nullptr};
+    torch::Tensor scale;
+  };
+  torch::manual_seed(8);
+  auto reference = std::make_shared<ScaledImpl>();
+  torch::manual_seed(8);
+  auto model = std::make_shared<ScaledImpl>();
+  fsdp::FullyShardOptions opts;
+  opts.mesh = world_mesh();
+  fsdp::fully_shard(std::static_pointer_cast<torch::nn::Module>(model), opts);
+  EXPECT_EQ(model->scale.sizes(), reference->scale.sizes());
+  auto x = torch::randn({3, 6});
+  EXPECT_LE(max_rel_diff(fsdp::nn::call(model, x), reference->forward(x)), 1e-6);
+  auto sharded = fsdp::sharded_state_dict(*model);
+  ASSERT_TRUE(sharded.count("scale"));
+  EXPECT_TRUE(sharded.at("scale").placements()[0].is_replicate());
+  EXPECT_TRUE(torch::equal(sharded.at("scale").local(), reference->scale));
+  auto full = fsdp::full_state_dict(*model, {true, false});
+  EXPECT_TRUE(torch::equal(full.at("scale"), reference->scale));
+  EXPECT_TRUE(torch::equal(full.at("fc.weight"), reference->fc->weight));
+}
