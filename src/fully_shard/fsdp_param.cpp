@@ -112,10 +112,6 @@ void FSDPParam::free_unsharded() {
   free_storage(unsharded_);
 }
 
-bool FSDPParam::unsharded_allocated() const {
-  return storage_is_allocated(unsharded_) || unsharded_.numel() == 0;
-}
-
 void FSDPParam::to_unsharded() {
   if (state_ == ShardedState::Unsharded) return;
   check_identity("unshard");

@@ -62,7 +62,6 @@ class FSDPParam {
 
   void alloc_unsharded();
   void free_unsharded();
-  bool unsharded_allocated() const;
 
   // Show the full parameter (after its data was copied into unsharded()). Stashes the sharded gradient so
   // that backward accumulates a fresh unsharded one.
@@ -75,7 +74,6 @@ class FSDPParam {
   at::Tensor take_unsharded_grad();
   // No-sync micro-batch: keep the unsharded gradient for the next synchronized backward.
   void accumulate_unsharded_grad();
-  bool has_accumulated_unsharded_grad() const { return accumulated_unsharded_grad_.defined(); }
   // Adds (or sets) this rank's reduced gradient shard [rows_of(rank), ...] into the sharded gradient.
   void accumulate_sharded_grad(const at::Tensor& local_grad);
 

@@ -16,12 +16,6 @@ FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params, M
   if (options_.reshard_after_forward) set_reshard_after_forward(*options_.reshard_after_forward);
 }
 
-int64_t FSDPParamGroup::unsharded_bytes() const {
-  int64_t bytes = 0;
-  for (const FSDPParam* p : param_ptrs_) bytes += p->unsharded().numel() * c10::elementSize(p->param_dtype());
-  return bytes;
-}
-
 // ---------------------------------------------------------------------------------------------------------
 // Policy
 

@@ -44,7 +44,6 @@ class FSDPParamGroup {
   const MeshInfo& mesh_info() const { return mesh_info_; }
   const std::string& name() const { return name_; }
   void set_name(std::string name) { name_ = std::move(name); }
-  int64_t unsharded_bytes() const;  // all parameters in param_dtype, without padding
 
   // --- unshard / reshard -------------------------------------------------------------------------------
   // Issues the all-gather (asynchronous); wait_for_unshard() completes it and shows the full parameters.

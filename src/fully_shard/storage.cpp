@@ -25,14 +25,6 @@ void alloc_storage(const at::Tensor& tensor) {
   storage->set_nbytes(nbytes);
 }
 
-bool storage_is_allocated(const at::Tensor& tensor) {
-  return tensor.storage().nbytes() > 0;
-}
-
-}  // namespace fsdp::detail
-
-namespace fsdp::detail {
-
 void replace_data(const at::Tensor& tensor, const at::Tensor& data) {
   if (!tensor.is_meta()) {
     tensor.set_data(data);

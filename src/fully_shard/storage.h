@@ -12,7 +12,6 @@ namespace fsdp::detail {
 void free_storage(const at::Tensor& tensor);
 // Re-allocates `tensor`'s storage to hold exactly its own elements (contents undefined).
 void alloc_storage(const at::Tensor& tensor);
-bool storage_is_allocated(const at::Tensor& tensor);
 
 // Makes `tensor` (same TensorImpl, autograd metadata kept) show `data`, also from `meta` to a real device,
 // which Tensor::set_data refuses as an "incompatible tensor type" (Python's to_empty swaps the Parameter
