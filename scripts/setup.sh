@@ -46,4 +46,7 @@ if [ ! -f "$BUILD_DIR/build.ninja" ]; then
     -DFSDP_PYTHON="$VENV/bin/python" >&2
 fi
 log "building"
+# Compile results are shared between clones (CI builds a fresh clone each time): paths under the tree are
+# hashed relative to it, and the working directory is left out of the hash.
+export CCACHE_BASEDIR="$ROOT" CCACHE_NOHASHDIR=1
 cmake --build "$BUILD_DIR" -j "${FSDP_BUILD_JOBS:-$(nproc)}" >&2
