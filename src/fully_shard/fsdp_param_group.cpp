@@ -1,10 +1,9 @@
 #include "fully_shard/fsdp_param_group.h"
 
+#include "fully_shard/mesh_cache.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
-
-#include <map>
-#include <mutex>
 
 namespace fsdp::detail {
 
@@ -47,23 +46,12 @@ void FSDPParamGroup::set_reshard_after_forward(ReshardAfterForward value) {
   reshard_after_forward_ = value;
 }
 
-namespace {
-// Post-forward (hpZ) groups are process groups like any other: registered once per (shard layout, N) and
-// shared by every parameter group that asks for them, so N-way resharding costs one set of communicators.
-std::mutex post_forward_mesh_mutex;
-std::map<std::pair<std::vector<int>, int64_t>, DeviceMesh>& post_forward_meshes() {
-  static std::map<std::pair<std::vector<int>, int64_t>, DeviceMesh> meshes;
-  return meshes;
-}
-}  // namespace
-
 void FSDPParamGroup::ensure_post_forward_group() {
   const DeviceMesh& mesh = mesh_info_.mesh;
   const int64_t n = post_forward_size_;
-  std::lock_guard<std::mutex> lock(post_forward_mesh_mutex);
-  auto key = std::make_pair(mesh.ranks(), n);
-  auto it = post_forward_meshes().find(key);
-  if (it == post_forward_meshes().end()) {
+  // One set of communicators per (rank layout, N), shared by every group that reshards N-way.
+  const std::string key = c10::str("post_forward:", c10::ArrayRef<int>(mesh.ranks()), ":", n);
+  DeviceMesh groups = cached_mesh(key, [&] {
     // Split the shard dim (the last) into (shard / N, N): groups of N consecutive shard ranks. Collective
     // over the world, reached in the same order on every rank because fully_shard calls are.
     std::vector<int64_t> shape(mesh.shape().begin(), mesh.shape().end() - 1);
@@ -71,9 +59,9 @@ void FSDPParamGroup::ensure_post_forward_group() {
     shape.push_back(n);
     std::vector<std::string> names;
     for (size_t i = 0; i < shape.size(); ++i) names.push_back("hpz" + std::to_string(i));
-    it = post_forward_meshes().emplace(key, DeviceMesh(mesh.device_type(), shape, names, mesh.ranks())).first;
-  }
-  post_forward_group_ = it->second.group(it->second.ndim() - 1);
+    return DeviceMesh(mesh.device_type(), shape, names, mesh.ranks());
+  });
+  post_forward_group_ = groups.group(groups.ndim() - 1);
 }
 
 // ---------------------------------------------------------------------------------------------------------

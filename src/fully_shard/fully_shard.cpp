@@ -2,31 +2,24 @@
 #include <fsdp/fully_shard.h>
 
 #include "fully_shard/fsdp_state.h"
+#include "fully_shard/mesh_cache.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
 #include <cstdlib>
-#include <map>
-#include <mutex>
 #include <unordered_set>
 
 namespace fsdp {
 namespace {
 
-// The default mesh (1-D over the world) is a process-group registration like any other: created once, on
-// the first fully_shard call that needs it, identically on every rank.
+// The default mesh: 1-D over the world, created on the first fully_shard call that needs it.
 DeviceMesh default_world_mesh() {
-  static std::mutex mutex;
-  static std::map<std::string, DeviceMesh> meshes;  // keyed by world group name (re-init safe)
-  std::lock_guard<std::mutex> lock(mutex);
-  auto world_group = world();
-  auto it = meshes.find(world_group->name());
-  if (it == meshes.end()) {
+  return detail::cached_mesh("default", [] {
+    auto world_group = world();
     const std::string type = world_group->device().is_cuda() ? "cuda" : world_group->device().str();
-    it = meshes.emplace(world_group->name(), init_device_mesh(type, {world_group->size()}, {"shard"})).first;
-  }
-  return it->second;
+    return init_device_mesh(type, {world_group->size()}, {"shard"});
+  });
 }
 
 detail::MeshInfo make_mesh_info(const DeviceMesh& mesh) {
