@@ -48,9 +48,9 @@ template <class F>
 void for_each_entry(torch::nn::Module& root, F&& f) {
   std::unordered_set<const c10::TensorImpl*> seen;
   for (const auto& item : root.named_parameters(/*recurse=*/true)) {
-    if (seen.insert(item.value().unsafeGetTensorImpl()).second) f(item.key(), item.value(), /*is_param=*/true);
+    if (seen.insert(item.value().unsafeGetTensorImpl()).second) f(item.key(), item.value());
   }
-  for (const auto& item : root.named_buffers(/*recurse=*/true)) f(item.key(), item.value(), /*is_param=*/false);
+  for (const auto& item : root.named_buffers(/*recurse=*/true)) f(item.key(), item.value());
 }
 
 }  // namespace
@@ -58,7 +58,7 @@ void for_each_entry(torch::nn::Module& root, F&& f) {
 ShardedStateDict sharded_state_dict(torch::nn::Module& root) {
   ModelIndex index = index_model(root, "sharded_state_dict");
   ShardedStateDict out;
-  for_each_entry(root, [&](const std::string& fqn, const at::Tensor& t, bool) {
+  for_each_entry(root, [&](const std::string& fqn, const at::Tensor& t) {
     auto it = index.managed.find(t.unsafeGetTensorImpl());
     if (it == index.managed.end()) {
       out.emplace(fqn, ShardedTensor::from_local(t.detach(), index.any_mesh, replicated(index.any_mesh), t.sizes().vec()));
@@ -75,7 +75,7 @@ void load_sharded_state_dict(torch::nn::Module& root, const ShardedStateDict& st
   ModelIndex index = index_model(root, "load_sharded_state_dict");
   c10::NoGradGuard no_grad;
   std::unordered_set<std::string> used;
-  for_each_entry(root, [&](const std::string& fqn, const at::Tensor& t, bool) {
+  for_each_entry(root, [&](const std::string& fqn, const at::Tensor& t) {
     auto found = state.find(fqn);
     TORCH_CHECK(found != state.end(), "fsdp::load_sharded_state_dict: missing key '", fqn, "'");
     used.insert(fqn);
@@ -100,7 +100,7 @@ FullStateDict full_state_dict(torch::nn::Module& root, const FullStateDictOption
   ModelIndex index = index_model(root, "full_state_dict");
   const bool keep = !options.rank0_only || world()->rank() == 0;
   FullStateDict out;
-  for_each_entry(root, [&](const std::string& fqn, const at::Tensor& t, bool) {
+  for_each_entry(root, [&](const std::string& fqn, const at::Tensor& t) {
     auto it = index.managed.find(t.unsafeGetTensorImpl());
     at::Tensor full;
     if (it == index.managed.end()) {
@@ -124,7 +124,7 @@ void load_full_state_dict(torch::nn::Module& root, const FullStateDict& state, b
   c10::NoGradGuard no_grad;
   const bool reader = !broadcast_from_rank0 || world()->rank() == 0;
   std::unordered_set<std::string> used;
-  for_each_entry(root, [&](const std::string& fqn, const at::Tensor& t, bool) {
+  for_each_entry(root, [&](const std::string& fqn, const at::Tensor& t) {
     auto it = index.managed.find(t.unsafeGetTensorImpl());
     const std::vector<int64_t> global =
         it == index.managed.end() ? t.sizes().vec() : it->second.first->unsharded_sizes();
