@@ -1,0 +1,555 @@
+// Distributed checkpoint save/load (see include/fsdp/checkpoint/checkpoint.h): the orchestration of the
+// planning (planning.h), storage (storage.h) and format (format.h) layers, plus the few collectives a save
+// needs (gather of each rank's chunk list, broadcast of the coordinator's outcome).
+#include <fsdp/checkpoint/checkpoint.h>
+
+#include "checkpoint/format.h"
+#include "checkpoint/planning.h"
+#include "checkpoint/storage.h"
+
+#include <fsdp/checkpoint/safetensors.h>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <sstream>
+
+namespace fsdp::checkpoint {
+namespace fs = std::filesystem;
+using namespace detail;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+ProcessGroupPtr resolve_group(const ProcessGroupPtr& g) {
+  if (g) return g;
+  return is_initialized() ? world() : nullptr;
+}
+
+std::string error_text(const std::exception& e) {
+  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->msg();
+  return e.what();
+}
+
+// Every rank's string, in group-rank order.
+std::vector<std::string> all_gather_strings(const ProcessGroupPtr& group, const std::string& mine) {
+  if (!group || group->size() == 1) return {mine};
+  const int n = group->size();
+  const auto dev = group->device();
+  at::Tensor len = at::tensor({static_cast<int64_t>(mine.size())}, at::kLong).to(dev);
+  at::Tensor lens = at::empty({n}, len.options());
+  group->all_gather_into_tensor(lens, len).wait();
+  lens = lens.cpu();
+  int64_t max_len = 1;
+  for (int i = 0; i < n; ++i) max_len = std::max(max_len, lens[i].item<int64_t>());
+  at::Tensor buf = at::zeros({max_len}, at::kByte);
+  std::memcpy(buf.data_ptr(), mine.data(), mine.size());
+  buf = buf.to(dev);
+  at::Tensor all = at::empty({n * max_len}, buf.options());
+  group->all_gather_into_tensor(all, buf).wait();
+  all = all.cpu();
+  std::vector<std::string> out;
+  const auto* p = static_cast<const char*>(all.data_ptr());
+  for (int i = 0; i < n; ++i) out.emplace_back(p + i * max_len, static_cast<size_t>(lens[i].item<int64_t>()));
+  return out;
+}
+
+// Rank 0's string on every rank.
+std::string broadcast_string(const ProcessGroupPtr& group, const std::string& s) {
+  if (!group || group->size() == 1) return s;
+  const auto dev = group->device();
+  at::Tensor len = at::tensor({static_cast<int64_t>(s.size())}, at::kLong).to(dev);
+  group->broadcast(len, 0).wait();
+  const int64_t n = len.cpu().item<int64_t>();
+  if (n == 0) return {};
+  at::Tensor buf = at::zeros({n}, at::kByte);
+  if (group->rank() == 0) std::memcpy(buf.data_ptr(), s.data(), s.size());
+  buf = buf.to(dev);
+  group->broadcast(buf, 0).wait();
+  buf = buf.cpu();
+  return std::string(static_cast<const char*>(buf.data_ptr()), static_cast<size_t>(n));
+}
+
+// True on every rank when any rank passes true.
+bool any_rank(const ProcessGroupPtr& group, bool mine) {
+  if (!group || group->size() == 1) return mine;
+  at::Tensor t = at::tensor({mine ? 1.0f : 0.0f}).to(group->device());
+  group->all_reduce(t, ReduceOp::Max).wait();
+  return t.cpu().item<float>() > 0;
+}
+
+std::string rank_file_name(int rank) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "rank-%05d.bin", rank);
+  return buf;
+}
+
+std::string list_names(const std::vector<std::string>& names, size_t max = 20) {
+  std::ostringstream os;
+  for (size_t i = 0; i < names.size() && i < max; ++i) os << (i ? ", " : "") << "'" << names[i] << "'";
+  if (names.size() > max) os << " and " << names.size() - max << " more";
+  return os.str();
+}
+
+bool excluded(const std::string& key, const std::vector<std::string>& prefixes) {
+  for (const auto& p : prefixes) {
+    if (key.compare(0, p.size(), p) == 0) return true;
+  }
+  return false;
+}
+
+// ---- reading ------------------------------------------------------------------------------------------------
+
+// An opened checkpoint: validated metadata and lazily opened data files (size checked against the metadata).
+class OpenCheckpoint {
+ public:
+  explicit OpenCheckpoint(std::string dir) : dir_(std::move(dir)) {
+    const std::string md_path = (fs::path(dir_) / kMetadataFile).string();
+    std::error_code ec;
+    TORCH_CHECK(fs::is_directory(dir_, ec), "checkpoint: ", dir_, " does not exist or is not a directory");
+    TORCH_CHECK(fs::is_regular_file(md_path, ec), "checkpoint: ", md_path,
+                " is missing: not a complete libfsdp checkpoint (interrupted save?)");
+    md_ = parse_metadata(read_small_file(md_path, kMaxMetadataBytes), md_path);
+  }
+  const Metadata& md() const { return md_; }
+  const std::string& dir() const { return dir_; }
+
+  const RangeReader& file(const std::string& name) {
+    auto it = readers_.find(name);
+    if (it != readers_.end()) return *it->second;
+    const std::string path = (fs::path(dir_) / name).string();  // name validated: plain, no '/'
+    auto r = std::make_unique<RangeReader>(path);
+    const int64_t expect = md_.files.at(name);
+    TORCH_CHECK(r->size() == expect, "checkpoint: ", path, " has ", r->size(), " bytes but the metadata records ",
+                expect, " (truncated or altered)");
+    return *readers_.emplace(name, std::move(r)).first->second;
+  }
+
+  // Copies the part of saved tensor `fqn` that overlaps `dest_box` into `dest` (whose box it is). Reads only
+  // the checksum blocks covering each overlap. Returns bytes read.
+  int64_t fill(const std::string& fqn, const at::Tensor& dest, const Box& dest_box) {
+    const TensorMeta& t = md_.tensors.at(fqn);
+    const int64_t es = static_cast<int64_t>(c10::elementSize(t.dtype));
+    const int64_t B = md_.block_bytes;
+    int64_t bytes = 0;
+    for (size_t k = 0; k < t.chunks.size(); ++k) {
+      const ChunkMeta& c = t.chunks[k];
+      const Box saved{c.offsets, c.sizes};
+      auto overlap = intersect(saved, dest_box);
+      if (!overlap) continue;
+      const auto [first, last] = element_span(saved, *overlap);
+      const int64_t b0 = first * es / B * B;
+      const int64_t b1 = std::min(((last + 1) * es + B - 1) / B * B, c.length);
+      at::Tensor buf = at::empty({b1 - b0}, at::kByte);
+      const RangeReader* reader = nullptr;
+      try {
+        reader = &file(c.file);
+        reader->read(c.offset + b0, b1 - b0, buf.data_ptr());
+      } catch (const std::exception& e) {
+        TORCH_CHECK(false, "checkpoint: tensor '", fqn, "' (chunk ", k, "): ", error_text(e));
+      }
+      const RangeReader& r = *reader;
+      bytes += b1 - b0;
+      const auto* p = static_cast<const char*>(buf.data_ptr());
+      for (int64_t blk = b0 / B; blk * B < b1; ++blk) {
+        const int64_t n = std::min(B, c.length - blk * B);
+        TORCH_CHECK(hash_bytes(p + (blk * B - b0), n) == c.hashes[static_cast<size_t>(blk)], "checkpoint: tensor '", fqn,
+                    "': checksum mismatch in file ", r.path(), " bytes [", c.offset + blk * B, ", ",
+                    c.offset + blk * B + n, ") (chunk ", k, "): the file was altered or is corrupt");
+      }
+      at::Tensor src = at::from_blob(const_cast<char*>(p) + (first * es - b0), overlap->sizes,
+                                     contiguous_strides(c.sizes), at::TensorOptions().dtype(t.dtype));
+      at::Tensor dst = dest;
+      for (size_t d = 0; d < overlap->sizes.size(); ++d) {
+        dst = dst.narrow(static_cast<int64_t>(d), overlap->offsets[d] - dest_box.offsets[d], overlap->sizes[d]);
+      }
+      dst.copy_(src);
+    }
+    return bytes;
+  }
+
+ private:
+  std::string dir_;
+  Metadata md_;
+  std::map<std::string, std::unique_ptr<RangeReader>> readers_;
+};
+
+// ---- writing ------------------------------------------------------------------------------------------------
+
+// Writes one piece into the rank file and returns its chunk record.
+nlohmann::json write_piece(FileWriter& w, const std::string& file, const std::string& fqn, const at::Tensor& local,
+                           const std::vector<int64_t>& shape, const Box& box, int64_t block_bytes) {
+  at::Tensor c = local.detach().to(at::kCPU).contiguous();
+  const int64_t n = c.numel() * static_cast<int64_t>(c.element_size());
+  ChunkMeta m;
+  m.offsets = box.offsets;
+  m.sizes = box.sizes;
+  m.file = file;
+  m.hashes = block_hashes(c.data_ptr(), n, block_bytes);
+  m.offset = w.append(c.data_ptr(), n);
+  m.length = n;
+  return {{"fqn", fqn}, {"dtype", safetensors::dtype_name(c.scalar_type())}, {"shape", shape}, {"chunk", chunk_to_json(m)}};
+}
+
+ChunkMeta chunk_from_json(const nlohmann::json& j) {
+  ChunkMeta m;
+  m.offsets = j.at("offsets").get<std::vector<int64_t>>();
+  m.sizes = j.at("sizes").get<std::vector<int64_t>>();
+  m.file = j.at("file").get<std::string>();
+  m.offset = j.at("offset").get<int64_t>();
+  m.length = j.at("length").get<int64_t>();
+  for (const auto& h : j.at("hashes")) m.hashes.push_back(std::stoull(h.get<std::string>(), nullptr, 16));
+  return m;
+}
+
+}  // namespace
+
+// ---- StateDict ----------------------------------------------------------------------------------------------
+
+bool StateDict::contains(const std::string& key) const {
+  return tensors.count(key) || full.count(key) || values.count(key);
+}
+
+void StateDict::merge(StateDict other) {
+  for (auto& [k, v] : other.tensors) {
+    TORCH_CHECK(!contains(k), "checkpoint: StateDict::merge: key '", k, "' given twice");
+    tensors.emplace(k, std::move(v));
+  }
+  for (auto& [k, v] : other.full) {
+    TORCH_CHECK(!contains(k), "checkpoint: StateDict::merge: key '", k, "' given twice");
+    full.emplace(k, std::move(v));
+  }
+  for (auto& [k, v] : other.values) {
+    TORCH_CHECK(!contains(k), "checkpoint: StateDict::merge: key '", k, "' given twice");
+    values.emplace(k, std::move(v));
+  }
+}
+
+// ---- save ---------------------------------------------------------------------------------------------------
+
+SaveResult save(const StateDict& state, const std::string& path, const SaveOptions& options) {
+  const auto t0 = Clock::now();
+  const ProcessGroupPtr group = resolve_group(options.group);
+  const int rank = group ? group->rank() : 0;
+  const int world_size = group ? group->size() : 1;
+  TORCH_CHECK(!path.empty(), "checkpoint::save: empty path");
+  const std::string final_dir = fs::path(path).lexically_normal().string();
+  const std::string tmp = final_dir + ".partial";
+
+  // 1. The coordinator prepares the temporary directory (a leftover of an interrupted save is discarded).
+  std::string err;
+  if (rank == 0) {
+    try {
+      TORCH_CHECK(options.block_bytes >= 64, "checkpoint::save: block_bytes ", options.block_bytes, " < 64");
+      remove_tree(tmp);
+      fs::create_directories(tmp);
+    } catch (const std::exception& e) {
+      err = error_text(e);
+    }
+  }
+  err = broadcast_string(group, err);
+  TORCH_CHECK(err.empty(), "checkpoint::save to ", final_dir, " failed: ", err);
+
+  // 2. Every rank writes its own pieces in parallel with the others.
+  nlohmann::json mine = {{"error", ""}, {"chunks", nlohmann::json::array()}, {"decls", nlohmann::json::array()},
+                         {"values", nlohmann::json::object()}, {"files", nlohmann::json::object()}};
+  int64_t local_bytes = 0;
+  try {
+    const std::string file = rank_file_name(rank);
+    std::unique_ptr<FileWriter> w;
+    auto writer = [&]() -> FileWriter& {
+      if (!w) w = std::make_unique<FileWriter>((fs::path(tmp) / file).string());
+      return *w;
+    };
+    for (const auto& [fqn, t] : state.tensors) {
+      if (rank == 0) mine["decls"].push_back({{"fqn", fqn}, {"dtype", safetensors::dtype_name(t.dtype())}, {"shape", t.sizes()}});
+      const WritePlan plan = plan_write(fqn, t);
+      if (plan.write) mine["chunks"].push_back(write_piece(writer(), file, fqn, t.local(), t.sizes(), plan.box, options.block_bytes));
+    }
+    if (rank == 0) {
+      for (const auto& [fqn, t] : state.full) {
+        TORCH_CHECK(t.defined(), "checkpoint: '", fqn, "' is an undefined tensor");
+        TORCH_CHECK(!state.tensors.count(fqn), "checkpoint: key '", fqn, "' is both sharded and full");
+        mine["decls"].push_back({{"fqn", fqn}, {"dtype", safetensors::dtype_name(t.scalar_type())}, {"shape", t.sizes().vec()}});
+        if (t.numel() == 0) continue;
+        const Box box{std::vector<int64_t>(t.dim(), 0), t.sizes().vec()};
+        mine["chunks"].push_back(write_piece(writer(), file, fqn, t, t.sizes().vec(), box, options.block_bytes));
+      }
+    }
+    for (const auto& [key, text] : state.values) {
+      try {
+        mine["values"][key] = nlohmann::json::parse(text);
+      } catch (const std::exception& e) {
+        TORCH_CHECK(false, "checkpoint: value '", key, "' is not valid JSON: ", e.what());
+      }
+    }
+    if (w) {
+      w->fsync();
+      w->close();
+      local_bytes = w->size();
+      mine["files"][file] = w->size();
+    }
+  } catch (const std::exception& e) {
+    mine["error"] = "rank " + std::to_string(rank) + ": " + error_text(e);
+  }
+
+  // 3. The coordinator collects every rank's chunk list, writes the metadata last and commits with one rename.
+  const std::vector<std::string> all = all_gather_strings(group, mine.dump());
+  int64_t total_bytes = 0;
+  std::string status;
+  if (rank == 0) {
+    try {
+      std::vector<nlohmann::json> reports;
+      for (const auto& s : all) reports.push_back(nlohmann::json::parse(s));
+      for (const auto& r : reports) {
+        TORCH_CHECK(r["error"].get<std::string>().empty(), r["error"].get<std::string>());
+      }
+      Metadata md;
+      md.block_bytes = options.block_bytes;
+      md.world_size = world_size;
+      md.saved_on = options.saved_on;
+      auto declare = [&](const nlohmann::json& d) -> TensorMeta& {
+        const std::string fqn = d["fqn"].get<std::string>();
+        const auto dtype = safetensors::dtype_from_name(d["dtype"].get<std::string>());
+        const auto shape = d["shape"].get<std::vector<int64_t>>();
+        auto [it, fresh] = md.tensors.try_emplace(fqn);
+        if (fresh) {
+          it->second.dtype = dtype;
+          it->second.shape = shape;
+        }
+        TORCH_CHECK(it->second.dtype == dtype && it->second.shape == shape, "checkpoint: ranks disagree on tensor '",
+                    fqn, "': ", safetensors::dtype_name(it->second.dtype), c10::IntArrayRef(it->second.shape), " vs ",
+                    d["dtype"].get<std::string>(), c10::IntArrayRef(shape));
+        return it->second;
+      };
+      for (const auto& r : reports) {
+        for (const auto& d : r["decls"]) declare(d);
+      }
+      for (const auto& r : reports) {
+        for (const auto& c : r["chunks"]) declare(c).chunks.push_back(chunk_from_json(c["chunk"]));
+        for (auto f = r["files"].begin(); f != r["files"].end(); ++f) {
+          md.files[f.key()] = f.value().get<int64_t>();
+          total_bytes += f.value().get<int64_t>();
+        }
+        for (auto v = r["values"].begin(); v != r["values"].end(); ++v) md.values.try_emplace(v.key(), v.value().dump());
+      }
+      for (const auto& [fqn, t] : md.tensors) {
+        TORCH_CHECK(!md.values.count(fqn), "checkpoint: key '", fqn, "' is both a tensor and a value");
+      }
+      validate(md, final_dir);
+      write_file_atomic((fs::path(tmp) / kMetadataFile).string(), to_json_text(md));
+      commit_dir(tmp, final_dir);
+    } catch (const std::exception& e) {
+      status = error_text(e);
+      try {
+        remove_tree(tmp);
+      } catch (...) {
+      }
+    }
+    status = status.empty() ? "ok " + std::to_string(total_bytes) : status;
+  }
+  status = broadcast_string(group, status);
+  TORCH_CHECK(status.compare(0, 3, "ok ") == 0, "checkpoint::save to ", final_dir, " failed: ", status);
+  SaveResult res;
+  res.path = final_dir;
+  res.local_bytes = local_bytes;
+  res.total_bytes = std::stoll(status.substr(3));
+  res.seconds = since(t0);
+  return res;
+}
+
+// ---- load ---------------------------------------------------------------------------------------------------
+
+namespace {
+
+LoadResult load_local(StateDict& state, const std::string& path, const LoadOptions& options) {
+  OpenCheckpoint ck(path);
+  const Metadata& md = ck.md();
+  LoadResult res;
+  std::vector<std::string> mismatched;
+  auto check_tensor = [&](const std::string& fqn, const std::vector<int64_t>& shape) -> bool {
+    auto it = md.tensors.find(fqn);
+    if (it == md.tensors.end()) {
+      res.missing.push_back(fqn);
+      return false;
+    }
+    if (it->second.shape != shape) {
+      std::ostringstream os;
+      os << "'" << fqn << "' has shape " << c10::IntArrayRef(it->second.shape) << " in the checkpoint but "
+         << c10::IntArrayRef(shape) << " in the state dict";
+      mismatched.push_back(os.str());
+      return false;
+    }
+    return true;
+  };
+  std::vector<std::pair<std::string, std::pair<at::Tensor, Box>>> todo;
+  for (auto& [fqn, t] : state.tensors) {
+    if (excluded(fqn, options.exclude_prefixes)) continue;
+    TORCH_CHECK(t.defined(), "checkpoint::load: '", fqn, "' is an undefined tensor");
+    if (!check_tensor(fqn, t.sizes())) continue;
+    if (t.local().numel() > 0) todo.push_back({fqn, {t.local(), Box{t.local_offset(), t.local().sizes().vec()}}});
+  }
+  for (auto& [fqn, t] : state.full) {
+    if (excluded(fqn, options.exclude_prefixes)) continue;
+    TORCH_CHECK(t.defined(), "checkpoint::load: '", fqn, "' is an undefined tensor");
+    if (!check_tensor(fqn, t.sizes().vec())) continue;
+    if (t.numel() > 0) todo.push_back({fqn, {t, Box{std::vector<int64_t>(t.dim(), 0), t.sizes().vec()}}});
+  }
+  std::vector<std::string> value_keys;
+  for (auto& [key, v] : state.values) {
+    if (excluded(key, options.exclude_prefixes)) continue;
+    if (md.values.count(key)) value_keys.push_back(key);
+    else res.missing.push_back(key);
+  }
+  for (const auto& [fqn, _] : md.tensors) {
+    if (!state.contains(fqn) && !excluded(fqn, options.exclude_prefixes)) res.unexpected.push_back(fqn);
+  }
+  for (const auto& [key, _] : md.values) {
+    if (!state.contains(key) && !excluded(key, options.exclude_prefixes)) res.unexpected.push_back(key);
+  }
+  TORCH_CHECK(mismatched.empty(), "checkpoint::load from ", path, ": ", mismatched.size(), " shape mismatch(es): ",
+              list_names(mismatched));
+  if (options.strict) {
+    TORCH_CHECK(res.missing.empty() && res.unexpected.empty(), "checkpoint::load from ", path, " (strict): ",
+                res.missing.size(), " key(s) missing from the checkpoint", res.missing.empty() ? "" : ": ",
+                list_names(res.missing), "; ", res.unexpected.size(), " unexpected key(s) in the checkpoint",
+                res.unexpected.empty() ? "" : ": ", list_names(res.unexpected));
+  }
+  c10::NoGradGuard no_grad;
+  for (auto& [fqn, dest] : todo) res.bytes_read += ck.fill(fqn, dest.first, dest.second);
+  for (const auto& key : value_keys) state.values[key] = md.values.at(key);
+  return res;
+}
+
+}  // namespace
+
+LoadResult load(StateDict& state, const std::string& path, const LoadOptions& options) {
+  const auto t0 = Clock::now();
+  const ProcessGroupPtr group = resolve_group(options.group);
+  LoadResult res;
+  std::string err;
+  try {
+    res = load_local(state, path, options);
+  } catch (const std::exception& e) {
+    err = error_text(e);
+  }
+  const bool failed = any_rank(group, !err.empty());
+  TORCH_CHECK(err.empty(), err);
+  TORCH_CHECK(!failed, "checkpoint::load from ", path, " failed on another rank (see its error)");
+  res.seconds = since(t0);
+  return res;
+}
+
+// ---- inspection ---------------------------------------------------------------------------------------------
+
+CheckpointSummary inspect(const std::string& path) {
+  OpenCheckpoint ck(path);
+  const Metadata& md = ck.md();
+  CheckpointSummary s;
+  s.version = md.version;
+  s.world_size = md.world_size;
+  s.saved_on = md.saved_on;
+  s.values = md.values;
+  s.files = md.files;
+  for (const auto& [name, t] : md.tensors) {
+    s.tensors.push_back({name, safetensors::dtype_name(t.dtype), t.shape, static_cast<int64_t>(t.chunks.size()), t.nbytes()});
+    s.total_bytes += t.nbytes();
+  }
+  return s;
+}
+
+std::vector<std::string> verify(const std::string& path) {
+  std::vector<std::string> problems;
+  std::unique_ptr<OpenCheckpoint> ck;
+  try {
+    ck = std::make_unique<OpenCheckpoint>(path);
+  } catch (const std::exception& e) {
+    problems.push_back(error_text(e));
+    return problems;
+  }
+  for (const auto& [name, size] : ck->md().files) {
+    try {
+      ck->file(name);
+    } catch (const std::exception& e) {
+      problems.push_back(error_text(e));
+    }
+  }
+  if (!problems.empty()) return problems;
+  for (const auto& [fqn, t] : ck->md().tensors) {
+    try {
+      at::Tensor full = at::empty(t.shape, at::TensorOptions().dtype(t.dtype));
+      ck->fill(fqn, full, Box{std::vector<int64_t>(t.shape.size(), 0), t.shape});
+    } catch (const std::exception& e) {
+      problems.push_back(error_text(e));
+    }
+  }
+  return problems;
+}
+
+at::Tensor read_tensor(const std::string& path, const std::string& name) {
+  OpenCheckpoint ck(path);
+  auto it = ck.md().tensors.find(name);
+  TORCH_CHECK(it != ck.md().tensors.end(), "checkpoint: ", path, " has no tensor '", name, "'");
+  at::Tensor full = at::empty(it->second.shape, at::TensorOptions().dtype(it->second.dtype));
+  ck.fill(name, full, Box{std::vector<int64_t>(it->second.shape.size(), 0), it->second.shape});
+  return full;
+}
+
+std::string read_value(const std::string& path, const std::string& key) {
+  OpenCheckpoint ck(path);
+  auto it = ck.md().values.find(key);
+  TORCH_CHECK(it != ck.md().values.end(), "checkpoint: ", path, " has no value '", key, "'");
+  return it->second;
+}
+
+// ---- step folders -------------------------------------------------------------------------------------------
+
+std::string step_path(const std::string& folder, int64_t step) { return step_dir(folder, step); }
+
+std::vector<int64_t> complete_steps(const std::string& folder) { return detail::complete_steps(folder); }
+
+std::optional<int64_t> latest_step(const std::string& folder) {
+  auto steps = detail::complete_steps(folder);
+  if (steps.empty()) return std::nullopt;
+  return steps.back();
+}
+
+std::vector<std::string> purge(const std::string& folder, int64_t keep) {
+  keep = std::max<int64_t>(keep, 1);
+  std::vector<std::string> deleted;
+  const auto steps = detail::complete_steps(folder);
+  if (steps.empty()) return deleted;
+  for (size_t i = 0; i + static_cast<size_t>(keep) < steps.size(); ++i) {
+    const std::string dir = step_dir(folder, steps[i]);
+    remove_tree(dir);
+    deleted.push_back(dir);
+  }
+  // Leftovers of interrupted saves older than the newest complete checkpoint (newer ones may be in flight).
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(folder, ec)) {
+    const std::string name = entry.path().filename().string();
+    const std::string suffix = ".partial";
+    if (name.rfind("step-", 0) != 0 || name.size() <= suffix.size() + 5 ||
+        name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
+      continue;
+    try {
+      const int64_t n = std::stoll(name.substr(5, name.size() - 5 - suffix.size()));
+      if (n < steps.back()) {
+        remove_tree(entry.path().string());
+        deleted.push_back(entry.path().string());
+      }
+    } catch (const std::exception&) {
+    }
+  }
+  return deleted;
+}
+
+}  // namespace fsdp::checkpoint

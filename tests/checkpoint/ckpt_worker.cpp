@@ -1,0 +1,178 @@
+// One rank of the multi-process checkpoint tests, started through fsdprun by checkpoint_roundtrip_test.
+//
+//   ckpt_worker save <dir> <mesh> <optim>   train a sharded MLP 3 steps, write an independent reference
+//                                           (<dir>.ref.safetensors: full parameters from fsdp::full_state_dict and
+//                                           the optimizer's own state tensors all-gathered), then save <dir>
+//   ckpt_worker load <dir> <mesh> <optim>   build a different model and optimizer, load <dir>, gather the same
+//                                           way and compare with the reference bit for bit
+//   <mesh>: "N" (1-D over N ranks) or "RxS" (HSDP: R replicas x S shards); <optim>: adamw | adam | sgd
+// Exit status 0 = everything matched; messages name what did not.
+#include "comm/dist_env.h"
+#include "fully_shard/fsdp_test_util.h"
+
+#include <fsdp/checkpoint/checkpoint.h>
+#include <fsdp/checkpoint/optimizer.h>
+#include <fsdp/checkpoint/safetensors.h>
+
+#include <iostream>
+
+using namespace fsdp_test;
+namespace ckpt = fsdp::checkpoint;
+
+namespace {
+
+fsdp::DeviceMesh make_mesh(const std::string& spec) {
+  auto x = spec.find('x');
+  if (x == std::string::npos) return fsdp::init_device_mesh("cpu", {std::stoll(spec)}, {"shard"});
+  return fsdp::init_device_mesh("cpu", {std::stoll(spec.substr(0, x)), std::stoll(spec.substr(x + 1))},
+                                {"replicate", "shard"});
+}
+
+MLP make_model(uint64_t seed) {
+  torch::manual_seed(seed);
+  return MLP(7, 67, 131, 5, 3);  // uneven shards on 2, 3, 4 ranks
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optim(const std::string& kind, MLP& model, double lr) {
+  auto params = model->parameters();
+  if (kind == "adamw") return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(lr).weight_decay(0.05));
+  if (kind == "adam")
+    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr).amsgrad(true).betas({0.8, 0.9}));
+  if (kind == "sgd")
+    return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr).momentum(0.9).dampening(0.1));
+  throw std::runtime_error("unknown optimizer " + kind);
+}
+
+// The independent reference: full parameters and the optimizer's own state tensors, gathered.
+std::map<std::string, torch::Tensor> gather_reference(MLP& model, torch::optim::Optimizer& optim, const std::string& kind) {
+  std::map<std::string, torch::Tensor> out;
+  for (auto& [k, v] : fsdp::full_state_dict(*model, {/*cpu_offload=*/true, /*rank0_only=*/false})) out["model/" + k] = v;
+  auto layout = fsdp::sharded_state_dict(*model);
+  for (const auto& item : model->named_parameters()) {
+    const auto& l = layout.at(item.key());
+    auto full = [&](const torch::Tensor& t) {
+      return fsdp::ShardedTensor::from_local(t.contiguous(), l.mesh(), l.placements(), l.sizes()).full_tensor();
+    };
+    auto& s = *optim.state().at(item.value().unsafeGetTensorImpl());
+    const std::string p = "optim/" + item.key() + "/";
+    if (kind == "sgd") {
+      out[p + "momentum_buffer"] = full(static_cast<torch::optim::SGDParamState&>(s).momentum_buffer());
+      continue;
+    }
+    auto get = [&](auto& st) {
+      out[p + "exp_avg"] = full(st.exp_avg());
+      out[p + "exp_avg_sq"] = full(st.exp_avg_sq());
+      if (st.max_exp_avg_sq().defined()) out[p + "max_exp_avg_sq"] = full(st.max_exp_avg_sq());
+      out[p + "step"] = torch::tensor({st.step()}, torch::kLong);
+    };
+    if (kind == "adamw") get(static_cast<torch::optim::AdamWParamState&>(s));
+    else get(static_cast<torch::optim::AdamParamState&>(s));
+  }
+  return out;
+}
+
+int run(int argc, char** argv) {
+  if (argc != 5) {
+    std::cerr << "usage: ckpt_worker save|load <dir> <mesh> <optim>\n";
+    return 2;
+  }
+  const std::string mode = argv[1], dir = argv[2], mesh_spec = argv[3], kind = argv[4];
+  auto world = test_world();
+  auto mesh = make_mesh(mesh_spec);
+  fsdp::FullyShardOptions opts;
+  opts.mesh = mesh;
+  const double lr = 1e-2;
+  int failures = 0;
+  auto fail = [&](const std::string& what) {
+    ++failures;
+    std::cerr << "rank " << world->rank() << ": " << what << "\n";
+  };
+
+  if (mode == "save") {
+    MLP model = make_model(5);
+    shard_mlp(model, opts);
+    auto optim = make_optim(kind, model, lr);
+    for (int64_t step = 0; step < 3; ++step) {
+      auto [x, y] = global_batch(step * 16 + world->rank(), 4, 7, 5);
+      optim->zero_grad();
+      torch::mse_loss(fsdp::nn::call(model, x), y).backward();
+      optim->step();
+    }
+    auto ref = gather_reference(model, *optim, kind);
+    if (world->rank() == 0) {
+      std::vector<std::pair<std::string, torch::Tensor>> items(ref.begin(), ref.end());
+      fsdp::checkpoint::safetensors::save_file(dir + ".ref.safetensors", items);
+    }
+    auto sd = ckpt::model_state_dict(*model);
+    sd.merge(ckpt::optimizer_state_dict(*model, *optim));
+    ckpt::SaveOptions so;
+    so.block_bytes = 256;  // many checksum blocks per chunk: partial reads verify sub-ranges
+    so.saved_on = "mesh " + mesh_spec;
+    auto res = ckpt::save(sd, dir, so);
+    std::cout << "rank " << world->rank() << " wrote " << res.local_bytes << " of " << res.total_bytes << " bytes\n";
+    return 0;
+  }
+
+  // load: a different model and an optimizer with other hyperparameters and no state yet.
+  MLP model = make_model(99);
+  shard_mlp(model, opts);
+  auto optim = make_optim(kind, model, 0.5);
+  auto sd = ckpt::model_state_dict(*model);
+  sd.merge(ckpt::optimizer_state_dict(*model, *optim));
+  auto res = ckpt::load(sd, dir);
+  ckpt::load_model_state_dict(*model, sd);
+  ckpt::load_optimizer_state_dict(*model, *optim, sd);
+
+  const auto ref = fsdp::checkpoint::safetensors::load_file(dir + ".ref.safetensors");
+  const auto got = gather_reference(model, *optim, kind);
+  if (ref.size() != got.size()) fail("reference has " + std::to_string(ref.size()) + " entries, loaded " + std::to_string(got.size()));
+  bool nontrivial_state = false, params_changed = false;
+  MLP fresh = make_model(99);
+  auto fresh_params = fresh->named_parameters();
+  for (const auto& [k, r] : ref) {
+    auto it = got.find(k);
+    if (it == got.end()) {
+      fail("missing " + k);
+      continue;
+    }
+    if (!torch::equal(it->second, r)) fail("not bit-identical: " + k);
+    if (k.rfind("optim/", 0) == 0 && k.find("/step") == std::string::npos && r.abs().sum().item<double>() > 0)
+      nontrivial_state = true;
+    if (k.rfind("optim/", 0) == 0 && k.find("/step") != std::string::npos && r.item<int64_t>() != 3)
+      fail("reference step of " + k + " is not 3");
+    if (k.rfind("model/", 0) == 0 && !torch::equal(r, fresh_params[k.substr(6)])) params_changed = true;
+  }
+  if (!nontrivial_state) fail("reference optimizer state is all zeros (trivial test)");
+  if (!params_changed) fail("reference parameters equal the fresh model's (trivial test)");
+  for (auto& g : optim->param_groups()) {
+    if (g.options().get_lr() != lr) fail("lr not restored: " + std::to_string(g.options().get_lr()));
+  }
+  // Only this rank's byte ranges were read: about its share of the data (+ checksum-block rounding).
+  const int64_t total = ckpt::inspect(dir).total_bytes;
+  const int64_t share = total / mesh.size(mesh.ndim() - 1);
+  if (res.bytes_read > share + 64 * 1024) {
+    fail("read " + std::to_string(res.bytes_read) + " bytes; its share of " + std::to_string(total) + " is " +
+         std::to_string(share));
+  }
+  std::cout << "rank " << world->rank() << " read " << res.bytes_read << " of " << total << " bytes; "
+            << (failures ? "FAILED" : "all equal") << "\n";
+  return failures ? 1 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int rc = 0;
+  try {
+    rc = run(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "ckpt_worker: " << e.what() << "\n";
+    rc = 1;
+  }
+  try {
+    if (fsdp::is_initialized()) fsdp::world()->barrier().wait();
+    fsdp::destroy_process_group();
+  } catch (...) {
+  }
+  return rc;
+}
