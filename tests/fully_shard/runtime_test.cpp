@@ -337,6 +337,12 @@ TEST(RuntimeStaleData, UnusedPrefetchesNeverLeak) {
       EXPECT_EQ(counts(g).rs, 5 - skipped) << what << " step " << step_now << ": groups with gradients";
       ref.opt->step();
       dist.opt->step();
+      // Between steps every parameter shows its shard (nothing left gathered by an unused prefetch).
+      auto ref_params = ref.net->named_parameters();
+      for (const auto& item : dist.net->named_parameters()) {
+        EXPECT_EQ(item.value().sizes().vec(), shard_sizes(ref_params[item.key()]))
+            << what << " after step " << step_now << ": " << item.key() << " left unsharded";
+      }
       torch::NoGradGuard ng;
       for (Trainer* t : {&ref, &dist}) {
         for (auto& p : t->net->parameters()) p.mul_(0.8);
@@ -371,6 +377,8 @@ void freeze_unfreeze(bool frozen_before_shard, OptKind opt, const std::string& w
     dist.units.push_back(fsdp::fully_shard(dist.net, o));
     dist.opt = make_optimizer(opt, dist.net->parameters());
     set_block_requires_grad(ref, 1, false);
+  } else {
+    dist = make_sharded(28, 3, std::nullopt, false, opt);
   }
   auto init = snapshot(*ref.net);
   auto g = world_mesh().group(0);
@@ -639,33 +647,73 @@ TEST(RuntimeMetaInit, MixedPrecisionScopeInitIsExactAndGathersNothing) {
   }
 }
 
-// The small Net on meta, bf16 compute, initialized unit by unit with init_with_full_params from one
-// generator: fp32 shards equal the same init of an unsharded fp32 Net exactly, no all-gather; the model then
-// computes what the reference computes (to bf16 precision).
+namespace {
+// A small MLP whose parameters are created on a given device (torch::nn::Linear always allocates on the CPU):
+// uneven sizes as elsewhere.
+struct DevLinearImpl : torch::nn::Module {
+  DevLinearImpl(int64_t in, int64_t out, c10::Device device) {
+    auto o = torch::TensorOptions().device(device);
+    weight = register_parameter("weight", torch::empty({out, in}, o));
+    bias = register_parameter("bias", torch::empty({out}, o));
+  }
+  torch::Tensor forward(torch::Tensor x) { return torch::linear(x, weight, bias); }
+  torch::Tensor weight, bias;
+};
+TORCH_MODULE(DevLinear);
+struct DevBlockImpl : torch::nn::Module {
+  explicit DevBlockImpl(c10::Device device) {
+    fc1 = register_module("fc1", DevLinear(kDim, kHidden, device));
+    fc2 = register_module("fc2", DevLinear(kHidden, kDim, device));
+  }
+  torch::Tensor forward(torch::Tensor x) { return x + fc2(torch::relu(fc1(x))); }
+  DevLinear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(DevBlock);
+struct DevNetImpl : torch::nn::Module {
+  explicit DevNetImpl(c10::Device device) {
+    input = register_module("input", DevLinear(kIn, kDim, device));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 3; ++i) blocks->push_back(DevBlock(device));
+    output = register_module("output", DevLinear(kDim, kOut, device));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    auto h = torch::tanh(input(x));
+    for (size_t i = 0; i < blocks->size(); ++i) {
+      auto b = blocks->ptr<DevBlockImpl>(i);
+      h = fsdp::nn::call(b, h);
+    }
+    return output(h);
+  }
+  DevLinear input{nullptr}, output{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+};
+TORCH_MODULE(DevNet);
+}  // namespace
+
+// A small MLP built on meta, bf16 compute, initialized unit by unit with init_with_full_params from one
+// generator: the fp32 shards equal the same init of an unsharded fp32 model exactly, with no all-gather; the
+// model then computes what the reference computes (to bf16 precision).
 TEST(RuntimeMetaInit, MixedPrecisionInitWithFullParamsIsExact) {
+  using Scope = std::function<void(torch::nn::Module&, const std::function<void()>&)>;
   auto draw = [](torch::nn::Module& part, at::Generator& gen) {
-    for (auto& p : part.parameters(/*recurse=*/false)) p.copy_(torch::randn(p.sizes(), gen) * 0.3);
+    for (auto& p : part.parameters()) p.copy_(torch::randn(p.sizes(), gen) * 0.3);
   };
-  auto init_all = [&](NetImpl& net, const std::function<void(torch::nn::Module&, const std::function<void()>&)>& scope) {
+  auto init_all = [&](DevNetImpl& net, const Scope& scope) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(77);
     for (size_t i = 0; i < net.blocks->size(); ++i) {
-      scope(*net.blocks[i], [&] {
-        draw(*net.block_ref(i).fc1, gen);
-        draw(*net.block_ref(i).fc2, gen);
-      });
+      scope(*net.blocks[i], [&] { draw(*net.blocks[i], gen); });
     }
     scope(net, [&] {
       draw(*net.input, gen);
       draw(*net.output, gen);
     });
   };
-  Net reference = make_net(33, 3);
+  DevNet reference(c10::Device(c10::kCPU));
   {
     torch::NoGradGuard ng;
     init_all(*reference, [](torch::nn::Module&, const std::function<void()>& fn) { fn(); });
   }
-  Net model = make_net(33, 3);
-  model->to(torch::kMeta);
+  DevNet model(c10::Device(c10::kMeta));
   for (const auto& p : model->parameters()) ASSERT_TRUE(p.is_meta());
   auto o = bf16_opts();
   std::vector<fsdp::FSDPModule> units;
@@ -681,6 +729,7 @@ TEST(RuntimeMetaInit, MixedPrecisionInitWithFullParamsIsExact) {
     fsdp::init_with_full_params(units.back(), fn);
   });
   EXPECT_EQ(counts(g).ag, 0) << "initialization all-gathered (uninitialized) parameters";
+  for (const auto& p : model->parameters()) EXPECT_EQ(p.scalar_type(), torch::kFloat) << "shards must stay fp32";
   auto got = fsdp::full_state_dict(*model, {true, false});
   for (const auto& item : reference->named_parameters()) {
     ASSERT_TRUE(got.count(item.key())) << item.key();
