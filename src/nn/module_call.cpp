@@ -1,7 +1,10 @@
 #include <fsdp/nn/module_call.h>
 
+#include <c10/util/Type.h>
+
 #include <algorithm>
 #include <mutex>
+#include <ostream>
 
 namespace fsdp::nn {
 namespace {
@@ -11,7 +14,22 @@ namespace {
 // It holds no parameters or buffers, so state dicts and optimizers never see it.
 constexpr const char* kHookStoreName = "_forward_hooks";
 
+// Being a child, the store must stay out of the way of everything libtorch does with a module tree: it is not
+// serialized (torch::save writes no sub-archive for it, torch::load reads none), it prints as
+// `fsdp::ForwardHooks(pre=N, post=M)`, and a clone of it is an empty store (hooks are bound to the original).
 struct HookStore : torch::nn::Module {
+  HookStore() : torch::nn::Module("fsdp::ForwardHooks") {}
+
+  bool is_serializable() const override { return false; }
+  void save(torch::serialize::OutputArchive&) const override {}
+  void load(torch::serialize::InputArchive&) override {}
+  std::shared_ptr<torch::nn::Module> clone(const std::optional<c10::Device>& = std::nullopt) const override {
+    return std::make_shared<HookStore>();
+  }
+  void pretty_print(std::ostream& stream) const override {
+    stream << "fsdp::ForwardHooks(pre=" << pre_hooks.size() << ", post=" << post_hooks.size() << ")";
+  }
+
   struct Entry {
     uint64_t id;
     ForwardPreHook pre;
@@ -73,6 +91,13 @@ bool has_forward_hooks(const torch::nn::Module& module) {
   auto store = find_store(module);
   return store && (!store->pre_hooks.empty() || !store->post_hooks.empty());
 }
+
+namespace detail {
+std::string any_type_name(const torch::nn::AnyValue& value) { return c10::demangle(value.type_info().name()); }
+std::string any_module_name(const torch::nn::AnyModule& module) {
+  return module.is_empty() ? std::string("an empty AnyModule") : module.ptr()->name();
+}
+}  // namespace detail
 
 void run_forward_pre_hooks(torch::nn::Module& module, TensorList& inputs) {
   auto store = find_store(module);

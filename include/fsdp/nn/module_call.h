@@ -13,11 +13,15 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/pimpl.h>
+#include <c10/util/Type.h>
 
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -92,12 +96,93 @@ void scatter_tensors(T& values, const TensorList& tensors) {
 }
 }  // namespace detail
 
+namespace detail {
+template <class T> struct is_shared_ptr : std::false_type {};
+template <class T> struct is_shared_ptr<std::shared_ptr<T>> : std::true_type {};
+
+// The module object behind every form call() accepts: a ModuleHolder (lvalue, rvalue or const: a holder is a
+// handle, so a const holder still calls the non-const forward, as holder.ptr() would), a std::shared_ptr<Impl>,
+// an Impl* (what Module::as<T>() returns) or an Impl&.
+template <class M>
+decltype(auto) module_object(M&& module) {
+  using U = std::remove_cv_t<std::remove_reference_t<M>>;
+  if constexpr (std::is_base_of_v<torch::detail::ModuleHolderIndicator, U>) {
+    TORCH_CHECK(!module.is_empty(), "fsdp::nn::call: empty module holder");
+    return *module.ptr();
+  } else if constexpr (is_shared_ptr<U>::value || std::is_pointer_v<U>) {
+    using Impl = std::remove_cv_t<std::remove_reference_t<decltype(*module)>>;
+    static_assert(std::is_base_of_v<torch::nn::Module, Impl>, "fsdp::nn::call: not a pointer to a module");
+    static_assert(!std::is_same_v<Impl, torch::nn::Module>,
+                  "fsdp::nn::call needs the module's concrete type, not torch::nn::Module (which has no forward): "
+                  "use list->ptr<BlockImpl>(i), list[i]->as<BlockImpl>(), dict->at<BlockImpl>(key), or an AnyModule");
+    TORCH_CHECK(module != nullptr, "fsdp::nn::call: null module");
+    return const_cast<Impl&>(*module);
+  } else {
+    static_assert(std::is_base_of_v<torch::nn::Module, U>,
+                  "fsdp::nn::call: expects a module holder, std::shared_ptr<Impl>, Impl*, Impl& or AnyModule");
+    static_assert(!std::is_same_v<U, torch::nn::Module>,
+                  "fsdp::nn::call needs the module's concrete type, not torch::nn::Module (which has no forward)");
+    return const_cast<U&>(module);
+  }
+}
+
+// Tensors inside a type-erased value (AnyModule's inputs and results). Returns false when the value holds a
+// type this does not know (then it is left untouched).
+template <class F>
+bool for_each_tensor_in_any(torch::nn::AnyValue& value, F&& f) {
+  bool known = false;
+  auto visit = [&](auto* typed) {
+    if (typed && !known) {
+      known = true;
+      for_each_tensor(*typed, f);
+    }
+  };
+  visit(value.try_get<at::Tensor>());
+  visit(value.try_get<std::vector<at::Tensor>>());
+  visit(value.try_get<std::optional<at::Tensor>>());
+  visit(value.try_get<std::tuple<at::Tensor, at::Tensor>>());
+  visit(value.try_get<std::tuple<at::Tensor, at::Tensor, at::Tensor>>());
+  visit(value.try_get<std::pair<at::Tensor, at::Tensor>>());
+  return known;
+}
+
+std::string any_type_name(const torch::nn::AnyValue& value);
+std::string any_module_name(const torch::nn::AnyModule& module);
+
+// for_each_tensor over call()'s argument tuple, also looking inside AnyValue arguments; false if an AnyValue
+// argument holds an unknown type.
+template <class... Ts, class F>
+bool for_each_argument_tensor(std::tuple<Ts...>& values, F&& f, std::string* unknown_type) {
+  bool ok = true;
+  std::apply(
+      [&](auto&... v) {
+        auto one = [&](auto& x) {
+          if constexpr (std::is_same_v<std::decay_t<decltype(x)>, torch::nn::AnyValue>) {
+            if (!for_each_tensor_in_any(x, f)) {
+              ok = false;
+              if (unknown_type) *unknown_type = any_type_name(x);
+            }
+          } else {
+            for_each_tensor(x, f);
+          }
+        };
+        (one(v), ...);
+      },
+      values);
+  return ok;
+}
+}  // namespace detail
+
 // Invoke module->forward(args...) with the module's forward hooks around it.
-// `module` is a ModuleHolder (torch::nn::Linear, TORCH_MODULE types) or a std::shared_ptr<SomeModuleImpl>.
-template <class ModulePtr, class... Args>
-auto call(ModulePtr& module, Args&&... args) {
-  torch::nn::Module& base = *module;
-  if (!has_forward_hooks(base)) return module->forward(std::forward<Args>(args)...);
+// `module` is a ModuleHolder (torch::nn::Linear, TORCH_MODULE types; lvalue, temporary or const), a
+// std::shared_ptr<SomeModuleImpl>, a SomeModuleImpl* (ModuleList/ModuleDict element: list[i]->as<SomeModuleImpl>())
+// or a SomeModuleImpl&. A torch::nn::AnyModule has its own overload below.
+template <class M, class... Args,
+          std::enable_if_t<!std::is_same_v<std::decay_t<M>, torch::nn::AnyModule>, int> = 0>
+auto call(M&& module, Args&&... args) {
+  auto& impl = detail::module_object(module);
+  torch::nn::Module& base = impl;
+  if (!has_forward_hooks(base)) return impl.forward(std::forward<Args>(args)...);
   // Hooks may replace tensors, so the arguments are copied (tensors are handles: the copy is cheap).
   std::tuple<std::decay_t<Args>...> arg_values(std::forward<Args>(args)...);
   TensorList inputs = detail::gather_tensors(arg_values);
@@ -105,7 +190,7 @@ auto call(ModulePtr& module, Args&&... args) {
   run_forward_pre_hooks(base, inputs);
   TORCH_CHECK(inputs.size() == n_inputs, "fsdp::nn::call: a forward pre-hook changed the number of input tensors");
   detail::scatter_tensors(arg_values, inputs);
-  auto result = std::apply([&](auto&... a) { return module->forward(a...); }, arg_values);
+  auto result = std::apply([&](auto&... a) { return impl.forward(a...); }, arg_values);
   TensorList outputs;
   detail::for_each_tensor(result, [&](at::Tensor& t) { outputs.push_back(t); });
   const size_t n_outputs = outputs.size();
@@ -113,6 +198,52 @@ auto call(ModulePtr& module, Args&&... args) {
   TORCH_CHECK(outputs.size() == n_outputs, "fsdp::nn::call: a forward hook changed the number of output tensors");
   detail::scatter_tensors(result, outputs);
   return result;
+}
+
+// The type-erased form: any.any_forward(args...) with the hooks of any.ptr() around it; returns the AnyValue.
+// Arguments may themselves be AnyValues (what fsdp::nn::Sequential passes from one element to the next). When
+// the module has hooks, the tensors of AnyValue arguments and of the result must be visible to them: an
+// at::Tensor, std::vector<at::Tensor>, std::optional<at::Tensor>, or a tuple/pair of 2 or 3 tensors.
+template <class... Args>
+torch::nn::AnyValue call_any_value(const torch::nn::AnyModule& any, Args&&... args) {
+  auto& module = const_cast<torch::nn::AnyModule&>(any);  // AnyModule is a handle, like a module holder
+  TORCH_CHECK(!module.is_empty(), "fsdp::nn::call: empty AnyModule");
+  const std::shared_ptr<torch::nn::Module> base = module.ptr();
+  if (!has_forward_hooks(*base)) return module.any_forward(std::forward<Args>(args)...);
+  std::tuple<std::decay_t<Args>...> arg_values(std::forward<Args>(args)...);
+  TensorList inputs;
+  std::string unknown;
+  TORCH_CHECK(detail::for_each_argument_tensor(arg_values, [&](at::Tensor& t) { inputs.push_back(t); }, &unknown),
+              "fsdp::nn::call: ", detail::any_module_name(any), " has forward hooks, but an argument is an AnyValue ",
+              "holding ", unknown, ", whose tensors its hooks cannot see (supported: Tensor, vector<Tensor>, ",
+              "optional<Tensor>, tuple/pair of 2 or 3 Tensors)");
+  const size_t n_inputs = inputs.size();
+  run_forward_pre_hooks(*base, inputs);
+  TORCH_CHECK(inputs.size() == n_inputs, "fsdp::nn::call: a forward pre-hook changed the number of input tensors");
+  size_t i = 0;
+  detail::for_each_argument_tensor(arg_values, [&](at::Tensor& t) { t = inputs.at(i++); }, nullptr);
+  // Moved: the copies are ours, and an lvalue AnyValue would be wrapped in another AnyValue.
+  torch::nn::AnyValue result = std::apply([&](auto&... a) { return module.any_forward(std::move(a)...); }, arg_values);
+  TensorList outputs;
+  TORCH_CHECK(detail::for_each_tensor_in_any(result, [&](at::Tensor& t) { outputs.push_back(t); }),
+              "fsdp::nn::call: ", detail::any_module_name(any), " has forward hooks, but its forward returned ",
+              detail::any_type_name(result), ", whose tensors its hooks cannot see (supported: Tensor, vector<Tensor>, ",
+              "optional<Tensor>, tuple/pair of 2 or 3 Tensors)");
+  const size_t n_outputs = outputs.size();
+  run_forward_hooks(*base, inputs, outputs);
+  TORCH_CHECK(outputs.size() == n_outputs, "fsdp::nn::call: a forward hook changed the number of output tensors");
+  i = 0;
+  detail::for_each_tensor_in_any(result, [&](at::Tensor& t) { t = outputs.at(i++); });
+  return result;
+}
+
+// AnyModule: like any.forward<Return>(args...) (an at::Tensor by default), with the hooks of any.ptr() around it.
+template <class Return = at::Tensor, class... Args>
+Return call(const torch::nn::AnyModule& any, Args&&... args) {
+  torch::nn::AnyValue result = call_any_value(any, std::forward<Args>(args)...);
+  if (auto* value = result.try_get<Return>()) return std::move(*value);
+  TORCH_CHECK(false, "fsdp::nn::call: ", detail::any_module_name(any), " returned ", detail::any_type_name(result),
+              ", but the caller asked for ", c10::demangle(typeid(Return).name()));
 }
 
 }  // namespace fsdp::nn
