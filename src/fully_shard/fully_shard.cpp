@@ -56,6 +56,7 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
     TORCH_CHECK(!detail::find_state(*m), "fully_shard: module ", m->name(), " is already sharded (fully_shard was "
                 "applied to it before)");
   }
+  for (const auto& m : modules) detail::check_container_dispatch(*m);  // torch::nn::Sequential with sharded elements
   FullyShardOptions opts = options;
   if (!opts.mesh.valid()) opts.mesh = default_world_mesh();
   detail::MeshInfo mesh_info = make_mesh_info(opts.mesh);
