@@ -62,6 +62,9 @@ struct FullyShardOptions {
 };
 
 class FSDPState;  // internal
+namespace detail {
+struct FSDPModuleAccess;  // internal access to the state
+}
 
 // Waitable result of FSDPModule::unshard(async=true); the next forward also waits on it implicitly.
 class UnshardHandle {
@@ -94,11 +97,17 @@ class FSDPModule {
   void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules);
   void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules);
   void set_gradient_divide_factor(double factor);
-  void set_is_last_backward(bool is_last);
 
-  FSDPState& state() const;
+  // Returns every FSDP state in this module's tree to idle after an exception inside forward or backward:
+  // waits for the collectives this rank issued, frees unsharded parameters, drops the gradients FSDP holds
+  // internally (unreduced, no-sync accumulated, HSDP partial), keeps sharded .grad as they are (call the
+  // optimizer's zero_grad() to skip the step). The next root forward does this by itself when it finds the
+  // previous forward or backward abandoned; call it to release memory at once. If a collective cannot
+  // complete (the ranks stopped at different points), throws an error saying the process group is unusable.
+  void reset();
 
  private:
+  friend struct detail::FSDPModuleAccess;
   std::shared_ptr<FSDPState> state_;
 };
 

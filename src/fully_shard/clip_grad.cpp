@@ -29,7 +29,10 @@ at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm, double norm
     if (!s || !s->param_group()) continue;
     const auto& g = s->param_group()->mesh_info().shard_group;
     groups.emplace(g->name(), g);
-    for (auto* p : s->param_group()->params()) group_of[p->param().unsafeGetTensorImpl()] = g->name();
+    for (auto* p : s->param_group()->params()) {
+      // A 0-dim parameter is held whole by every rank of its group: it counts once, like a replicated one.
+      if (!p->is_replicated()) group_of[p->param().unsafeGetTensorImpl()] = g->name();
+    }
   }
 
   // Keyed by group name so that every rank runs the all-reduces in the same order.

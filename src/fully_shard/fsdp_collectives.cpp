@@ -21,6 +21,14 @@ at::Tensor as_rows(const at::Tensor& t, const ShardGeometry& g) {
 void copy_rank_rows(const ShardGeometry& g, const at::Tensor& full_rows, const at::Tensor& block,
                     int64_t first_rank, bool to_block) {
   const int64_t n_ranks = block.size(0);
+  if (g.replicated) {
+    // Every rank's slot holds the whole (one-row) tensor: fill each slot, or read one back (all are equal).
+    for (int64_t k = 0; k < (to_block ? n_ranks : std::min<int64_t>(n_ranks, 1)); ++k) {
+      at::Tensor blk = block.select(0, k).narrow(0, 0, g.dim0);
+      to_block ? blk.copy_(full_rows) : full_rows.copy_(blk);
+    }
+    return;
+  }
   for (int64_t r = first_rank; r < first_rank + n_ranks;) {
     // Ranks that own a complete chunk are contiguous in both layouts: copy them in one go.
     int64_t run = 0;

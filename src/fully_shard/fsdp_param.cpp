@@ -12,8 +12,11 @@ ShardGeometry ShardGeometry::make(c10::IntArrayRef sizes, int64_t world) {
   ShardGeometry g;
   g.world = world;
   if (sizes.empty()) {
-    // A 0-dim parameter shards like a one-row tensor (rank 0 holds it).
+    // A 0-dim parameter: one row, held by every rank (see ShardGeometry).
     g.dim0 = 1;
+    g.chunk_rows = 1;
+    g.replicated = true;
+    return g;
   } else {
     g.dim0 = sizes[0];
     for (size_t i = 1; i < sizes.size(); ++i) g.row_numel *= sizes[i];
@@ -23,10 +26,12 @@ ShardGeometry ShardGeometry::make(c10::IntArrayRef sizes, int64_t world) {
 }
 
 int64_t ShardGeometry::offset_of(int64_t rank) const {
+  if (replicated) return 0;
   return std::min(dim0, rank * chunk_rows);
 }
 
 int64_t ShardGeometry::rows_of(int64_t rank) const {
+  if (replicated) return dim0;
   return std::min(dim0, (rank + 1) * chunk_rows) - offset_of(rank);
 }
 
@@ -45,7 +50,6 @@ FSDPParam::FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int6
       unsharded_sizes_(param_.sizes().vec()),
       geometry_(ShardGeometry::make(param_.sizes(), shard_world)),
       shard_rank_(shard_rank),
-      requires_grad_(param_.requires_grad()),
       orig_dtype_(param_.scalar_type()),
       param_dtype_(resolve_param_dtype(param_, mp)),
       reduce_dtype_(mp.reduce_dtype && at::isFloatingType(param_.scalar_type()) ? *mp.reduce_dtype
@@ -78,10 +82,7 @@ void FSDPParam::allocate_storage(c10::Device sharded_device, c10::Device unshard
     at::Tensor full = unsharded_sizes_.empty() ? param_.reshape({1}) : param_;
     sharded_local_.copy_(full.narrow(0, geometry_.offset_of(shard_rank_), rows));
   }
-  if (unsharded_sizes_.empty() && rows == 1) {
-    // Keep the 0-dim look for the owner of the single row; others hold an empty [0] shard.
-    sharded_local_ = sharded_padded_.view({});
-  }
+  if (geometry_.replicated) sharded_local_ = sharded_padded_.view({});  // keeps the 0-dim look on every rank
   unsharded_ = at::empty(unsharded_sizes_, at::TensorOptions().dtype(param_dtype_).device(unsharded_device));
   if (!on_meta) free_storage(unsharded_);
 }
@@ -95,13 +96,38 @@ void FSDPParam::materialize(c10::Device device, const OffloadPolicy& offload) {
   replace_data(param_, sharded_local_);
 }
 
-void FSDPParam::write_back_shard() {
-  TORCH_CHECK(state_ == ShardedState::Unsharded, "fsdp internal: write_back_shard of '", fqn_, "' while sharded");
-  const int64_t rows = geometry_.rows_of(shard_rank_);
-  if (rows == 0) return;
+void FSDPParam::begin_full_init(ProcessGroup* gather_from) {
+  TORCH_CHECK(state_ == ShardedState::Sharded && !full_init_.defined(),
+              "fsdp internal: begin_full_init of '", fqn_, "' while unsharded");
   c10::NoGradGuard no_grad;
-  at::Tensor full = unsharded_sizes_.empty() ? unsharded_.reshape({1}) : unsharded_;
-  sharded_local_.copy_(full.narrow(0, geometry_.offset_of(shard_rank_), rows).reshape(sharded_local_.sizes()));
+  const auto opts = at::TensorOptions().dtype(orig_dtype_).device(unsharded_.device());
+  at::Tensor full = at::zeros(unsharded_sizes_, opts);
+  if (gather_from != nullptr) {
+    if (geometry_.replicated) {
+      full.copy_(sharded_local_);
+    } else {
+      std::vector<int64_t> sizes = unsharded_sizes_;
+      sizes[0] = geometry_.chunk_rows * geometry_.world;
+      at::Tensor gathered = at::empty(sizes, opts);
+      at::Tensor input = sharded_padded_.to(unsharded_.device());
+      gather_from->all_gather_into_tensor(gathered.view({-1}), input.view({-1})).wait();
+      full.copy_(gathered.narrow(0, 0, geometry_.dim0));
+    }
+  }
+  full_init_ = full;
+  param_.set_data(full_init_);
+}
+
+void FSDPParam::end_full_init() {
+  if (!full_init_.defined()) return;
+  c10::NoGradGuard no_grad;
+  const int64_t rows = geometry_.rows_of(shard_rank_);
+  if (rows > 0) {
+    at::Tensor full = unsharded_sizes_.empty() ? full_init_.reshape({1}) : full_init_;
+    sharded_local_.copy_(full.narrow(0, geometry_.offset_of(shard_rank_), rows).reshape(sharded_local_.sizes()));
+  }
+  param_.set_data(sharded_local_);
+  full_init_ = at::Tensor();
 }
 
 void FSDPParam::alloc_unsharded() {
@@ -178,6 +204,35 @@ void FSDPParam::accumulate_sharded_grad(const at::Tensor& local_grad) {
     // zero_grad() cannot detach views in place.
     grad = g.is_view() || !g.is_contiguous() ? g.clone(at::MemoryFormat::Contiguous) : g;
   }
+}
+
+void FSDPParam::drop_internal_grads() {
+  if (state_ == ShardedState::Unsharded) param_.mutable_grad() = at::Tensor();
+  accumulated_unsharded_grad_ = at::Tensor();
+  partial_reduce_output_ = at::Tensor();
+}
+
+void FSDPParam::convert_dtype(c10::ScalarType dtype, const MixedPrecisionPolicy& mp) {
+  TORCH_CHECK(state_ == ShardedState::Sharded, "fsdp: module->to() on '", fqn_,
+              "' while its parameters are unsharded (during forward/backward, or after unshard()): reshard first");
+  c10::NoGradGuard no_grad;
+  // libtorch's Module::to re-points each parameter (set_data) to a converted copy of what it shows — our
+  // shard — child modules first. Whatever the parameter shows now holds this rank's rows.
+  at::Tensor shown = param_.variable_data();
+  at::Tensor rows = (shown.is_alias_of(sharded_local_) ? sharded_local_ : shown).to(dtype);
+  at::Tensor grad = param_.grad().defined() ? param_.grad().to(dtype) : at::Tensor();
+  orig_dtype_ = dtype;
+  param_dtype_ = resolve_param_dtype(rows, mp);
+  reduce_dtype_ = mp.reduce_dtype && at::isFloatingType(dtype) ? *mp.reduce_dtype : param_dtype_;
+  accumulated_unsharded_grad_ = at::Tensor();
+  partial_reduce_output_ = at::Tensor();
+  const c10::Device sharded_device = sharded_padded_.device();
+  const c10::Device unsharded_device = unsharded_.device();
+  // Fill the new padded shard from `rows` (copy_from_param reads param_ as the *full* tensor, so copy here).
+  allocate_storage(sharded_device, unsharded_device, OffloadPolicy{}, unsharded_device, /*copy_from_param=*/false);
+  if (rows.numel() > 0) sharded_local_.copy_(rows.reshape(sharded_local_.sizes()));
+  param_.set_data(sharded_local_);
+  if (grad.defined()) param_.mutable_grad() = grad;
 }
 
 void FSDPParam::check_identity(const char* where) const {

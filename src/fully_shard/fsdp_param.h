@@ -10,6 +10,7 @@
 // valid across free / re-gather.
 
 #include <fsdp/fully_shard.h>
+#include <fsdp/process_group.h>
 
 #include <ATen/core/Tensor.h>
 
@@ -21,11 +22,15 @@ namespace fsdp::detail {
 
 // torch.chunk-style dim-0 sharding: chunk = ceil(dim0 / world); rank r owns rows
 // [r*chunk, min(dim0, (r+1)*chunk)), which may be empty for trailing ranks.
+// A 0-dim parameter (a learnable scale) has no dim to shard: it is replicated inside the group — every rank
+// holds it as its one-row shard, so the same all-gather and reduce-scatter layouts carry it (each rank's slot
+// holds the full value; the reduce-scatter hands every rank the sum).
 struct ShardGeometry {
   int64_t dim0 = 0;
   int64_t chunk_rows = 0;    // rows of every rank's padded shard
   int64_t row_numel = 1;     // elements per dim-0 row
   int64_t world = 1;
+  bool replicated = false;   // 0-dim: every rank holds the single row
 
   static ShardGeometry make(c10::IntArrayRef sizes, int64_t world);
   int64_t rows_of(int64_t rank) const;    // unpadded rows held by `rank`
@@ -45,7 +50,9 @@ class FSDPParam {
   void set_fqn(std::string fqn) { fqn_ = std::move(fqn); }
   const ShardGeometry& geometry() const { return geometry_; }
   const std::vector<int64_t>& unsharded_sizes() const { return unsharded_sizes_; }
-  bool requires_grad() const { return requires_grad_; }
+  // Read at run time: freezing or unfreezing after fully_shard takes effect at the next forward.
+  bool requires_grad() const { return param_.requires_grad(); }
+  bool is_replicated() const { return geometry_.replicated; }
   ShardedState state() const { return state_; }
   c10::ScalarType orig_dtype() const { return orig_dtype_; }
   c10::ScalarType param_dtype() const { return param_dtype_; }   // dtype of the unsharded parameter
@@ -74,8 +81,20 @@ class FSDPParam {
   at::Tensor take_unsharded_grad();
   // No-sync micro-batch: keep the unsharded gradient for the next synchronized backward.
   void accumulate_unsharded_grad();
+  bool has_accumulated_unsharded_grad() const { return accumulated_unsharded_grad_.defined(); }
   // Adds (or sets) this rank's reduced gradient shard [rows_of(rank), ...] into the sharded gradient.
   void accumulate_sharded_grad(const at::Tensor& local_grad);
+
+  // HSDP with set_requires_all_reduce(false): the shard-group reduced rows ([padded rows] in the reduce
+  // dtype, not yet averaged) kept apart until the next all-reduce, so replicas never diverge.
+  at::Tensor& partial_reduce_output() { return partial_reduce_output_; }
+
+  // After an exception: drops the unsharded gradient, no-sync accumulations and partial reductions.
+  void drop_internal_grads();
+
+  // module->to(dtype) after fully_shard: the shard (already converted by libtorch when it lives in a child
+  // module visited first, otherwise converted here) becomes the new padded shard storage.
+  void convert_dtype(c10::ScalarType dtype, const MixedPrecisionPolicy& mp);
 
   // After an optimizer or user replaced the sharded data in place nothing is needed; but if the user
   // called module->to() etc. the param may have been re-pointed: this checks it still shows our storage.
@@ -84,9 +103,11 @@ class FSDPParam {
   // Meta-device init: give a parameter created on `meta` real (zeroed) shard storage on `device` (CPU when
   // offloaded), and an unsharded storage there. No-op for parameters that are not on meta.
   void materialize(c10::Device device, const OffloadPolicy& offload);
-  // Copies this rank's rows of the (shown, unsharded) full parameter back into its shard: after an
-  // initializer wrote the full parameter.
-  void write_back_shard();
+  // Initialization with full parameters (meta-device init): shows a full tensor in the *original* dtype
+  // (fp32 masters stay exact under mixed precision), zeros when `gather_from` is null (the shards are known
+  // zeros), else the current values gathered over that group; end_full_init keeps this rank's rows.
+  void begin_full_init(ProcessGroup* gather_from);
+  void end_full_init();
 
  private:
   // (Re)creates the padded shard, its visible narrow and the (freed) unsharded storage.
@@ -98,7 +119,6 @@ class FSDPParam {
   std::vector<int64_t> unsharded_sizes_;
   ShardGeometry geometry_;
   int64_t shard_rank_;
-  bool requires_grad_;
   c10::ScalarType orig_dtype_;
   c10::ScalarType param_dtype_;
   c10::ScalarType reduce_dtype_;
@@ -109,6 +129,8 @@ class FSDPParam {
   at::Tensor unsharded_;
   at::Tensor stashed_sharded_grad_;
   at::Tensor accumulated_unsharded_grad_;
+  at::Tensor partial_reduce_output_;
+  at::Tensor full_init_;  // between begin_full_init and end_full_init
 };
 
 }  // namespace fsdp::detail

@@ -1,11 +1,22 @@
 #include "fully_shard/fsdp_param_group.h"
 
 #include "fully_shard/mesh_cache.h"
+#include "fully_shard/storage.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
 namespace fsdp::detail {
+
+const char* to_string(TrainingState state) {
+  switch (state) {
+    case TrainingState::Idle: return "idle";
+    case TrainingState::Forward: return "forward";
+    case TrainingState::PreBackward: return "pre-backward";
+    case TrainingState::PostBackward: return "post-backward";
+  }
+  return "?";
+}
 
 FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params, MeshInfo mesh_info,
                                FullyShardOptions options)
@@ -29,6 +40,8 @@ void FSDPParamGroup::set_default_reshard_after_forward(bool is_root) {
 }
 
 void FSDPParamGroup::set_reshard_after_forward(ReshardAfterForward value) {
+  // A copy kept under the old policy must not be used under the new one.
+  post_forward_shard_ = at::Tensor();
   post_forward_size_ = 0;
   if (const int* n = std::get_if<int>(&value)) {
     const int64_t shard = mesh_info_.shard_size;
@@ -67,15 +80,34 @@ void FSDPParamGroup::ensure_post_forward_group() {
 // ---------------------------------------------------------------------------------------------------------
 // Unshard / reshard
 
+int64_t FSDPParamGroup::shards_version() const {
+  // Every in-place change of a shard (optimizer step, copy_ from a state dict, user code under no_grad)
+  // bumps its parameter's version counter; FSDP's own set_data/resize do not. A sum is enough: counters only grow.
+  int64_t sum = 0;
+  for (const FSDPParam* p : param_ptrs_) sum += static_cast<int64_t>(p->param()._version());
+  return sum;
+}
+
+void FSDPParamGroup::invalidate_caches() {
+  post_forward_shard_ = at::Tensor();
+  post_forward_shard_version_ = -1;
+}
+
 void FSDPParamGroup::unshard() {
   if (is_unsharded_ || unshard_in_flight() || params_.empty()) return;
   for (FSDPParam* p : param_ptrs_) {
     TORCH_CHECK(!p->param().is_meta(), "fsdp: parameter '", p->fqn(),
                 "' is still on the meta device; materialize the model before running it");
   }
+  freshly_materialized_ = false;
   const int64_t world = mesh_info_.shard_size;
   all_gather_output_ = at::empty({world * layout_.per_rank_bytes},
                                  at::TensorOptions().dtype(at::kByte).device(mesh_info_.device));
+  const int64_t version = shards_version();
+  if (post_forward_shard_.defined() && post_forward_shard_version_ != version) {
+    // The shards changed since the N-way copy was kept (optimizer step, state-dict load): it is stale.
+    post_forward_shard_ = at::Tensor();
+  }
   if (post_forward_shard_.defined()) {
     // Re-gather from the N-way copy kept after forward: only the N-rank group communicates.
     all_gather_ = post_forward_group_->all_gather_into_tensor(all_gather_output_, post_forward_shard_.view({-1}));
@@ -84,6 +116,7 @@ void FSDPParamGroup::unshard() {
     pack_sharded(param_ptrs_, layout_, slot);
     all_gather_ = mesh_info_.shard_group->all_gather_into_tensor(all_gather_output_, slot);
   }
+  all_gather_version_ = version;
 }
 
 void FSDPParamGroup::wait_for_unshard() {
@@ -91,6 +124,14 @@ void FSDPParamGroup::wait_for_unshard() {
   if (!unshard_in_flight()) unshard();
   all_gather_.wait();
   all_gather_ = Work();
+  if (all_gather_version_ != shards_version()) {
+    // Issued (prefetched, or unshard(async)) before the shards changed: gather the current shards instead.
+    all_gather_output_ = at::Tensor();
+    post_forward_shard_ = at::Tensor();
+    unshard();
+    all_gather_.wait();
+    all_gather_ = Work();
+  }
   // The full parameters are allocated only now, not when the (possibly prefetched) all-gather was issued:
   // a prefetched group then costs one buffer while the current group computes, so forward holds at most
   // two groups' worth of unsharded data (the current group freed, this group's buffer + parameters).
@@ -102,13 +143,16 @@ void FSDPParamGroup::wait_for_unshard() {
   is_unsharded_ = true;
 }
 
+void FSDPParamGroup::drop_unused_unshard() {
+  if (!unshard_in_flight()) return;
+  Work work = std::move(all_gather_);
+  all_gather_ = Work();
+  all_gather_output_ = at::Tensor();
+  work.wait();
+}
+
 void FSDPParamGroup::reshard(bool keep_post_forward_shard) {
-  if (unshard_in_flight()) {
-    // A prefetched all-gather nobody used: complete it so the collective order stays matched across ranks.
-    all_gather_.wait();
-    all_gather_ = Work();
-    all_gather_output_ = at::Tensor();
-  }
+  drop_unused_unshard();
   if (!is_unsharded_) return;
   if (keep_post_forward_shard && post_forward_size_ > 0) {
     const int64_t ranks_kept = mesh_info_.shard_size / post_forward_size_;
@@ -122,6 +166,7 @@ void FSDPParamGroup::reshard(bool keep_post_forward_shard) {
     p->free_unsharded();
   }
   is_unsharded_ = false;
+  if (post_forward_shard_.defined()) post_forward_shard_version_ = shards_version();
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -129,60 +174,94 @@ void FSDPParamGroup::reshard(bool keep_post_forward_shard) {
 
 void FSDPParamGroup::materialize() {
   TORCH_CHECK(!is_unsharded_ && !unshard_in_flight(), "fsdp: materialize while group ", name_, " is unsharded");
+  bool any_on_meta = false;
+  for (FSDPParam* p : param_ptrs_) any_on_meta = any_on_meta || p->sharded_padded().is_meta();
   for (FSDPParam* p : param_ptrs_) p->materialize(mesh_info_.device, options_.offload_policy);
+  if (any_on_meta) freshly_materialized_ = true;
 }
 
-void FSDPParamGroup::write_back_shards() {
-  TORCH_CHECK(is_unsharded_, "fsdp internal: write_back_shards of a sharded group ", name_);
-  for (FSDPParam* p : param_ptrs_) p->write_back_shard();
+void FSDPParamGroup::begin_full_init() {
+  TORCH_CHECK(training_state_ == TrainingState::Idle && !is_unsharded_,
+              "fsdp: initializing group ", name_, " with full parameters while it is ", to_string(training_state_),
+              is_unsharded_ ? " and unsharded" : "");
+  drop_unused_unshard();
+  invalidate_caches();
+  c10::NoGradGuard no_grad;
+  // The initializer writes full tensors in the parameters' original dtype (the fp32 masters under mixed
+  // precision). Shards of a freshly materialized group are zeros on every rank: start from zeros and skip the
+  // all-gather. Otherwise gather the current values in the original dtype, one parameter at a time.
+  for (FSDPParam* p : param_ptrs_) p->begin_full_init(freshly_materialized_ ? nullptr : mesh_info_.shard_group.get());
+}
+
+void FSDPParamGroup::end_full_init() {
+  for (FSDPParam* p : param_ptrs_) p->end_full_init();
+  freshly_materialized_ = false;
 }
 
 // ---------------------------------------------------------------------------------------------------------
 // Forward / backward
 
 void FSDPParamGroup::pre_forward() {
+  training_state_ = TrainingState::Forward;
   unshard();
   wait_for_unshard();
-  if (c10::GradMode::is_enabled()) {
-    for (FSDPParam* p : param_ptrs_) needs_post_backward_ = needs_post_backward_ || p->requires_grad();
-  }
+}
+
+void FSDPParamGroup::record_use(bool registered_node) {
+  ++uses_;
+  if (registered_node) ++uses_with_node_;
 }
 
 void FSDPParamGroup::post_forward(bool grad_enabled) {
   if (!grad_enabled) {
-    // No backward will follow: holding full parameters would only grow memory (PyTorch issue 149029).
+    // No backward follows this call: holding full parameters would only grow memory (PyTorch issue 149029).
+    // (A backward of an earlier use gathers again.)
     reshard();
   } else if (reshard_after_forward()) {
     reshard(/*keep_post_forward_shard=*/true);
   }
+  training_state_ = TrainingState::Idle;
 }
 
 void FSDPParamGroup::pre_backward() {
-  if (ran_pre_backward_) return;
-  ran_pre_backward_ = true;
+  if (training_state_ == TrainingState::PreBackward) return;
+  training_state_ = TrainingState::PreBackward;
   unshard();
   wait_for_unshard();
 }
 
-void FSDPParamGroup::post_backward() {
-  if (!needs_post_backward_) return;
-  needs_post_backward_ = false;
+void FSDPParamGroup::post_backward_from_node() {
+  training_state_ = TrainingState::PostBackward;
+  ++nodes_fired_;
+  // Reduce now only if every use of this group is known complete: all uses registered a node and all of
+  // those fired in this backward. Otherwise a later use (or one without a node) may still add gradients to
+  // the unsharded parameters: keep them (unsharded) and reduce once at the end of backward.
+  if (uses_ == uses_with_node_ && nodes_fired_ >= uses_with_node_) reduce_gradients();
+}
+
+void FSDPParamGroup::reduce_gradients() {
   if (!requires_gradient_sync) {
     for (FSDPParam* p : param_ptrs_) p->accumulate_unsharded_grad();
     if (reshard_after_backward) reshard();
     return;
   }
-  finish_pending_reduce();
   std::vector<at::Tensor> grads;
   grads.reserve(params_.size());
   bool any = false;
   for (FSDPParam* p : param_ptrs_) {
-    grads.push_back(p->requires_grad() ? p->take_unsharded_grad() : at::Tensor());
+    at::Tensor g = p->take_unsharded_grad();
+    if (!g.defined() && p->partial_reduce_output().defined()) {
+      // HSDP: nothing new this backward, but an earlier partial reduction still has to join the all-reduce.
+      g = at::zeros(p->unsharded_sizes(), p->partial_reduce_output().options());
+    }
+    grads.push_back(std::move(g));
     any = any || grads.back().defined();
   }
   // Sharded gradients live on the sharded parameters, so a synchronized backward always reshards.
   reshard();
   if (!any) return;
+  // At most one reduction in flight per group; the previous one completes first.
+  finish_pending_reduce();
   PendingReduce pending;
   pending.layout = make_reduce_scatter_layout(param_ptrs_, grads);
   at::Tensor input = pack_reduce_scatter_input(param_ptrs_, grads, pending.layout);
@@ -199,12 +278,29 @@ void FSDPParamGroup::finish_pending_reduce() {
   pending_reduce_.reset();
   pending.reduce_scatter.wait();
   c10::NoGradGuard no_grad;
-  if (mesh_info_.replicate_group && mesh_info_.replicate_size > 1 && requires_all_reduce) {
+  const bool hsdp = mesh_info_.replicate_group && mesh_info_.replicate_size > 1;
+  auto rows_of = [&](size_t i) {
+    return pending.output.narrow(0, pending.layout.offsets[i], param_ptrs_[i]->geometry().padded_numel());
+  };
+  if (hsdp) {
+    // Partial reductions (set_requires_all_reduce(false)) are kept apart and join the next all-reduce, as
+    // PyTorch's partial reduce output does: every replica then ends with the same sum.
+    for (size_t i = 0; i < params_.size(); ++i) {
+      at::Tensor& partial = param_ptrs_[i]->partial_reduce_output();
+      if (pending.layout.offsets[i] < 0) continue;
+      if (!requires_all_reduce) {
+        if (partial.defined()) partial.add_(rows_of(i));
+        else partial = rows_of(i).clone();
+      } else if (partial.defined()) {
+        rows_of(i).add_(partial);
+        partial = at::Tensor();
+      }
+    }
+    if (!requires_all_reduce) return;
     mesh_info_.replicate_group->all_reduce(pending.output, ReduceOp::Sum).wait();
   }
   // Average over every data-parallel rank (shard x replicate) unless the user set a factor. Dividing
-  // after summing in the reduce dtype matches PyTorch's fp32 AVG; partial (no all-reduce) outputs divided
-  // by the same factor still add up to the average.
+  // after summing in the reduce dtype matches PyTorch's fp32 AVG.
   const double factor = gradient_divide_factor.value_or(
       static_cast<double>(mesh_info_.shard_size * mesh_info_.replicate_size));
   if (factor != 1.0) pending.output.div_(factor);
@@ -214,11 +310,80 @@ void FSDPParamGroup::finish_pending_reduce() {
   }
 }
 
-void FSDPParamGroup::end_of_backward() {
+void FSDPParamGroup::finish_backward(bool keep_graph) {
+  // Uses whose gradients were deferred (or that had no post-backward node) are complete now.
+  bool has_grads = false;
+  for (FSDPParam* p : param_ptrs_) {
+    has_grads = has_grads || p->has_accumulated_unsharded_grad() ||
+                (p->state() == ShardedState::Unsharded && p->param().grad().defined());
+  }
+  if (has_grads || is_unsharded_) {
+    if (has_grads) {
+      reduce_gradients();
+    } else if (reshard_after_backward) {
+      reshard();
+    }
+  }
   finish_pending_reduce();
-  ran_pre_backward_ = false;
-  needs_post_backward_ = false;
-  if (is_unsharded_ && reshard_after_backward) reshard();
+  drop_unused_unshard();  // a backward prefetch nobody consumed must not feed the next step
+  nodes_fired_ = 0;
+  if (!keep_graph) {
+    uses_ = 0;
+    uses_with_node_ = 0;
+  }
+  training_state_ = TrainingState::Idle;
+}
+
+void FSDPParamGroup::reset() {
+  // Collectives this rank issued are completed, so the next step's collectives pair with the right ones on
+  // every rank (all ranks raised at the same point). A wait that fails means the ranks did not: report that.
+  std::exception_ptr failure;
+  auto drain = [&](auto&& fn) {
+    try {
+      fn();
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
+  };
+  drain([&] { drop_unused_unshard(); });
+  drain([&] {
+    if (pending_reduce_) {
+      PendingReduce pending = std::move(*pending_reduce_);
+      pending_reduce_.reset();
+      pending.reduce_scatter.wait();  // waited, result dropped: the step it belonged to was abandoned
+    }
+  });
+  for (FSDPParam* p : param_ptrs_) p->drop_internal_grads();
+  if (is_unsharded_) {
+    for (FSDPParam* p : param_ptrs_) {
+      p->to_sharded();
+      p->free_unsharded();
+    }
+    is_unsharded_ = false;
+  }
+  invalidate_caches();
+  uses_ = uses_with_node_ = nodes_fired_ = 0;
+  training_state_ = TrainingState::Idle;
+  if (failure) {
+    try {
+      std::rethrow_exception(failure);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "fsdp: the process group of FSDP group ", name_, " is unusable after an exception: a "
+                  "collective this rank had issued did not complete (the ranks stopped at different points, e.g. "
+                  "only some ranks raised). Restart the job (fsdprun --max-restarts) and resume from a checkpoint. "
+                  "Cause: ", e.what());
+    }
+  }
+}
+
+void FSDPParamGroup::convert_dtype(c10::ScalarType dtype, const MixedPrecisionPolicy& mp) {
+  TORCH_CHECK(training_state_ == TrainingState::Idle && !is_unsharded_ && !unshard_in_flight(),
+              "fsdp: module->to(", dtype, ") on FSDP group ", name_, " while it is ", to_string(training_state_),
+              is_unsharded_ ? " and unsharded" : "", "; convert between steps");
+  finish_pending_reduce();
+  invalidate_caches();
+  for (FSDPParam* p : param_ptrs_) p->convert_dtype(dtype, mp);
+  layout_ = make_all_gather_layout(param_ptrs_);
 }
 
 }  // namespace fsdp::detail

@@ -2,6 +2,16 @@
 // FSDPParamGroup: the parameters of one fully_shard call, communicated together (Python's
 // _fsdp_param_group.py): one all-gather to unshard them, one reduce-scatter (plus one all-reduce across the
 // replicate dim for HSDP) to reduce their gradients.
+//
+// One training state per group drives everything (docs/fully_shard.md draws it):
+//
+//   Idle --pre_forward--> Forward --post_forward--> Idle
+//   Idle/PostBackward --pre_backward--> PreBackward --post_backward--> PostBackward
+//   any --finish_backward (end of backward) or reset (after an exception)--> Idle
+//
+// post_backward re-arms pre_backward: a group used more than once is gathered again in backward whenever it
+// was resharded in between. Whether the group's *data* is unsharded is a separate fact (is_unsharded()):
+// reshard_after_forward=false keeps it unsharded across the Forward -> Idle transition.
 
 #include "fully_shard/fsdp_collectives.h"
 #include "fully_shard/fsdp_param.h"
@@ -17,6 +27,9 @@
 
 namespace fsdp::detail {
 
+enum class TrainingState { Idle, Forward, PreBackward, PostBackward };
+const char* to_string(TrainingState state);
+
 // Which ranks a group communicates with (Python's FSDPMeshInfo / HSDPMeshInfo).
 struct MeshInfo {
   DeviceMesh mesh;
@@ -28,7 +41,7 @@ struct MeshInfo {
   c10::Device device{c10::kCPU};
 };
 
-// A gradient reduction in flight: its result is applied to the sharded gradients on finish().
+// A gradient reduction in flight: its result is applied to the sharded gradients on finish.
 struct PendingReduce {
   Work reduce_scatter;
   at::Tensor input;   // kept alive until the collective completes
@@ -44,33 +57,53 @@ class FSDPParamGroup {
   const MeshInfo& mesh_info() const { return mesh_info_; }
   const std::string& name() const { return name_; }
   void set_name(std::string name) { name_ = std::move(name); }
+  TrainingState training_state() const { return training_state_; }
 
   // --- unshard / reshard -------------------------------------------------------------------------------
   // Issues the all-gather (asynchronous); wait_for_unshard() completes it and shows the full parameters.
   void unshard();
   void wait_for_unshard();
   bool is_unsharded() const { return is_unsharded_; }
-  // In flight = issued, not yet waited (a completed-at-once Work, e.g. on one rank, is not "valid").
+  // In flight = issued, not yet waited.
   bool unshard_in_flight() const { return all_gather_output_.defined(); }
-  // Frees the full parameters. With reshard_after_forward = N after forward, keeps an N-way sharded copy.
+  // Frees the full parameters (waiting for and dropping an unused in-flight all-gather first). With
+  // keep_post_forward_shard and reshard_after_forward = N, keeps an N-way sharded copy for backward.
   void reshard(bool keep_post_forward_shard = false);
+  // Waits for an all-gather nobody consumed and drops it (ranks stay matched: every rank issued it).
+  void drop_unused_unshard();
 
   // --- meta-device init ---------------------------------------------------------------------------------
-  void materialize();         // real shard storage on the mesh's device for parameters created on meta
-  void write_back_shards();   // unsharded (shown) parameters -> this rank's shards
+  void materialize();  // real shard storage on the mesh's device for parameters created on meta
+  // Shows full parameters in their original dtype for an initializer, without a round trip through
+  // param_dtype; freshly materialized groups need no communication at all (their shards are known zeros).
+  void begin_full_init();
+  void end_full_init();  // keeps this rank's rows, shows the shards again
 
   // --- forward / backward steps ------------------------------------------------------------------------
   void pre_forward();
+  // One forward call with gradients enabled ("a use"); registered_node: its inputs got a post-backward node.
+  void record_use(bool registered_node);
   void post_forward(bool grad_enabled);
   void pre_backward();
-  // Reduces gradients (or accumulates them when sync is off) and reshards. Idempotent per backward.
-  void post_backward();
+  // From a post-backward node: this use's gradients are complete. Reduces now when no other use of the group
+  // can still add gradients in this backward, otherwise defers to finish_backward.
+  void post_backward_from_node();
+  // End of a backward pass (the root's final callback): reduces what was deferred or never reached,
+  // completes reductions, drops unused prefetches, reshards. keep_graph: the graph may be run again.
+  void finish_backward(bool keep_graph);
   void finish_pending_reduce();
-  bool needs_post_backward() const { return needs_post_backward_; }
-  void end_of_backward();  // final-callback cleanup
+  bool has_pending_reduce() const { return pending_reduce_.has_value(); }
+  // After an exception anywhere in forward or backward: waits for in-flight collectives, drops unsharded
+  // parameters and every gradient FSDP holds internally, returns to Idle. Sharded .grad keep what was
+  // reduced before the failure.
+  void reset();
+
+  // --- caches that must never outlive a change of the shards -----------------------------------------------
+  // Drops the hpZ copy kept after forward (and re-checks in-flight gathers) when the shards changed.
+  void invalidate_caches();
 
   // --- policy --------------------------------------------------------------------------------------------
-  bool reshard_after_forward() const;          // frees (fully or to the post-forward shard) after forward
+  bool reshard_after_forward() const;  // frees (fully or to the post-forward shard) after forward
   void set_reshard_after_forward(ReshardAfterForward value);
   void set_default_reshard_after_forward(bool is_root);
   bool requires_gradient_sync = true;
@@ -78,9 +111,14 @@ class FSDPParamGroup {
   bool reshard_after_backward = true;
   std::optional<double> gradient_divide_factor;
 
+  // --- conversion (module->to(dtype) after fully_shard) ----------------------------------------------------
+  void convert_dtype(c10::ScalarType dtype, const MixedPrecisionPolicy& mp);
+
  private:
   void ensure_post_forward_group();
-  ProcessGroupPtr unshard_group() const;  // the shard group, or the post-forward group when re-gathering from it
+  // Reduces (or, without gradient sync, accumulates) the gradients on the unsharded parameters, reshards.
+  void reduce_gradients();
+  int64_t shards_version() const;
 
   std::vector<std::unique_ptr<FSDPParam>> params_;
   std::vector<FSDPParam*> param_ptrs_;
@@ -88,17 +126,27 @@ class FSDPParamGroup {
   FullyShardOptions options_;
   std::string name_;
   AllGatherLayout layout_;
+  TrainingState training_state_ = TrainingState::Idle;
 
   std::optional<ReshardAfterForward> reshard_after_forward_;
   int64_t post_forward_size_ = 0;  // N of reshard_after_forward = N (0 = none)
   ProcessGroupPtr post_forward_group_;
   at::Tensor post_forward_shard_;  // [shard_size / N ranks, per_rank_bytes] uint8, when kept
+  int64_t post_forward_shard_version_ = -1;
 
   bool is_unsharded_ = false;
   Work all_gather_;
   at::Tensor all_gather_output_;
-  bool needs_post_backward_ = false;
-  bool ran_pre_backward_ = false;
+  int64_t all_gather_version_ = -1;  // shards_version() when the in-flight gather packed them
+  bool freshly_materialized_ = false;
+
+  // Backward accounting for repeated use. A forward call with gradients enabled is one "use"; a use whose
+  // inputs required gradients got a post-backward node that tells when its gradients are complete; a use
+  // without one is only known complete at the end of backward.
+  int64_t uses_ = 0;
+  int64_t uses_with_node_ = 0;
+  int64_t nodes_fired_ = 0;  // in the current backward pass
+
   std::optional<PendingReduce> pending_reduce_;
 };
 

@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
 #include <unordered_map>
@@ -16,19 +17,15 @@ using detail::TrainingState;
 
 namespace detail {
 
-std::shared_ptr<FSDPState> find_state(const torch::nn::Module& module) {
-  for (const auto& child : module.named_children()) {
-    if (child.key() == kStateHolderName) {
-      if (auto holder = std::dynamic_pointer_cast<FSDPStateHolder>(child.value())) return holder->state;
-    }
-  }
-  return nullptr;
+FSDPState& FSDPModuleAccess::state(const FSDPModule& module) {
+  TORCH_CHECK(module.state_, "fsdp: empty FSDPModule handle");
+  return *module.state_;
 }
 
 namespace {
-// Identity in forward; in backward, once the gradients of all of a module's inputs are known (so the
-// module's backward has run and its parameters' gradients are accumulated — AccumulateGrad nodes run first
-// among ready nodes), reduces the group's gradients. Python's RegisterPostBackwardFunction.
+// Identity in forward; in backward, once the gradients of all of a forward call's inputs are known (so that
+// call's backward has run and its parameters' gradients are accumulated — AccumulateGrad nodes run first
+// among ready nodes), tells the state. Python's RegisterPostBackwardFunction.
 struct PostBackwardNode : torch::autograd::Node {
   std::weak_ptr<FSDPState> state;
   std::string name() const override { return "fsdp::PostBackward"; }
@@ -37,6 +34,9 @@ struct PostBackwardNode : torch::autograd::Node {
     return std::move(grads);
   }
 };
+
+// The autograd engine's current backward pass, or -1 outside backward.
+int current_backward_pass() { return torch::autograd::get_current_graph_task_id(); }
 }  // namespace
 }  // namespace detail
 
@@ -54,28 +54,43 @@ torch::nn::Module& FSDPState::module() const {
 
 void FSDPState::attach() {
   std::weak_ptr<FSDPState> weak = weak_from_this();
-  auto first = modules_.front().lock();
-  auto last = modules_.back().lock();
-  nn::register_forward_pre_hook(*first, [weak](torch::nn::Module& m, nn::TensorList& inputs) {
-    if (auto s = weak.lock()) s->pre_forward(m, inputs);
-  });
-  nn::register_forward_hook(*last, [weak](torch::nn::Module& m, const nn::TensorList& in, nn::TensorList& out) {
-    if (auto s = weak.lock()) s->post_forward(m, in, out);
-  });
+  // Every member gets both hooks: a group of modules may run in any order, and only some members may run.
+  for (auto& weak_module : modules_) {
+    auto m = weak_module.lock();
+    nn::register_forward_pre_hook(*m, [weak](torch::nn::Module& mod, nn::TensorList& inputs) {
+      if (auto s = weak.lock()) s->pre_forward(mod, inputs);
+    });
+    nn::register_forward_hook(*m, [weak](torch::nn::Module& mod, const nn::TensorList& in, nn::TensorList& out) {
+      if (auto s = weak.lock()) s->post_forward(mod, in, out);
+    });
+  }
   if (!param_group_) return;
-  // The forgotten-hook guard: a gradient can only legitimately reach a parameter while it shows its full
-  // (unsharded) data, i.e. between pre-forward/pre-backward and reshard. A module run with ->forward()
-  // instead of fsdp::nn::call() computes with the shard, and its gradient arrives while sharded.
+  // The gradient guard: a gradient can only legitimately reach a parameter while it shows its full
+  // (unsharded) data, i.e. between pre-forward/pre-backward and reshard. Registered on every parameter (a
+  // frozen one gets it too: requires_grad may be turned on later; the hook then starts firing).
   for (detail::FSDPParam* p : param_group_->params()) {
-    if (!p->requires_grad()) continue;
-    p->param().register_hook([weak, p](const at::Tensor& grad) {
+    const bool frozen = !p->param().requires_grad();
+    // register_hook needs requires_grad; flip it around the registration for frozen parameters.
+    if (frozen) p->param().requires_grad_(true);
+    p->param().register_hook([weak, p](const at::Tensor&) {
       auto s = weak.lock();
       if (!s || p->state() == detail::ShardedState::Unsharded) return;
+      const bool ran_forward_this_step = s->training_state() != TrainingState::Idle ||
+                                         (s->ctx_ && std::find(s->ctx_->backward_order.begin(),
+                                                               s->ctx_->backward_order.end(),
+                                                               s.get()) != s->ctx_->backward_order.end());
+      if (ran_forward_this_step) {
+        TORCH_CHECK(false, "fsdp: parameter '", p->fqn(), "' of FSDP module ", s->name(), " was used by autograd "
+                    "outside the forward of its FSDP module (after the module returned it shows only this rank's "
+                    "shard again). Compute with it inside that module's forward, or gather it explicitly with "
+                    "FSDPModule::unshard() before the use and reshard() after backward (see docs/hooks.md)");
+      }
       TORCH_CHECK(false, "fsdp: parameter '", p->fqn(), "' of FSDP module ", s->name(),
                   " received a gradient while sharded: the module was run without its FSDP hooks. Invoke modules "
                   "given to fully_shard with fsdp::nn::call(module, args...) instead of module->forward(args...) "
                   "(see docs/hooks.md)");
     });
+    if (frozen) p->param().requires_grad_(false);
   }
 }
 
@@ -93,12 +108,24 @@ std::vector<std::shared_ptr<FSDPState>> FSDPState::subtree_states() {
   return out;
 }
 
+std::vector<std::shared_ptr<FSDPState>> FSDPState::context_states() const {
+  std::vector<std::shared_ptr<FSDPState>> out;
+  if (!ctx_) return out;
+  for (auto& w : ctx_->states) {
+    if (auto s = w.lock()) out.push_back(s);
+  }
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Lazy init: the first state to run forward is the root.
 
 void FSDPState::lazy_init() {
-  is_root_ = true;
-  ctx_ = std::make_shared<detail::RootContext>();
+  if (fsdp_ancestor_) {
+    TORCH_CHECK(false, "fsdp: FSDP module ", name_, " runs forward before its FSDP root ", *fsdp_ancestor_,
+                " ever did. FSDP initializes lazily from the root (the outermost fully_shard module): run the root's "
+                "forward first (fsdp::nn::call(root, ...)); afterwards submodules may also run on their own");
+  }
   auto states = subtree_states();
   // Fully qualified names relative to the root, for error messages and state dicts.
   std::unordered_map<const c10::TensorImpl*, std::string> fqn_of;
@@ -110,13 +137,27 @@ void FSDPState::lazy_init() {
     }
     for (const auto& item : m->named_modules("", /*include_self=*/true)) module_path.emplace(item.value().get(), item.key());
   }
+  // Validate everything before changing anything: a refused first forward leaves no half-initialized tree.
   std::unordered_set<const c10::TensorImpl*> owned;
   for (auto& s : states) {
-    if (s.get() != this) {
-      TORCH_CHECK(!s->is_root_.value_or(false) || s->ctx_ == nullptr || s->training_state_ == TrainingState::Idle,
-                  "fsdp: module ", s->name_, " is running as an FSDP root while its parent starts forward");
-      s->is_root_ = false;
+    TORCH_CHECK(s.get() == this || !s->is_root_.has_value(), "fsdp: FSDP module ", s->name_,
+                " already ran forward as its own root before its ancestor ", name_,
+                " did. FSDP requires running forward through the root first");
+    if (!s->param_group_) continue;
+    for (detail::FSDPParam* p : s->param_group_->params()) {
+      const c10::TensorImpl* impl = p->param().unsafeGetTensorImpl();
+      auto it = fqn_of.find(impl);
+      const std::string& fqn = it != fqn_of.end() ? it->second : p->fqn();
+      TORCH_CHECK(owned.insert(impl).second, "fsdp: parameter '", fqn, "' belongs to two FSDP parameter groups");
+      TORCH_CHECK(!p->param().is_meta(), "fsdp: parameter '", fqn,
+                  "' is still on the meta device at the first forward; materialize the model first "
+                  "(fsdp::materialize_module, then initialize it)");
     }
+  }
+  is_root_ = true;
+  ctx_ = std::make_shared<detail::RootContext>();
+  for (auto& s : states) {
+    if (s.get() != this) s->is_root_ = false;
     s->ctx_ = ctx_;
     ctx_->states.push_back(s);
     auto path = module_path.find(&s->module());
@@ -125,14 +166,43 @@ void FSDPState::lazy_init() {
     s->param_group_->set_default_reshard_after_forward(s.get() == this);
     s->param_group_->set_name(s->name_);
     for (detail::FSDPParam* p : s->param_group_->params()) {
-      const c10::TensorImpl* impl = p->param().unsafeGetTensorImpl();
-      TORCH_CHECK(owned.insert(impl).second, "fsdp: parameter '", p->fqn(), "' belongs to two FSDP parameter groups");
-      auto it = fqn_of.find(impl);
+      auto it = fqn_of.find(p->param().unsafeGetTensorImpl());
       if (it != fqn_of.end()) p->set_fqn(it->second);
-      TORCH_CHECK(!p->param().is_meta(), "fsdp: parameter '", p->fqn(),
-                  "' is still on the meta device at the first forward; materialize the model first");
     }
   }
+}
+
+bool FSDPState::needs_recovery() const {
+  if (!ctx_) return false;
+  const int pass = detail::current_backward_pass();
+  if (ctx_->backward_graph_task != -1 && ctx_->backward_graph_task != pass) return true;  // backward died
+  for (auto& s : context_states()) {
+    if (s->training_state_ == TrainingState::Idle) continue;
+    // Forward left over (an exception escaped the root's forward), or backward states outside any backward.
+    if (s->training_state_ == TrainingState::Forward || pass == -1) return true;
+  }
+  return false;
+}
+
+void FSDPState::root_pre_forward() {
+  if (needs_recovery()) reset();
+  ctx_->forward_order.clear();
+  for (auto& s : context_states()) s->forward_calls_this_root_forward_ = 0;
+}
+
+void FSDPState::root_post_forward() {
+  // Members of a group of modules that did not all run: their group finishes with the root.
+  for (auto& s : context_states()) {
+    if (s.get() != this && s->training_state_ == TrainingState::Forward && s->members_running_.empty()) {
+      s->finish_forward();
+    }
+  }
+  // Forward prefetches nobody consumed (a module skipped this time) are completed and dropped: their data
+  // must not survive into a later step, after an optimizer step changed the shards.
+  for (auto& s : context_states()) {
+    if (s->param_group_ && s->training_state_ == TrainingState::Idle) s->param_group_->drop_unused_unshard();
+  }
+  ctx_->last_forward_order = ctx_->forward_order;
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -146,26 +216,58 @@ void FSDPState::cast_tensors(nn::TensorList& tensors, c10::ScalarType dtype) con
 
 void FSDPState::pre_forward(torch::nn::Module& module, nn::TensorList& inputs) {
   if (!is_root_.has_value()) lazy_init();
-  TORCH_CHECK(training_state_ == TrainingState::Idle, "fsdp: ", name_,
-              " entered forward again before its previous forward finished (re-entrant calls are not supported)");
-  if (is_root_.value()) {
-    ctx_->post_forward_order.clear();
+  const bool outermost_root_call = is_root() && members_running_.empty();
+  if (training_state_ == TrainingState::PreBackward && !(outermost_root_call && needs_recovery())) {
+    // Recomputation during backward (activation checkpointing): pre-backward already gathered the group.
+    return;
   }
-  training_state_ = TrainingState::Forward;
-  if (param_group_) param_group_->pre_forward();
-  prefetch_for_forward();
+  if (outermost_root_call) root_pre_forward();
+  if (training_state_ != TrainingState::Forward) {
+    // The first member of this call group to run: gather the parameters.
+    training_state_ = TrainingState::Forward;
+    forward_grad_enabled_ = c10::GradMode::is_enabled();
+    forward_registered_node_ = false;
+    if (param_group_) param_group_->pre_forward();
+    prefetch_for_forward();
+    ++forward_calls_this_root_forward_;
+  }
+  ++members_running_[&module];
+  members_ran_.insert(&module);
   const auto& mp = options_.mp_policy;
   if (mp.cast_forward_inputs && mp.param_dtype) cast_tensors(inputs, *mp.param_dtype);
-  if (c10::GradMode::is_enabled() && param_group_ && param_group_->needs_post_backward()) register_post_backward(inputs);
+  if (c10::GradMode::is_enabled() && param_group_) {
+    bool any_requires_grad = false;
+    for (detail::FSDPParam* p : param_group_->params()) any_requires_grad = any_requires_grad || p->requires_grad();
+    if (any_requires_grad) {
+      const bool registered = register_post_backward(inputs);
+      forward_registered_node_ = forward_registered_node_ || registered;
+      param_group_->record_use(registered);
+    }
+  }
 }
 
 void FSDPState::post_forward(torch::nn::Module& module, const nn::TensorList& inputs, nn::TensorList& outputs) {
-  const bool grad_enabled = c10::GradMode::is_enabled();
-  if (param_group_) param_group_->post_forward(grad_enabled);
-  ctx_->post_forward_order.push_back(this);
+  auto running = members_running_.find(&module);
+  if (running == members_running_.end()) return;  // recomputation during backward: pre_forward skipped it
+  if (--running->second == 0) members_running_.erase(running);
   if (options_.mp_policy.output_dtype) cast_tensors(outputs, *options_.mp_policy.output_dtype);
-  if (grad_enabled) register_pre_backward(outputs);
-  if (is_root()) ctx_->last_post_forward_order = ctx_->post_forward_order;
+  if (c10::GradMode::is_enabled()) register_pre_backward(outputs);
+  if (!members_running_.empty()) return;  // a member re-entered itself; the outer call finishes
+  // A group of modules finishes once every member ran (they may run in any order): finishing earlier would
+  // reshard and gather again for the next member. When only some members run, the root's post-forward
+  // finishes the group.
+  if (is_root() || members_ran_.size() == modules_.size()) finish_forward();
+  if (is_root()) root_post_forward();
+}
+
+void FSDPState::finish_forward() {
+  members_ran_.clear();
+  if (param_group_) param_group_->post_forward(forward_grad_enabled_);
+  ctx_->forward_order.push_back(this);
+  if (forward_grad_enabled_) {
+    backward_order_indices_.push_back(ctx_->backward_order.size());
+    ctx_->backward_order.push_back(this);
+  }
   training_state_ = TrainingState::Idle;
 }
 
@@ -183,34 +285,30 @@ std::vector<FSDPState*> live_states(const std::vector<std::weak_ptr<FSDPState>>&
 void FSDPState::prefetch_for_forward() {
   std::vector<FSDPState*> targets = live_states(forward_prefetch);
   if (forward_prefetch.empty()) {
-    // Implicit: the state that ran forward right after this one last time.
-    const auto& order = ctx_->last_post_forward_order;
-    // Pre-forward order differs from post-forward order for nested states; find the first state after
-    // this one (in last iteration's post-forward order) that has not run forward yet in this iteration.
-    auto it = std::find(order.begin(), order.end(), this);
-    if (it != order.end()) {
-      for (auto next = std::next(it); next != order.end(); ++next) {
-        FSDPState* s = *next;
-        if (s->training_state_ == TrainingState::Idle &&
-            std::find(ctx_->post_forward_order.begin(), ctx_->post_forward_order.end(), s) == ctx_->post_forward_order.end()) {
-          targets.push_back(s);
-          break;
-        }
+    // Implicit: the state that finished forward right after this call did, last time. The k-th call of this
+    // state in this root forward matches its k-th occurrence in the previous forward's order.
+    const auto& order = ctx_->last_forward_order;
+    if (is_root()) {
+      // The root runs forward first but finishes last: prefetch the first state it runs.
+      if (!order.empty() && order.front() != this) targets.push_back(order.front());
+    } else {
+      int seen = 0;
+      for (size_t i = 0; i < order.size(); ++i) {
+        if (order[i] != this || ++seen != forward_calls_this_root_forward_ + 1) continue;
+        if (i + 1 < order.size()) targets.push_back(order[i + 1]);
+        break;
       }
-    } else if (is_root() && !order.empty()) {
-      // The root runs forward first but posts last: prefetch the first state it runs.
-      targets.push_back(order.front());
     }
   }
   for (FSDPState* s : targets) {
-    if (s->param_group_ && s != this) s->param_group_->unshard();
+    if (s->param_group_ && s != this && s->training_state_ == TrainingState::Idle) s->param_group_->unshard();
   }
 }
 
 // ---------------------------------------------------------------------------------------------------------
 // Backward
 
-void FSDPState::register_post_backward(nn::TensorList& inputs) {
+bool FSDPState::register_post_backward(nn::TensorList& inputs) {
   std::vector<size_t> indices;
   torch::autograd::variable_list grad_inputs;
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -219,7 +317,7 @@ void FSDPState::register_post_backward(nn::TensorList& inputs) {
       grad_inputs.push_back(inputs[i]);
     }
   }
-  if (grad_inputs.empty()) return;  // post-backward then runs from the root's final callback
+  if (grad_inputs.empty()) return false;  // this use completes at the end of backward (root's final callback)
   auto node = c10::make_intrusive<detail::PostBackwardNode>();
   node->state = weak_from_this();
   node->set_next_edges(torch::autograd::collect_next_edges(grad_inputs));
@@ -228,6 +326,7 @@ void FSDPState::register_post_backward(nn::TensorList& inputs) {
     torch::autograd::set_history(out, node);
     inputs[indices[k]] = out;
   }
+  return true;
 }
 
 void FSDPState::register_pre_backward(nn::TensorList& outputs) {
@@ -240,20 +339,27 @@ void FSDPState::register_pre_backward(nn::TensorList& outputs) {
   }
 }
 
-void FSDPState::pre_backward() {
-  if (!ctx_->final_callback_queued) {
-    ctx_->final_callback_queued = true;
-    std::weak_ptr<FSDPState> root;
-    for (auto& w : ctx_->states) {
-      auto s = w.lock();
-      if (s && s->is_root()) root = s;
-    }
-    torch::autograd::Engine::get_default_engine().queue_callback([root] {
-      if (auto r = root.lock()) r->root_final_callback();
-    });
+void FSDPState::queue_final_callback() {
+  const int pass = detail::current_backward_pass();
+  if (ctx_->backward_graph_task == pass) return;
+  if (ctx_->backward_graph_task != -1) {
+    // The callback queued for an earlier backward never ran: that backward failed. Recover first.
+    reset();
   }
-  if (ran_pre_backward_) return;
-  ran_pre_backward_ = true;
+  ctx_->backward_graph_task = pass;
+  std::weak_ptr<FSDPState> root;
+  for (auto& s : context_states()) {
+    if (s->is_root()) root = s;
+  }
+  torch::autograd::Engine::get_default_engine().queue_callback([root] {
+    if (auto r = root.lock()) r->root_final_callback();
+  });
+}
+
+void FSDPState::pre_backward() {
+  queue_final_callback();
+  if (training_state_ == TrainingState::PreBackward) return;
+  // Idle (first use reached in this backward) or PostBackward (an earlier use of this group: re-armed).
   training_state_ = TrainingState::PreBackward;
   if (param_group_) param_group_->pre_backward();
   prefetch_for_backward();
@@ -261,53 +367,85 @@ void FSDPState::pre_backward() {
 
 void FSDPState::prefetch_for_backward() {
   std::vector<FSDPState*> targets = live_states(backward_prefetch);
-  if (backward_prefetch.empty()) {
-    // Implicit: backward runs in reverse post-forward order, so the state that posted just before this one
-    // is the next to need its parameters.
-    const auto& order = ctx_->post_forward_order;
-    auto it = std::find(order.begin(), order.end(), this);
-    if (it != order.end() && it != order.begin()) targets.push_back(*std::prev(it));
+  // Implicit: backward runs in reverse post-forward order; each use of this state pops its own position, and
+  // the call that finished just before it is the next to need its parameters.
+  std::optional<size_t> position;
+  if (!backward_order_indices_.empty()) {
+    position = backward_order_indices_.back();
+    backward_order_indices_.pop_back();
+  }
+  if (backward_prefetch.empty() && position && *position > 0 && *position <= ctx_->backward_order.size()) {
+    targets.push_back(ctx_->backward_order[*position - 1]);
   }
   for (FSDPState* s : targets) {
-    if (s->param_group_ && s != this && !s->ran_pre_backward_ && s->param_group_->needs_post_backward()) {
-      s->param_group_->unshard();
-    }
+    if (s == this || !s->param_group_) continue;
+    if (s->training_state_ == TrainingState::PreBackward) continue;
+    s->param_group_->unshard();  // no-op when already unsharded or in flight
   }
 }
 
 void FSDPState::post_backward() {
+  queue_final_callback();
   training_state_ = TrainingState::PostBackward;
-  if (!param_group_ || !param_group_->needs_post_backward()) return;
-  // At most one reduction in flight: finishing the previous group's here bounds gradient memory while
-  // its communication still overlapped this group's backward compute.
+  if (!param_group_) return;
+  // At most one reduction in flight across the tree: finishing the previous group's here bounds gradient
+  // memory while its communication still overlapped this group's backward compute.
   if (ctx_->group_with_pending_reduce && ctx_->group_with_pending_reduce != param_group_.get()) {
     ctx_->group_with_pending_reduce->finish_pending_reduce();
+    ctx_->group_with_pending_reduce = nullptr;
   }
-  param_group_->post_backward();
-  ctx_->group_with_pending_reduce = param_group_.get();
+  param_group_->post_backward_from_node();
+  if (param_group_->has_pending_reduce()) ctx_->group_with_pending_reduce = param_group_.get();
 }
 
 void FSDPState::root_final_callback() {
-  // Post-backward for groups whose inputs did not require gradients (their hook never fired), in a fixed
-  // order so that every rank issues the same collectives.
-  std::vector<std::shared_ptr<FSDPState>> states;
-  for (auto& w : ctx_->states) {
-    if (auto s = w.lock()) states.push_back(s);
-  }
+  const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
+  // Uses that had no post-backward node, or were deferred, are reduced now — in a fixed order (reverse module
+  // order) so that every rank issues the same collectives.
+  auto states = context_states();
   for (auto it = states.rbegin(); it != states.rend(); ++it) {
-    if ((*it)->param_group_ && (*it)->param_group_->needs_post_backward()) (*it)->post_backward();
+    FSDPState& s = **it;
+    if (s.param_group_) s.param_group_->finish_backward(keep_graph);
+    s.training_state_ = TrainingState::Idle;
+    if (!keep_graph) s.backward_order_indices_.clear();
   }
-  for (auto& s : states) {
-    if (s->param_group_) s->param_group_->end_of_backward();
-    s->training_state_ = TrainingState::Idle;
-    s->ran_pre_backward_ = false;
+  if (keep_graph) {
+    // The same graph may run backward again: restore every call's position for backward prefetch.
+    for (auto& s : states) s->backward_order_indices_.clear();
+    for (size_t i = 0; i < ctx_->backward_order.size(); ++i) ctx_->backward_order[i]->backward_order_indices_.push_back(i);
+  } else {
+    ctx_->backward_order.clear();
   }
   ctx_->group_with_pending_reduce = nullptr;
-  ctx_->final_callback_queued = false;
+  ctx_->backward_graph_task = -1;
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Explicit unshard / reshard
+// Recovery, explicit unshard / reshard, conversion
+
+void FSDPState::reset() {
+  std::vector<std::shared_ptr<FSDPState>> states = ctx_ ? context_states() : subtree_states();
+  std::exception_ptr failure;
+  for (auto& s : states) {
+    try {
+      if (s->param_group_) s->param_group_->reset();
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
+    s->training_state_ = TrainingState::Idle;
+    s->members_running_.clear();
+    s->members_ran_.clear();
+    s->backward_order_indices_.clear();
+    s->forward_registered_node_ = false;
+  }
+  if (ctx_) {
+    ctx_->backward_order.clear();
+    ctx_->forward_order.clear();
+    ctx_->group_with_pending_reduce = nullptr;
+    ctx_->backward_graph_task = -1;
+  }
+  if (failure) std::rethrow_exception(failure);
+}
 
 void FSDPState::unshard(bool async_op) {
   if (!param_group_) return;
@@ -321,6 +459,10 @@ void FSDPState::wait_for_unshard() {
 
 void FSDPState::reshard() {
   if (param_group_) param_group_->reshard();
+}
+
+void FSDPState::convert_dtype(c10::ScalarType dtype) {
+  if (param_group_) param_group_->convert_dtype(dtype, options_.mp_policy);
 }
 
 }  // namespace fsdp

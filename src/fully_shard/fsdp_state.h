@@ -2,30 +2,49 @@
 // FSDPState: what fully_shard attaches to a module (Python's FSDPState): the forward hooks that unshard and
 // reshard its parameter group, the autograd hooks that run pre-/post-backward, and — for the root, the
 // first state to run forward — the context shared by every state under it (forward order for prefetching,
-// the end-of-backward callback).
+// the end-of-backward callback, recovery after exceptions).
+//
+// A state has one training state (detail::TrainingState), the same as its group's: see
+// fsdp_param_group.h and docs/fully_shard.md for the transitions.
 
 #include "fully_shard/fsdp_param_group.h"
+#include "fully_shard/state_holder.h"
 
 #include <fsdp/fully_shard.h>
 #include <fsdp/nn/module_call.h>
 
+#include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
 namespace fsdp {
 
 namespace detail {
-enum class TrainingState { Idle, Forward, PreBackward, PostBackward };
 
 // Shared by the root and every state below it; created at the root's lazy init.
 struct RootContext {
   std::vector<std::weak_ptr<FSDPState>> states;  // every state in the root's tree, root first (module order)
-  std::vector<FSDPState*> post_forward_order;    // this forward's states in post-forward order
-  std::vector<FSDPState*> last_post_forward_order;  // the previous forward's, for implicit forward prefetch
-  bool final_callback_queued = false;
+  // Post-forward order of the current root forward (every call, with or without gradients), and of the
+  // previous one: implicit forward prefetch issues the state that followed last time.
+  std::vector<FSDPState*> forward_order;
+  std::vector<FSDPState*> last_forward_order;
+  // Post-forward order of the calls with gradients since the last backward finished: backward runs in
+  // reverse, so the call before a state's own is the next to need its parameters (implicit backward prefetch).
+  std::vector<FSDPState*> backward_order;
+  // The backward pass whose end-of-backward callback is queued (-1: none). A callback queued for a pass that
+  // is no longer running never ran: that backward failed.
+  int backward_graph_task = -1;
+  // The group whose gradient reduction is in flight: at most one across the tree bounds gradient memory.
   FSDPParamGroup* group_with_pending_reduce = nullptr;
+};
+
+// Internal access to an FSDPModule's state (the public header exposes no internals).
+struct FSDPModuleAccess {
+  static FSDPState& state(const FSDPModule& module);
+  static std::shared_ptr<FSDPState> shared_state(const FSDPModule& module) { return module.state_; }
 };
 }  // namespace detail
 
@@ -34,7 +53,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   FSDPState(std::vector<std::weak_ptr<torch::nn::Module>> modules, std::unique_ptr<detail::FSDPParamGroup> group,
             FullyShardOptions options);
 
-  // Installs the forward hooks and the sharded-gradient guard; called once by fully_shard.
+  // Installs the forward hooks and the gradient guards; called once by fully_shard.
   void attach();
 
   torch::nn::Module& module() const;  // the first module
@@ -42,8 +61,11 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   bool is_root() const { return is_root_.value_or(false); }
   const std::string& name() const { return name_; }
   const FullyShardOptions& options() const { return options_; }
+  detail::TrainingState training_state() const { return training_state_; }
+  // fully_shard of an ancestor: this state must not become a root by running forward first.
+  void set_has_fsdp_ancestor(std::string ancestor) { fsdp_ancestor_ = std::move(ancestor); }
 
-  // Hooks (public for the autograd node and the final callback).
+  // Hooks (public for the autograd nodes and the final callback).
   void pre_forward(torch::nn::Module& module, nn::TensorList& inputs);
   void post_forward(torch::nn::Module& module, const nn::TensorList& inputs, nn::TensorList& outputs);
   void pre_backward();
@@ -53,37 +75,46 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void unshard(bool async_op);
   void wait_for_unshard();
   void reshard();
+  void reset();  // this state's tree back to idle after an exception (see FSDPModule::reset)
+  void convert_dtype(c10::ScalarType dtype);  // module->to(dtype) after fully_shard
   std::vector<std::shared_ptr<FSDPState>> subtree_states();  // this state and every state below it
   std::vector<std::weak_ptr<FSDPState>> forward_prefetch;   // explicit; empty = implicit
   std::vector<std::weak_ptr<FSDPState>> backward_prefetch;
-  std::optional<bool> is_last_backward;
 
  private:
   void lazy_init();
+  void root_pre_forward();
+  void root_post_forward();
   void root_final_callback();
+  void queue_final_callback();
+  // True when the previous forward or backward of this root's tree was abandoned by an exception.
+  bool needs_recovery() const;
   void prefetch_for_forward();
   void prefetch_for_backward();
-  void register_post_backward(nn::TensorList& inputs);
+  bool register_post_backward(nn::TensorList& inputs);
   void register_pre_backward(nn::TensorList& outputs);
   void cast_tensors(nn::TensorList& tensors, c10::ScalarType dtype) const;
+  // Completes the forward of the group (all members that ran have returned).
+  void finish_forward();
+  std::vector<std::shared_ptr<FSDPState>> context_states() const;
 
   std::vector<std::weak_ptr<torch::nn::Module>> modules_;
   std::unique_ptr<detail::FSDPParamGroup> param_group_;
   FullyShardOptions options_;
   std::string name_;
   std::optional<bool> is_root_;
+  std::optional<std::string> fsdp_ancestor_;
   std::shared_ptr<detail::RootContext> ctx_;
   detail::TrainingState training_state_ = detail::TrainingState::Idle;
-  bool ran_pre_backward_ = false;
-};
 
-namespace detail {
-// The child module through which a module owns its FSDPState (libtorch modules have no slot for it).
-struct FSDPStateHolder : torch::nn::Module {
-  std::shared_ptr<FSDPState> state;
+  // Forward bookkeeping of the current call group: which members are inside their forward (a member may
+  // be re-entered), whether some call registered a post-backward node, and grad mode at the first pre-forward.
+  std::map<const torch::nn::Module*, int> members_running_;
+  std::set<const torch::nn::Module*> members_ran_;
+  bool forward_registered_node_ = false;
+  bool forward_grad_enabled_ = false;
+  int forward_calls_this_root_forward_ = 0;  // for implicit forward prefetch with repeated use
+  std::vector<size_t> backward_order_indices_;  // this state's positions in ctx_->backward_order
 };
-constexpr const char* kStateHolderName = "_fsdp_state";
-std::shared_ptr<FSDPState> find_state(const torch::nn::Module& module);
-}  // namespace detail
 
 }  // namespace fsdp

@@ -95,6 +95,12 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
 
   std::vector<std::weak_ptr<torch::nn::Module>> weak_modules(modules.begin(), modules.end());
   auto state = std::make_shared<FSDPState>(std::move(weak_modules), std::move(group), opts);
+  // States below (sharded first, bottom-up) must not run forward before this one: FSDP initializes from the root.
+  for (const auto& m : modules) {
+    for (const auto& sub : m->modules(/*include_self=*/false)) {
+      if (auto s = detail::find_state(*sub)) s->set_has_fsdp_ancestor(state->name());
+    }
+  }
   if (state->param_group()) state->param_group()->set_name(state->name());
   state->attach();
   for (const auto& m : modules) {
@@ -113,15 +119,16 @@ std::optional<FSDPModule> fsdp_module(const torch::nn::Module& module) {
 // ---------------------------------------------------------------------------------------------------------
 // FSDPModule
 
-FSDPState& FSDPModule::state() const {
-  TORCH_CHECK(state_, "fsdp: empty FSDPModule handle");
-  return *state_;
-}
+namespace {
+FSDPState& state_of(const FSDPModule& m) { return detail::FSDPModuleAccess::state(m); }
+}  // namespace
 
-torch::nn::Module& FSDPModule::module() const { return state().module(); }
+torch::nn::Module& FSDPModule::module() const { return state_of(*this).module(); }
+
+void FSDPModule::reset() { state_of(*this).reset(); }
 
 UnshardHandle FSDPModule::unshard(bool async_op) {
-  state().unshard(async_op);
+  state_of(*this).unshard(async_op);
   return UnshardHandle(state_);
 }
 
@@ -129,7 +136,7 @@ void UnshardHandle::wait() {
   if (auto s = state_.lock()) s->wait_for_unshard();
 }
 
-void FSDPModule::reshard() { state().reshard(); }
+void FSDPModule::reshard() { state_of(*this).reshard(); }
 
 namespace {
 template <class F>
@@ -143,44 +150,43 @@ void for_states(FSDPState& state, bool recurse, F&& f) {
 }  // namespace
 
 void FSDPModule::set_requires_gradient_sync(bool requires_sync, bool recurse) {
-  for_states(state(), recurse, [&](FSDPState& s) {
+  for_states(state_of(*this), recurse, [&](FSDPState& s) {
     if (s.param_group()) s.param_group()->requires_gradient_sync = requires_sync;
   });
 }
 
 void FSDPModule::set_requires_all_reduce(bool requires_all_reduce, bool recurse) {
-  for_states(state(), recurse, [&](FSDPState& s) {
+  for_states(state_of(*this), recurse, [&](FSDPState& s) {
     if (s.param_group()) s.param_group()->requires_all_reduce = requires_all_reduce;
   });
 }
 
 void FSDPModule::set_reshard_after_forward(ReshardAfterForward value, bool recurse) {
-  for_states(state(), recurse, [&](FSDPState& s) {
+  for_states(state_of(*this), recurse, [&](FSDPState& s) {
     if (s.param_group()) s.param_group()->set_reshard_after_forward(value);
   });
 }
 
 void FSDPModule::set_reshard_after_backward(bool value, bool recurse) {
-  for_states(state(), recurse, [&](FSDPState& s) {
+  for_states(state_of(*this), recurse, [&](FSDPState& s) {
     if (s.param_group()) s.param_group()->reshard_after_backward = value;
   });
 }
 
 void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) {
-  state().forward_prefetch.clear();
-  for (const auto& m : modules) state().forward_prefetch.push_back(m.state_);
+  state_of(*this).forward_prefetch.clear();
+  for (const auto& m : modules) state_of(*this).forward_prefetch.push_back(m.state_);
 }
 
 void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules) {
-  state().backward_prefetch.clear();
-  for (const auto& m : modules) state().backward_prefetch.push_back(m.state_);
+  state_of(*this).backward_prefetch.clear();
+  for (const auto& m : modules) state_of(*this).backward_prefetch.push_back(m.state_);
 }
 
 void FSDPModule::set_gradient_divide_factor(double factor) {
   TORCH_CHECK(factor > 0, "fsdp: gradient divide factor must be positive, got ", factor);
-  if (state().param_group()) state().param_group()->gradient_divide_factor = factor;
+  if (state_of(*this).param_group()) state_of(*this).param_group()->gradient_divide_factor = factor;
 }
 
-void FSDPModule::set_is_last_backward(bool is_last) { state().is_last_backward = is_last; }
 
 }  // namespace fsdp

@@ -31,7 +31,7 @@ void materialize_module(torch::nn::Module& root, c10::Device device) {
 }
 
 void init_with_full_params(const FSDPModule& unit, const std::function<void()>& init) {
-  detail::FSDPParamGroup* group = unit.state().param_group();
+  detail::FSDPParamGroup* group = detail::FSDPModuleAccess::state(unit).param_group();
   if (!group) {
     c10::NoGradGuard no_grad;
     init();
@@ -41,15 +41,16 @@ void init_with_full_params(const FSDPModule& unit, const std::function<void()>& 
     TORCH_CHECK(!p->param().is_meta(), "fsdp::init_with_full_params: parameter '", p->fqn(),
                 "' is still on meta; call fsdp::materialize_module first");
   }
-  const bool was_unsharded = group->is_unsharded();
-  group->unshard();
-  group->wait_for_unshard();
-  {
+  // Full parameters in their original dtype, no all-gather for freshly materialized shards (known zeros).
+  group->begin_full_init();
+  try {
     c10::NoGradGuard no_grad;
     init();
+  } catch (...) {
+    group->end_full_init();
+    throw;
   }
-  group->write_back_shards();
-  if (!was_unsharded) group->reshard();
+  group->end_full_init();
 }
 
 std::function<void(torch::nn::Module&, const std::function<void()>&)> full_params_init_scope(torch::nn::Module& root) {

@@ -16,7 +16,12 @@ namespace {
 // describe replicated entries with.
 struct ModelIndex {
   std::unordered_map<const c10::TensorImpl*, std::pair<detail::FSDPParam*, const detail::MeshInfo*>> managed;
+  std::vector<detail::FSDPParamGroup*> groups;
   DeviceMesh any_mesh;
+  // After a load wrote new shards: nothing gathered or kept from the old ones may be used (hpZ copies).
+  void invalidate_caches() const {
+    for (auto* g : groups) g->invalidate_caches();
+  }
 };
 
 ModelIndex index_model(torch::nn::Module& root, const char* what) {
@@ -30,18 +35,21 @@ ModelIndex index_model(torch::nn::Module& root, const char* what) {
     // explicit unshard()) is resharded: the state dict describes shards. A later backward re-gathers.
     if (g->is_unsharded() || g->unshard_in_flight()) g->reshard();
     if (!index.any_mesh.valid()) index.any_mesh = g->mesh_info().mesh;
+    index.groups.push_back(g);
     for (auto* p : g->params()) index.managed[p->param().unsafeGetTensorImpl()] = {p, &g->mesh_info()};
   }
   TORCH_CHECK(index.any_mesh.valid(), "fsdp::", what, ": no fully_shard module with parameters under ", root.name());
   return index;
 }
 
-Placements fsdp_placements(const detail::MeshInfo& info) {
+Placements replicated(const DeviceMesh& mesh) { return Placements(static_cast<size_t>(mesh.ndim()), Replicate()); }
+
+// A 0-dim parameter is replicated inside its group (every rank holds it), the rest are dim-0 shards.
+Placements fsdp_placements(const detail::FSDPParam& param, const detail::MeshInfo& info) {
+  if (param.is_replicated()) return replicated(info.mesh);
   if (info.mesh.ndim() == 2) return {Replicate(), Shard(0)};
   return {Shard(0)};
 }
-
-Placements replicated(const DeviceMesh& mesh) { return Placements(static_cast<size_t>(mesh.ndim()), Replicate()); }
 
 // Every parameter (deduplicated: a tied parameter is listed under its first FQN) and buffer of the root.
 template <class F>
@@ -65,7 +73,7 @@ ShardedStateDict sharded_state_dict(torch::nn::Module& root) {
       return;
     }
     const auto& [param, info] = it->second;
-    out.emplace(fqn, ShardedTensor::from_local(param->sharded_local().detach(), info->mesh, fsdp_placements(*info),
+    out.emplace(fqn, ShardedTensor::from_local(param->sharded_local().detach(), info->mesh, fsdp_placements(*param, *info),
                                                param->unsharded_sizes()));
   });
   return out;
@@ -91,6 +99,7 @@ void load_sharded_state_dict(torch::nn::Module& root, const ShardedStateDict& st
                 " (a different mesh or world size needs checkpoint resharding)");
     dst.copy_(src.local());
   });
+  index.invalidate_caches();
   for (const auto& [key, value] : state) {
     TORCH_CHECK(used.count(key), "fsdp::load_sharded_state_dict: unexpected key '", key, "' (not in the model)");
   }
@@ -108,7 +117,7 @@ FullStateDict full_state_dict(torch::nn::Module& root, const FullStateDictOption
     } else {
       const auto& [param, info] = it->second;
       // One parameter at a time: gather, move off the device, drop — the peak is one full parameter.
-      full = ShardedTensor::from_local(param->sharded_local().detach().contiguous(), info->mesh, fsdp_placements(*info),
+      full = ShardedTensor::from_local(param->sharded_local().detach().contiguous(), info->mesh, fsdp_placements(*param, *info),
                                        param->unsharded_sizes())
                  .full_tensor();
     }
@@ -155,6 +164,7 @@ void load_full_state_dict(torch::nn::Module& root, const FullStateDict& state, b
     at::Tensor full_rows = global.empty() ? full.reshape({1}) : full;
     dst.copy_(full_rows.narrow(0, g.offset_of(p.shard_rank()), rows).reshape(dst.sizes()));
   });
+  index.invalidate_caches();
   if (reader) {
     for (const auto& [key, value] : state) {
       TORCH_CHECK(used.count(key), "fsdp::load_full_state_dict: unexpected key '", key, "' (not in the model)");

@@ -38,6 +38,13 @@ struct FSDPStateHolder : torch::nn::Module {
   void load(torch::serialize::InputArchive& archive) override;
   void pretty_print(std::ostream& stream) const override;
 
+  // module->to(...) after fully_shard (state_holder_to.cpp). libtorch converts a module's children first (this
+  // holder is registered after the module's own children) and its direct parameters last: the holder converts
+  // the group's shards to the new dtype, keeping every parameter's identity, so the direct parameters then
+  // convert as no-ops. A device other than the mesh's is rejected (FSDP's storage stays where the mesh is).
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
 };
 constexpr const char* kStateHolderName = "_fsdp_state";
 

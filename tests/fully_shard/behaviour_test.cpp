@@ -335,7 +335,7 @@ TEST(FullyShard, ApplyingTwiceIsAnError) {
 
 namespace {
 bool gather_issued(const fsdp::FSDPModule& unit) {
-  auto* group = unit.state().param_group();
+  auto* group = fsdp::detail::FSDPModuleAccess::state(unit).param_group();
   return group->unshard_in_flight() || group->is_unsharded();
 }
 }  // namespace
