@@ -450,9 +450,8 @@ LoadResult load(StateDict& state, const std::string& path, const LoadOptions& op
 
 // ---- inspection ---------------------------------------------------------------------------------------------
 
-CheckpointSummary inspect(const std::string& path) {
-  OpenCheckpoint ck(path);
-  const Metadata& md = ck.md();
+namespace {
+CheckpointSummary summarize(const Metadata& md) {
   CheckpointSummary s;
   s.version = md.version;
   s.world_size = md.world_size;
@@ -464,6 +463,43 @@ CheckpointSummary inspect(const std::string& path) {
     s.total_bytes += t.nbytes();
   }
   return s;
+}
+}  // namespace
+
+CheckpointSummary inspect(const std::string& path) { return summarize(OpenCheckpoint(path).md()); }
+
+struct Reader::Impl {
+  explicit Impl(const std::string& path) : ck(path), summary(summarize(ck.md())) {}
+  OpenCheckpoint ck;
+  CheckpointSummary summary;
+};
+
+Reader::Reader(const std::string& path) : impl_(std::make_unique<Impl>(path)) {}
+Reader::~Reader() = default;
+Reader::Reader(Reader&&) noexcept = default;
+Reader& Reader::operator=(Reader&&) noexcept = default;
+const CheckpointSummary& Reader::summary() const { return impl_->summary; }
+
+at::Tensor Reader::read(const std::string& name) {
+  auto it = impl_->ck.md().tensors.find(name);
+  TORCH_CHECK(it != impl_->ck.md().tensors.end(), "checkpoint: ", impl_->ck.dir(), " has no tensor '", name, "'");
+  return read_rows(name, 0, it->second.shape.empty() ? 1 : it->second.shape[0]);
+}
+
+at::Tensor Reader::read_rows(const std::string& name, int64_t row_begin, int64_t rows) {
+  auto it = impl_->ck.md().tensors.find(name);
+  TORCH_CHECK(it != impl_->ck.md().tensors.end(), "checkpoint: ", impl_->ck.dir(), " has no tensor '", name, "'");
+  const TensorMeta& t = it->second;
+  Box box{std::vector<int64_t>(t.shape.size(), 0), t.shape};
+  if (!t.shape.empty()) {
+    TORCH_CHECK(row_begin >= 0 && rows >= 0 && row_begin <= t.shape[0] && rows <= t.shape[0] - row_begin,
+                "checkpoint: rows [", row_begin, ", +", rows, ") outside tensor '", name, "' with ", t.shape[0], " rows");
+    box.offsets[0] = row_begin;
+    box.sizes[0] = rows;
+  }
+  at::Tensor out = at::empty(box.sizes, at::TensorOptions().dtype(t.dtype));
+  if (out.numel() > 0) impl_->ck.fill(name, out, box);
+  return out;
 }
 
 std::vector<std::string> verify(const std::string& path) {
@@ -494,14 +530,7 @@ std::vector<std::string> verify(const std::string& path) {
   return problems;
 }
 
-at::Tensor read_tensor(const std::string& path, const std::string& name) {
-  OpenCheckpoint ck(path);
-  auto it = ck.md().tensors.find(name);
-  TORCH_CHECK(it != ck.md().tensors.end(), "checkpoint: ", path, " has no tensor '", name, "'");
-  at::Tensor full = at::empty(it->second.shape, at::TensorOptions().dtype(it->second.dtype));
-  ck.fill(name, full, Box{std::vector<int64_t>(it->second.shape.size(), 0), it->second.shape});
-  return full;
-}
+at::Tensor read_tensor(const std::string& path, const std::string& name) { return Reader(path).read(name); }
 
 std::string read_value(const std::string& path, const std::string& key) {
   OpenCheckpoint ck(path);

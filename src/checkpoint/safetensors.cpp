@@ -268,18 +268,29 @@ std::map<std::string, at::Tensor> load_file(const std::string& path) {
 
 void save_file(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                const std::map<std::string, std::string>& metadata) {
+  std::vector<TensorSpec> specs;
+  for (const auto& [name, t] : tensors) {
+    TORCH_CHECK(t.defined(), "safetensors: tensor '", name, "' is undefined");
+    specs.push_back({name, t.scalar_type(), t.sizes().vec()});
+  }
+  save_file_streamed(path, specs, [&](size_t i) { return tensors[i].second; }, metadata);
+}
+
+void save_file_streamed(const std::string& path, const std::vector<TensorSpec>& specs,
+                        const std::function<at::Tensor(size_t)>& produce,
+                        const std::map<std::string, std::string>& metadata) {
   check_host();
   nlohmann::json header = nlohmann::json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   int64_t offset = 0;
-  for (const auto& [name, t] : tensors) {
+  for (const auto& spec : specs) {
+    const std::string& name = spec.name;
     TORCH_CHECK(!name.empty() && name != "__metadata__", "safetensors: invalid tensor name '", name, "' for ", path);
     TORCH_CHECK(!header.contains(name), "safetensors: tensor name '", name, "' given twice for ", path);
-    TORCH_CHECK(t.defined(), "safetensors: tensor '", name, "' is undefined");
-    const int64_t nbytes = t.numel() * static_cast<int64_t>(t.element_size());
-    header[name] = {{"dtype", dtype_name(t.scalar_type())},
-                    {"shape", t.sizes().vec()},
-                    {"data_offsets", {offset, offset + nbytes}}};
+    int64_t numel = 1;
+    for (int64_t d : spec.shape) numel *= d;
+    const int64_t nbytes = numel * static_cast<int64_t>(c10::elementSize(spec.dtype));
+    header[name] = {{"dtype", dtype_name(spec.dtype)}, {"shape", spec.shape}, {"data_offsets", {offset, offset + nbytes}}};
     offset += nbytes;
   }
   std::string text = header.dump();
@@ -296,7 +307,12 @@ void save_file(const std::string& path, const std::vector<std::pair<std::string,
     try {
       write_all(fd.get(), len_bytes, 8, tmp);
       write_all(fd.get(), text.data(), static_cast<int64_t>(text.size()), tmp);
-      for (const auto& [name, t] : tensors) {
+      for (size_t i = 0; i < specs.size(); ++i) {
+        at::Tensor t = produce(i);
+        TORCH_CHECK(t.defined(), "safetensors: tensor '", specs[i].name, "' is undefined");
+        TORCH_CHECK(t.scalar_type() == specs[i].dtype && t.sizes() == at::IntArrayRef(specs[i].shape), "safetensors: tensor '",
+                    specs[i].name, "' is ", t.scalar_type(), t.sizes(), " but was declared ", specs[i].dtype,
+                    at::IntArrayRef(specs[i].shape));
         at::Tensor c = t.detach().to(at::kCPU).contiguous();
         if (c.numel() > 0) write_all(fd.get(), c.data_ptr(), c.numel() * static_cast<int64_t>(c.element_size()), tmp);
       }

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -100,6 +101,23 @@ struct CheckpointSummary {
   std::map<std::string, int64_t> files;        // data files and their sizes
 };
 CheckpointSummary inspect(const std::string& path);
+// An open checkpoint (metadata parsed and validated once) for reading tensors one at a time.
+class Reader {
+ public:
+  explicit Reader(const std::string& path);
+  ~Reader();
+  Reader(Reader&&) noexcept;
+  Reader& operator=(Reader&&) noexcept;
+  const CheckpointSummary& summary() const;
+  // Whole tensor on the CPU in its saved dtype, checksums verified.
+  at::Tensor read(const std::string& name);
+  // Rows [row_begin, row_begin + rows) of dim 0 (only the bytes of those rows are read).
+  at::Tensor read_rows(const std::string& name, int64_t row_begin, int64_t rows);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 // Reads every chunk and checks file sizes and checksums. Returns the problems found (empty = valid); never
 // throws for a damaged checkpoint (only the list grows).
 std::vector<std::string> verify(const std::string& path);

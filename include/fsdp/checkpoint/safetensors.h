@@ -15,6 +15,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -73,6 +74,18 @@ std::map<std::string, at::Tensor> load_file(const std::string& path);
 // optional string metadata. Names must be unique and non-empty and may not be "__metadata__".
 void save_file(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                const std::map<std::string, std::string>& metadata = {});
+
+// Streaming writer: the header is computed from `specs` (name, dtype, shape), then produce(i) is called for each
+// spec in order and must return a tensor of exactly that dtype and shape; it is written and released before the
+// next one is produced, so only one tensor is in memory at a time. Same atomicity as save_file.
+struct TensorSpec {
+  std::string name;
+  c10::ScalarType dtype = c10::kFloat;
+  std::vector<int64_t> shape;
+};
+void save_file_streamed(const std::string& path, const std::vector<TensorSpec>& specs,
+                        const std::function<at::Tensor(size_t)>& produce,
+                        const std::map<std::string, std::string>& metadata = {});
 
 // Sharded sets (Hugging Face layout): model.safetensors.index.json =
 //   {"metadata": {"total_size": <bytes>}, "weight_map": {"<tensor name>": "<file name>", ...}}
