@@ -115,6 +115,34 @@ TEST(RuntimeRepeatedUse, RetainGraphThenSecondBackward) {
   }
 }
 
+// enc(enc(x)) combined with micro-batch accumulation (no gradient sync on the first micro-batch) and with
+// another block frozen for some steps: reductions only on the synchronized micro-batch, once per group.
+TEST(RuntimeRepeatedUse, WithAccumulationAndFrozenBlock) {
+  for (const auto& r : kReshardModes) {
+    const std::string what = "enc(enc(x)) + accumulation + freeze reshard=" + reshard_name(r);
+    Trainer ref = make_reference(37, 3);
+    Trainer dist = make_sharded(37, 3, r);
+    auto body = [](NetImpl& m, torch::Tensor h) { return m.run_blocks(m.block(0, h)); };
+    ref.net->body = body;
+    dist.net->body = body;
+    auto init = snapshot(*ref.net);
+    auto g = world_mesh().group(0);
+    for (int step = 0; step < 6; ++step) {
+      const bool frozen = step == 2 || step == 3;
+      for (Trainer* t : {&ref, &dist}) {
+        for (auto& p : t->net->blocks[1]->parameters()) p.requires_grad_(!frozen);
+      }
+      auto b = batch(step);
+      ref.step(b, 2);
+      g->reset_stats();
+      dist.step(b, 2);
+      EXPECT_EQ(counts(g).rs, frozen ? 3 : 4) << what << " step " << step;
+    }
+    expect_parity(*dist.net, *ref.net, 1e-5, what);
+    expect_moved(*ref.net, init);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // 2. Evaluation
 // ---------------------------------------------------------------------------------------------------------
@@ -163,6 +191,65 @@ TEST(RuntimeEvaluation, NoGradAndInferenceModeBetweenSteps) {
       g->reset_stats();
       dist.step(b);
       EXPECT_EQ(counts(g).rs, 4) << what << " training step " << step;
+    }
+    expect_parity(*dist.net, *ref.net, 1e-5, what);
+    expect_moved(*ref.net, init);
+  }
+}
+
+// A module used twice in an evaluation forward (under NoGradGuard and InferenceMode), also while another
+// block is frozen: the reference's output and no reduction; training in between equals the reference.
+TEST(RuntimeEvaluation, RepeatedUseUnderNoGradAndInferenceMode) {
+  for (const auto& r : kReshardModes) {
+    const std::string what = "eval enc(enc(x)) reshard=" + reshard_name(r);
+    Trainer ref = make_reference(36, 3);
+    Trainer dist = make_sharded(36, 3, r);
+    bool twice = true;
+    auto body = [&twice](NetImpl& m, torch::Tensor h) {
+      if (twice) h = m.block(0, h);
+      return m.run_blocks(h);
+    };
+    ref.net->body = body;
+    dist.net->body = body;
+    auto init = snapshot(*ref.net);
+    auto g = world_mesh().group(0);
+    bool frozen = false;
+    for (int step = 0; step < 4; ++step) {
+      if (step == 2) {
+        frozen = true;
+        for (Trainer* t : {&ref, &dist}) {
+          for (auto& p : t->net->blocks[1]->parameters()) p.requires_grad_(false);
+        }
+      }
+      twice = true;
+      auto x = batch(600 + step).x;
+      torch::Tensor expected;
+      {
+        torch::NoGradGuard ng;
+        expected = ref.forward(x);
+      }
+      for (bool inference : {false, true}) {
+        const std::string at = what + (inference ? " InferenceMode" : " NoGradGuard") + " step " + std::to_string(step) +
+                               (frozen ? " (block 1 frozen)" : "");
+        g->reset_stats();
+        torch::Tensor out;
+        if (inference) {
+          c10::InferenceMode im;
+          out = dist.forward(x);
+        } else {
+          torch::NoGradGuard ng;
+          out = dist.forward(x);
+        }
+        EXPECT_LE(rel(out, expected), 1e-5) << at;
+        EXPECT_EQ(counts(g).rs, 0) << at;
+        EXPECT_GE(counts(g).ag, 4) << at;
+      }
+      twice = step % 2 == 0;
+      auto b = batch(step);
+      ref.step(b);
+      g->reset_stats();
+      dist.step(b);
+      EXPECT_EQ(counts(g).rs, frozen ? 3 : 4) << what << " training step " << step;
     }
     expect_parity(*dist.net, *ref.net, 1e-5, what);
     expect_moved(*ref.net, init);
