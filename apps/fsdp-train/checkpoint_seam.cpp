@@ -1,34 +1,294 @@
-// See checkpoint_seam.h.
+// fsdp-train's Checkpointer on libfsdp distributed checkpoints (see checkpoint_seam.h, docs/trainer.md).
 #include "checkpoint_seam.h"
 
 #include "config.h"
+#include "data.h"
 
+#include <fsdp/checkpoint/checkpoint.h>
+#include <fsdp/checkpoint/optimizer.h>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <exception>
+#include <filesystem>
 #include <iostream>
+#include <thread>
 
 namespace fsdp_train {
 namespace {
 
-class NotImplementedCheckpointer final : public Checkpointer {
- public:
-  NotImplementedCheckpointer(bool enabled, int rank) : enabled_(enabled), rank_(rank) {}
-  bool load(TrainState&) override {
-    if (enabled_ && rank_ == 0)
-      std::cout << "checkpoint.enable = true, but checkpointing is not implemented yet (a later issue): training "
-                   "starts from scratch and nothing is saved"
-                << std::endl;
-    return false;
+namespace ckpt = fsdp::checkpoint;
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+std::string hex(const at::Tensor& bytes) {
+  static const char* digits = "0123456789abcdef";
+  const auto* p = bytes.data_ptr<uint8_t>();
+  std::string out;
+  for (int64_t i = 0; i < bytes.numel(); ++i) {
+    out += digits[p[i] >> 4];
+    out += digits[p[i] & 15];
   }
-  void maybe_save(TrainState&, bool) override {}
+  return out;
+}
+
+at::Tensor unhex(const std::string& s) {
+  TORCH_CHECK(s.size() % 2 == 0, "checkpoint: rng.cpu is not a hex string");
+  at::Tensor t = at::empty({static_cast<int64_t>(s.size() / 2)}, at::kByte);
+  auto* p = t.data_ptr<uint8_t>();
+  for (size_t i = 0; i < s.size(); i += 2) p[i / 2] = static_cast<uint8_t>(std::stoi(s.substr(i, 2), nullptr, 16));
+  return t;
+}
+
+// A deep CPU copy of every tensor (the snapshot an async save writes while training goes on).
+ckpt::StateDict snapshot(const ckpt::StateDict& sd, std::optional<at::ScalarType> cast) {
+  auto copy = [&](const at::Tensor& t) {
+    at::Tensor c = t.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+    if (cast && at::isFloatingType(c.scalar_type())) c = c.to(*cast);
+    return c;
+  };
+  ckpt::StateDict out;
+  for (const auto& [k, t] : sd.tensors)
+    out.tensors.emplace(k, fsdp::ShardedTensor::from_local(copy(t.local()), t.mesh(), t.placements(), t.sizes()));
+  for (const auto& [k, t] : sd.full) out.full.emplace(k, copy(t));
+  out.values = sd.values;
+  return out;
+}
+
+class DistributedCheckpointer final : public Checkpointer {
+ public:
+  DistributedCheckpointer(const JobConfig& config, int rank, fsdp::ProcessGroupPtr group)
+      : cfg_(config.checkpoint), rank_(rank), world_(group ? group->size() : 1), job_group_(std::move(group)) {
+    folder_ = (fs::path(config.job.dump_folder) / cfg_.folder).string();
+    async_ = cfg_.async_mode != "disabled";
+    // Background saves talk on their own group so that they never interleave with the training collectives.
+    if (cfg_.enable && job_group_ && world_ > 1) {
+      std::vector<int> ranks(static_cast<size_t>(world_));
+      for (int i = 0; i < world_; ++i) ranks[static_cast<size_t>(i)] = i;
+      group_ = fsdp::new_group(ranks, "checkpoint");
+    }
+    if (async_ && cfg_.async_mode == "async_with_pinned_mem" && rank_ == 0)
+      std::cout << "checkpoint: async_with_pinned_mem on CPU tensors = async (pinned memory only helps device copies)"
+                << std::endl;
+  }
+
+  ~DistributedCheckpointer() override {
+    try {
+      wait();
+    } catch (const std::exception& e) {
+      std::cerr << "checkpoint: background save failed: " << e.what() << std::endl;
+    }
+  }
+
+  bool load(TrainState& s) override {
+    if (!cfg_.enable) return false;
+    std::string dir;
+    bool from_initial = false;
+    if (cfg_.load_step >= 0) {
+      dir = ckpt::step_path(folder_, cfg_.load_step);
+      TORCH_CHECK(fs::exists(fs::path(dir) / "metadata.json"), "checkpoint.load_step = ", cfg_.load_step, ": ", dir,
+                  " is not a complete checkpoint");
+    } else if (auto latest = ckpt::latest_step(folder_)) {
+      dir = ckpt::step_path(folder_, *latest);
+    } else if (!cfg_.initial_load_path.empty()) {
+      dir = cfg_.initial_load_path;
+      from_initial = true;
+    } else {
+      return false;
+    }
+    const auto t0 = Clock::now();
+    const auto summary = ckpt::inspect(dir);
+    // A model-only checkpoint (the last save by default, or a seed) restores only the model.
+    const bool has_train_state = summary.values.count("train_state.step") > 0;
+    const bool model_only = !has_train_state || (from_initial && cfg_.initial_load_model_only);
+    std::vector<std::string> exclude;
+    for (const auto& e : cfg_.exclude_from_loading) {
+      TORCH_CHECK(e == "optimizer" || e == "lr_scheduler" || e == "dataloader" || e == "train_state" || e == "rng",
+                  "checkpoint.exclude_from_loading: unknown state '", e,
+                  "' (optimizer, lr_scheduler, dataloader, train_state or rng; the model is always loaded)");
+      exclude.push_back(e + ".");
+    }
+    ckpt::StateDict sd = state_dict(s, model_only, /*for_save=*/false);
+    ckpt::LoadOptions lo;
+    lo.group = group_;
+    lo.local_only = !job_group_;
+    lo.exclude_prefixes = exclude;
+    lo.strict = false;  // other ranks' dataloader entries are expected extras; missing keys are checked below
+    auto res = ckpt::load(sd, dir, lo);
+    std::vector<std::string> missing;
+    for (const auto& k : res.missing) missing.push_back(k);
+    TORCH_CHECK(missing.empty(), "checkpoint: ", dir, " lacks ", missing.size(), " entries of this job, e.g. '",
+                missing.front(), "' (a different model or optimizer?)");
+    ckpt::load_model_state_dict(*s.model, sd);
+    if (!model_only) {
+      ckpt::load_optimizer_state_dict(*s.model, *s.optimizer, sd);
+      restore_train_state(s, sd, exclude, dir);
+    }
+    const double dt = since(t0);
+    if (rank_ == 0) {
+      std::printf("checkpoint: loaded %s%s in %.3f s (%.1f MB read by rank 0, %.2f GB/s)\n", dir.c_str(),
+                  model_only ? " (model only)" : "", dt, res.bytes_read / 1e6, res.bytes_read / 1e9 / std::max(dt, 1e-9));
+      std::fflush(stdout);
+    }
+    return true;
+  }
+
+  void maybe_save(TrainState& s, bool last) override {
+    if (!cfg_.enable) return;
+    surface_background_error();
+    const bool due = s.step % cfg_.interval == 0 || last || (cfg_.enable_first_step_checkpoint && s.step == 1);
+    if (!due) return;
+    wait();  // at most one save in flight
+    const bool model_only = last && cfg_.last_save_model_only;
+    std::optional<at::ScalarType> cast;
+    if (model_only && cfg_.export_dtype == "bfloat16") cast = at::kBFloat16;
+    if (model_only && cfg_.export_dtype == "float16") cast = at::kHalf;
+    const std::string dir = ckpt::step_path(folder_, s.step);
+    ckpt::StateDict sd = state_dict(s, model_only, /*for_save=*/true);
+    ckpt::SaveOptions so;
+    so.group = group_;
+    so.local_only = !job_group_;
+    so.saved_on = std::to_string(world_) + " rank(s)";
+    const auto t0 = Clock::now();
+    if (async_ && !last) {
+      auto snap = std::make_shared<ckpt::StateDict>(snapshot(sd, cast));
+      const double staged = since(t0);
+      if (rank_ == 0) {
+        std::printf("checkpoint: staged step %lld in %.3f s; writing %s in the background\n",
+                    static_cast<long long>(s.step), staged, dir.c_str());
+        std::fflush(stdout);
+      }
+      worker_ = std::thread([this, snap, dir, so, t0] {
+        try {
+          report(ckpt::save(*snap, dir, so), t0, "background ");
+          purge();
+        } catch (...) {
+          error_ = std::current_exception();
+        }
+      });
+      return;
+    }
+    auto snap = cast ? snapshot(sd, cast) : std::move(sd);
+    report(ckpt::save(snap, dir, so), t0, last ? "last step " : "");
+    // keep_latest_k purge runs in the background (rank 0), never deleting the newest complete checkpoint.
+    worker_ = std::thread([this] {
+      try {
+        purge();
+      } catch (...) {
+        error_ = std::current_exception();
+      }
+    });
+  }
+
+  void wait() override {
+    if (worker_.joinable()) worker_.join();
+    surface_background_error();
+  }
 
  private:
-  bool enabled_;
+  void surface_background_error() {
+    if (worker_.joinable()) {
+      // Not finished yet: its error (if any) surfaces at a later call.
+      return;
+    }
+    if (error_) {
+      auto e = error_;
+      error_ = nullptr;
+      std::rethrow_exception(e);
+    }
+  }
+
+  void purge() {
+    if (rank_ != 0 || cfg_.keep_latest_k <= 0) return;
+    for (const auto& d : ckpt::purge(folder_, cfg_.keep_latest_k)) std::printf("checkpoint: purged %s\n", d.c_str());
+    std::fflush(stdout);
+  }
+
+  void report(const ckpt::SaveResult& r, Clock::time_point t0, const char* what) {
+    if (rank_ != 0) return;
+    const double dt = since(t0);
+    std::printf("checkpoint: %ssave of %s done in %.3f s (%.1f MB, %.2f GB/s)\n", what, r.path.c_str(), dt,
+                r.total_bytes / 1e6, r.total_bytes / 1e9 / std::max(dt, 1e-9));
+    std::fflush(stdout);
+  }
+
+  ckpt::StateDict state_dict(TrainState& s, bool model_only, bool for_save) {
+    ckpt::StateDict sd = ckpt::model_state_dict(*s.model);
+    if (model_only) return sd;
+    sd.merge(ckpt::optimizer_state_dict(*s.model, *s.optimizer));
+    const auto& opt = s.data->options();
+    sd.values["train_state.step"] = std::to_string(s.step);
+    sd.values["train_state.ntokens_seen"] = std::to_string(s.ntokens_seen);
+    sd.values["lr_scheduler.last_epoch"] = std::to_string(s.step);
+    sd.values["dataloader.world_size"] = std::to_string(opt.dp_degree);
+    // Loading asks for rank 0's entry only (present whatever the saved rank count); a rank's own entry is read
+    // in restore_train_state when the rank count is unchanged.
+    if (for_save) sd.values["dataloader.dp_rank_" + std::to_string(opt.dp_rank)] = s.data->state().dump();
+    else sd.values["dataloader.dp_rank_0"] = "null";
+    at::Tensor rng = at::detail::getDefaultCPUGenerator().get_state();
+    sd.values["rng.cpu"] = nlohmann::json(hex(rng)).dump();
+    return sd;
+  }
+
+  void restore_train_state(TrainState& s, const ckpt::StateDict& sd, const std::vector<std::string>& exclude,
+                           const std::string& dir) {
+    auto excluded = [&](const std::string& p) { return std::find(exclude.begin(), exclude.end(), p) != exclude.end(); };
+    auto value = [&](const std::string& k) { return nlohmann::json::parse(sd.values.at(k)); };
+    if (!excluded("train_state.")) {
+      s.step = value("train_state.step").get<int64_t>();
+      s.ntokens_seen = value("train_state.ntokens_seen").get<int64_t>();
+    }
+    if (!excluded("rng.")) {
+      at::Tensor rng = unhex(value("rng.cpu").get<std::string>());
+      at::Generator gen = at::detail::getDefaultCPUGenerator();
+      gen.set_state(rng);
+    }
+    if (excluded("dataloader.")) return;
+    const auto& opt = s.data->options();
+    const int64_t saved_world = value("dataloader.world_size").get<int64_t>();
+    if (saved_world == opt.dp_degree) {
+      s.data->load_state(nlohmann::json::parse(ckpt::read_value(dir, "dataloader.dp_rank_" + std::to_string(opt.dp_rank))));
+      return;
+    }
+    // Another data-parallel degree: every rank restarts at the same global sample. Rank 0's saved stream
+    // position precedes the first sample of the next step of every rank (its block comes first), so it is
+    // reused and next() skips forward to this rank's samples; the global batch size must be unchanged.
+    nlohmann::json st = value("dataloader.dp_rank_0");
+    const int64_t saved_global = st.at("local_batch_size").get<int64_t>() * st.at("grad_accum_steps").get<int64_t>() * saved_world;
+    const int64_t global = opt.local_batch_size * opt.grad_accum_steps * opt.dp_degree;
+    TORCH_CHECK(saved_global == global, "checkpoint: the data loader was saved with a global batch of ", saved_global,
+                " samples on ", saved_world, " ranks; this run has ", global,
+                " (resuming on another rank count needs the same training.global_batch_size)");
+    const int64_t step = st.at("micro").get<int64_t>() / st.at("grad_accum_steps").get<int64_t>();
+    st["local_batch_size"] = opt.local_batch_size;
+    st["grad_accum_steps"] = opt.grad_accum_steps;
+    st["dp_rank"] = opt.dp_rank;
+    st["dp_degree"] = opt.dp_degree;
+    st["micro"] = step * opt.grad_accum_steps;
+    s.data->load_state(st);
+  }
+
+  JobConfig::Checkpoint cfg_;
   int rank_;
+  int world_;
+  fsdp::ProcessGroupPtr job_group_, group_;
+  std::string folder_;
+  bool async_ = false;
+  std::thread worker_;
+  std::exception_ptr error_;
 };
 
 }  // namespace
 
-std::unique_ptr<Checkpointer> make_checkpointer(const JobConfig& config, int rank) {
-  return std::make_unique<NotImplementedCheckpointer>(config.checkpoint.enable, rank);
+std::unique_ptr<Checkpointer> make_checkpointer(const JobConfig& config, int rank, fsdp::ProcessGroupPtr group) {
+  return std::make_unique<DistributedCheckpointer>(config, rank, std::move(group));
 }
 
 }  // namespace fsdp_train

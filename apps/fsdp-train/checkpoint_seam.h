@@ -1,8 +1,14 @@
 #pragma once
-// The checkpoint seam of the training loop. Checkpointing is a later issue; the loop already calls these hooks
-// at TorchTitan's points (load once before the first step, save after each step), so the checkpoint work only
-// has to provide a Checkpointer. State that must round-trip: model and optimizer (torch), the data loader's
-// position (DataLoader::state(), JSON), the step and the RNG seed. The LR schedule is a pure function of the step.
+// The checkpoint seam of the training loop: the loop calls load() once before the first step and maybe_save()
+// after every step (TorchTitan's points). The implementation (checkpoint_seam.cpp) uses libfsdp's distributed
+// checkpoints (include/fsdp/checkpoint/) with TorchTitan's [checkpoint] keys and layout:
+//   <dump_folder>/<folder>/step-N/   model keys (no prefix), optimizer.state.<fqn>.*, optimizer.param_groups.<fqn>.*,
+//                                    train_state.step, train_state.ntokens_seen, lr_scheduler.last_epoch,
+//                                    dataloader.dp_rank_<r>, dataloader.world_size, rng.cpu
+// Resuming on another number of data-parallel ranks is supported (model/optimizer resharded; the data loader
+// repositioned at the same global sample, provided the global batch size is unchanged).
+
+#include <fsdp/process_group.h>
 
 #include <cstdint>
 #include <memory>
@@ -26,6 +32,7 @@ struct TrainState {
   torch::nn::Module* model = nullptr;
   torch::optim::Optimizer* optimizer = nullptr;
   DataLoader* data = nullptr;
+  int64_t ntokens_seen = 0;  // global tokens consumed
 };
 
 class Checkpointer {
@@ -33,11 +40,14 @@ class Checkpointer {
   virtual ~Checkpointer() = default;
   // Before the first step: restore `state` (and state.step) when a checkpoint exists. Returns true if it did.
   virtual bool load(TrainState& state) = 0;
-  // After every step; decides itself whether this step is saved (interval, last step).
+  // After every step; decides itself whether this step is saved (interval, last step). Raises the error of a
+  // failed background save of an earlier step.
   virtual void maybe_save(TrainState& state, bool last_step) = 0;
+  // Waits for a background save and purge (also done by the destructor, which only logs errors).
+  virtual void wait() = 0;
 };
 
-// The current implementation: says once, plainly, that checkpointing is not implemented when it is enabled.
-std::unique_ptr<Checkpointer> make_checkpointer(const JobConfig& config, int rank);
+// `group`: the job's world group (null for a single process without collectives); `rank` its rank.
+std::unique_ptr<Checkpointer> make_checkpointer(const JobConfig& config, int rank, fsdp::ProcessGroupPtr group);
 
 }  // namespace fsdp_train

@@ -66,16 +66,18 @@ std::vector<Field> fields(JobConfig& c) {
        "FSDP shard group size; -1 = the ranks left over"},
       {"parallelism", "fsdp_reshard_after_forward", &c.parallelism.fsdp_reshard_after_forward, "default | always | never"},
       {"parallelism", "tensor_parallel_degree", &c.parallelism.tensor_parallel_degree, "only 1", false},
-      {"checkpoint", "enable", &c.checkpoint.enable, "save/load checkpoints (not implemented yet: a later issue)", false},
-      {"checkpoint", "folder", &c.checkpoint.folder, "under job.dump_folder", false},
-      {"checkpoint", "interval", &c.checkpoint.interval, "steps between saves", false},
-      {"checkpoint", "initial_load_path", &c.checkpoint.initial_load_path, "checkpoint to start from", false},
-      {"checkpoint", "last_save_model_only", &c.checkpoint.last_save_model_only, "final save without optimizer state", false},
-      {"checkpoint", "export_dtype", &c.checkpoint.export_dtype, "dtype of a model-only save", false},
-      {"checkpoint", "async_mode", &c.checkpoint.async_mode, "disabled | async | async_with_pinned_mem", false},
-      {"checkpoint", "keep_latest_k", &c.checkpoint.keep_latest_k, "older checkpoints are deleted", false},
-      {"checkpoint", "load_step", &c.checkpoint.load_step, "-1 = latest", false},
-      {"checkpoint", "exclude_from_loading", &c.checkpoint.exclude_from_loading, "state names not to load", false},
+      {"checkpoint", "enable", &c.checkpoint.enable, "save checkpoints and resume from the latest complete one"},
+      {"checkpoint", "folder", &c.checkpoint.folder, "under job.dump_folder; one step-N folder per save"},
+      {"checkpoint", "interval", &c.checkpoint.interval, "steps between saves (and the last step)"},
+      {"checkpoint", "initial_load_path", &c.checkpoint.initial_load_path, "checkpoint to start from when the folder has none"},
+      {"checkpoint", "initial_load_model_only", &c.checkpoint.initial_load_model_only, "load only the model from initial_load_path"},
+      {"checkpoint", "last_save_model_only", &c.checkpoint.last_save_model_only, "final save without optimizer and trainer state"},
+      {"checkpoint", "export_dtype", &c.checkpoint.export_dtype, "dtype of a model-only save: float32 | bfloat16 | float16"},
+      {"checkpoint", "async_mode", &c.checkpoint.async_mode, "disabled | async | async_with_pinned_mem (= async on CPU)"},
+      {"checkpoint", "keep_latest_k", &c.checkpoint.keep_latest_k, "older checkpoints are deleted in the background (0 = keep all)"},
+      {"checkpoint", "load_step", &c.checkpoint.load_step, "-1 = latest"},
+      {"checkpoint", "exclude_from_loading", &c.checkpoint.exclude_from_loading, "optimizer | lr_scheduler | dataloader | train_state | rng"},
+      {"checkpoint", "enable_first_step_checkpoint", &c.checkpoint.enable_first_step_checkpoint, "also save after step 1"},
       {"activation_checkpoint", "mode", &c.activation_checkpoint.mode,
        "selective | full | none (not implemented yet: runs without recomputation)", false},
       {"activation_checkpoint", "selective_ac_option", &c.activation_checkpoint.selective_ac_option, "\"2\" = every 2nd layer", false},
@@ -414,6 +416,9 @@ void validate(const JobConfig& c) {
   check_choice("parallelism.fsdp_reshard_after_forward", c.parallelism.fsdp_reshard_after_forward,
                {"default", "always", "never"});
   check_choice("checkpoint.async_mode", c.checkpoint.async_mode, {"disabled", "async", "async_with_pinned_mem"});
+  check_choice("checkpoint.export_dtype", c.checkpoint.export_dtype, {"float32", "bfloat16", "float16"});
+  check(c.checkpoint.interval > 0, "checkpoint.interval: expected > 0");
+  check(c.checkpoint.keep_latest_k != 1, "checkpoint.keep_latest_k: 1 is not allowed (the newest may still be in flight); use 0 or >= 2");
   check_choice("activation_checkpoint.mode", c.activation_checkpoint.mode, {"selective", "full", "none"});
   check(c.optimizer.lr > 0, "optimizer.lr: expected > 0, got " + format_double(c.optimizer.lr));
   check(c.lr_scheduler.warmup_steps >= 0, "lr_scheduler.warmup_steps: expected >= 0");

@@ -67,12 +67,14 @@ struct JobConfig {
     std::string folder = "checkpoint";
     int64_t interval = 500;
     std::string initial_load_path;
+    bool initial_load_model_only = true;
     bool last_save_model_only = true;
     std::string export_dtype = "float32";
     std::string async_mode = "disabled";  // disabled | async | async_with_pinned_mem
     int64_t keep_latest_k = 10;
     int64_t load_step = -1;
     std::vector<std::string> exclude_from_loading;
+    bool enable_first_step_checkpoint = false;
   } checkpoint;
   struct ActivationCheckpoint {
     std::string mode = "selective";  // selective | full | none

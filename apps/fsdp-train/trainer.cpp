@@ -181,9 +181,10 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
                 << " is not implemented yet: running without recomputation" << std::endl;
   }
 
-  auto checkpointer = make_checkpointer(config, env.rank);
+  auto checkpointer = make_checkpointer(config, env.rank, env.group);
   TrainState state{0, model.ptr().get(), optimizer.get(), &loader};
   checkpointer->load(state);
+  const int64_t first_step = state.step + 1;
 
   const bool tty = say && isatty(STDOUT_FILENO);
   const int64_t S = config.training.seq_len;
@@ -237,8 +238,10 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
     if (step == 1 && env.group) env.group->set_timeout(std::chrono::seconds(config.comm.train_timeout_seconds));
 
     state.step = step;
+    state.ntokens_seen = step * dims.global_batch_size * S;
     const bool last = step == config.training.steps;
     checkpointer->maybe_save(state, last);
+    if (step == env.stop_after_step) break;  // a test's "crash" right after this step's checkpoint
 
     window_tokens += tokens_per_step_local;
     ++window_steps;
@@ -272,11 +275,12 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
       window_data_s = 0;
     } else if (tty) {
       m.tps = static_cast<double>(window_tokens) / seconds_since(t_window);
-      const double eta = m.elapsed_s / static_cast<double>(step) * static_cast<double>(config.training.steps - step);
+      const double eta = m.elapsed_s / static_cast<double>(step - first_step + 1) * static_cast<double>(config.training.steps - step);
       std::cout << "\r\033[K" << format_progress(m, eta) << std::flush;
     }
   }
 
+  checkpointer->wait();  // a background save or purge finishes (and reports its error) before the job ends
   summary.seconds = seconds_since(t_start);
   const size_t n = summary.losses.size(), k = std::min<size_t>(10, n);
   for (size_t i = n - k; i < n; ++i) summary.final_loss += summary.losses[i] / static_cast<double>(k);

@@ -17,6 +17,7 @@ struct TrainEnv {
   int world_size = 1;
   fsdp::ProcessGroupPtr group;  // world group; null = single process without any process group
   bool verbose = true;          // rank-0 console output
+  int64_t stop_after_step = -1; // tests: return after this step (and its checkpoint), as if killed
 };
 
 struct TrainSummary {

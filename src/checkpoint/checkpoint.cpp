@@ -237,7 +237,7 @@ void StateDict::merge(StateDict other) {
 
 SaveResult save(const StateDict& state, const std::string& path, const SaveOptions& options) {
   const auto t0 = Clock::now();
-  const ProcessGroupPtr group = resolve_group(options.group);
+  const ProcessGroupPtr group = options.local_only ? nullptr : resolve_group(options.group);
   const int rank = group ? group->rank() : 0;
   const int world_size = group ? group->size() : 1;
   TORCH_CHECK(!path.empty(), "checkpoint::save: empty path");
@@ -433,7 +433,7 @@ LoadResult load_local(StateDict& state, const std::string& path, const LoadOptio
 
 LoadResult load(StateDict& state, const std::string& path, const LoadOptions& options) {
   const auto t0 = Clock::now();
-  const ProcessGroupPtr group = resolve_group(options.group);
+  const ProcessGroupPtr group = options.local_only ? nullptr : resolve_group(options.group);
   LoadResult res;
   std::string err;
   try {

@@ -46,6 +46,7 @@ struct StateDict {
 
 struct SaveOptions {
   ProcessGroupPtr group;            // null = the world when initialized, else a single process
+  bool local_only = false;          // this process saves alone, without collectives (ignores `group`)
   int64_t block_bytes = 4 << 20;    // checksum granularity (partial reads verify whole blocks)
   std::string saved_on;             // free text recorded in the metadata (e.g. the mesh)
 };
@@ -64,6 +65,7 @@ SaveResult save(const StateDict& state, const std::string& path, const SaveOptio
 
 struct LoadOptions {
   ProcessGroupPtr group;   // for agreeing on success; null = world when initialized, else none
+  bool local_only = false; // no collectives (ignores `group`)
   // strict: every requested key must be in the checkpoint (values included), and checkpoint keys that were not
   // requested are listed in the error. Non-strict: missing keys are skipped (listed in the result).
   bool strict = true;
