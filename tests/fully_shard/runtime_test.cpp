@@ -104,9 +104,16 @@ TEST(RuntimeRepeatedUse, RetainGraphThenSecondBackward) {
         auto loss = t->loss(b);
         if (t->sharded) g->reset_stats();
         loss.backward({}, /*retain_graph=*/true);
-        if (t->sharded) EXPECT_EQ(counts(g).rs, 4) << what << " step " << step << " first backward";
+        if (t->sharded) {
+          EXPECT_EQ(counts(g).rs, 4) << what << " step " << step << " first backward";
+          g->reset_stats();
+        }
         loss.backward();
-        if (t->sharded) EXPECT_EQ(counts(g).rs, 8) << what << " step " << step << " second backward";
+        if (t->sharded) {
+          EXPECT_EQ(counts(g).rs, 4) << what << " step " << step << " second backward";
+          // The synchronized first backward resharded every group: the second one gathers each again.
+          EXPECT_EQ(counts(g).ag, 4) << what << " step " << step << " second backward";
+        }
         t->opt->step();
       }
     }
@@ -286,8 +293,17 @@ void exception_then_continue(Where where, bool use_reset, const Reshard& reshard
         EXPECT_NE(std::string(e.what()).find("injected failure"), std::string::npos) << what << ": " << e.what();
       }
       dist.opt->zero_grad();
-      if (use_reset && !call_reset(dist.root())) {
-        ADD_FAILURE() << what << ": fsdp::FSDPModule::reset() does not exist (yet)";
+      if (use_reset) {
+        if (!call_reset(dist.root())) {
+          ADD_FAILURE() << what << ": fsdp::FSDPModule::reset() does not exist (yet)";
+        } else {
+          // reset() frees the unsharded parameters: every parameter shows its shard again.
+          auto ref_params = ref.net->named_parameters();
+          for (const auto& item : dist.net->named_parameters()) {
+            EXPECT_EQ(item.value().sizes().vec(), shard_sizes(ref_params[item.key()]))
+                << what << ": " << item.key() << " still unsharded after reset()";
+          }
+        }
       }
       continue;  // the reference skips this step
     }
