@@ -14,7 +14,9 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
+#include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -557,17 +559,29 @@ std::vector<std::string> purge(const std::string& folder, int64_t keep) {
   const auto steps = detail::complete_steps(folder);
   if (steps.empty()) return deleted;
   for (size_t i = 0; i + static_cast<size_t>(keep) < steps.size(); ++i) {
+    // First an atomic rename out of the step-N namespace: a crash during the (non-atomic) recursive delete
+    // must not leave a step-N with its metadata but without some data files.
     const std::string dir = step_dir(folder, steps[i]);
-    remove_tree(dir);
+    const std::string trash = dir + ".deleting";
+    remove_tree(trash);
+    TORCH_CHECK(::rename(dir.c_str(), trash.c_str()) == 0, "checkpoint: purge cannot rename ", dir, ": ",
+                std::strerror(errno));
+    remove_tree(trash);
     deleted.push_back(dir);
   }
   // Leftovers of interrupted saves older than the newest complete checkpoint (newer ones may be in flight).
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(folder, ec)) {
     const std::string name = entry.path().filename().string();
+    if (name.rfind("step-", 0) != 0) continue;
+    const std::string deleting = ".deleting";
+    if (name.size() > deleting.size() &&
+        name.compare(name.size() - deleting.size(), deleting.size(), deleting) == 0) {  // an interrupted purge
+      remove_tree(entry.path().string());
+      continue;
+    }
     const std::string suffix = ".partial";
-    if (name.rfind("step-", 0) != 0 || name.size() <= suffix.size() + 5 ||
-        name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
+    if (name.size() <= suffix.size() + 5 || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
       continue;
     try {
       const int64_t n = std::stoll(name.substr(5, name.size() - 5 - suffix.size()));

@@ -5,6 +5,8 @@
 //                                           the optimizer's own state tensors all-gathered), then save <dir>
 //   ckpt_worker load <dir> <mesh> <optim>   build a different model and optimizer, load <dir>, gather the same
 //                                           way and compare with the reference bit for bit
+//   ckpt_worker saveloop <folder> <mesh> -   save step-1, step-2, ... forever (keep_latest_k 2), each step's tensors
+//                                           filled with values derived from the step: the crash test kills it
 //   <mesh>: "N" (1-D over N ranks) or "RxS" (HSDP: R replicas x S shards); <optim>: adamw | adam | sgd
 // Exit status 0 = everything matched; messages name what did not.
 #include "comm/dist_env.h"
@@ -87,6 +89,23 @@ int run(int argc, char** argv) {
     ++failures;
     std::cerr << "rank " << world->rank() << ": " << what << "\n";
   };
+
+  if (mode == "saveloop") {
+    auto sd_for = [&](int64_t step) {
+      ckpt::StateDict sd;
+      for (int i = 0; i < 3; ++i) {
+        auto full = torch::arange(300000, torch::kFloat).reshape({3000, 100}) * 0 + static_cast<float>(step * 10 + i);
+        sd.tensors["t" + std::to_string(i)] = fsdp::distribute_tensor(full, mesh, mesh.ndim() == 2 ?
+            fsdp::Placements{fsdp::Replicate(), fsdp::Shard(0)} : fsdp::Placements{fsdp::Shard(0)});
+      }
+      sd.values["step"] = std::to_string(step);
+      return sd;
+    };
+    for (int64_t step = 1;; ++step) {
+      ckpt::save(sd_for(step), ckpt::step_path(dir, step));
+      if (world->rank() == 0) ckpt::purge(dir, 2);
+    }
+  }
 
   if (mode == "save") {
     MLP model = make_model(5);
