@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/variable.h>
 
 namespace fsdp::detail {
 
@@ -82,7 +83,7 @@ void FSDPParam::allocate_storage(c10::Device sharded_device, c10::Device unshard
     at::Tensor full = unsharded_sizes_.empty() ? param_.reshape({1}) : param_;
     sharded_local_.copy_(full.narrow(0, geometry_.offset_of(shard_rank_), rows));
   }
-  if (geometry_.replicated) sharded_local_ = sharded_padded_.view({});  // keeps the 0-dim look on every rank
+  if (geometry_.replicated) sharded_local_ = sharded_padded_.view(c10::IntArrayRef{});  // keeps the 0-dim look on every rank
   unsharded_ = at::empty(unsharded_sizes_, at::TensorOptions().dtype(param_dtype_).device(unsharded_device));
   if (!on_meta) free_storage(unsharded_);
 }
@@ -94,15 +95,17 @@ void FSDPParam::materialize(c10::Device device, const OffloadPolicy& offload) {
   allocate_storage(offload.cpu_offload ? c10::Device(c10::kCPU) : device, device, offload, device,
                    /*copy_from_param=*/false);
   replace_data(param_, sharded_local_);
+  known_zero_ = true;
+  known_zero_version_ = param_._version();
 }
 
-void FSDPParam::begin_full_init(ProcessGroup* gather_from) {
+void FSDPParam::begin_full_init(ProcessGroup& group) {
   TORCH_CHECK(state_ == ShardedState::Sharded && !full_init_.defined(),
               "fsdp internal: begin_full_init of '", fqn_, "' while unsharded");
   c10::NoGradGuard no_grad;
   const auto opts = at::TensorOptions().dtype(orig_dtype_).device(unsharded_.device());
   at::Tensor full = at::zeros(unsharded_sizes_, opts);
-  if (gather_from != nullptr) {
+  if (!known_zero()) {
     if (geometry_.replicated) {
       full.copy_(sharded_local_);
     } else {
@@ -110,7 +113,7 @@ void FSDPParam::begin_full_init(ProcessGroup* gather_from) {
       sizes[0] = geometry_.chunk_rows * geometry_.world;
       at::Tensor gathered = at::empty(sizes, opts);
       at::Tensor input = sharded_padded_.to(unsharded_.device());
-      gather_from->all_gather_into_tensor(gathered.view({-1}), input.view({-1})).wait();
+      group.all_gather_into_tensor(gathered.view({-1}), input.view({-1})).wait();
       full.copy_(gathered.narrow(0, 0, geometry_.dim0));
     }
   }
@@ -128,6 +131,7 @@ void FSDPParam::end_full_init() {
   }
   param_.set_data(sharded_local_);
   full_init_ = at::Tensor();
+  known_zero_ = false;
 }
 
 void FSDPParam::alloc_unsharded() {
@@ -195,7 +199,7 @@ void FSDPParam::accumulate_unsharded_grad() {
 void FSDPParam::accumulate_sharded_grad(const at::Tensor& local_grad) {
   TORCH_CHECK(state_ == ShardedState::Sharded, "fsdp internal: sharded grad for '", fqn_, "' while unsharded");
   at::Tensor g = local_grad.to(sharded_local_.device(), orig_dtype_);
-  if (unsharded_sizes_.empty() && g.numel() == 1) g = g.view({});
+  if (unsharded_sizes_.empty() && g.numel() == 1) g = g.view(c10::IntArrayRef{});
   at::Tensor& grad = param_.mutable_grad();
   if (grad.defined()) {
     grad.add_(g);
@@ -204,6 +208,22 @@ void FSDPParam::accumulate_sharded_grad(const at::Tensor& local_grad) {
     // zero_grad() cannot detach views in place.
     grad = g.is_view() || !g.is_contiguous() ? g.clone(at::MemoryFormat::Contiguous) : g;
   }
+}
+
+namespace {
+int64_t accumulator_uses(const at::Tensor& param) {
+  auto accumulator = torch::autograd::impl::try_get_grad_accumulator(param);
+  return accumulator ? static_cast<int64_t>(accumulator.use_count()) : 0;
+}
+}  // namespace
+
+void FSDPParam::record_accumulator_uses() {
+  accumulator_uses_at_reshard_ = param_.requires_grad() && c10::GradMode::is_enabled() ? accumulator_uses(param_) : -1;
+}
+
+bool FSDPParam::used_while_sharded() const {
+  return accumulator_uses_at_reshard_ >= 0 && state_ == ShardedState::Sharded &&
+         accumulator_uses(param_) > accumulator_uses_at_reshard_;
 }
 
 void FSDPParam::drop_internal_grads() {

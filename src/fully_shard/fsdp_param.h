@@ -104,10 +104,17 @@ class FSDPParam {
   // offloaded), and an unsharded storage there. No-op for parameters that are not on meta.
   void materialize(c10::Device device, const OffloadPolicy& offload);
   // Initialization with full parameters (meta-device init): shows a full tensor in the *original* dtype
-  // (fp32 masters stay exact under mixed precision), zeros when `gather_from` is null (the shards are known
-  // zeros), else the current values gathered over that group; end_full_init keeps this rank's rows.
-  void begin_full_init(ProcessGroup* gather_from);
+  // (fp32 masters stay exact under mixed precision): zeros when the shards are known zeros (materialized from
+  // meta and untouched since), else the current values gathered over `group` (collective, in this dtype);
+  // end_full_init keeps this rank's rows.
+  void begin_full_init(ProcessGroup& group);
   void end_full_init();
+  // Autograd edges into this parameter's gradient accumulator when it was last resharded (-1: not tracked).
+  // More edges later, while it still shows its shard, mean autograd used it outside its module's forward.
+  void record_accumulator_uses();
+  bool used_while_sharded() const;
+  bool known_zero() const { return known_zero_ && param_._version() == known_zero_version_; }
+  void forget_known_zero() { known_zero_ = false; }
 
  private:
   // (Re)creates the padded shard, its visible narrow and the (freed) unsharded storage.
@@ -131,6 +138,9 @@ class FSDPParam {
   at::Tensor accumulated_unsharded_grad_;
   at::Tensor partial_reduce_output_;
   at::Tensor full_init_;  // between begin_full_init and end_full_init
+  int64_t accumulator_uses_at_reshard_ = -1;
+  bool known_zero_ = false;  // shards are the zeros materialize() wrote (while the version is unchanged)
+  uint32_t known_zero_version_ = 0;
 };
 
 }  // namespace fsdp::detail

@@ -91,6 +91,7 @@ int64_t FSDPParamGroup::shards_version() const {
 void FSDPParamGroup::invalidate_caches() {
   post_forward_shard_ = at::Tensor();
   post_forward_shard_version_ = -1;
+  for (FSDPParam* p : param_ptrs_) p->forget_known_zero();
 }
 
 void FSDPParamGroup::unshard() {
@@ -99,7 +100,6 @@ void FSDPParamGroup::unshard() {
     TORCH_CHECK(!p->param().is_meta(), "fsdp: parameter '", p->fqn(),
                 "' is still on the meta device; materialize the model before running it");
   }
-  freshly_materialized_ = false;
   const int64_t world = mesh_info_.shard_size;
   all_gather_output_ = at::empty({world * layout_.per_rank_bytes},
                                  at::TensorOptions().dtype(at::kByte).device(mesh_info_.device));
@@ -164,9 +164,18 @@ void FSDPParamGroup::reshard(bool keep_post_forward_shard) {
   for (FSDPParam* p : param_ptrs_) {
     p->to_sharded();
     p->free_unsharded();
+    p->record_accumulator_uses();
   }
   is_unsharded_ = false;
   if (post_forward_shard_.defined()) post_forward_shard_version_ = shards_version();
+}
+
+const FSDPParam* FSDPParamGroup::used_outside_forward() const {
+  if (is_unsharded_) return nullptr;
+  for (const FSDPParam* p : param_ptrs_) {
+    if (p->used_while_sharded()) return p;
+  }
+  return nullptr;
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -174,28 +183,26 @@ void FSDPParamGroup::reshard(bool keep_post_forward_shard) {
 
 void FSDPParamGroup::materialize() {
   TORCH_CHECK(!is_unsharded_ && !unshard_in_flight(), "fsdp: materialize while group ", name_, " is unsharded");
-  bool any_on_meta = false;
-  for (FSDPParam* p : param_ptrs_) any_on_meta = any_on_meta || p->sharded_padded().is_meta();
   for (FSDPParam* p : param_ptrs_) p->materialize(mesh_info_.device, options_.offload_policy);
-  if (any_on_meta) freshly_materialized_ = true;
 }
 
-void FSDPParamGroup::begin_full_init() {
+void FSDPParamGroup::begin_full_init(const std::unordered_set<const c10::TensorImpl*>* only) {
   TORCH_CHECK(training_state_ == TrainingState::Idle && !is_unsharded_,
               "fsdp: initializing group ", name_, " with full parameters while it is ", to_string(training_state_),
               is_unsharded_ ? " and unsharded" : "");
   drop_unused_unshard();
-  invalidate_caches();
+  post_forward_shard_ = at::Tensor();
   c10::NoGradGuard no_grad;
   // The initializer writes full tensors in the parameters' original dtype (the fp32 masters under mixed
-  // precision). Shards of a freshly materialized group are zeros on every rank: start from zeros and skip the
-  // all-gather. Otherwise gather the current values in the original dtype, one parameter at a time.
-  for (FSDPParam* p : param_ptrs_) p->begin_full_init(freshly_materialized_ ? nullptr : mesh_info_.shard_group.get());
+  // precision). Shards freshly materialized are zeros on every rank: start from zeros, no all-gather.
+  // Otherwise gather the current values in the original dtype, one parameter at a time.
+  for (FSDPParam* p : param_ptrs_) {
+    if (!only || only->count(p->param().unsafeGetTensorImpl())) p->begin_full_init(*mesh_info_.shard_group);
+  }
 }
 
 void FSDPParamGroup::end_full_init() {
   for (FSDPParam* p : param_ptrs_) p->end_full_init();
-  freshly_materialized_ = false;
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -210,6 +217,11 @@ void FSDPParamGroup::pre_forward() {
 void FSDPParamGroup::record_use(bool registered_node) {
   ++uses_;
   if (registered_node) ++uses_with_node_;
+}
+
+void FSDPParamGroup::forget_use(bool registered_node) {
+  if (uses_ > 0) --uses_;
+  if (registered_node && uses_with_node_ > 0) --uses_with_node_;
 }
 
 void FSDPParamGroup::post_forward(bool grad_enabled) {

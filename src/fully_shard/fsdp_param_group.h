@@ -23,6 +23,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 namespace fsdp::detail {
@@ -75,14 +76,16 @@ class FSDPParamGroup {
   // --- meta-device init ---------------------------------------------------------------------------------
   void materialize();  // real shard storage on the mesh's device for parameters created on meta
   // Shows full parameters in their original dtype for an initializer, without a round trip through
-  // param_dtype; freshly materialized groups need no communication at all (their shards are known zeros).
-  void begin_full_init();
+  // param_dtype; parameters freshly materialized need no communication at all (their shards are known
+  // zeros). `only`: the parameters to show (those of the part being initialized); null = all.
+  void begin_full_init(const std::unordered_set<const c10::TensorImpl*>* only = nullptr);
   void end_full_init();  // keeps this rank's rows, shows the shards again
 
   // --- forward / backward steps ------------------------------------------------------------------------
   void pre_forward();
   // One forward call with gradients enabled ("a use"); registered_node: its inputs got a post-backward node.
   void record_use(bool registered_node);
+  void forget_use(bool registered_node);  // a call that threw: its backward will never run
   void post_forward(bool grad_enabled);
   void pre_backward();
   // From a post-backward node: this use's gradients are complete. Reduces now when no other use of the group
@@ -97,6 +100,9 @@ class FSDPParamGroup {
   // parameters and every gradient FSDP holds internally, returns to Idle. Sharded .grad keep what was
   // reduced before the failure.
   void reset();
+
+  // The first parameter autograd used while it showed its shard after this group's forward, or null.
+  const FSDPParam* used_outside_forward() const;
 
   // --- caches that must never outlive a change of the shards -----------------------------------------------
   // Drops the hpZ copy kept after forward (and re-checks in-flight gathers) when the shards changed.
@@ -138,7 +144,6 @@ class FSDPParamGroup {
   Work all_gather_;
   at::Tensor all_gather_output_;
   int64_t all_gather_version_ = -1;  // shards_version() when the in-flight gather packed them
-  bool freshly_materialized_ = false;
 
   // Backward accounting for repeated use. A forward call with gradients enabled is one "use"; a use whose
   // inputs required gradients got a post-backward node that tells when its gradients are complete; a use

@@ -63,6 +63,9 @@ void FSDPState::attach() {
     nn::register_forward_hook(*m, [weak](torch::nn::Module& mod, const nn::TensorList& in, nn::TensorList& out) {
       if (auto s = weak.lock()) s->post_forward(mod, in, out);
     });
+    nn::register_forward_exception_hook(*m, [weak](torch::nn::Module& mod) {
+      if (auto s = weak.lock()) s->on_forward_exception(mod);
+    });
   }
   if (!param_group_) return;
   // The gradient guard: a gradient can only legitimately reach a parameter while it shows its full
@@ -203,6 +206,17 @@ void FSDPState::root_post_forward() {
     if (s->param_group_ && s->training_state_ == TrainingState::Idle) s->param_group_->drop_unused_unshard();
   }
   ctx_->last_forward_order = ctx_->forward_order;
+  // A sharded parameter that autograd recorded an op on after its module returned: its gradient would have
+  // the shard's shape (autograd then fails in backward with a shape error that names no module). Say so now.
+  if (c10::GradMode::is_enabled()) {
+    for (auto& s : context_states()) {
+      const detail::FSDPParam* p = s->param_group_ ? s->param_group_->used_outside_forward() : nullptr;
+      TORCH_CHECK(p == nullptr, "fsdp: parameter '", p->fqn(), "' of FSDP module ", s->name(), " was used by autograd "
+                  "outside the forward of its FSDP module (after that module returned, the parameter shows only this "
+                  "rank's shard). Compute with it inside that module's forward, or gather it explicitly with "
+                  "FSDPModule::unshard() before the use and reshard() after backward (see docs/hooks.md)");
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -242,7 +256,34 @@ void FSDPState::pre_forward(torch::nn::Module& module, nn::TensorList& inputs) {
       const bool registered = register_post_backward(inputs);
       forward_registered_node_ = forward_registered_node_ || registered;
       param_group_->record_use(registered);
+      calls_.push_back(registered ? CallRecord::UseWithNode : CallRecord::Use);
+      return;
     }
+  }
+  calls_.push_back(CallRecord::NoUse);
+}
+
+void FSDPState::on_forward_exception(torch::nn::Module& module) {
+  auto running = members_running_.find(&module);
+  if (running == members_running_.end()) return;  // pre_forward did nothing for this call
+  if (--running->second == 0) members_running_.erase(running);
+  if (!calls_.empty()) {
+    // The failed call has no outputs, so no backward will ever complete its use.
+    if (param_group_ && calls_.back() != CallRecord::NoUse) param_group_->forget_use(calls_.back() == CallRecord::UseWithNode);
+    calls_.pop_back();
+  }
+  if (!members_running_.empty()) return;
+  if (is_root()) {
+    // The whole forward is abandoned: release everything now rather than at the next forward.
+    reset();
+    return;
+  }
+  // The caller may carry on (catch and retry with a smaller batch): give the parameters back as a forward
+  // without gradients would, and return to idle.
+  if (training_state_ == TrainingState::Forward) {
+    if (param_group_) param_group_->post_forward(/*grad_enabled=*/false);
+    members_ran_.clear();
+    training_state_ = TrainingState::Idle;
   }
 }
 
@@ -250,6 +291,7 @@ void FSDPState::post_forward(torch::nn::Module& module, const nn::TensorList& in
   auto running = members_running_.find(&module);
   if (running == members_running_.end()) return;  // recomputation during backward: pre_forward skipped it
   if (--running->second == 0) members_running_.erase(running);
+  if (!calls_.empty()) calls_.pop_back();
   if (options_.mp_policy.output_dtype) cast_tensors(outputs, *options_.mp_policy.output_dtype);
   if (c10::GradMode::is_enabled()) register_pre_backward(outputs);
   if (!members_running_.empty()) return;  // a member re-entered itself; the outer call finishes
@@ -435,6 +477,7 @@ void FSDPState::reset() {
     s->training_state_ = TrainingState::Idle;
     s->members_running_.clear();
     s->members_ran_.clear();
+    s->calls_.clear();
     s->backward_order_indices_.clear();
     s->forward_registered_node_ = false;
   }

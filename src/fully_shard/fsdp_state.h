@@ -70,6 +70,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void post_forward(torch::nn::Module& module, const nn::TensorList& inputs, nn::TensorList& outputs);
   void pre_backward();
   void post_backward();
+  // A member's forward (or a hook after it) threw: undo this call (fsdp::nn::call's exception hook).
+  void on_forward_exception(torch::nn::Module& module);
 
   // FSDPModule API.
   void unshard(bool async_op);
@@ -111,6 +113,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // be re-entered), whether some call registered a post-backward node, and grad mode at the first pre-forward.
   std::map<const torch::nn::Module*, int> members_running_;
   std::set<const torch::nn::Module*> members_ran_;
+  // One entry per call inside its forward (innermost last): whether it counted as a use for backward.
+  enum class CallRecord { NoUse, Use, UseWithNode };
+  std::vector<CallRecord> calls_;
   bool forward_registered_node_ = false;
   bool forward_grad_enabled_ = false;
   int forward_calls_this_root_forward_ = 0;  // for implicit forward prefetch with repeated use

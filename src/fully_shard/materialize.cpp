@@ -30,8 +30,9 @@ void materialize_module(torch::nn::Module& root, c10::Device device) {
   for (const auto& b : root.buffers(/*recurse=*/true)) materialize_plain(b);
 }
 
-void init_with_full_params(const FSDPModule& unit, const std::function<void()>& init) {
-  detail::FSDPParamGroup* group = detail::FSDPModuleAccess::state(unit).param_group();
+namespace {
+// Runs `init` while the group's parameters (only those of `part` when given) show full data.
+void with_full_params(detail::FSDPParamGroup* group, const torch::nn::Module* part, const std::function<void()>& init) {
   if (!group) {
     c10::NoGradGuard no_grad;
     init();
@@ -41,8 +42,12 @@ void init_with_full_params(const FSDPModule& unit, const std::function<void()>& 
     TORCH_CHECK(!p->param().is_meta(), "fsdp::init_with_full_params: parameter '", p->fqn(),
                 "' is still on meta; call fsdp::materialize_module first");
   }
+  std::unordered_set<const c10::TensorImpl*> part_params;
+  if (part) {
+    for (const auto& t : part->parameters(/*recurse=*/true)) part_params.insert(t.unsafeGetTensorImpl());
+  }
   // Full parameters in their original dtype, no all-gather for freshly materialized shards (known zeros).
-  group->begin_full_init();
+  group->begin_full_init(part ? &part_params : nullptr);
   try {
     c10::NoGradGuard no_grad;
     init();
@@ -51,6 +56,11 @@ void init_with_full_params(const FSDPModule& unit, const std::function<void()>& 
     throw;
   }
   group->end_full_init();
+}
+}  // namespace
+
+void init_with_full_params(const FSDPModule& unit, const std::function<void()>& init) {
+  with_full_params(detail::FSDPModuleAccess::state(unit).param_group(), nullptr, init);
 }
 
 std::function<void(torch::nn::Module&, const std::function<void()>&)> full_params_init_scope(torch::nn::Module& root) {
@@ -62,7 +72,7 @@ std::function<void(torch::nn::Module&, const std::function<void()>&)> full_param
   return [parent](torch::nn::Module& part, const std::function<void()>& fn) {
     for (const torch::nn::Module* m = &part; m != nullptr;) {
       if (auto state = detail::find_state(*m)) {
-        init_with_full_params(FSDPModule(state), fn);
+        with_full_params(state->param_group(), &part, fn);
         return;
       }
       auto it = parent->find(m);

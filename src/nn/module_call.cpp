@@ -34,9 +34,11 @@ struct HookStore : torch::nn::Module {
     uint64_t id;
     ForwardPreHook pre;
     ForwardHook post;
+    ForwardExceptionHook on_exception;
   };
   std::vector<Entry> pre_hooks;
   std::vector<Entry> post_hooks;
+  std::vector<Entry> exception_hooks;
   uint64_t next_id = 1;
 };
 
@@ -63,6 +65,8 @@ void HookHandle::remove() {
   store->pre_hooks.erase(std::remove_if(store->pre_hooks.begin(), store->pre_hooks.end(), by_id), store->pre_hooks.end());
   store->post_hooks.erase(std::remove_if(store->post_hooks.begin(), store->post_hooks.end(), by_id),
                           store->post_hooks.end());
+  store->exception_hooks.erase(std::remove_if(store->exception_hooks.begin(), store->exception_hooks.end(), by_id),
+                               store->exception_hooks.end());
   store_.reset();
 }
 
@@ -85,6 +89,28 @@ HookHandle register_forward_pre_hook(torch::nn::Module& module, ForwardPreHook h
 HookHandle register_forward_hook(torch::nn::Module& module, ForwardHook hook, bool prepend) {
   TORCH_CHECK(hook, "fsdp::nn::register_forward_hook: empty hook");
   return add_hook(module, nullptr, std::move(hook), prepend);
+}
+
+HookHandle register_forward_exception_hook(torch::nn::Module& module, ForwardExceptionHook hook) {
+  TORCH_CHECK(hook, "fsdp::nn::register_forward_exception_hook: empty hook");
+  auto store = get_or_create_store(module);
+  HookStore::Entry entry{store->next_id++, nullptr, nullptr, std::move(hook)};
+  const uint64_t id = entry.id;
+  store->exception_hooks.push_back(std::move(entry));
+  return HookHandle(store, id);
+}
+
+void run_forward_exception_hooks(torch::nn::Module& module) noexcept {
+  auto store = find_store(module);
+  if (!store) return;
+  auto hooks = store->exception_hooks;
+  for (auto& entry : hooks) {
+    try {
+      entry.on_exception(module);
+    } catch (...) {
+      // The original exception is the one to report; cleanup failures must not replace it.
+    }
+  }
 }
 
 bool has_forward_hooks(const torch::nn::Module& module) {

@@ -412,3 +412,81 @@ TEST(FullyShard, BuffersStayReplicated) {
   EXPECT_TRUE(torch::equal(full.at("scale"), reference->scale));
   EXPECT_TRUE(torch::equal(full.at("fc.weight"), reference->fc->weight));
 }
+
+// An exception inside a sharded block, caught by the model's own code inside the root's forward (an
+// out-of-memory retry): fsdp::nn::call's exception hook returns the block to idle, the retry gathers again,
+// and training equals the reference that never failed.
+namespace {
+struct FlakyImpl : torch::nn::Module {
+  FlakyImpl() { fc = register_module("fc", torch::nn::Linear(7, 9)); }
+  torch::Tensor forward(torch::Tensor x) {
+    auto y = fc(x);
+    if (fail_next) {
+      fail_next = false;
+      throw std::runtime_error("injected: out of memory");
+    }
+    return torch::tanh(y);
+  }
+  torch::nn::Linear fc{nullptr};
+  bool fail_next = false;
+};
+TORCH_MODULE(Flaky);
+
+struct RetryNetImpl : torch::nn::Module {
+  RetryNetImpl() {
+    flaky = register_module("flaky", Flaky());
+    head = register_module("head", torch::nn::Linear(9, 3));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    torch::Tensor h;
+    try {
+      h = fsdp::nn::call(flaky, x);
+    } catch (const std::exception&) {
+      ++retries;
+      h = fsdp::nn::call(flaky, x);  // retry
+    }
+    return head(h);
+  }
+  Flaky flaky{nullptr};
+  torch::nn::Linear head{nullptr};
+  int retries = 0;
+};
+TORCH_MODULE(RetryNet);
+}  // namespace
+
+TEST(FullyShard, ExceptionCaughtInsideForwardThenRetried) {
+  auto world = test_world();
+  const int64_t rank = world->rank(), n = world->size();
+  torch::manual_seed(5);
+  RetryNet reference;
+  torch::manual_seed(5);
+  RetryNet model;
+  fsdp::FullyShardOptions opts;
+  opts.mesh = world_mesh();
+  fsdp::fully_shard(model->flaky, opts);
+  fsdp::fully_shard(model, opts);
+  torch::optim::SGD ref_opt(reference->parameters(), 0.1), opt(model->parameters(), 0.1);
+  auto group = world_mesh().group(0);
+  const int64_t batch = 12;
+  for (int step = 0; step < 4; ++step) {
+    auto [x, y] = global_batch(step, batch, 7, 3);
+    ref_opt.zero_grad();
+    torch::mse_loss(reference->forward(x), y, torch::Reduction::Sum).div(batch).backward();
+    ref_opt.step();
+    model->flaky->fail_next = (step % 2 == 0);
+    const int64_t per = batch / n;
+    opt.zero_grad();
+    group->reset_stats();
+    auto out = fsdp::nn::call(model, x.narrow(0, rank * per, per));
+    // Per rank: the sum over its slice / global batch; FSDP averages over ranks, so scale by n.
+    (torch::mse_loss(out, y.narrow(0, rank * per, per), torch::Reduction::Sum) * n / batch).backward();
+    opt.step();
+    // The failed call and the retry each gathered the block; one reduce-scatter per group all the same.
+    EXPECT_EQ(group->stats().reduce_scatter_calls, 2) << "step " << step;
+  }
+  EXPECT_EQ(model->retries, 2);
+  auto got = full_params(*model, {});
+  for (const auto& item : reference->named_parameters()) {
+    EXPECT_LE(max_rel_diff(got.at(item.key()), item.value()), 1e-5) << item.key();
+  }
+}

@@ -50,6 +50,11 @@ class HookHandle {
 // prepend=true runs the hook before the ones already registered.
 HookHandle register_forward_pre_hook(torch::nn::Module& module, ForwardPreHook hook, bool prepend = false);
 HookHandle register_forward_hook(torch::nn::Module& module, ForwardHook hook, bool prepend = false);
+// Runs when the module's forward (or a forward hook) throws, before the exception leaves call(): lets a hook
+// owner undo what its pre-hook did (FSDP reshards and returns to idle). Exceptions from these hooks are dropped.
+using ForwardExceptionHook = std::function<void(torch::nn::Module& module)>;
+HookHandle register_forward_exception_hook(torch::nn::Module& module, ForwardExceptionHook hook);
+void run_forward_exception_hooks(torch::nn::Module& module) noexcept;
 bool has_forward_hooks(const torch::nn::Module& module);
 
 // Called (by call()) around forward; exposed for callers that dispatch forward themselves.
@@ -97,6 +102,21 @@ void scatter_tensors(T& values, const TensorList& tensors) {
 }  // namespace detail
 
 namespace detail {
+// Runs the module's exception hooks when forward or a forward hook throws (the pre-hooks ran: undo them).
+class ExceptionHookGuard {
+ public:
+  explicit ExceptionHookGuard(torch::nn::Module& module) : module_(&module) {}
+  ExceptionHookGuard(const ExceptionHookGuard&) = delete;
+  ExceptionHookGuard& operator=(const ExceptionHookGuard&) = delete;
+  ~ExceptionHookGuard() {
+    if (module_) run_forward_exception_hooks(*module_);
+  }
+  void dismiss() { module_ = nullptr; }
+
+ private:
+  torch::nn::Module* module_;
+};
+
 template <class T> struct is_shared_ptr : std::false_type {};
 template <class T> struct is_shared_ptr<std::shared_ptr<T>> : std::true_type {};
 
@@ -190,11 +210,13 @@ auto call(M&& module, Args&&... args) {
   run_forward_pre_hooks(base, inputs);
   TORCH_CHECK(inputs.size() == n_inputs, "fsdp::nn::call: a forward pre-hook changed the number of input tensors");
   detail::scatter_tensors(arg_values, inputs);
+  detail::ExceptionHookGuard guard(base);
   auto result = std::apply([&](auto&... a) { return impl.forward(a...); }, arg_values);
   TensorList outputs;
   detail::for_each_tensor(result, [&](at::Tensor& t) { outputs.push_back(t); });
   const size_t n_outputs = outputs.size();
   run_forward_hooks(base, inputs, outputs);
+  guard.dismiss();
   TORCH_CHECK(outputs.size() == n_outputs, "fsdp::nn::call: a forward hook changed the number of output tensors");
   detail::scatter_tensors(result, outputs);
   return result;
@@ -223,6 +245,7 @@ torch::nn::AnyValue call_any_value(const torch::nn::AnyModule& any, Args&&... ar
   size_t i = 0;
   detail::for_each_argument_tensor(arg_values, [&](at::Tensor& t) { t = inputs.at(i++); }, nullptr);
   // Moved: the copies are ours, and an lvalue AnyValue would be wrapped in another AnyValue.
+  detail::ExceptionHookGuard guard(*base);
   torch::nn::AnyValue result = std::apply([&](auto&... a) { return module.any_forward(std::move(a)...); }, arg_values);
   TensorList outputs;
   TORCH_CHECK(detail::for_each_tensor_in_any(result, [&](at::Tensor& t) { outputs.push_back(t); }),
@@ -231,6 +254,7 @@ torch::nn::AnyValue call_any_value(const torch::nn::AnyModule& any, Args&&... ar
               "optional<Tensor>, tuple/pair of 2 or 3 Tensors)");
   const size_t n_outputs = outputs.size();
   run_forward_hooks(*base, inputs, outputs);
+  guard.dismiss();
   TORCH_CHECK(outputs.size() == n_outputs, "fsdp::nn::call: a forward hook changed the number of output tensors");
   i = 0;
   detail::for_each_tensor_in_any(result, [&](at::Tensor& t) { t = outputs.at(i++); });
