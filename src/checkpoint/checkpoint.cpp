@@ -150,7 +150,16 @@ class OpenCheckpoint {
       const auto [first, last] = element_span(saved, *overlap);
       const int64_t b0 = first * es / B * B;
       const int64_t b1 = std::min(((last + 1) * es + B - 1) / B * B, c.length);
-      at::Tensor buf = at::empty({b1 - b0}, at::kByte);
+      at::Tensor dst = dest;
+      for (size_t d = 0; d < overlap->sizes.size(); ++d) {
+        dst = dst.narrow(static_cast<int64_t>(d), overlap->offsets[d] - dest_box.offsets[d], overlap->sizes[d]);
+      }
+      // Fast path: the overlap is exactly the block-aligned byte span, contiguous in the destination and of the
+      // same dtype (e.g. the same sharding as saved): read straight into the destination, verify in place.
+      const bool direct = first * es == b0 && (last + 1) * es == b1 && dst.is_contiguous() &&
+                          dst.scalar_type() == t.dtype && dst.device().is_cpu() &&
+                          element_span(saved, *overlap).second - element_span(saved, *overlap).first + 1 == overlap->numel();
+      at::Tensor buf = direct ? dst : at::empty({b1 - b0}, at::kByte);
       const RangeReader* reader = nullptr;
       try {
         reader = &file(c.file);
@@ -167,12 +176,9 @@ class OpenCheckpoint {
                     "': checksum mismatch in file ", r.path(), " bytes [", c.offset + blk * B, ", ",
                     c.offset + blk * B + n, ") (chunk ", k, "): the file was altered or is corrupt");
       }
+      if (direct) continue;
       at::Tensor src = at::from_blob(const_cast<char*>(p) + (first * es - b0), overlap->sizes,
                                      contiguous_strides(c.sizes), at::TensorOptions().dtype(t.dtype));
-      at::Tensor dst = dest;
-      for (size_t d = 0; d < overlap->sizes.size(); ++d) {
-        dst = dst.narrow(static_cast<int64_t>(d), overlap->offsets[d] - dest_box.offsets[d], overlap->sizes[d]);
-      }
       dst.copy_(src);
     }
     return bytes;
