@@ -155,7 +155,7 @@ class DistributedCheckpointer final : public Checkpointer {
     ckpt::SaveOptions so;
     so.group = group_;
     so.local_only = !job_group_;
-    so.saved_on = std::to_string(world_) + " rank(s)";
+    so.saved_on = "fsdp-train step " + std::to_string(s.step);
     const auto t0 = Clock::now();
     if (async_ && !last) {
       auto snap = std::make_shared<ckpt::StateDict>(snapshot(sd, cast));
