@@ -240,7 +240,6 @@ void FSDPState::pre_forward(torch::nn::Module& module, nn::TensorList& inputs) {
     // The first member of this call group to run: gather the parameters.
     training_state_ = TrainingState::Forward;
     forward_grad_enabled_ = c10::GradMode::is_enabled();
-    forward_registered_node_ = false;
     if (param_group_) param_group_->pre_forward();
     prefetch_for_forward();
     ++forward_calls_this_root_forward_;
@@ -254,7 +253,6 @@ void FSDPState::pre_forward(torch::nn::Module& module, nn::TensorList& inputs) {
     for (detail::FSDPParam* p : param_group_->params()) any_requires_grad = any_requires_grad || p->requires_grad();
     if (any_requires_grad) {
       const bool registered = register_post_backward(inputs);
-      forward_registered_node_ = forward_registered_node_ || registered;
       param_group_->record_use(registered);
       calls_.push_back(registered ? CallRecord::UseWithNode : CallRecord::Use);
       return;
@@ -479,7 +477,6 @@ void FSDPState::reset() {
     s->members_ran_.clear();
     s->calls_.clear();
     s->backward_order_indices_.clear();
-    s->forward_registered_node_ = false;
   }
   if (ctx_) {
     ctx_->backward_order.clear();

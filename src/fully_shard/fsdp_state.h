@@ -110,13 +110,12 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   detail::TrainingState training_state_ = detail::TrainingState::Idle;
 
   // Forward bookkeeping of the current call group: which members are inside their forward (a member may
-  // be re-entered), whether some call registered a post-backward node, and grad mode at the first pre-forward.
+  // be re-entered) or ran this round, and grad mode at the first pre-forward.
   std::map<const torch::nn::Module*, int> members_running_;
   std::set<const torch::nn::Module*> members_ran_;
   // One entry per call inside its forward (innermost last): whether it counted as a use for backward.
   enum class CallRecord { NoUse, Use, UseWithNode };
   std::vector<CallRecord> calls_;
-  bool forward_registered_node_ = false;
   bool forward_grad_enabled_ = false;
   int forward_calls_this_root_forward_ = 0;  // for implicit forward prefetch with repeated use
   std::vector<size_t> backward_order_indices_;  // this state's positions in ctx_->backward_order
