@@ -96,7 +96,21 @@ class DistributedCheckpointer final : public Checkpointer {
       TORCH_CHECK(fs::exists(fs::path(dir) / "metadata.json"), "checkpoint.load_step = ", cfg_.load_step, ": ", dir,
                   " is not a complete checkpoint");
     } else if (auto latest = ckpt::latest_step(folder_)) {
+      // Resume from the newest checkpoint that holds the training state. The last save is model-only by
+      // default (last_save_model_only): restarting from it would reset step, optimizer and data order, and
+      // then overwrite the earlier step folders. It is used only when nothing else exists.
       dir = ckpt::step_path(folder_, *latest);
+      const auto steps = ckpt::complete_steps(folder_);
+      for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+        const std::string candidate = ckpt::step_path(folder_, *it);
+        if (ckpt::inspect(candidate).values.count("train_state.step") == 0) continue;
+        if (*it != *latest && rank_ == 0) {
+          std::printf("checkpoint: %s is model-only (checkpoint.last_save_model_only); resuming from %s, the newest "
+                      "with training state\n", dir.c_str(), candidate.c_str());
+        }
+        dir = candidate;
+        break;
+      }
     } else if (!cfg_.initial_load_path.empty()) {
       dir = cfg_.initial_load_path;
       from_initial = true;

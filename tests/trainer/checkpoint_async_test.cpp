@@ -64,3 +64,28 @@ TEST(TrainerCheckpoint, KeepLatestKAndLoadStep) {
   EXPECT_EQ(fresh.losses.size(), 8u);
   EXPECT_LT(fresh.losses[0], full.losses[0] - 0.1);  // started from the trained weights
 }
+
+// The last save is model-only by default (last_save_model_only): an automatic resume with more steps must
+// continue from the newest checkpoint that holds the training state (here step 4), not restart from step 1 on
+// the final weights — and the continued run equals a run that was never interrupted.
+TEST(TrainerCheckpoint, AutomaticResumeSkipsTheModelOnlyLastSave) {
+  // decay_ratio = 0: warmup then constant, so the schedule does not depend on training.steps and a 6-step run
+  // continued to 8 steps can equal an 8-step run.
+  JobConfig uninterrupted = tiny("resume_ref", 8);
+  uninterrupted.lr_scheduler.decay_ratio = 0.0;
+  const TrainSummary reference = run_training(uninterrupted, quiet(), false);
+  ASSERT_EQ(reference.losses.size(), 8u);
+
+  JobConfig c = tiny("resume_model_only", 6);  // saves step-4 (full) and step-6 (model only)
+  c.checkpoint.interval = 4;
+  c.lr_scheduler.decay_ratio = 0.0;
+  run_training(c, quiet(), false);
+  const std::string folder = c.job.dump_folder + "/checkpoint";
+  ASSERT_EQ(fsdp::checkpoint::complete_steps(folder), (std::vector<int64_t>{4, 6}));
+  EXPECT_EQ(fsdp::checkpoint::inspect(fsdp::checkpoint::step_path(folder, 6)).values.count("train_state.step"), 0u);
+
+  c.training.steps = 8;
+  const TrainSummary resumed = run_training(c, quiet(), false);
+  ASSERT_EQ(resumed.losses.size(), 4u) << "resumed after step 4: steps 5..8";
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(resumed.losses[i], reference.losses[4 + i]) << "step " << 5 + i;
+}
