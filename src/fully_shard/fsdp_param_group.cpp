@@ -329,12 +329,10 @@ void FSDPParamGroup::finish_backward(bool keep_graph) {
     has_grads = has_grads || p->has_accumulated_unsharded_grad() ||
                 (p->state() == ShardedState::Unsharded && p->param().grad().defined());
   }
-  if (has_grads || is_unsharded_) {
-    if (has_grads) {
-      reduce_gradients();
-    } else if (reshard_after_backward) {
-      reshard();
-    }
+  if (has_grads) {
+    reduce_gradients();
+  } else if (is_unsharded_ && reshard_after_backward) {
+    reshard();
   }
   finish_pending_reduce();
   drop_unused_unshard();  // a backward prefetch nobody consumed must not feed the next step

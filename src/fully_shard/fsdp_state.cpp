@@ -37,6 +37,15 @@ struct PostBackwardNode : torch::autograd::Node {
 
 // The autograd engine's current backward pass, or -1 outside backward.
 int current_backward_pass() { return torch::autograd::get_current_graph_task_id(); }
+
+// After its module returned, a parameter shows only this rank's shard: used by autograd then, its gradient
+// would have the shard's shape. Raised by the gradient guard and at the end of the root's forward.
+std::string used_outside_forward_message(const FSDPParam& p, const FSDPState& s) {
+  return c10::str("fsdp: parameter '", p.fqn(), "' of FSDP module ", s.name(), " was used by autograd outside the "
+                  "forward of its FSDP module (after that module returned, the parameter shows only this rank's "
+                  "shard). Compute with it inside that module's forward, or gather it explicitly with "
+                  "FSDPModule::unshard() before the use and reshard() after backward (see docs/hooks.md)");
+}
 }  // namespace
 }  // namespace detail
 
@@ -82,12 +91,7 @@ void FSDPState::attach() {
                                          (s->ctx_ && std::find(s->ctx_->backward_order.begin(),
                                                                s->ctx_->backward_order.end(),
                                                                s.get()) != s->ctx_->backward_order.end());
-      if (ran_forward_this_step) {
-        TORCH_CHECK(false, "fsdp: parameter '", p->fqn(), "' of FSDP module ", s->name(), " was used by autograd "
-                    "outside the forward of its FSDP module (after the module returned it shows only this rank's "
-                    "shard again). Compute with it inside that module's forward, or gather it explicitly with "
-                    "FSDPModule::unshard() before the use and reshard() after backward (see docs/hooks.md)");
-      }
+      TORCH_CHECK(!ran_forward_this_step, detail::used_outside_forward_message(*p, *s));
       TORCH_CHECK(false, "fsdp: parameter '", p->fqn(), "' of FSDP module ", s->name(),
                   " received a gradient while sharded: the module was run without its FSDP hooks. Invoke modules "
                   "given to fully_shard with fsdp::nn::call(module, args...) instead of module->forward(args...) "
@@ -195,26 +199,22 @@ void FSDPState::root_pre_forward() {
 
 void FSDPState::root_post_forward() {
   // Members of a group of modules that did not all run: their group finishes with the root.
-  for (auto& s : context_states()) {
+  // Forward prefetches nobody consumed (a module skipped this time) are completed and dropped: their data
+  // must not survive into a later step, after an optimizer step changed the shards.
+  auto states = context_states();
+  for (auto& s : states) {
     if (s.get() != this && s->training_state_ == TrainingState::Forward && s->members_running_.empty()) {
       s->finish_forward();
     }
-  }
-  // Forward prefetches nobody consumed (a module skipped this time) are completed and dropped: their data
-  // must not survive into a later step, after an optimizer step changed the shards.
-  for (auto& s : context_states()) {
     if (s->param_group_ && s->training_state_ == TrainingState::Idle) s->param_group_->drop_unused_unshard();
   }
   ctx_->last_forward_order = ctx_->forward_order;
   // A sharded parameter that autograd recorded an op on after its module returned: its gradient would have
   // the shard's shape (autograd then fails in backward with a shape error that names no module). Say so now.
   if (c10::GradMode::is_enabled()) {
-    for (auto& s : context_states()) {
+    for (auto& s : states) {
       const detail::FSDPParam* p = s->param_group_ ? s->param_group_->used_outside_forward() : nullptr;
-      TORCH_CHECK(p == nullptr, "fsdp: parameter '", p->fqn(), "' of FSDP module ", s->name(), " was used by autograd "
-                  "outside the forward of its FSDP module (after that module returned, the parameter shows only this "
-                  "rank's shard). Compute with it inside that module's forward, or gather it explicitly with "
-                  "FSDPModule::unshard() before the use and reshard() after backward (see docs/hooks.md)");
+      TORCH_CHECK(p == nullptr, detail::used_outside_forward_message(*p, *s));
     }
   }
 }
@@ -261,15 +261,22 @@ void FSDPState::pre_forward(torch::nn::Module& module, nn::TensorList& inputs) {
   calls_.push_back(CallRecord::NoUse);
 }
 
-void FSDPState::on_forward_exception(torch::nn::Module& module) {
+std::optional<FSDPState::CallRecord> FSDPState::end_call(torch::nn::Module& module) {
   auto running = members_running_.find(&module);
-  if (running == members_running_.end()) return;  // pre_forward did nothing for this call
+  if (running == members_running_.end()) return std::nullopt;  // pre_forward did nothing for this call
   if (--running->second == 0) members_running_.erase(running);
-  if (!calls_.empty()) {
-    // The failed call has no outputs, so no backward will ever complete its use.
-    if (param_group_ && calls_.back() != CallRecord::NoUse) param_group_->forget_use(calls_.back() == CallRecord::UseWithNode);
-    calls_.pop_back();
-  }
+  // pre_forward pushes one record for every call it counts as running (none if it threw in between).
+  if (calls_.empty()) return CallRecord::NoUse;
+  CallRecord record = calls_.back();
+  calls_.pop_back();
+  return record;
+}
+
+void FSDPState::on_forward_exception(torch::nn::Module& module) {
+  const std::optional<CallRecord> call = end_call(module);
+  if (!call) return;
+  // The failed call has no outputs, so no backward will ever complete its use.
+  if (param_group_ && *call != CallRecord::NoUse) param_group_->forget_use(*call == CallRecord::UseWithNode);
   if (!members_running_.empty()) return;
   if (is_root()) {
     // The whole forward is abandoned: release everything now rather than at the next forward.
@@ -286,10 +293,7 @@ void FSDPState::on_forward_exception(torch::nn::Module& module) {
 }
 
 void FSDPState::post_forward(torch::nn::Module& module, const nn::TensorList& inputs, nn::TensorList& outputs) {
-  auto running = members_running_.find(&module);
-  if (running == members_running_.end()) return;  // recomputation during backward: pre_forward skipped it
-  if (--running->second == 0) members_running_.erase(running);
-  if (!calls_.empty()) calls_.pop_back();
+  if (!end_call(module)) return;  // recomputation during backward: pre_forward skipped it
   if (options_.mp_policy.output_dtype) cast_tensors(outputs, *options_.mp_policy.output_dtype);
   if (c10::GradMode::is_enabled()) register_pre_backward(outputs);
   if (!members_running_.empty()) return;  // a member re-entered itself; the outer call finishes
@@ -387,10 +391,7 @@ void FSDPState::queue_final_callback() {
     reset();
   }
   ctx_->backward_graph_task = pass;
-  std::weak_ptr<FSDPState> root;
-  for (auto& s : context_states()) {
-    if (s->is_root()) root = s;
-  }
+  std::weak_ptr<FSDPState> root = ctx_->states.front();  // lazy_init lists the root first
   torch::autograd::Engine::get_default_engine().queue_callback([root] {
     if (auto r = root.lock()) r->root_final_callback();
   });

@@ -96,6 +96,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   bool register_post_backward(nn::TensorList& inputs);
   void register_pre_backward(nn::TensorList& outputs);
   void cast_tensors(nn::TensorList& tensors, c10::ScalarType dtype) const;
+  enum class CallRecord { NoUse, Use, UseWithNode };
+  // A member's call leaves its forward (returned or threw): its record, or nullopt if pre_forward skipped it.
+  std::optional<CallRecord> end_call(torch::nn::Module& module);
   // Completes the forward of the group (all members that ran have returned).
   void finish_forward();
   std::vector<std::shared_ptr<FSDPState>> context_states() const;
@@ -114,7 +117,6 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::map<const torch::nn::Module*, int> members_running_;
   std::set<const torch::nn::Module*> members_ran_;
   // One entry per call inside its forward (innermost last): whether it counted as a use for backward.
-  enum class CallRecord { NoUse, Use, UseWithNode };
   std::vector<CallRecord> calls_;
   bool forward_grad_enabled_ = false;
   int forward_calls_this_root_forward_ = 0;  // for implicit forward prefetch with repeated use
