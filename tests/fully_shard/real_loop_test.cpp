@@ -60,13 +60,7 @@ TEST(RuntimeRealLoop, FiftyRandomStepsEqualReference) {
         expected = ref.forward(x);
       }
       g->reset_stats();
-      if (inference) {
-        c10::InferenceMode im;
-        out = dist.forward(x);
-      } else {
-        torch::NoGradGuard ng;
-        out = dist.forward(x);
-      }
+      out = dist.eval_forward(x, inference);
       EXPECT_LE(rel(out, expected), 1e-5) << at << " eval";
       EXPECT_EQ(counts(g).rs, 0) << at << " eval";
       if (repeat) {

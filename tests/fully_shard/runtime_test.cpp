@@ -174,13 +174,7 @@ TEST(RuntimeEvaluation, NoGradAndInferenceModeBetweenSteps) {
       const bool inference = step % 2 == 1;
       g->reset_stats();
       torch::Tensor out;
-      if (inference) {
-        c10::InferenceMode im;
-        out = dist.forward(eval_x);
-      } else {
-        torch::NoGradGuard ng;
-        out = dist.forward(eval_x);
-      }
+      out = dist.eval_forward(eval_x, inference);
       auto c = counts(g);
       const std::string at = what + (inference ? " InferenceMode" : " NoGradGuard") + " before step " + std::to_string(step);
       EXPECT_LE(rel(out, expected), 1e-5) << at;
@@ -240,13 +234,7 @@ TEST(RuntimeEvaluation, RepeatedUseUnderNoGradAndInferenceMode) {
                                (frozen ? " (block 1 frozen)" : "");
         g->reset_stats();
         torch::Tensor out;
-        if (inference) {
-          c10::InferenceMode im;
-          out = dist.forward(x);
-        } else {
-          torch::NoGradGuard ng;
-          out = dist.forward(x);
-        }
+        out = dist.eval_forward(x, inference);
         EXPECT_LE(rel(out, expected), 1e-5) << at;
         EXPECT_EQ(counts(g).rs, 0) << at;
         EXPECT_GE(counts(g).ag, 4) << at;

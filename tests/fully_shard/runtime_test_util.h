@@ -167,6 +167,15 @@ struct Trainer {
     return sharded ? rank_rows(global, m, micro) : micro_rows(global, m, micro);
   }
   torch::Tensor forward(const torch::Tensor& x) { return fsdp::nn::call(net, x); }
+  // An evaluation forward under c10::InferenceMode or torch::NoGradGuard.
+  torch::Tensor eval_forward(const torch::Tensor& x, bool inference) {
+    if (inference) {
+      c10::InferenceMode im;
+      return forward(x);
+    }
+    torch::NoGradGuard ng;
+    return forward(x);
+  }
   torch::Tensor loss(const Batch& b, int64_t m = 0, int64_t micro = 1) {
     return torch::mse_loss(forward(rows(b.x, m, micro)), rows(b.y, m, micro)) / static_cast<double>(micro);
   }

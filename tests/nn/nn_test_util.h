@@ -4,6 +4,7 @@
 // models call forward() directly, through torch::nn::Sequential where the FSDP side has fsdp::nn::Sequential).
 
 #include "comm/dist_env.h"
+#include "fully_shard/fsdp_test_util.h"
 
 #include <fsdp/device_mesh.h>
 #include <fsdp/fully_shard.h>
@@ -26,16 +27,9 @@ using fsdp_test::test_world;
 // Uneven sizes: none is a multiple of 2, 3 or 4 except by chance (uneven and empty trailing shards).
 constexpr int64_t kIn = 7, kDim = 19, kHidden = 13, kOut = 5, kGlobalBatch = 24, kSteps = 6;
 
-// Linear -> ReLU -> Linear with a residual.
-struct BlockImpl : torch::nn::Module {
-  BlockImpl(int64_t dim, int64_t hidden) {
-    fc1 = register_module("fc1", torch::nn::Linear(dim, hidden));
-    fc2 = register_module("fc2", torch::nn::Linear(hidden, dim));
-  }
-  torch::Tensor forward(torch::Tensor x) { return x + fc2(torch::relu(fc1(x))); }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
-};
-TORCH_MODULE(Block);
+// Linear -> ReLU -> Linear with a residual: the fully_shard tests' block.
+using fsdp_test::Block;
+using fsdp_test::BlockImpl;
 
 inline fsdp::DeviceMesh world_mesh() {
   static fsdp::DeviceMesh mesh = fsdp::init_device_mesh("cpu", {test_world()->size()}, {"shard"});
