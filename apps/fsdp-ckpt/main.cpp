@@ -102,42 +102,31 @@ int cmd_convert(const std::string& path, const std::string& out, int64_t max_sha
   else if (dtype == "fp32" || dtype == "float32") cast = c10::kFloat;
   else TORCH_CHECK(dtype.empty(), "fsdp-ckpt: --dtype must be bf16, fp16 or fp32");
   // Files: tensors in name order, a new file when the next tensor would pass the threshold.
-  std::vector<std::vector<ckpt::TensorSummary>> files(1);
-  int64_t in_file = 0, total = 0;
+  namespace st = fsdp::checkpoint::safetensors;
+  std::vector<st::TensorSpec> specs;
   for (const auto& t : reader.summary().tensors) {
     if (model_only && t.name.rfind("optimizer.", 0) == 0) continue;
-    const auto st = fsdp::checkpoint::safetensors::dtype_from_name(t.dtype);
-    const bool floating = at::isFloatingType(st);
-    const int64_t bytes = cast && floating ? t.bytes / static_cast<int64_t>(c10::elementSize(st)) *
-                                                 static_cast<int64_t>(c10::elementSize(*cast))
-                                           : t.bytes;
-    if (in_file > 0 && in_file + bytes > max_shard) {
-      files.emplace_back();
-      in_file = 0;
-    }
-    files.back().push_back(t);
-    in_file += bytes;
-    total += bytes;
+    auto dt = st::dtype_from_name(t.dtype);
+    if (cast && at::isFloatingType(dt)) dt = *cast;
+    specs.push_back({t.name, dt, t.shape});
   }
+  const auto files = st::plan_files(specs, max_shard);
   fs::create_directories(out);
   std::map<std::string, std::string> weight_map;
+  int64_t total = 0;
   const size_t n = files.size();
-  for (size_t f = 0; f < n; ++f) {
-    char name[64];
-    if (n == 1) std::snprintf(name, sizeof name, "model.safetensors");
-    else std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", f + 1, n);
-    std::vector<fsdp::checkpoint::safetensors::TensorSpec> specs;
-    for (const auto& t : files[f]) {
-      auto st = fsdp::checkpoint::safetensors::dtype_from_name(t.dtype);
-      if (cast && at::isFloatingType(st)) st = *cast;
-      specs.push_back({t.name, st, t.shape});
-      weight_map[t.name] = name;
+  for (const auto& file : files) {
+    std::vector<st::TensorSpec> mine;
+    for (size_t i : file.specs) {
+      mine.push_back(specs[i]);
+      weight_map[specs[i].name] = file.name;
     }
-    fsdp::checkpoint::safetensors::save_file_streamed((fs::path(out) / name).string(), specs, [&](size_t i) {
-      at::Tensor x = reader.read(specs[i].name);
-      return x.scalar_type() == specs[i].dtype ? x : x.to(specs[i].dtype);
+    total += file.bytes;
+    st::save_file_streamed((fs::path(out) / file.name).string(), mine, [&](size_t i) {
+      at::Tensor x = reader.read(mine[i].name);
+      return x.scalar_type() == mine[i].dtype ? x : x.to(mine[i].dtype);
     }, {{"format", "pt"}});
-    std::cout << "  " << name << ": " << specs.size() << " tensors\n";
+    std::cout << "  " << file.name << ": " << mine.size() << " tensors\n";
   }
   if (n > 1) fsdp::checkpoint::safetensors::save_index((fs::path(out) / "model.safetensors.index.json").string(), weight_map, total);
   std::cout << path << " -> " << out << ": " << weight_map.size() << " tensors, " << human(total) << " in " << n

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 
@@ -331,6 +332,31 @@ void save_file_streamed(const std::string& path, const std::vector<TensorSpec>& 
 }
 
 // ---- index of a sharded set ------------------------------------------------------------------------------
+
+int64_t nbytes(const TensorSpec& spec) {
+  int64_t numel = 1;
+  for (int64_t d : spec.shape) numel *= d;
+  return numel * static_cast<int64_t>(c10::elementSize(spec.dtype));
+}
+
+std::vector<FilePlan> plan_files(const std::vector<TensorSpec>& specs, int64_t max_file_bytes) {
+  TORCH_CHECK(max_file_bytes > 0, "safetensors: the largest file size must be positive, got ", max_file_bytes);
+  std::vector<FilePlan> files(1);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const int64_t b = nbytes(specs[i]);
+    if (!files.back().specs.empty() && files.back().bytes + b > max_file_bytes) files.emplace_back();
+    files.back().specs.push_back(i);
+    files.back().bytes += b;
+  }
+  const size_t n = files.size();
+  for (size_t f = 0; f < n; ++f) {
+    char name[64];
+    if (n == 1) std::snprintf(name, sizeof name, "model.safetensors");
+    else std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", f + 1, n);
+    files[f].name = name;
+  }
+  return files;
+}
 
 std::map<std::string, std::string> read_index(const std::string& path) {
   std::ifstream f(path);

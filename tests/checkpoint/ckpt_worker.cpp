@@ -7,12 +7,17 @@
 //                                           way and compare with the reference bit for bit
 //   ckpt_worker saveloop <folder> <mesh> -   save step-1, step-2, ... forever (keep_latest_k 2), each step's tensors
 //                                           filled with values derived from the step: the crash test kills it
+//   ckpt_worker stimport <file> <mesh> -    import a safetensors file written by one process into a sharded model
+//                                           (each rank reading only its own rows: bytes counted against the
+//                                           rows it owns), compare with the file, then export_safetensors to
+//                                           <file>.export/ in small files for the test to compare
 //   <mesh>: "N" (1-D over N ranks) or "RxS" (HSDP: R replicas x S shards); <optim>: adamw | adam | sgd
 // Exit status 0 = everything matched; messages name what did not.
 #include "comm/dist_env.h"
 #include "fully_shard/fsdp_test_util.h"
 
 #include <fsdp/checkpoint/checkpoint.h>
+#include <fsdp/checkpoint/model_safetensors.h>
 #include <fsdp/checkpoint/optimizer.h>
 #include <fsdp/checkpoint/safetensors.h>
 
@@ -105,6 +110,39 @@ int run(int argc, char** argv) {
       ckpt::save(sd_for(step), ckpt::step_path(dir, step));
       if (world->rank() == 0) ckpt::purge(dir, 2);
     }
+  }
+
+  if (mode == "stimport") {
+    MLP model = make_model(99);
+    shard_mlp(model, opts);
+    const auto res = ckpt::import_safetensors(*model, dir);
+    const auto ref = fsdp::checkpoint::safetensors::load_file(dir);
+    auto got = fsdp::full_state_dict(*model, {/*cpu_offload=*/true, /*rank0_only=*/false});
+    if (got.size() != ref.size()) fail("model has " + std::to_string(got.size()) + " tensors, the file " + std::to_string(ref.size()));
+    // The rows this rank owns: torch.chunk over the shard dim (the last mesh dim), ceil-sized chunks.
+    const int64_t shards = mesh.size(mesh.ndim() - 1), index = mesh.coordinate()[mesh.ndim() - 1];
+    int64_t expected_bytes = 0;
+    MLP fresh = make_model(99);
+    auto fresh_params = fresh->named_parameters();
+    for (const auto& [k, r] : ref) {
+      auto it = got.find(k);
+      if (it == got.end()) { fail("not imported: " + k); continue; }
+      if (!torch::equal(it->second, r)) fail("not bit-identical: " + k);
+      if (torch::equal(fresh_params[k], r)) fail("the file's " + k + " equals the fresh model's (trivial test)");
+      const int64_t rows = r.size(0), per = (rows + shards - 1) / shards;
+      const int64_t mine = std::max<int64_t>(0, std::min(rows, (index + 1) * per) - index * per);
+      expected_bytes += mine * (r.numel() / rows) * static_cast<int64_t>(r.element_size());
+    }
+    if (res.bytes_read != expected_bytes) {
+      fail("read " + std::to_string(res.bytes_read) + " bytes, its rows hold " + std::to_string(expected_bytes));
+    }
+    ckpt::SafetensorsExportOptions eo;
+    eo.max_file_bytes = 4096;  // several files and an index
+    eo.metadata["source"] = "ckpt_worker";
+    const auto ex = ckpt::export_safetensors(*model, dir + ".export", eo);
+    std::cout << "rank " << world->rank() << " read " << res.bytes_read << " bytes; exported " << ex.total_bytes
+              << " bytes in " << ex.files.size() << " files; " << (failures ? "FAILED" : "all equal") << "\n";
+    return failures ? 1 : 0;
   }
 
   if (mode == "save") {

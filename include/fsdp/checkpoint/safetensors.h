@@ -87,6 +87,17 @@ void save_file_streamed(const std::string& path, const std::vector<TensorSpec>& 
                         const std::function<at::Tensor(size_t)>& produce,
                         const std::map<std::string, std::string>& metadata = {});
 
+// How a set of tensors (in order) is split over files of at most max_file_bytes of tensor data (a larger
+// tensor gets a file of its own): one file is "model.safetensors", several are "model-0000i-of-0000N.safetensors"
+// (Hugging Face's names, described by an index, below).
+struct FilePlan {
+  std::string name;
+  std::vector<size_t> specs;  // indices into the specs, in order
+  int64_t bytes = 0;
+};
+int64_t nbytes(const TensorSpec& spec);
+std::vector<FilePlan> plan_files(const std::vector<TensorSpec>& specs, int64_t max_file_bytes);
+
 // Sharded sets (Hugging Face layout): model.safetensors.index.json =
 //   {"metadata": {"total_size": <bytes>}, "weight_map": {"<tensor name>": "<file name>", ...}}
 // read_index returns the weight map (tensor -> file name relative to the index's directory); save_index writes

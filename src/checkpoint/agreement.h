@@ -1,0 +1,27 @@
+#pragma once
+// The few collectives the checkpoint layers use to agree across ranks: which group to use, every rank's
+// string (chunk lists, errors), rank 0's string (the coordinator's outcome), "did any rank fail". Each is a
+// no-op for a null group or a group of one.
+
+#include <fsdp/process_group.h>
+
+#include <exception>
+#include <string>
+#include <vector>
+
+namespace fsdp::checkpoint::detail {
+
+// `g` when given, else the world when initialized, else null (a single process).
+ProcessGroupPtr resolve_group(const ProcessGroupPtr& g);
+// The message of an exception without c10's backtrace.
+std::string error_text(const std::exception& e);
+// Every rank's string, in group-rank order.
+std::vector<std::string> all_gather_strings(const ProcessGroupPtr& group, const std::string& mine);
+// Rank 0's string on every rank.
+std::string broadcast_string(const ProcessGroupPtr& group, const std::string& s);
+// True on every rank when any rank passes true.
+bool any_rank(const ProcessGroupPtr& group, bool mine);
+// The first non-empty string of any rank (lowest rank first), on every rank; empty when all are empty.
+std::string first_error(const ProcessGroupPtr& group, const std::string& mine);
+
+}  // namespace fsdp::checkpoint::detail
