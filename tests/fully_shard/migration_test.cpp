@@ -320,6 +320,66 @@ TEST(Migration, TiedWeightsPlanPicksTheLowestCommonAncestor) {
   EXPECT_TRUE(notes.empty());
 }
 
+// FSDP1's param_init_fn on a meta-device model: after sharding, every module that held meta tensors is
+// initialized once with its full parameters visible; the result equals initializing the unsharded model.
+struct DeviceLinearImpl : torch::nn::Module {  // built straight on `device` (libtorch's Linear has no device option)
+  DeviceLinearImpl(int64_t in, int64_t out, c10::Device device) {
+    weight = register_parameter("weight", torch::empty({out, in}, torch::TensorOptions(device)));
+    bias = register_parameter("bias", torch::empty({out}, torch::TensorOptions(device)));
+  }
+  torch::Tensor forward(torch::Tensor x) { return torch::addmm(bias, x, weight.t()); }
+  torch::Tensor weight, bias;
+};
+TORCH_MODULE(DeviceLinear);
+struct DeviceNetImpl : torch::nn::Module {
+  explicit DeviceNetImpl(c10::Device device) {
+    l1 = register_module("l1", DeviceLinear(kIn, kDim, device));
+    l2 = register_module("l2", DeviceLinear(kDim, kOut, device));
+    gain = register_parameter("gain", torch::empty({kOut}, torch::TensorOptions(device)));
+    shift = register_buffer("shift", torch::empty({kOut}, torch::TensorOptions(device)));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return fsdp::nn::call(l2, torch::tanh(fsdp::nn::call(l1, x))) * gain + shift;
+  }
+  DeviceLinear l1{nullptr}, l2{nullptr};
+  torch::Tensor gain, shift;
+};
+TORCH_MODULE(DeviceNet);
+
+TEST(Migration, ParamInitFnOnMetaModel) {
+  auto init_fn = [](torch::nn::Module& m) {
+    torch::NoGradGuard no_grad;
+    auto fill = [](const torch::Tensor& t, double phase) {
+      auto values = torch::arange(t.numel(), torch::kFloat).mul(0.37).add(phase).sin().mul(0.2);
+      t.copy_(values.reshape(t.sizes()));
+    };
+    for (const auto& p : m.named_parameters(/*recurse=*/false)) fill(p.value(), static_cast<double>(p.key().size()));
+    for (const auto& b : m.named_buffers(/*recurse=*/false)) fill(b.value(), 1.0);
+  };
+  DeviceNet ref(c10::Device(c10::kCPU));
+  for (const auto& item : ref->named_modules()) init_fn(*item.value());
+
+  DeviceNet model(c10::Device(c10::kMeta));
+  fsdp::Fsdp1Config cfg;
+  cfg.param_init_fn = init_fn;
+  cfg.sync_module_states = true;  // meta tensors are skipped by the broadcast
+  auto prepared = fsdp::prepare_fully_shard(model, cfg);
+  EXPECT_EQ(prepared.fqns, (std::vector<std::string>{"l1", "l2", ""}));
+  for (const auto& p : model->parameters()) EXPECT_FALSE(p.is_meta());
+  auto got = full_params(*model, prepared.units);
+  int64_t compared = 0;
+  for (const auto& item : ref->named_parameters()) {
+    ASSERT_TRUE(got.count(item.key())) << item.key();
+    EXPECT_TRUE(torch::equal(got[item.key()], item.value())) << item.key();
+    ++compared;
+  }
+  EXPECT_EQ(compared, 5);
+  EXPECT_TRUE(torch::equal(model->shift, ref->shift));
+  // And it trains: one forward/backward on the materialized shards.
+  fsdp::nn::call(model, torch::randn({2, kIn})).sum().backward();
+  EXPECT_TRUE(model->l1->weight.grad().defined());
+}
+
 // --- removed arguments and bad configs ------------------------------------------------------------------
 
 // Runs prepare_fully_shard expecting an error containing every fragment, and the model left unsharded.
