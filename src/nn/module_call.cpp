@@ -27,7 +27,9 @@ struct HookStore : torch::nn::Module {
     return std::make_shared<HookStore>();
   }
   void pretty_print(std::ostream& stream) const override {
-    stream << "fsdp::ForwardHooks(pre=" << pre_hooks.size() << ", post=" << post_hooks.size() << ")";
+    stream << "fsdp::ForwardHooks(pre=" << pre_hooks.size() << ", post=" << post_hooks.size();
+    for (const auto& w : wrappers) stream << ", " << w.tag;
+    stream << ")";
   }
 
   struct Entry {
@@ -39,6 +41,12 @@ struct HookStore : torch::nn::Module {
   std::vector<Entry> pre_hooks;
   std::vector<Entry> post_hooks;
   std::vector<Entry> exception_hooks;
+  struct Wrapper {
+    uint64_t id;
+    ForwardWrapper wrap;
+    std::string tag;
+  };
+  std::vector<Wrapper> wrappers;
   uint64_t next_id = 1;
 };
 
@@ -67,6 +75,9 @@ void HookHandle::remove() {
                           store->post_hooks.end());
   store->exception_hooks.erase(std::remove_if(store->exception_hooks.begin(), store->exception_hooks.end(), by_id),
                                store->exception_hooks.end());
+  store->wrappers.erase(std::remove_if(store->wrappers.begin(), store->wrappers.end(),
+                                       [&](const HookStore::Wrapper& w) { return w.id == id_; }),
+                        store->wrappers.end());
   store_.reset();
 }
 
@@ -115,7 +126,38 @@ void run_forward_exception_hooks(torch::nn::Module& module) noexcept {
 
 bool has_forward_hooks(const torch::nn::Module& module) {
   auto store = find_store(module);
-  return store && (!store->pre_hooks.empty() || !store->post_hooks.empty());
+  return store && (!store->pre_hooks.empty() || !store->post_hooks.empty() || !store->wrappers.empty());
+}
+
+HookHandle register_forward_wrapper(torch::nn::Module& module, ForwardWrapper wrapper, std::string tag) {
+  TORCH_CHECK(wrapper, "fsdp::nn::register_forward_wrapper: empty wrapper");
+  auto store = get_or_create_store(module);
+  const uint64_t id = store->next_id++;
+  store->wrappers.push_back({id, std::move(wrapper), std::move(tag)});
+  return HookHandle(store, id);
+}
+
+bool has_forward_wrapper(const torch::nn::Module& module, const std::string& tag) {
+  auto store = find_store(module);
+  if (!store) return false;
+  return std::any_of(store->wrappers.begin(), store->wrappers.end(), [&](const auto& w) { return w.tag == tag; });
+}
+
+bool has_forward_wrappers(const torch::nn::Module& module) {
+  auto store = find_store(module);
+  return store && !store->wrappers.empty();
+}
+
+TensorList run_forward_wrappers(torch::nn::Module& module, const TensorList& inputs, const ForwardFunction& forward) {
+  auto store = find_store(module);
+  if (!store || store->wrappers.empty()) return forward(inputs);
+  // Innermost first: each wrapper's forward function runs the next wrapper in. Copies: the functions may run
+  // again later (recomputation in backward), after a wrapper was removed.
+  ForwardFunction chain = forward;
+  for (auto it = store->wrappers.rbegin(); it != store->wrappers.rend(); ++it) {
+    chain = [wrap = it->wrap, inner = std::move(chain), &module](const TensorList& in) { return wrap(module, in, inner); };
+  }
+  return chain(inputs);
 }
 
 namespace detail {

@@ -61,6 +61,22 @@ bool has_forward_hooks(const torch::nn::Module& module);
 void run_forward_pre_hooks(torch::nn::Module& module, TensorList& inputs);
 void run_forward_hooks(torch::nn::Module& module, const TensorList& inputs, TensorList& outputs);
 
+// Forward wrappers ("around forward"): what activation checkpointing needs — run the module's forward under its
+// own autograd node, and run it again later (during backward). A wrapper gets the input tensors (after the
+// pre-hooks) and a callable that runs the module's real forward on given input tensors; the callable keeps the
+// module and the non-tensor arguments, so it may be called again after call() returned. The wrapper returns the
+// output tensors (it may replace them; the post-hooks see those). The first registered wrapper is outermost.
+// `tag` names the wrapper's owner (has_forward_wrapper). Wrapped modules must be owned by a std::shared_ptr
+// (holders, register_module) and take copyable arguments.
+using ForwardFunction = std::function<TensorList(const TensorList& inputs)>;
+using ForwardWrapper =
+    std::function<TensorList(torch::nn::Module& module, const TensorList& inputs, const ForwardFunction& forward)>;
+HookHandle register_forward_wrapper(torch::nn::Module& module, ForwardWrapper wrapper, std::string tag);
+bool has_forward_wrapper(const torch::nn::Module& module, const std::string& tag);
+bool has_forward_wrappers(const torch::nn::Module& module);
+// Runs `forward` inside every wrapper of the module (just `forward` when it has none).
+TensorList run_forward_wrappers(torch::nn::Module& module, const TensorList& inputs, const ForwardFunction& forward);
+
 namespace detail {
 // Visit every at::Tensor inside a value (recursively through common containers).
 template <class T, class F> void for_each_tensor(T& value, F&& f);
@@ -193,6 +209,69 @@ bool for_each_argument_tensor(std::tuple<Ts...>& values, F&& f, std::string* unk
 }
 }  // namespace detail
 
+namespace detail {
+// The module behind `impl` as a shared_ptr, for a forward function that outlives call().
+template <class Impl>
+std::shared_ptr<Impl> shared_module(Impl& impl) {
+  std::shared_ptr<torch::nn::Module> base;
+  try {
+    base = static_cast<torch::nn::Module&>(impl).shared_from_this();
+  } catch (const std::bad_weak_ptr&) {
+    TORCH_CHECK(false, "fsdp::nn::call: ", impl.name(), " has a forward wrapper (e.g. activation checkpointing) but ",
+                "is not owned by a std::shared_ptr; create it through a module holder or std::make_shared");
+  }
+  auto typed = std::dynamic_pointer_cast<Impl>(base);
+  TORCH_CHECK(typed, "fsdp::nn::call: ", impl.name(), ": module object type mismatch");
+  return typed;
+}
+
+// The wrapped form of `result = forward(args)`: the module's wrappers receive a forward function that owns copies of
+// the module and the non-tensor arguments. `invoke(module, args)` runs the real forward; `visit(result, f)`
+// visits the result's tensors.
+template <class Module, class ArgTuple, class Invoke, class Visit>
+auto forward_through_wrappers(std::shared_ptr<Module> self, torch::nn::Module& base, const ArgTuple& arg_values,
+                              const TensorList& inputs, Invoke invoke, Visit visit) {
+  using Result = std::decay_t<decltype(invoke(*self, std::declval<ArgTuple&>()))>;
+  if constexpr (!std::is_copy_constructible_v<ArgTuple> || !std::is_move_constructible_v<Result>) {
+    TORCH_CHECK(false, "fsdp::nn::call: ", base.name(), " has a forward wrapper, which needs copyable arguments");
+    return invoke(*self, const_cast<ArgTuple&>(arg_values));
+  } else {
+    // The tensors are supplied at each run; the kept copy holds only the rest.
+    auto kept = std::make_shared<ArgTuple>(arg_values);
+    for_each_argument_tensor(*kept, [](at::Tensor& t) { t = at::Tensor(); }, nullptr);
+    struct Slot {
+      std::optional<Result> value;
+      bool capture = true;
+    };
+    auto slot = std::make_shared<Slot>();
+    ForwardFunction forward = [self, kept, slot, invoke, visit](const TensorList& in) {
+      ArgTuple args = *kept;
+      size_t i = 0;
+      for_each_argument_tensor(args, [&](at::Tensor& t) { t = in.at(i++); }, nullptr);
+      Result r = invoke(*self, args);
+      TensorList out;
+      visit(r, [&](at::Tensor& t) { out.push_back(t); });
+      if (slot->capture) {  // the first run is call()'s result; later runs (recomputation) only return tensors
+        slot->value.emplace(std::move(r));
+        slot->capture = false;
+      }
+      return out;
+    };
+    TensorList outputs = run_forward_wrappers(base, inputs, forward);
+    TORCH_CHECK(slot->value.has_value(), "fsdp::nn::call: a forward wrapper of ", base.name(), " did not run forward");
+    Result result = std::move(*slot->value);
+    slot->value.reset();
+    size_t n = 0;
+    visit(result, [&](at::Tensor&) { ++n; });
+    TORCH_CHECK(outputs.size() == n, "fsdp::nn::call: a forward wrapper of ", base.name(),
+                " changed the number of output tensors");
+    size_t i = 0;
+    visit(result, [&](at::Tensor& t) { t = outputs.at(i++); });
+    return result;
+  }
+}
+}  // namespace detail
+
 // Invoke module->forward(args...) with the module's forward hooks around it.
 // `module` is a ModuleHolder (torch::nn::Linear, TORCH_MODULE types; lvalue, temporary or const), a
 // std::shared_ptr<SomeModuleImpl>, a SomeModuleImpl* (ModuleList/ModuleDict element: list[i]->as<SomeModuleImpl>())
@@ -211,7 +290,12 @@ auto call(M&& module, Args&&... args) {
   TORCH_CHECK(inputs.size() == n_inputs, "fsdp::nn::call: a forward pre-hook changed the number of input tensors");
   detail::scatter_tensors(arg_values, inputs);
   detail::ExceptionHookGuard guard(base);
-  auto result = std::apply([&](auto&... a) { return impl.forward(a...); }, arg_values);
+  auto run = [](auto& m, auto& a) { return std::apply([&](auto&... x) { return m.forward(x...); }, a); };
+  auto result = has_forward_wrappers(base)
+                    ? detail::forward_through_wrappers(
+                          detail::shared_module(impl), base, arg_values, inputs, run,
+                          [](auto& r, auto&& f) { detail::for_each_tensor(r, f); })
+                    : run(impl, arg_values);
   TensorList outputs;
   detail::for_each_tensor(result, [&](at::Tensor& t) { outputs.push_back(t); });
   const size_t n_outputs = outputs.size();
@@ -246,7 +330,18 @@ torch::nn::AnyValue call_any_value(const torch::nn::AnyModule& any, Args&&... ar
   detail::for_each_argument_tensor(arg_values, [&](at::Tensor& t) { t = inputs.at(i++); }, nullptr);
   // Moved: the copies are ours, and an lvalue AnyValue would be wrapped in another AnyValue.
   detail::ExceptionHookGuard guard(*base);
-  torch::nn::AnyValue result = std::apply([&](auto&... a) { return module.any_forward(std::move(a)...); }, arg_values);
+  torch::nn::AnyValue result = [&]() -> torch::nn::AnyValue {
+    if (!has_forward_wrappers(*base)) {
+      return std::apply([&](auto&... a) { return module.any_forward(std::move(a)...); }, arg_values);
+    }
+    // A copy of the AnyModule is another handle to the same module, kept by the forward function.
+    auto self = std::make_shared<torch::nn::AnyModule>(module);
+    auto run = [](torch::nn::AnyModule& m, auto& a) {
+      return std::apply([&](auto&... x) { return m.any_forward(std::move(x)...); }, a);  // a is a copy
+    };
+    auto visit = [](torch::nn::AnyValue& r, auto&& f) { detail::for_each_tensor_in_any(r, f); };
+    return detail::forward_through_wrappers(self, *base, arg_values, inputs, run, visit);
+  }();
   TensorList outputs;
   TORCH_CHECK(detail::for_each_tensor_in_any(result, [&](at::Tensor& t) { outputs.push_back(t); }),
               "fsdp::nn::call: ", detail::any_module_name(any), " has forward hooks, but its forward returned ",
