@@ -15,10 +15,12 @@
 #include <fsdp/device_mesh.h>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 #include <c10/core/ScalarType.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -32,11 +34,15 @@ namespace fsdp {
 // forward/backward (floating-point parameters only); reduce_dtype: dtype of gradient reduction (unset =
 // param_dtype, as in PyTorch); output_dtype: forward outputs are cast to it; cast_forward_inputs:
 // floating-point forward inputs are cast to param_dtype.
+// buffer_dtype (not in PyTorch's FSDP2, pytorch#146114; FSDP1's semantics): the floating-point buffers of the
+// modules this fully_shard call manages are kept in this dtype (cast once, at fully_shard), so forward reads
+// and updates them in it; state dicts report them in their original dtype.
 struct MixedPrecisionPolicy {
   std::optional<c10::ScalarType> param_dtype;
   std::optional<c10::ScalarType> reduce_dtype;
   std::optional<c10::ScalarType> output_dtype;
   bool cast_forward_inputs = true;
+  std::optional<c10::ScalarType> buffer_dtype;
 };
 
 // Python's OffloadPolicy / CPUOffloadPolicy: sharded parameters and gradients live on the CPU; the optimizer
@@ -57,8 +63,13 @@ struct FullyShardOptions {
   std::optional<ReshardAfterForward> reshard_after_forward;  // nullopt = true for non-root, false for root
   MixedPrecisionPolicy mp_policy;
   OffloadPolicy offload_policy;
-  // Not sharded, not moved, gradients not reduced (e.g. parameters managed by another scheme).
+  // Not sharded, not moved, gradients not reduced (e.g. parameters managed by another scheme). Also kept
+  // out of the groups of later fully_shard calls on ancestors.
   std::vector<at::Tensor> ignored_params;
+  // Python's shard_placement_fn: the dim to shard each parameter on (Shard(dim)); nullopt or no function =
+  // dim 0. Negative dims count from the end. Uneven sizes are allowed on any dim (padded internally; PyTorch
+  // requires even sizes on dims other than 0). State dicts report Shard(dim).
+  std::function<std::optional<int64_t>(const at::Tensor& param)> shard_placement_fn;
 };
 
 class FSDPState;  // internal
@@ -97,6 +108,26 @@ class FSDPModule {
   void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules);
   void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules);
   void set_gradient_divide_factor(double factor);
+  // false: backward does not all-gather this module's parameters (nor prefetch them); their gradients are
+  // still computed and reduced. Only for parameters that backward does not read (e.g. an embedding table):
+  // backward sees them full-sized but without data. (No effect while they are still unsharded from forward,
+  // i.e. reshard_after_forward=false.) Applies to this module's group, as in PyTorch.
+  void set_unshard_in_backward(bool unshard_in_backward);
+  // Called with this module's group's reduced gradients — the flat reduce-scatter output (FSDP) or, for HSDP,
+  // the output of the replicate all-reduce — before they are divided (when the division is not part of the
+  // collective: see set_force_sum_reduction_for_comms) and added to the sharded .grad. May modify the tensor
+  // in place. Python's set_all_reduce_hook (torchft runs its own cross-replica all-reduce here). Empty
+  // function = none.
+  using AllReduceHook = std::function<void(at::Tensor& reduce_output)>;
+  void set_all_reduce_hook(AllReduceHook hook);
+  // true: gradient reductions use only Sum collectives, dividing locally afterwards (the all-reduce hook then
+  // sees sums); false (default, as in PyTorch): fp32/bf16 reductions average inside the collective (Avg).
+  // fp16 and other low-range reduce dtypes always sum, pre-divided by about sqrt(N) to avoid overflow.
+  void set_force_sum_reduction_for_comms(bool enable, bool recurse = true);
+  // The next root forward's all-gathers wait on this event (recorded after the optimizer step) instead of
+  // all earlier work; used once, set it every step. A real wait on CUDA; on the CPU there is nothing
+  // asynchronous to wait for (no-op).
+  void set_post_optim_event(c10::Event event);
 
   // Returns every FSDP state in this module's tree to idle after an exception inside forward or backward:
   // waits for the collectives this rank issued, frees unsharded parameters, drops the gradients FSDP holds
@@ -119,6 +150,10 @@ template <class Impl>
 FSDPModule fully_shard(const torch::nn::ModuleHolder<Impl>& module, const FullyShardOptions& options = {}) {
   return fully_shard(std::static_pointer_cast<torch::nn::Module>(module.ptr()), options);
 }
+
+// A module given to fully_shard whose parameters are also used by another sharded module (tied weights) must
+// share one call: fully_shard({embedding, output}), or shard their common parent. A parameter that would
+// land in two parameter groups is rejected at the second fully_shard call.
 
 // The FSDP handle of a module that fully_shard was applied to, or nullopt.
 std::optional<FSDPModule> fsdp_module(const torch::nn::Module& module);

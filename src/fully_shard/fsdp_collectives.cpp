@@ -11,12 +11,10 @@ constexpr int64_t kAlignBytes = 16;
 
 int64_t align_up(int64_t n) { return (n + kAlignBytes - 1) / kAlignBytes * kAlignBytes; }
 
-// [dim0, row_numel] view of a full tensor (0-dim tensors are one row).
-at::Tensor as_rows(const at::Tensor& t, const ShardGeometry& g) {
-  return t.reshape({g.dim0, g.row_numel});
-}
+// [dim0, row_sizes...] view of a full tensor: the shard dim first (0-dim tensors are one row).
+at::Tensor as_rows(const at::Tensor& t, const ShardGeometry& g) { return g.rows_view(t); }
 
-// Copies between a full tensor's rows and a rank-major [n_ranks, chunk_rows, row_numel] block for ranks
+// Copies between a full tensor's rows and a rank-major [n_ranks, chunk_rows, row_sizes...] block for ranks
 // [first_rank, first_rank + n_ranks). Trailing ranks own fewer (or no) rows; padding rows are left alone.
 void copy_rank_rows(const ShardGeometry& g, const at::Tensor& full_rows, const at::Tensor& block,
                     int64_t first_rank, bool to_block) {
@@ -34,7 +32,8 @@ void copy_rank_rows(const ShardGeometry& g, const at::Tensor& full_rows, const a
     int64_t run = 0;
     while (r + run < first_rank + n_ranks && g.rows_of(r + run) == g.chunk_rows && g.chunk_rows > 0) ++run;
     if (run > 0) {
-      at::Tensor rows = full_rows.narrow(0, g.offset_of(r), run * g.chunk_rows).view({run, g.chunk_rows, g.row_numel});
+      // (Splitting dim 0 is a view for any strides, so this also works on a moved shard dim.)
+      at::Tensor rows = full_rows.narrow(0, g.offset_of(r), run * g.chunk_rows).unflatten(0, {run, g.chunk_rows});
       at::Tensor blk = block.narrow(0, r - first_rank, run);
       to_block ? blk.copy_(rows) : rows.copy_(blk);
       r += run;
@@ -50,11 +49,11 @@ void copy_rank_rows(const ShardGeometry& g, const at::Tensor& full_rows, const a
   }
 }
 
-// [n_ranks, chunk_rows, row_numel] view (in `dtype`) of parameter `i`'s bytes in a rank-major byte buffer.
+// [n_ranks, chunk_rows, row_sizes...] view (in `dtype`) of parameter `i`'s bytes in a rank-major byte buffer.
 at::Tensor param_block(const at::Tensor& bytes_2d, const AllGatherLayout& layout, size_t i, const ShardGeometry& g,
                        c10::ScalarType dtype) {
   at::Tensor b = bytes_2d.narrow(1, layout.byte_offsets[i], layout.byte_sizes[i]).view(dtype);
-  return b.view({bytes_2d.size(0), g.chunk_rows, g.row_numel});
+  return b.view(g.rows_shape({bytes_2d.size(0), g.chunk_rows}));
 }
 
 }  // namespace
@@ -137,7 +136,7 @@ at::Tensor pack_reduce_scatter_input(const std::vector<FSDPParam*>& params, cons
   for (size_t i = 0; i < params.size(); ++i) {
     if (layout.offsets[i] < 0) continue;
     const ShardGeometry& g = params[i]->geometry();
-    at::Tensor block = input.narrow(1, layout.offsets[i], g.padded_numel()).view({world, g.chunk_rows, g.row_numel});
+    at::Tensor block = input.narrow(1, layout.offsets[i], g.padded_numel()).view(g.rows_shape({world, g.chunk_rows}));
     copy_rank_rows(g, as_rows(grads[i], g), block, 0, /*to_block=*/true);
   }
   return input.view({-1});
@@ -146,10 +145,8 @@ at::Tensor pack_reduce_scatter_input(const std::vector<FSDPParam*>& params, cons
 at::Tensor reduced_local_grad(const FSDPParam& param, const ReduceScatterLayout& layout, size_t index,
                               const at::Tensor& output) {
   const ShardGeometry& g = param.geometry();
-  at::Tensor rows = output.narrow(0, layout.offsets[index], g.padded_numel()).view({g.chunk_rows, g.row_numel});
-  std::vector<int64_t> sizes = param.unsharded_sizes().empty() ? std::vector<int64_t>{1} : param.unsharded_sizes();
-  sizes[0] = g.rows_of(param.shard_rank());
-  return rows.narrow(0, 0, sizes[0]).reshape(sizes);
+  at::Tensor rows = output.narrow(0, layout.offsets[index], g.padded_numel()).view(g.rows_shape({g.chunk_rows}));
+  return g.from_rows(rows.narrow(0, 0, g.rows_of(param.shard_rank())));
 }
 
 }  // namespace fsdp::detail

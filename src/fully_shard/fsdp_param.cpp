@@ -8,7 +8,7 @@
 
 namespace fsdp::detail {
 
-ShardGeometry ShardGeometry::make(c10::IntArrayRef sizes, int64_t world) {
+ShardGeometry ShardGeometry::make(c10::IntArrayRef sizes, int64_t world, int64_t shard_dim) {
   TORCH_CHECK(world >= 1, "fsdp: shard group size must be positive, got ", world);
   ShardGeometry g;
   g.world = world;
@@ -18,12 +18,35 @@ ShardGeometry ShardGeometry::make(c10::IntArrayRef sizes, int64_t world) {
     g.chunk_rows = 1;
     g.replicated = true;
     return g;
-  } else {
-    g.dim0 = sizes[0];
-    for (size_t i = 1; i < sizes.size(); ++i) g.row_numel *= sizes[i];
+  }
+  const auto ndim = static_cast<int64_t>(sizes.size());
+  TORCH_CHECK(shard_dim >= -ndim && shard_dim < ndim, "fsdp: shard dim ", shard_dim, " is out of range for a ",
+              ndim, "-dim parameter of shape ", sizes);
+  g.shard_dim = shard_dim < 0 ? shard_dim + ndim : shard_dim;
+  g.dim0 = sizes[g.shard_dim];
+  for (int64_t d = 0; d < ndim; ++d) {
+    if (d == g.shard_dim) continue;
+    g.row_sizes.push_back(sizes[d]);
+    g.row_numel *= sizes[d];
   }
   g.chunk_rows = (g.dim0 + world - 1) / world;
   return g;
+}
+
+std::vector<int64_t> ShardGeometry::rows_shape(std::initializer_list<int64_t> leading) const {
+  std::vector<int64_t> shape(leading);
+  shape.insert(shape.end(), row_sizes.begin(), row_sizes.end());
+  return shape;
+}
+
+at::Tensor ShardGeometry::rows_view(const at::Tensor& full) const {
+  if (replicated) return full.reshape({1});
+  return shard_dim == 0 ? full : full.movedim(shard_dim, 0);
+}
+
+at::Tensor ShardGeometry::from_rows(const at::Tensor& rows) const {
+  if (replicated) return rows.view(c10::IntArrayRef{});
+  return shard_dim == 0 ? rows : rows.movedim(0, shard_dim);
 }
 
 int64_t ShardGeometry::offset_of(int64_t rank) const {
@@ -45,11 +68,12 @@ c10::ScalarType resolve_param_dtype(const at::Tensor& p, const MixedPrecisionPol
 }  // namespace
 
 FSDPParam::FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int64_t shard_world,
-                     c10::Device device, const MixedPrecisionPolicy& mp, const OffloadPolicy& offload)
+                     c10::Device device, const MixedPrecisionPolicy& mp, const OffloadPolicy& offload,
+                     int64_t shard_dim)
     : param_(std::move(param)),
       fqn_(std::move(fqn)),
       unsharded_sizes_(param_.sizes().vec()),
-      geometry_(ShardGeometry::make(param_.sizes(), shard_world)),
+      geometry_(ShardGeometry::make(param_.sizes(), shard_world, shard_dim)),
       shard_rank_(shard_rank),
       orig_dtype_(param_.scalar_type()),
       param_dtype_(resolve_param_dtype(param_, mp)),
@@ -69,23 +93,24 @@ FSDPParam::FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int6
 void FSDPParam::allocate_storage(c10::Device sharded_device, c10::Device unsharded_device, const OffloadPolicy& offload,
                                  c10::Device compute_device, bool copy_from_param) {
   const bool on_meta = sharded_device.is_meta();
-  // Padded shard: [chunk_rows, trailing dims...], zero padding rows at the end.
-  std::vector<int64_t> padded_sizes = unsharded_sizes_.empty() ? std::vector<int64_t>{1} : unsharded_sizes_;
-  padded_sizes[0] = geometry_.chunk_rows;
+  // Padded shard in rows layout: [chunk_rows, row_sizes...], zero padding rows at the end.
   auto sharded_opts = at::TensorOptions().dtype(orig_dtype_).device(sharded_device);
   if (offload.cpu_offload && offload.pin_memory && sharded_device.is_cpu() && compute_device.is_cuda()) {
     sharded_opts = sharded_opts.pinned_memory(true);
   }
+  const std::vector<int64_t> padded_sizes = geometry_.rows_shape({geometry_.chunk_rows});
   sharded_padded_ = on_meta ? at::empty(padded_sizes, sharded_opts) : at::zeros(padded_sizes, sharded_opts);
   const int64_t rows = geometry_.rows_of(shard_rank_);
-  sharded_local_ = sharded_padded_.narrow(0, 0, rows);
-  if (copy_from_param && rows > 0) {
-    at::Tensor full = unsharded_sizes_.empty() ? param_.reshape({1}) : param_;
-    sharded_local_.copy_(full.narrow(0, geometry_.offset_of(shard_rank_), rows));
-  }
-  if (geometry_.replicated) sharded_local_ = sharded_padded_.view(c10::IntArrayRef{});  // keeps the 0-dim look on every rank
+  // The visible shard: the owned rows, in the parameter's own layout (0-dim: keeps the 0-dim look on every rank).
+  sharded_local_ = geometry_.from_rows(sharded_padded_.narrow(0, 0, rows));
+  if (copy_from_param && rows > 0) sharded_local_.copy_(local_part_of(param_));
   unsharded_ = at::empty(unsharded_sizes_, at::TensorOptions().dtype(param_dtype_).device(unsharded_device));
   if (!on_meta) free_storage(unsharded_);
+}
+
+at::Tensor FSDPParam::local_part_of(const at::Tensor& full) const {
+  const int64_t rows = geometry_.rows_of(shard_rank_);
+  return geometry_.from_rows(geometry_.rows_view(full).narrow(0, geometry_.offset_of(shard_rank_), rows));
 }
 
 void FSDPParam::materialize(c10::Device device, const OffloadPolicy& offload) {
@@ -109,12 +134,10 @@ void FSDPParam::begin_full_init(ProcessGroup& group) {
     if (geometry_.replicated) {
       full.copy_(sharded_local_);
     } else {
-      std::vector<int64_t> sizes = unsharded_sizes_;
-      sizes[0] = geometry_.chunk_rows * geometry_.world;
-      at::Tensor gathered = at::empty(sizes, opts);
+      at::Tensor gathered = at::empty(geometry_.rows_shape({geometry_.chunk_rows * geometry_.world}), opts);
       at::Tensor input = sharded_padded_.to(unsharded_.device());
       group.all_gather_into_tensor(gathered.view({-1}), input.view({-1})).wait();
-      full.copy_(gathered.narrow(0, 0, geometry_.dim0));
+      geometry_.rows_view(full).copy_(gathered.narrow(0, 0, geometry_.dim0));
     }
   }
   full_init_ = full;
@@ -124,11 +147,7 @@ void FSDPParam::begin_full_init(ProcessGroup& group) {
 void FSDPParam::end_full_init() {
   if (!full_init_.defined()) return;
   c10::NoGradGuard no_grad;
-  const int64_t rows = geometry_.rows_of(shard_rank_);
-  if (rows > 0) {
-    at::Tensor full = unsharded_sizes_.empty() ? full_init_.reshape({1}) : full_init_;
-    sharded_local_.copy_(full.narrow(0, geometry_.offset_of(shard_rank_), rows).reshape(sharded_local_.sizes()));
-  }
+  if (geometry_.rows_of(shard_rank_) > 0) sharded_local_.copy_(local_part_of(full_init_));
   param_.set_data(sharded_local_);
   full_init_ = at::Tensor();
   known_zero_ = false;

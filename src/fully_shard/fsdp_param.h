@@ -15,35 +15,49 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
 namespace fsdp::detail {
 
-// torch.chunk-style dim-0 sharding: chunk = ceil(dim0 / world); rank r owns rows
-// [r*chunk, min(dim0, (r+1)*chunk)), which may be empty for trailing ranks.
+// torch.chunk-style sharding on one dim (dim 0 unless shard_placement_fn picked another): chunk =
+// ceil(size / world) "rows" (slices along the shard dim); rank r owns rows [r*chunk, min(size, (r+1)*chunk)),
+// which may be empty for trailing ranks. Internally every buffer (padded shard, all-gather and reduce-scatter
+// slots) holds a parameter in "rows layout": the shard dim moved to the front, [rows, other dims...], so
+// dim-0 and dim-k sharding share one code path; a dim-k shard is shown as a strided view of that storage.
+// (PyTorch requires even sizes for Shard(k>0); uneven sizes are padded here like dim 0.)
 // A 0-dim parameter (a learnable scale) has no dim to shard: it is replicated inside the group — every rank
 // holds it as its one-row shard, so the same all-gather and reduce-scatter layouts carry it (each rank's slot
 // holds the full value; the reduce-scatter hands every rank the sum).
 struct ShardGeometry {
-  int64_t dim0 = 0;
+  int64_t dim0 = 0;          // size of the shard dim ("rows")
   int64_t chunk_rows = 0;    // rows of every rank's padded shard
-  int64_t row_numel = 1;     // elements per dim-0 row
+  int64_t row_numel = 1;     // elements per row
   int64_t world = 1;
+  int64_t shard_dim = 0;     // the parameter's dim that is sharded
+  std::vector<int64_t> row_sizes;  // the other dims, in order (one row's shape)
   bool replicated = false;   // 0-dim: every rank holds the single row
 
-  static ShardGeometry make(c10::IntArrayRef sizes, int64_t world);
+  static ShardGeometry make(c10::IntArrayRef sizes, int64_t world, int64_t shard_dim = 0);
   int64_t rows_of(int64_t rank) const;    // unpadded rows held by `rank`
   int64_t offset_of(int64_t rank) const;  // first global row of `rank`
   int64_t padded_numel() const { return chunk_rows * row_numel; }
+  // [n, rows...]: shape of n rows in rows layout ({n_ranks, chunk_rows} for a rank-major block).
+  std::vector<int64_t> rows_shape(std::initializer_list<int64_t> leading) const;
+  // A tensor of the parameter's full shape seen in rows layout (a view: writes go through).
+  at::Tensor rows_view(const at::Tensor& full) const;
+  // Rows in rows layout seen in the parameter's own layout (a view), e.g. a shard [k, rest] -> Shard(dim) shape.
+  at::Tensor from_rows(const at::Tensor& rows) const;
 };
 
 enum class ShardedState { Sharded, Unsharded };
 
 class FSDPParam {
  public:
+  // shard_dim: the dim to shard (shard_placement_fn's answer; negative counts from the end).
   FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int64_t shard_world, c10::Device device,
-            const MixedPrecisionPolicy& mp, const OffloadPolicy& offload);
+            const MixedPrecisionPolicy& mp, const OffloadPolicy& offload, int64_t shard_dim = 0);
 
   const at::Tensor& param() const { return param_; }
   const std::string& fqn() const { return fqn_; }
@@ -59,10 +73,15 @@ class FSDPParam {
   c10::ScalarType reduce_dtype() const { return reduce_dtype_; } // dtype of gradient reduction
   int64_t shard_rank() const { return shard_rank_; }
 
-  // This rank's zero-padded shard [chunk_rows, ...] in the original dtype (all-gather input source).
+  int64_t shard_dim() const { return geometry_.shard_dim; }
+  // This rank's zero-padded shard [chunk_rows, row_sizes...] (rows layout) in the original dtype (all-gather
+  // input source).
   const at::Tensor& sharded_padded() const { return sharded_padded_; }
-  // The visible local shard [rows_of(rank), ...] (a narrow of sharded_padded()).
+  // The visible local shard: the parameter's shape with rows_of(rank) on the shard dim (a view of
+  // sharded_padded(); strided when the shard dim is not 0).
   const at::Tensor& sharded_local() const { return sharded_local_; }
+  // This rank's part of a tensor of the parameter's full shape, shaped like sharded_local() (a view).
+  at::Tensor local_part_of(const at::Tensor& full) const;
   // The unsharded parameter's persistent storage, a tensor of its own (writing into it does not bump the
   // parameter's version counter). Allocated only between alloc_unsharded() and free_unsharded().
   const at::Tensor& unsharded() const { return unsharded_; }
@@ -82,7 +101,7 @@ class FSDPParam {
   // No-sync micro-batch: keep the unsharded gradient for the next synchronized backward.
   void accumulate_unsharded_grad();
   bool has_accumulated_unsharded_grad() const { return accumulated_unsharded_grad_.defined(); }
-  // Adds (or sets) this rank's reduced gradient shard [rows_of(rank), ...] into the sharded gradient.
+  // Adds (or sets) this rank's reduced gradient shard (sharded_local()'s shape) into the sharded gradient.
   void accumulate_sharded_grad(const at::Tensor& local_grad);
 
   // HSDP with set_requires_all_reduce(false): the shard-group reduced rows ([padded rows] in the reduce

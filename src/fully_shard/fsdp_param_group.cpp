@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <cmath>
+
 namespace fsdp::detail {
 
 const char* to_string(TrainingState state) {
@@ -16,6 +18,37 @@ const char* to_string(TrainingState state) {
     case TrainingState::PostBackward: return "post-backward";
   }
   return "?";
+}
+
+GradientDivision gradient_division(c10::ScalarType reduce_dtype, int64_t shard_size, int64_t replicate_size,
+                                   std::optional<double> factor, bool force_sum) {
+  GradientDivision d;
+  // fp32 and bf16 have the range to be divided inside the collective; fp16 (and other dtypes) may overflow.
+  const bool overflow_risk = reduce_dtype != c10::kFloat && reduce_dtype != c10::kBFloat16;
+  const int64_t data_parallel_size = shard_size * replicate_size;
+  if (!overflow_risk && !force_sum) {
+    if (!factor) {
+      if (data_parallel_size > 1) d.reduce_scatter_op = d.all_reduce_op = ReduceOp::Avg;
+      return d;
+    }
+    if (*factor == static_cast<double>(shard_size)) {
+      d.reduce_scatter_op = ReduceOp::Avg;
+    } else if (*factor != 1.0) {
+      d.pre_divide = *factor;  // NCCL's PREMUL_SUM(1 / factor): scale, then sum
+    }
+    return d;  // the all-reduce (HSDP) sums
+  }
+  const double total = factor.value_or(static_cast<double>(data_parallel_size));
+  if (overflow_risk) {
+    // Divide by about sqrt(N) before and the rest after the reduction.
+    double pre = 1;
+    while (std::fmod(total, pre) == 0 && total / pre > pre) pre *= 2;
+    if (pre != 1) d.pre_divide = pre;
+    if (total / pre != 1) d.post_divide = total / pre;
+  } else if (total != 1) {
+    d.post_divide = total;
+  }
+  return d;
 }
 
 FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params, MeshInfo mesh_info,
@@ -238,8 +271,21 @@ void FSDPParamGroup::post_forward(bool grad_enabled) {
 void FSDPParamGroup::pre_backward() {
   if (training_state_ == TrainingState::PreBackward) return;
   training_state_ = TrainingState::PreBackward;
+  if (!unshard_in_backward && !is_unsharded_) {
+    // The user promised backward reads none of these parameters: show their full-sized (freed) storage, so
+    // autograd accumulates full-sized gradients into them, and skip the all-gather (Python skips unshard()
+    // in PRE_BACKWARD). A prefetch issued anyway (explicit unshard) is dropped unused.
+    drop_unused_unshard();
+    for (FSDPParam* p : param_ptrs_) p->to_unsharded();
+    is_unsharded_ = true;
+    return;
+  }
   unshard();
   wait_for_unshard();
+}
+
+void FSDPParamGroup::unshard_for_backward() {
+  if (unshard_in_backward) unshard();
 }
 
 void FSDPParamGroup::post_backward_from_node() {
@@ -278,8 +324,13 @@ void FSDPParamGroup::reduce_gradients() {
   pending.layout = make_reduce_scatter_layout(param_ptrs_, grads);
   at::Tensor input = pack_reduce_scatter_input(param_ptrs_, grads, pending.layout);
   grads.clear();  // the unsharded gradients are no longer needed once packed
+  const bool hsdp = mesh_info_.replicate_group && mesh_info_.replicate_size > 1;
+  pending.division = gradient_division(pending.layout.dtype, mesh_info_.shard_size, hsdp ? mesh_info_.replicate_size : 1,
+                                       gradient_divide_factor, force_sum_reduction_for_comms);
+  if (pending.division.pre_divide) input.div_(*pending.division.pre_divide);
   pending.output = at::empty({pending.layout.per_rank_numel}, input.options());
-  pending.reduce_scatter = mesh_info_.shard_group->reduce_scatter_tensor(pending.output, input, ReduceOp::Sum);
+  pending.reduce_scatter =
+      mesh_info_.shard_group->reduce_scatter_tensor(pending.output, input, pending.division.reduce_scatter_op);
   pending.input = std::move(input);
   pending_reduce_ = std::move(pending);
 }
@@ -309,13 +360,11 @@ void FSDPParamGroup::finish_pending_reduce() {
       }
     }
     if (!requires_all_reduce) return;
-    mesh_info_.replicate_group->all_reduce(pending.output, ReduceOp::Sum).wait();
+    mesh_info_.replicate_group->all_reduce(pending.output, pending.division.all_reduce_op).wait();
   }
-  // Average over every data-parallel rank (shard x replicate) unless the user set a factor. Dividing
-  // after summing in the reduce dtype matches PyTorch's fp32 AVG.
-  const double factor = gradient_divide_factor.value_or(
-      static_cast<double>(mesh_info_.shard_size * mesh_info_.replicate_size));
-  if (factor != 1.0) pending.output.div_(factor);
+  // As in PyTorch: the hook sees the reduced output after the collectives and before the post-division.
+  if (all_reduce_hook) all_reduce_hook(pending.output);
+  if (pending.division.post_divide) pending.output.div_(*pending.division.post_divide);
   for (size_t i = 0; i < params_.size(); ++i) {
     if (pending.layout.offsets[i] < 0) continue;
     param_ptrs_[i]->accumulate_sharded_grad(reduced_local_grad(*param_ptrs_[i], pending.layout, i, pending.output));

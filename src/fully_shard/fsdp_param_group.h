@@ -42,12 +42,25 @@ struct MeshInfo {
   c10::Device device{c10::kCPU};
 };
 
+// How gradients are divided by the data-parallel size (Python's _get_gradient_divide_factors): inside the
+// collectives (Avg, or a pre-multiplied sum), or as Sum with a division before (fp16: ~sqrt(N), against
+// overflow) and after.
+struct GradientDivision {
+  std::optional<double> pre_divide;   // applied to the reduce-scatter input
+  std::optional<double> post_divide;  // applied after the all-reduce hook
+  ReduceOp reduce_scatter_op = ReduceOp::Sum;
+  ReduceOp all_reduce_op = ReduceOp::Sum;
+};
+GradientDivision gradient_division(c10::ScalarType reduce_dtype, int64_t shard_size, int64_t replicate_size,
+                                   std::optional<double> factor, bool force_sum);
+
 // A gradient reduction in flight: its result is applied to the sharded gradients on finish.
 struct PendingReduce {
   Work reduce_scatter;
   at::Tensor input;   // kept alive until the collective completes
   at::Tensor output;  // reduce-scatter output [per_rank_numel]
   ReduceScatterLayout layout;
+  GradientDivision division;
 };
 
 class FSDPParamGroup {
@@ -115,7 +128,12 @@ class FSDPParamGroup {
   bool requires_gradient_sync = true;
   bool requires_all_reduce = true;
   bool reshard_after_backward = true;
+  bool unshard_in_backward = true;  // false: pre-backward shows full-sized parameters without gathering data
+  bool force_sum_reduction_for_comms = false;
   std::optional<double> gradient_divide_factor;
+  FSDPModule::AllReduceHook all_reduce_hook;
+  // Backward prefetch of this group (no-op when unshard_in_backward is off).
+  void unshard_for_backward();
 
   // --- conversion (module->to(dtype) after fully_shard) ----------------------------------------------------
   void convert_dtype(c10::ScalarType dtype, const MixedPrecisionPolicy& mp);

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -193,6 +194,7 @@ bool FSDPState::needs_recovery() const {
 
 void FSDPState::root_pre_forward() {
   if (needs_recovery()) reset();
+  wait_for_post_optim_event();
   ctx_->forward_order.clear();
   for (auto& s : context_states()) s->forward_calls_this_root_forward_ = 0;
 }
@@ -421,7 +423,7 @@ void FSDPState::prefetch_for_backward() {
   for (FSDPState* s : targets) {
     if (s == this || !s->param_group_) continue;
     if (s->training_state_ == TrainingState::PreBackward) continue;
-    s->param_group_->unshard();  // no-op when already unsharded or in flight
+    s->param_group_->unshard_for_backward();  // no-op when already unsharded or in flight
   }
 }
 
@@ -486,6 +488,33 @@ void FSDPState::reset() {
     ctx_->backward_graph_task = -1;
   }
   if (failure) std::rethrow_exception(failure);
+}
+
+void FSDPState::set_post_optim_event(c10::Event event) {
+  // Before the root's lazy init there is no shared context yet: keep it here until then.
+  if (ctx_) {
+    ctx_->post_optim_event.emplace(std::move(event));
+  } else {
+    pending_post_optim_event_.emplace(std::move(event));
+  }
+}
+
+void FSDPState::wait_for_post_optim_event() {
+  for (auto& s : context_states()) {
+    if (s->pending_post_optim_event_) {
+      ctx_->post_optim_event = std::move(s->pending_post_optim_event_);
+      s->pending_post_optim_event_.reset();
+    }
+  }
+  if (!ctx_->post_optim_event) return;
+  c10::Event event = std::move(*ctx_->post_optim_event);
+  ctx_->post_optim_event.reset();
+  ++ctx_->post_optim_events_waited;
+  // The all-gathers run on the current stream (no separate all-gather stream yet): make it wait for the event.
+  // An event never recorded (and any CPU event: the CPU runs everything in order) has nothing to wait for.
+  if (event.device_type() == c10::DeviceType::CPU || !event.was_marked_for_recording()) return;
+  c10::impl::VirtualGuardImpl guard(event.device_type());
+  event.block(guard.getStream(c10::Device(event.device_type(), event.device_index())));
 }
 
 void FSDPState::unshard(bool async_op) {

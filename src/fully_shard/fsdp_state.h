@@ -13,6 +13,8 @@
 #include <fsdp/fully_shard.h>
 #include <fsdp/nn/module_call.h>
 
+#include <c10/core/Event.h>
+
 #include <map>
 #include <memory>
 #include <optional>
@@ -39,6 +41,9 @@ struct RootContext {
   int backward_graph_task = -1;
   // The group whose gradient reduction is in flight: at most one across the tree bounds gradient memory.
   FSDPParamGroup* group_with_pending_reduce = nullptr;
+  // FSDPModule::set_post_optim_event: waited on (once) by the next root forward's all-gathers.
+  std::optional<c10::Event> post_optim_event;
+  int64_t post_optim_events_waited = 0;  // for tests
 };
 
 // Internal access to an FSDPModule's state (the public header exposes no internals).
@@ -82,12 +87,18 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::vector<std::shared_ptr<FSDPState>> subtree_states();  // this state and every state below it
   std::vector<std::weak_ptr<FSDPState>> forward_prefetch;   // explicit; empty = implicit
   std::vector<std::weak_ptr<FSDPState>> backward_prefetch;
+  void set_post_optim_event(c10::Event event);
+  const std::shared_ptr<detail::RootContext>& root_context() const { return ctx_; }
+  // Buffers that MixedPrecisionPolicy::buffer_dtype cast at fully_shard, with their original dtypes (state
+  // dicts report those).
+  std::vector<std::pair<at::Tensor, c10::ScalarType>> cast_buffers;
 
  private:
   void lazy_init();
   void root_pre_forward();
   void root_post_forward();
   void root_final_callback();
+  void wait_for_post_optim_event();
   void queue_final_callback();
   // True when the previous forward or backward of this root's tree was abandoned by an exception.
   bool needs_recovery() const;
@@ -121,6 +132,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   bool forward_grad_enabled_ = false;
   int forward_calls_this_root_forward_ = 0;  // for implicit forward prefetch with repeated use
   std::vector<size_t> backward_order_indices_;  // this state's positions in ctx_->backward_order
+  std::optional<c10::Event> pending_post_optim_event_;  // set before the root's lazy init
 };
 
 }  // namespace fsdp

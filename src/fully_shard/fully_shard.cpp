@@ -8,6 +8,8 @@
 #include <c10/core/GradMode.h>
 
 #include <cstdlib>
+#include <mutex>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace fsdp {
@@ -42,6 +44,53 @@ detail::MeshInfo make_mesh_info(const DeviceMesh& mesh) {
   return info;
 }
 
+// Which FSDP state manages each sharded parameter, over every fully_shard call of the process: a parameter
+// shared by modules sharded in separate calls (tied weights) must be caught at the second call — its data
+// already shows the first group's shard, so a second group would shard the shard. Entries whose parameter or
+// state is gone are skipped and purged.
+struct ParamOwner {
+  c10::weak_intrusive_ptr<c10::TensorImpl> param;
+  std::weak_ptr<FSDPState> state;
+  std::string fqn;  // within the owner's module(s)
+};
+
+class ParamOwners {
+ public:
+  // The live owner of `param`, or nullptr.
+  const ParamOwner* find(const at::Tensor& param) {
+    auto it = owners_.find(param.unsafeGetTensorImpl());
+    if (it == owners_.end() || !alive(it->second)) return nullptr;
+    return &it->second;
+  }
+  void add(const at::Tensor& param, const std::shared_ptr<FSDPState>& state, std::string fqn) {
+    owners_.insert_or_assign(param.unsafeGetTensorImpl(),
+                             ParamOwner{c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()), state,
+                                        std::move(fqn)});
+  }
+  void purge() {
+    for (auto it = owners_.begin(); it != owners_.end();) it = alive(it->second) ? std::next(it) : owners_.erase(it);
+  }
+
+ private:
+  static bool alive(const ParamOwner& o) { return !o.param.expired() && !o.state.expired(); }
+  std::unordered_map<const c10::TensorImpl*, ParamOwner> owners_;
+};
+
+ParamOwners& param_owners() {
+  static ParamOwners owners;
+  return owners;
+}
+std::mutex& param_owners_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+std::string module_list(const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
+  std::string out;
+  for (const auto& m : modules) out += (out.empty() ? "" : ", ") + m->name();
+  return modules.size() > 1 ? "{" + out + "}" : out;
+}
+
 }  // namespace
 
 FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options) {
@@ -63,31 +112,84 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
 
   // Parameters already managed by FSDP states below (children sharded first, bottom-up) or ignored stay
   // out of this group; shared (tied) parameters are managed once.
+  // Sharded submodules keep their own ignored parameters out of this group too (PyTorch's managed-module
+  // walk stops at sharded submodules), and their buffers under their own buffer_dtype.
   std::unordered_set<const c10::TensorImpl*> excluded;
+  std::unordered_set<const c10::TensorImpl*> buffers_done;
   for (const auto& t : opts.ignored_params) excluded.insert(t.unsafeGetTensorImpl());
   for (const auto& m : modules) {
     for (const auto& sub : m->modules(/*include_self=*/false)) {
-      if (auto s = detail::find_state(*sub); s && s->param_group()) {
+      auto s = detail::find_state(*sub);
+      if (!s) continue;
+      if (s->param_group()) {
         for (auto* p : s->param_group()->params()) excluded.insert(p->param().unsafeGetTensorImpl());
+      }
+      for (const auto& t : s->options().ignored_params) excluded.insert(t.unsafeGetTensorImpl());
+      for (const auto& [buffer, dtype] : s->cast_buffers) buffers_done.insert(buffer.unsafeGetTensorImpl());
+    }
+  }
+  // Validate before changing anything: a refused call leaves every parameter as it was.
+  std::vector<std::pair<std::string, at::Tensor>> to_shard;
+  std::vector<int64_t> shard_dims;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  {
+    std::lock_guard<std::mutex> lock(param_owners_mutex());
+    param_owners().purge();
+    for (size_t mi = 0; mi < modules.size(); ++mi) {
+      const std::string prefix = modules.size() > 1 ? std::to_string(mi) + "." : "";
+      for (const auto& item : modules[mi]->named_parameters(/*recurse=*/true)) {
+        const at::Tensor& p = item.value();
+        const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
+        if (excluded.count(impl) || !seen.insert(impl).second) continue;
+        if (const ParamOwner* owner = param_owners().find(p)) {
+          const std::string other = owner->state.lock()->name();
+          TORCH_CHECK(false, "fully_shard(", module_list(modules), "): parameter '", prefix + item.key(),
+                      "' is already managed by the FSDP parameter group of ", other, " (as '", owner->fqn,
+                      "'): a shared (tied) parameter can belong to only one group. Shard the modules that share it "
+                      "in one call — fully_shard({", other, ", ", modules[mi]->name(), "}) in C++ terms: "
+                      "fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{a, b}, options) — or do not "
+                      "shard them separately and let their common parent's fully_shard own it. (If ", other,
+                      " is an ancestor of this module, apply fully_shard bottom-up: submodules first.)");
+        }
+        int64_t dim = 0;
+        if (opts.shard_placement_fn) {
+          std::optional<int64_t> chosen = opts.shard_placement_fn(p);
+          if (chosen) {
+            const int64_t ndim = p.dim();
+            TORCH_CHECK(ndim > 0 ? (*chosen >= -ndim && *chosen < ndim) : *chosen == 0, "fully_shard: "
+                        "shard_placement_fn chose dim ", *chosen, " for parameter '", prefix + item.key(),
+                        "' of shape ", p.sizes(), ", which has no such dim");
+            dim = *chosen;
+          }
+        }
+        to_shard.emplace_back(prefix + item.key(), p);
+        shard_dims.push_back(dim);
       }
     }
   }
   std::vector<std::unique_ptr<detail::FSDPParam>> params;
-  std::unordered_set<const c10::TensorImpl*> seen;
-  for (size_t mi = 0; mi < modules.size(); ++mi) {
-    const std::string prefix = modules.size() > 1 ? std::to_string(mi) + "." : "";
-    for (const auto& item : modules[mi]->named_parameters(/*recurse=*/true)) {
-      const at::Tensor& p = item.value();
-      const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
-      if (excluded.count(impl) || !seen.insert(impl).second) continue;
-      params.push_back(std::make_unique<detail::FSDPParam>(p, prefix + item.key(), mesh_info.shard_rank,
-                                                           mesh_info.shard_size, mesh_info.device, opts.mp_policy,
-                                                           opts.offload_policy));
-    }
-    // Buffers are not sharded; like PyTorch, FSDP moves them to the mesh's device.
+  for (size_t i = 0; i < to_shard.size(); ++i) {
+    params.push_back(std::make_unique<detail::FSDPParam>(to_shard[i].second, to_shard[i].first, mesh_info.shard_rank,
+                                                         mesh_info.shard_size, mesh_info.device, opts.mp_policy,
+                                                         opts.offload_policy, shard_dims[i]));
+  }
+  // Buffers are not sharded; like PyTorch, FSDP moves them to the mesh's device (and, with buffer_dtype,
+  // keeps the floating-point ones of this call in that dtype).
+  std::vector<std::pair<at::Tensor, c10::ScalarType>> cast_buffers;
+  {
     c10::NoGradGuard no_grad;
-    for (auto& buffer : modules[mi]->buffers(/*recurse=*/true)) {
-      if (!buffer.is_meta() && buffer.device() != mesh_info.device) buffer.set_data(buffer.to(mesh_info.device));
+    const auto buffer_dtype = opts.mp_policy.buffer_dtype;
+    for (const auto& m : modules) {
+      for (auto& buffer : m->buffers(/*recurse=*/true)) {
+        if (buffer.is_meta()) continue;
+        if (buffer.device() != mesh_info.device) buffer.set_data(buffer.to(mesh_info.device));
+        if (!buffer_dtype || !at::isFloatingType(buffer.scalar_type()) || buffers_done.count(buffer.unsafeGetTensorImpl())) {
+          continue;
+        }
+        if (!buffers_done.insert(buffer.unsafeGetTensorImpl()).second) continue;  // shared by two members
+        cast_buffers.emplace_back(buffer, buffer.scalar_type());
+        if (buffer.scalar_type() != *buffer_dtype) buffer.set_data(buffer.to(*buffer_dtype));
+      }
     }
   }
   std::unique_ptr<detail::FSDPParamGroup> group;
@@ -95,6 +197,11 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
 
   std::vector<std::weak_ptr<torch::nn::Module>> weak_modules(modules.begin(), modules.end());
   auto state = std::make_shared<FSDPState>(std::move(weak_modules), std::move(group), opts);
+  state->cast_buffers = std::move(cast_buffers);
+  if (state->param_group()) {
+    std::lock_guard<std::mutex> lock(param_owners_mutex());
+    for (auto* p : state->param_group()->params()) param_owners().add(p->param(), state, p->fqn());
+  }
   // States below (sharded first, bottom-up) must not run forward before this one: FSDP initializes from the root.
   for (const auto& m : modules) {
     for (const auto& sub : m->modules(/*include_self=*/false)) {
@@ -182,6 +289,22 @@ void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>&
   state_of(*this).backward_prefetch.clear();
   for (const auto& m : modules) state_of(*this).backward_prefetch.push_back(m.state_);
 }
+
+void FSDPModule::set_unshard_in_backward(bool unshard_in_backward) {
+  if (state_of(*this).param_group()) state_of(*this).param_group()->unshard_in_backward = unshard_in_backward;
+}
+
+void FSDPModule::set_all_reduce_hook(AllReduceHook hook) {
+  if (state_of(*this).param_group()) state_of(*this).param_group()->all_reduce_hook = std::move(hook);
+}
+
+void FSDPModule::set_force_sum_reduction_for_comms(bool enable, bool recurse) {
+  for_states(state_of(*this), recurse, [&](FSDPState& s) {
+    if (s.param_group()) s.param_group()->force_sum_reduction_for_comms = enable;
+  });
+}
+
+void FSDPModule::set_post_optim_event(c10::Event event) { state_of(*this).set_post_optim_event(std::move(event)); }
 
 void FSDPModule::set_gradient_divide_factor(double factor) {
   TORCH_CHECK(factor > 0, "fsdp: gradient divide factor must be positive, got ", factor);

@@ -17,7 +17,13 @@ namespace {
 struct ModelIndex {
   std::unordered_map<const c10::TensorImpl*, std::pair<detail::FSDPParam*, const detail::MeshInfo*>> managed;
   std::vector<detail::FSDPParamGroup*> groups;
+  // Buffers kept in MixedPrecisionPolicy::buffer_dtype: state dicts report them in their original dtype.
+  std::unordered_map<const c10::TensorImpl*, c10::ScalarType> buffer_orig_dtype;
   DeviceMesh any_mesh;
+  at::Tensor unmanaged_value(const at::Tensor& t) const {
+    auto it = buffer_orig_dtype.find(t.unsafeGetTensorImpl());
+    return it == buffer_orig_dtype.end() ? t.detach() : t.detach().to(it->second);
+  }
   // After a load wrote new shards: nothing gathered or kept from the old ones may be used (hpZ copies).
   void invalidate_caches() const {
     for (auto* g : groups) g->invalidate_caches();
@@ -29,6 +35,9 @@ ModelIndex index_model(torch::nn::Module& root, const char* what) {
   ModelIndex index;
   for (const auto& sub : root.modules(/*include_self=*/true)) {
     auto s = detail::find_state(*sub);
+    if (s) {
+      for (const auto& [buffer, dtype] : s->cast_buffers) index.buffer_orig_dtype[buffer.unsafeGetTensorImpl()] = dtype;
+    }
     if (!s || !s->param_group()) continue;
     detail::FSDPParamGroup* g = s->param_group();
     // A group left unsharded after forward (the root keeps its parameters until backward by default, an
@@ -44,11 +53,12 @@ ModelIndex index_model(torch::nn::Module& root, const char* what) {
 
 Placements replicated(const DeviceMesh& mesh) { return Placements(static_cast<size_t>(mesh.ndim()), Replicate()); }
 
-// A 0-dim parameter is replicated inside its group (every rank holds it), the rest are dim-0 shards.
+// A 0-dim parameter is replicated inside its group (every rank holds it), the rest are shards on their shard
+// dim (0 unless shard_placement_fn chose another).
 Placements fsdp_placements(const detail::FSDPParam& param, const detail::MeshInfo& info) {
   if (param.is_replicated()) return replicated(info.mesh);
-  if (info.mesh.ndim() == 2) return {Replicate(), Shard(0)};
-  return {Shard(0)};
+  if (info.mesh.ndim() == 2) return {Replicate(), Shard(param.shard_dim())};
+  return {Shard(param.shard_dim())};
 }
 
 // Every parameter (deduplicated: a tied parameter is listed under its first FQN) and buffer of the root.
@@ -69,7 +79,8 @@ ShardedStateDict sharded_state_dict(torch::nn::Module& root) {
   for_each_entry(root, [&](const std::string& fqn, const at::Tensor& t) {
     auto it = index.managed.find(t.unsafeGetTensorImpl());
     if (it == index.managed.end()) {
-      out.emplace(fqn, ShardedTensor::from_local(t.detach(), index.any_mesh, replicated(index.any_mesh), t.sizes().vec()));
+      out.emplace(fqn, ShardedTensor::from_local(index.unmanaged_value(t), index.any_mesh, replicated(index.any_mesh),
+                                                 t.sizes().vec()));
       return;
     }
     const auto& [param, info] = it->second;
@@ -113,7 +124,7 @@ FullStateDict full_state_dict(torch::nn::Module& root, const FullStateDictOption
     auto it = index.managed.find(t.unsafeGetTensorImpl());
     at::Tensor full;
     if (it == index.managed.end()) {
-      full = t.detach();
+      full = index.unmanaged_value(t);
     } else {
       const auto& [param, info] = it->second;
       // One parameter at a time: gather, move off the device, drop — the peak is one full parameter.
@@ -158,11 +169,7 @@ void load_full_state_dict(torch::nn::Module& root, const FullStateDict& state, b
       return;
     }
     const detail::FSDPParam& p = *it->second.first;
-    const auto& g = p.geometry();
-    const int64_t rows = g.rows_of(p.shard_rank());
-    if (rows == 0) return;
-    at::Tensor full_rows = global.empty() ? full.reshape({1}) : full;
-    dst.copy_(full_rows.narrow(0, g.offset_of(p.shard_rank()), rows).reshape(dst.sizes()));
+    if (dst.numel() > 0) dst.copy_(p.local_part_of(full));
   });
   index.invalidate_caches();
   if (reader) {

@@ -47,8 +47,7 @@ void FSDPStateHolder::load(torch::serialize::InputArchive&) {
     } else if (full.empty() && data.dim() == 0) {  // a 0-dim parameter, replicated in its one-row shard
       loaded.push_back({p, data.reshape(shard.sizes())});
     } else if (data.sizes() == full) {
-      const auto& g = p->geometry();
-      loaded.push_back({p, data.narrow(0, g.offset_of(p->shard_rank()), g.rows_of(p->shard_rank()))});
+      loaded.push_back({p, p->local_part_of(data)});
     } else if (error.empty()) {
       std::ostringstream msg;
       msg << "parameter '" << p->fqn() << "' was loaded with shape " << data.sizes() << ", but this rank's shard is "
