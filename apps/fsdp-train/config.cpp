@@ -1,6 +1,8 @@
 // The config schema and its parsers (TOML via toml++, command-line overrides). See config.h.
 #include "config.h"
 
+#include <algorithm>
+
 #include <toml++/toml.h>
 
 #include <cerrno>
@@ -79,8 +81,9 @@ std::vector<Field> fields(JobConfig& c) {
       {"checkpoint", "exclude_from_loading", &c.checkpoint.exclude_from_loading, "optimizer | lr_scheduler | dataloader | train_state | rng"},
       {"checkpoint", "enable_first_step_checkpoint", &c.checkpoint.enable_first_step_checkpoint, "also save after step 1"},
       {"activation_checkpoint", "mode", &c.activation_checkpoint.mode,
-       "selective | full | none (not implemented yet: runs without recomputation)", false},
-      {"activation_checkpoint", "selective_ac_option", &c.activation_checkpoint.selective_ac_option, "\"2\" = every 2nd layer", false},
+       "none | full (every block) | selective (selective_ac_option), applied to each block before fully_shard"},
+      {"activation_checkpoint", "selective_ac_option", &c.activation_checkpoint.selective_ac_option,
+       "\"op\" = op-level SAC (every 2nd matmul kept) | \"k\" = full AC on every k-th block (\"0\"/\"1\" = all)"},
       {"metrics", "log_freq", &c.metrics.log_freq, "log every N steps (and the first and last step)"},
       {"metrics", "enable_tensorboard", &c.metrics.enable_tensorboard, "not implemented: metrics go to job.dump_folder/metrics.jsonl", false},
       {"metrics", "save_tb_folder", &c.metrics.save_tb_folder, "unused", false},
@@ -420,6 +423,15 @@ void validate(const JobConfig& c) {
   check(c.checkpoint.interval > 0, "checkpoint.interval: expected > 0");
   check(c.checkpoint.keep_latest_k != 1, "checkpoint.keep_latest_k: 1 is not allowed (the newest may still be in flight); use 0 or >= 2");
   check_choice("activation_checkpoint.mode", c.activation_checkpoint.mode, {"selective", "full", "none"});
+  if (c.activation_checkpoint.mode == "selective") {
+    const std::string& opt = c.activation_checkpoint.selective_ac_option;
+    const bool every_k = !opt.empty() && opt.size() <= 9 && std::all_of(opt.begin(), opt.end(), [](char ch) {
+      return ch >= '0' && ch <= '9';
+    });
+    check(opt == "op" || every_k, "activation_checkpoint.selective_ac_option: expected \"op\" (op-level selective AC) "
+                                  "or a non-negative integer k as a string (full AC on every k-th block), got \"" + opt +
+                                  "\"");
+  }
   check(c.optimizer.lr > 0, "optimizer.lr: expected > 0, got " + format_double(c.optimizer.lr));
   check(c.lr_scheduler.warmup_steps >= 0, "lr_scheduler.warmup_steps: expected >= 0");
   if (c.lr_scheduler.decay_ratio)

@@ -1,6 +1,8 @@
 // See parallelize.h.
 #include "parallelize.h"
 
+#include <fsdp/activation_checkpoint.h>
+
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
@@ -23,6 +25,26 @@ void broadcast_parameters(torch::nn::Module& model, const fsdp::ProcessGroupPtr&
   }
 }
 
+// [activation_checkpoint] on every transformer block, before fully_shard (TorchTitan's order: AC wrap, then FSDP).
+std::string apply_activation_checkpointing(fsdp::nn::llama::Transformer& model, const JobConfig& config) {
+  const auto& ac = config.activation_checkpoint;
+  if (ac.mode == "none") return "no activation checkpointing";
+  std::vector<std::shared_ptr<torch::nn::Module>> blocks;
+  for (auto& b : model->blocks()) blocks.push_back(b.ptr());
+  if (ac.mode == "full") {
+    fsdp::checkpoint_every_kth(blocks, 1);
+    return "full activation checkpointing (every block)";
+  }
+  if (ac.selective_ac_option == "op") {
+    fsdp::checkpoint_every_kth(blocks, 1, {fsdp::CheckpointPolicy::SelectiveOp});
+    return "op-level selective activation checkpointing (every 2nd matmul kept)";
+  }
+  const int64_t k = std::stoll(ac.selective_ac_option);  // validated in config.cpp
+  const size_t n = fsdp::checkpoint_every_kth(blocks, k);
+  return "layer-selective activation checkpointing (every " + std::to_string(k <= 1 ? 1 : k) + " blocks: " +
+         std::to_string(n) + " of " + std::to_string(blocks.size()) + ")";
+}
+
 }  // namespace
 
 bool plan_uses_fully_shard(const ParallelDims& dims, bool has_group) {
@@ -33,6 +55,7 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
                                const fsdp::ProcessGroupPtr& group) {
   ParallelPlan plan;
   plan.dp_group = group;
+  plan.activation_checkpointing = apply_activation_checkpointing(model, config);
   if (!group) {
     // fully_shard needs a process group (even a 1-rank one, as under fsdprun); a bare process trains unsharded.
     plan.description = "single process (no process group: run under fsdprun to apply fully_shard)";

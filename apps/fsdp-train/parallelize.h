@@ -8,6 +8,7 @@
 //   reshard         fsdp_reshard_after_forward: default (every block but the last, which backward needs at
 //                   once; root kept, as TorchTitan), always, never
 //   precision       mixed_precision_param / mixed_precision_reduce (FSDP only, as in TorchTitan)
+//   AC              [activation_checkpoint] on every block first (any plan): full, every k-th block, or op SAC
 // Gradients are summed, not averaged, across ranks (gradient divide factor 1): the loss is already divided by
 // the global token count, so the sum is the full-batch gradient.
 
@@ -30,6 +31,7 @@ struct ParallelPlan {
   fsdp::ProcessGroupPtr dp_group;  // all data-parallel ranks (loss and token-count reductions); null on 1 rank
   std::vector<fsdp::FSDPModule> fsdp_modules;
   std::string description;
+  std::string activation_checkpointing;  // what [activation_checkpoint] applied (before fully_shard)
 };
 
 // Whether parallelize_llama will apply fully_shard (then the trainer builds the model on `meta` and

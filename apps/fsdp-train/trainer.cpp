@@ -142,7 +142,7 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
 
   // ---- metrics ----
   TrainSummary summary;
-  summary.plan = plan.description;
+  summary.plan = plan.description + "; " + plan.activation_checkpointing;
   if (config.metrics.peak_tflops > 0) {
     summary.peak_tflops = config.metrics.peak_tflops;
   } else {
@@ -176,9 +176,6 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
               << (config.metrics.peak_tflops > 0 ? "metrics.peak_tflops" : "measured") << "), "
               << flops_per_token / 1e6 << " MFLOP per token\n"
               << "  output    " << config.job.dump_folder << "/metrics.jsonl" << std::endl;
-    if (config.activation_checkpoint.mode != "none")
-      std::cout << "  note      activation_checkpoint.mode = " << config.activation_checkpoint.mode
-                << " is not implemented yet: running without recomputation" << std::endl;
   }
 
   auto checkpointer = make_checkpointer(config, env.rank, env.group);

@@ -132,6 +132,26 @@ TEST(Config, InvalidValuesNameTheChoices) {
   expect_config_error([] { load_config({"--training.local_batch_size", "0"}); }, {"training.local_batch_size", "> 0"});
 }
 
+TEST(Config, ActivationCheckpointKeys) {
+  // TorchTitan's keys: mode none | full | selective; selective_ac_option "op" or an integer k as a string.
+  EXPECT_EQ(load_config({"--activation_checkpoint.mode", "full"}).activation_checkpoint.mode, "full");
+  auto op = load_config({"--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"});
+  EXPECT_EQ(op.activation_checkpoint.selective_ac_option, "op");
+  auto k = load_config({"--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "3"});
+  EXPECT_EQ(k.activation_checkpoint.selective_ac_option, "3");
+  expect_config_error([] { load_config({"--activation_checkpoint.mode", "memory_budget"}); },
+                      {"activation_checkpoint.mode", "selective | full | none", "'memory_budget'"});
+  for (const char* bad : {"ops", "2.5", "two"}) {
+    expect_config_error(
+        [&] {
+          load_config({"--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", bad});
+        },
+        {"activation_checkpoint.selective_ac_option", "\"op\"", "non-negative integer", std::string("\"") + bad + "\""});
+  }
+  // Only read in selective mode, as TorchTitan does.
+  EXPECT_NO_THROW(load_config({"--activation_checkpoint.mode", "full", "--activation_checkpoint.selective_ac_option", "x"}));
+}
+
 TEST(Config, ParallelismDegrees) {
   JobConfig c = parse_toml("", "x");
   c.training.local_batch_size = 8;
