@@ -11,6 +11,7 @@
 // Every FSDP1 argument is either mapped or rejected with the reason and the FSDP2 replacement; the table is
 // docs/migration.md. Wrapped modules must be called through fsdp::nn::call by their parent (the hook rule).
 
+#include <fsdp/activation_checkpoint.h>
 #include <fsdp/device_mesh.h>
 #include <fsdp/fully_shard.h>
 
@@ -46,7 +47,7 @@ enum class BackwardPrefetch { BACKWARD_PRE, BACKWARD_POST, NONE };
 struct Fsdp1MixedPrecision {
   std::optional<c10::ScalarType> param_dtype;
   std::optional<c10::ScalarType> reduce_dtype;  // unset = param_dtype (as in both FSDP1 and FSDP2)
-  std::optional<c10::ScalarType> buffer_dtype;  // floating-point buffers are cast to it before sharding
+  std::optional<c10::ScalarType> buffer_dtype;  // MixedPrecisionPolicy::buffer_dtype (FSDP1's semantics)
   bool keep_low_precision_grads = false;        // true is rejected: FSDP2 keeps gradients in the parameter dtype
   bool cast_forward_inputs = false;             // every wrapped module casts its floating-point inputs
   bool cast_root_forward_inputs = true;         // the root casts its floating-point inputs
@@ -75,9 +76,11 @@ struct Fsdp1Config {
   // ancestor is wrapped instead (see PreparedModule::notes).
   WrapPolicy auto_wrap_policy;
 
-  // Activation checkpointing of non-root modules before sharding: true = every wrapped module; a predicate =
-  // the modules it selects. *Not yet*: rejected until fsdp::checkpoint_module exists (issue 10).
+  // Activation checkpointing (fsdp::checkpoint_module) applied before sharding: true = every wrapped module
+  // that has no wrapped module below it (the blocks); a predicate = the non-root modules it selects, which must
+  // not contain a wrapped module (checkpoint those instead). Composer's activation_checkpointing_fn.
   std::variant<bool, WrapPolicy> activation_checkpointing = false;
+  CheckpointOptions activation_checkpointing_options;  // Full or SelectiveOp, RNG preservation
 
   // Topology: FSDP1's device_mesh / process_group. Invalid = built over the world from the strategy:
   // FULL_SHARD, SHARD_GRAD_OP: 1-D (world); HYBRID_*: 2-D (replicate, shard); NO_SHARD: 2-D (world, 1).
@@ -105,11 +108,12 @@ struct PreparedModule {
   std::vector<FSDPModule> units;     // in application order: bottom-up, the root last
   std::vector<std::string> fqns;     // units[i]'s FQN ("" = the root)
   DeviceMesh mesh;                   // the mesh every unit uses
+  std::vector<std::string> checkpointed;  // FQNs given to checkpoint_module
   std::vector<std::string> notes;    // decisions worth logging (tied weights moved to a common ancestor, ...)
 };
 
-// Checks the config (all errors before any side effect), then: casts buffers (buffer_dtype), moves the model
-// (device_id), broadcasts from rank 0 (sync_module_states), applies fully_shard bottom-up to the wrapped
+// Checks the config (all errors before any side effect), then: checkpoints (activation_checkpointing), moves
+// the model (device_id), broadcasts from rank 0 (sync_module_states), applies fully_shard bottom-up to the wrapped
 // modules and last to the root, and runs param_init_fn. Collective: every rank calls it with the same config.
 PreparedModule prepare_fully_shard(const std::shared_ptr<torch::nn::Module>& model, const Fsdp1Config& config = {});
 template <class Impl>
@@ -118,7 +122,7 @@ PreparedModule prepare_fully_shard(const torch::nn::ModuleHolder<Impl>& model, c
 }
 
 // The FQNs prepare_fully_shard would wrap (bottom-up, the root "" last), without sharding or communicating.
-// `notes` (optional) receives the same notes.
+// `notes` (optional) receives the same notes, including which modules would be checkpointed.
 std::vector<std::string> plan_fully_shard(const torch::nn::Module& model, const Fsdp1Config& config = {},
                                           std::vector<std::string>* notes = nullptr);
 

@@ -50,12 +50,6 @@ void check_removed_arguments(const Fsdp1Config& c) {
                 "always in the parameter's dtype (reduced in reduce_dtype, then cast back). Drop the flag, or keep "
                 "low-precision parameters (model->to(kBFloat16)) if the memory matters");
   }
-  const bool ac_requested = std::holds_alternative<bool>(c.activation_checkpointing)
-                                ? std::get<bool>(c.activation_checkpointing)
-                                : static_cast<bool>(std::get<WrapPolicy>(c.activation_checkpointing));
-  TORCH_CHECK(!ac_requested, kWhere,
-              "activation_checkpointing is not yet supported by prepare_fully_shard (fsdp::checkpoint_module is "
-              "not in this build, issue 10)");
 }
 
 // ---- module tree ----------------------------------------------------------------------------------------
@@ -141,9 +135,46 @@ void default_candidates(const Tree& t, const std::string& fqn, std::vector<std::
 }
 
 struct Plan {
-  std::vector<std::string> fqns;  // bottom-up, root last
+  std::vector<std::string> fqns;        // bottom-up, root last
+  std::vector<std::string> checkpoint;  // activation checkpointing, pre-order
   std::vector<std::string> notes;
 };
+
+// Modules to checkpoint. checkpoint_module refuses a module with sharded descendants (its recomputation would
+// re-enter their FSDP hooks from inside another region), so `true` picks the innermost wrapped modules and a
+// predicate's choice is checked here, before anything is modified.
+std::vector<std::string> checkpoint_targets(const Tree& t, const Fsdp1Config& c, const std::vector<std::string>& wrapped) {
+  auto has_wrapped_below = [&](const std::string& fqn) {
+    return std::any_of(wrapped.begin(), wrapped.end(),
+                       [&](const std::string& w) { return !w.empty() && w != fqn && covers(fqn, w); });
+  };
+  std::vector<std::string> out;
+  if (std::holds_alternative<bool>(c.activation_checkpointing)) {
+    if (!std::get<bool>(c.activation_checkpointing)) return out;
+    for (const auto& fqn : t.order) {
+      const bool is_wrapped = std::find(wrapped.begin(), wrapped.end(), fqn) != wrapped.end();
+      if (fqn.empty() || !is_wrapped || has_wrapped_below(fqn)) continue;
+      TORCH_CHECK(!is_checkpointed(t.at(fqn)), kWhere, "activation_checkpointing=true would checkpoint '", fqn,
+                  "' again (checkpoint_module was applied to it before): leave activation_checkpointing off");
+      out.push_back(fqn);
+    }
+    return out;
+  }
+  const WrapPolicy& pick = std::get<WrapPolicy>(c.activation_checkpointing);
+  if (!pick) return out;
+  for (const auto& fqn : t.order) {
+    if (fqn.empty() || t.is_ignored(fqn) || !pick(fqn, t.at(fqn))) continue;
+    TORCH_CHECK(!is_checkpointed(t.at(fqn)), kWhere, "activation_checkpointing selected '", fqn,
+                "', which is already checkpointed (checkpoint_module was applied to it before)");
+    TORCH_CHECK(!is_container(t.at(fqn)), kWhere, "activation_checkpointing selected '", fqn,
+                "', a ModuleList/ModuleDict: it has no forward to checkpoint. Select its elements instead");
+    TORCH_CHECK(!has_wrapped_below(fqn), kWhere, "activation_checkpointing selected '", fqn,
+                "', which contains modules that are sharded on their own: checkpoint those modules instead (or "
+                "change the wrap rule so that '", fqn, "' is sharded as one unit)");
+    out.push_back(fqn);
+  }
+  return out;
+}
 
 Plan make_plan(const Tree& t, const Fsdp1Config& c, const std::unordered_set<const c10::TensorImpl*>& ignored_params) {
   Plan plan;
@@ -227,6 +258,12 @@ Plan make_plan(const Tree& t, const Fsdp1Config& c, const std::unordered_set<con
                    [](const std::string& a, const std::string& b) { return depth(a) > depth(b); });
   ordered.push_back("");
   plan.fqns = std::move(ordered);
+  plan.checkpoint = checkpoint_targets(t, c, plan.fqns);
+  if (!plan.checkpoint.empty()) {
+    std::string list;
+    for (const auto& f : plan.checkpoint) list += (list.empty() ? "'" : ", '") + f + "'";
+    plan.notes.push_back("activation checkpointing: " + list);
+  }
   return plan;
 }
 
@@ -321,14 +358,6 @@ DeviceMesh make_mesh(const Fsdp1Config& c) {
 }
 
 // ---- side effects before sharding ---------------------------------------------------------------------
-
-void cast_buffers(torch::nn::Module& model, c10::ScalarType dtype) {
-  c10::NoGradGuard no_grad;
-  for (auto& b : model.buffers(/*recurse=*/true)) {
-    // set_data keeps the buffer's identity (the module's registered tensor) and changes what it holds.
-    if (b.defined() && b.is_floating_point() && b.scalar_type() != dtype) b.set_data(b.to(dtype));
-  }
-}
 
 void broadcast_from_rank0(torch::nn::Module& model) {
   c10::NoGradGuard no_grad;
@@ -430,7 +459,9 @@ PreparedModule prepare_fully_shard(const std::shared_ptr<torch::nn::Module>& mod
     opts.mp_policy.reduce_dtype = mp.reduce_dtype;
     opts.mp_policy.cast_forward_inputs = mp.cast_forward_inputs;
     cast_root_inputs = mp.cast_forward_inputs || mp.cast_root_forward_inputs;
-    if (mp.buffer_dtype) cast_buffers(*model, *mp.buffer_dtype);
+    // FSDP1's semantics (kept in buffer_dtype for training, original dtype in state dicts); every unit sets it,
+    // so every buffer is covered by the unit that manages it.
+    opts.mp_policy.buffer_dtype = mp.buffer_dtype;
   }
   if (config.device_id) {
     bool any_meta = false;
@@ -447,6 +478,12 @@ PreparedModule prepare_fully_shard(const std::shared_ptr<torch::nn::Module>& mod
         to_init.push_back(fqn.empty() ? std::shared_ptr<torch::nn::Module>() : tree.modules.at(fqn));
       }
     }
+  }
+
+  // Before sharding, as Composer and TorchTitan do (either order works with checkpoint_module).
+  for (const auto& fqn : plan.checkpoint) {
+    checkpoint_module(tree.modules.at(fqn), config.activation_checkpointing_options);
+    out.checkpointed.push_back(fqn);
   }
 
   for (const auto& fqn : plan.fqns) {

@@ -229,6 +229,63 @@ TEST_F(Strategies, SyncModuleStates) {
   expect_equal_params(reference_, params, init_, "FULL_SHARD + sync_module_states");
 }
 
+// Activation checkpointing through the config: the innermost wrapped modules (or a predicate's choice) are
+// checkpointed before sharding; training is unchanged and backward recomputes.
+TEST_F(Strategies, ActivationCheckpointing) {
+  auto cfg = strategy("FULL_SHARD");
+  cfg.activation_checkpointing = true;
+  std::vector<std::string> notes;
+  Net probe = make_net(1);
+  fsdp::plan_fully_shard(*probe, cfg, &notes);
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_EQ(notes[0], "activation checkpointing: 'input', 'blocks.0', 'blocks.1', 'output'");
+  fsdp::reset_checkpoint_stats();
+  auto [params, c] = train_net_fsdp(cfg);
+  expect_equal_params(reference_, params, init_, "FULL_SHARD + activation checkpointing");
+  const auto stats = fsdp::checkpoint_stats();
+  EXPECT_EQ(stats.forwards, 4 * kSteps);
+  EXPECT_EQ(stats.recomputes, 4 * kSteps);
+
+  auto sel = strategy("SHARD_GRAD_OP");
+  sel.activation_checkpointing = fsdp::WrapPolicy(
+      [](const std::string& fqn, const torch::nn::Module&) { return fqn.rfind("blocks.", 0) == 0; });
+  sel.activation_checkpointing_options.policy = fsdp::CheckpointPolicy::SelectiveOp;
+  fsdp::reset_checkpoint_stats();
+  auto [params2, c2] = train_net_fsdp(sel);
+  expect_equal_params(reference_, params2, init_, "SHARD_GRAD_OP + op-level SAC on the blocks");
+  EXPECT_EQ(fsdp::checkpoint_stats().recomputes, 2 * kSteps);
+}
+
+TEST(Migration, ActivationCheckpointingOfAShardedParentRejected) {
+  // The wrap rule shards the blocks one by one; checkpointing their container's owner would recompute them
+  // from inside another region: rejected before anything is modified.
+  Net model = make_net(1);
+  fsdp::Fsdp1Config cfg;
+  cfg.auto_wrap_policy = fsdp::module_wrap_policy<BlockImpl>();
+  cfg.activation_checkpointing = fsdp::WrapPolicy([](const std::string& fqn, const torch::nn::Module&) {
+    return fqn == "blocks";
+  });
+  EXPECT_THROW(fsdp::plan_fully_shard(*model, cfg), c10::Error);  // a container
+  struct OuterImpl : torch::nn::Module {
+    OuterImpl() { inner = register_module("inner", Net()); }
+    Net inner{nullptr};
+  };
+  auto outer = std::make_shared<OuterImpl>();
+  fsdp::Fsdp1Config c2;
+  c2.auto_wrap_policy = fsdp::module_wrap_policy<BlockImpl>();
+  c2.activation_checkpointing = fsdp::WrapPolicy([](const std::string& fqn, const torch::nn::Module&) {
+    return fqn == "inner";
+  });
+  try {
+    fsdp::plan_fully_shard(*outer, c2);
+    ADD_FAILURE() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("contains modules that are sharded on their own"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(fsdp::is_checkpointed(*outer->inner));
+}
+
 // --- tied weights --------------------------------------------------------------------------------------
 
 TEST(Migration, TiedWeightsShardTheCommonParent) {
@@ -462,6 +519,8 @@ TEST(Migration, AcceptedArgumentsAndMixedPrecision) {
   c.mixed_precision = fsdp::Fsdp1MixedPrecision{torch::kBFloat16, torch::kFloat32, torch::kBFloat16};
   auto prepared = fsdp::prepare_fully_shard(model, c);
   EXPECT_EQ(model->scale.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(fsdp::full_state_dict(*model, {true, false}).at("scale").scalar_type(), torch::kFloat32)
+      << "FSDP1: state dicts hold buffers in their original dtype";
   auto out = fsdp::nn::call(model, torch::randn({2, kIn}));
   EXPECT_EQ(out.scalar_type(), torch::kBFloat16);  // FSDP1 returns the compute dtype too
   out.to(torch::kFloat32).sum().backward();
