@@ -505,6 +505,47 @@ TEST(Migration, BadTopologiesRejected) {
   EXPECT_STREQ(fsdp::to_string(fsdp::ShardingStrategy::HYBRID_SHARD_ZERO2), "_HYBRID_SHARD_ZERO2");
 }
 
+// Meshes: FSDP1's hybrid default (shard within a node = LOCAL_WORLD_SIZE, set by fsdprun), a 1-D mesh given
+// for NO_SHARD (seen as (n, 1)), and a 2-D mesh given for a non-hybrid strategy (rejected).
+TEST(Migration, MeshesFromTheStrategy) {
+  const int64_t n = test_world()->size();
+  if (const char* local = std::getenv("LOCAL_WORLD_SIZE"); local != nullptr && std::atoll(local) == n) {
+    Net model = make_net(1);
+    auto prepared = fsdp::prepare_fully_shard(model, strategy("HYBRID_SHARD"));
+    EXPECT_EQ(prepared.mesh.shape(), (std::vector<int64_t>{1, n}));  // one node: one replica
+  }
+  {
+    Net model = make_net(1);
+    auto c = strategy("NO_SHARD");
+    c.device_mesh = fsdp::init_device_mesh("cpu", {n});
+    auto prepared = fsdp::prepare_fully_shard(model, c);
+    EXPECT_EQ(prepared.mesh.shape(), (std::vector<int64_t>{n, 1}));
+    auto full = make_net(1)->named_parameters();
+    for (const auto& item : model->named_parameters()) {
+      EXPECT_EQ(item.value().sizes(), full[item.key()].sizes()) << item.key() << ": NO_SHARD keeps whole tensors";
+    }
+  }
+  if (n % 2 == 0) {
+    auto c = strategy("FULL_SHARD");
+    c.device_mesh = fsdp::init_device_mesh("cpu", {2, n / 2}, {"replicate", "shard"});
+    expect_rejected(c, {"FULL_SHARD shards over a 1-D device_mesh", "use HYBRID_SHARD"});
+  }
+}
+
+// ignored_modules: never wrapped, parameters neither sharded nor reduced.
+TEST(Migration, IgnoredModules) {
+  const int64_t n = test_world()->size();
+  Net model = make_net(1);
+  fsdp::Fsdp1Config c;
+  c.ignored_modules = {model->output.ptr()};
+  EXPECT_EQ(fsdp::plan_fully_shard(*model, c), (std::vector<std::string>{"blocks.0", "blocks.1", "input", ""}));
+  auto prepared = fsdp::prepare_fully_shard(model, c);
+  EXPECT_EQ(model->output->weight.size(0), kOut) << "ignored: not sharded";
+  if (n > 1) EXPECT_LT(model->input->weight.size(0), kDim) << "sharded";
+  fsdp::nn::call(model, torch::randn({2, kIn})).sum().backward();
+  EXPECT_TRUE(model->output->weight.grad().defined());
+}
+
 // Accepted removed arguments (no-ops in FSDP2) and the mixed-precision mapping: bf16 compute, fp32 shards and
 // gradients, buffers cast to buffer_dtype.
 TEST(Migration, AcceptedArgumentsAndMixedPrecision) {
