@@ -143,7 +143,8 @@ struct Plan {
 // Modules to checkpoint. checkpoint_module refuses a module with sharded descendants (its recomputation would
 // re-enter their FSDP hooks from inside another region), so `true` picks the innermost wrapped modules and a
 // predicate's choice is checked here, before anything is modified.
-std::vector<std::string> checkpoint_targets(const Tree& t, const Fsdp1Config& c, const std::vector<std::string>& wrapped) {
+std::vector<std::string> checkpoint_targets(const Tree& t, const Fsdp1Config& c,
+                                           const std::vector<std::string>& wrapped) {
   auto has_wrapped_below = [&](const std::string& fqn) {
     return std::any_of(wrapped.begin(), wrapped.end(),
                        [&](const std::string& w) { return !w.empty() && w != fqn && covers(fqn, w); });
@@ -195,12 +196,16 @@ Plan make_plan(const Tree& t, const Fsdp1Config& c, const std::unordered_set<con
   }
 
   // Tied parameters: where each parameter is registered (modules that hold it directly).
+  // `keys` keeps first-registration (pre-order) order: every rank must resolve ties in the same order, and
+  // TensorImpl addresses differ between processes.
+  std::vector<const c10::TensorImpl*> keys;
   std::unordered_map<const c10::TensorImpl*, std::vector<std::string>> sites;
   std::unordered_map<const c10::TensorImpl*, std::string> first_name;
   for (const auto& fqn : t.order) {
     for (const auto& p : t.at(fqn).named_parameters(/*recurse=*/false)) {
       const c10::TensorImpl* key = p.value().unsafeGetTensorImpl();
       if (ignored_params.count(key) || t.is_ignored(fqn)) continue;
+      if (!sites.count(key)) keys.push_back(key);
       auto& s = sites[key];
       if (std::find(s.begin(), s.end(), fqn) == s.end()) s.push_back(fqn);
       first_name.emplace(key, fqn.empty() ? p.key() : fqn + "." + p.key());
@@ -218,7 +223,8 @@ Plan make_plan(const Tree& t, const Fsdp1Config& c, const std::unordered_set<con
   // until stable, since a new wrap can split another tie.
   for (bool changed = true; changed;) {
     changed = false;
-    for (const auto& [key, where] : sites) {
+    for (const c10::TensorImpl* key : keys) {
+      const std::vector<std::string>& where = sites.at(key);
       if (where.size() < 2) continue;
       std::set<std::string> owners;
       for (const auto& s : where) owners.insert(owner(s));
