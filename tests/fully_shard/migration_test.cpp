@@ -201,6 +201,16 @@ TEST_F(Strategies, NoShard) {
   EXPECT_EQ(c.shard.bytes_sent, 0);
   EXPECT_EQ(c.shard.all_reduce_calls, 0);
   EXPECT_EQ(c.shard.all_gather_calls, kNetGroups) << "forward only: nothing is freed after forward";
+  // The wire traffic is DDP's: one all-reduce of every gradient (plus at most the 16-byte alignment of each
+  // parameter inside its group's buffer).
+  int64_t param_bytes = 0, n_params = 0;
+  for (const auto& p : make_net(42)->parameters()) {
+    param_bytes += p.numel() * 4;
+    ++n_params;
+  }
+  const int64_t ddp = 2 * (n - 1) * param_bytes / n;
+  EXPECT_GE(c.replicate.bytes_sent, ddp);
+  EXPECT_LE(c.replicate.bytes_sent, 2 * (n - 1) * (param_bytes + 16 * n_params) / n);
 }
 
 // HSDP with 2 replicas (world 4: 2 x 2; world 2: 2 x 1).
