@@ -4,6 +4,7 @@
 #include "config.h"
 #include "data.h"
 
+#include <fsdp/checkpoint/async_save.h>
 #include <fsdp/checkpoint/checkpoint.h>
 #include <fsdp/checkpoint/optimizer.h>
 
@@ -47,34 +48,20 @@ at::Tensor unhex(const std::string& s) {
   return t;
 }
 
-// A deep CPU copy of every tensor (the snapshot an async save writes while training goes on).
-ckpt::StateDict snapshot(const ckpt::StateDict& sd, std::optional<at::ScalarType> cast) {
-  auto copy = [&](const at::Tensor& t) {
-    at::Tensor c = t.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
-    if (cast && at::isFloatingType(c.scalar_type())) c = c.to(*cast);
-    return c;
-  };
-  ckpt::StateDict out;
-  for (const auto& [k, t] : sd.tensors)
-    out.tensors.emplace(k, fsdp::ShardedTensor::from_local(copy(t.local()), t.mesh(), t.placements(), t.sizes()));
-  for (const auto& [k, t] : sd.full) out.full.emplace(k, copy(t));
-  out.values = sd.values;
-  return out;
-}
-
 class DistributedCheckpointer final : public Checkpointer {
  public:
   DistributedCheckpointer(const JobConfig& config, int rank, fsdp::ProcessGroupPtr group)
       : cfg_(config.checkpoint), rank_(rank), world_(group ? group->size() : 1), job_group_(std::move(group)) {
     folder_ = (fs::path(config.job.dump_folder) / cfg_.folder).string();
-    async_ = cfg_.async_mode != "disabled";
+    const ckpt::AsyncMode mode = ckpt::parse_async_mode(cfg_.async_mode);
     // Background saves talk on their own group so that they never interleave with the training collectives.
     if (cfg_.enable && job_group_ && world_ > 1) {
       std::vector<int> ranks(static_cast<size_t>(world_));
       for (int i = 0; i < world_; ++i) ranks[static_cast<size_t>(i)] = i;
       group_ = fsdp::new_group(ranks, "checkpoint");
     }
-    if (async_ && cfg_.async_mode == "async_with_pinned_mem" && rank_ == 0)
+    saver_ = std::make_unique<ckpt::AsyncSaver>(group_, mode);
+    if (mode == ckpt::AsyncMode::AsyncWithPinnedMem && rank_ == 0)
       std::cout << "checkpoint: async_with_pinned_mem on CPU tensors = async (pinned memory only helps device copies)"
                 << std::endl;
   }
@@ -171,50 +158,45 @@ class DistributedCheckpointer final : public Checkpointer {
     so.local_only = !job_group_;
     so.saved_on = "fsdp-train step " + std::to_string(s.step);
     const auto t0 = Clock::now();
-    if (async_ && !last) {
-      auto snap = std::make_shared<ckpt::StateDict>(snapshot(sd, cast));
-      const double staged = since(t0);
+    if (saver_->mode() != ckpt::AsyncMode::Disabled && !last) {
+      // Snapshot (the only stall), then save and purge on the saver's thread.
+      const auto started = saver_->save(sd, dir, so, [this, t0](const ckpt::SaveResult& r) {
+        report(r, t0, "background ");
+        purge();
+      }, cast);
       if (rank_ == 0) {
         std::printf("checkpoint: staged step %lld in %.3f s; writing %s in the background\n",
-                    static_cast<long long>(s.step), staged, dir.c_str());
+                    static_cast<long long>(s.step), started.stage_seconds, dir.c_str());
         std::fflush(stdout);
       }
-      worker_ = std::thread([this, snap, dir, so, t0] {
-        try {
-          report(ckpt::save(*snap, dir, so), t0, "background ");
-          purge();
-        } catch (...) {
-          error_ = std::current_exception();
-        }
-      });
       return;
     }
-    auto snap = cast ? snapshot(sd, cast) : std::move(sd);
-    report(ckpt::save(snap, dir, so), t0, last ? "last step " : "");
+    // Synchronous: async_mode disabled, or the last save (TorchTitan makes the final save synchronous).
+    report(cast ? ckpt::save(ckpt::snapshot(sd, cast), dir, so) : ckpt::save(sd, dir, so), t0, last ? "last step " : "");
     // keep_latest_k purge runs in the background (rank 0), never deleting the newest complete checkpoint.
-    worker_ = std::thread([this] {
+    purger_ = std::thread([this] {
       try {
         purge();
       } catch (...) {
-        error_ = std::current_exception();
+        purge_error_ = std::current_exception();
       }
     });
   }
 
   void wait() override {
-    if (worker_.joinable()) worker_.join();
+    saver_->wait();
+    if (purger_.joinable()) purger_.join();
     surface_background_error();
   }
 
  private:
+  // Raises the error of a finished background save or purge; one still running reports at a later call.
   void surface_background_error() {
-    if (worker_.joinable()) {
-      // Not finished yet: its error (if any) surfaces at a later call.
-      return;
-    }
-    if (error_) {
-      auto e = error_;
-      error_ = nullptr;
+    saver_->check();
+    if (purger_.joinable()) return;
+    if (purge_error_) {
+      auto e = purge_error_;
+      purge_error_ = nullptr;
       std::rethrow_exception(e);
     }
   }
@@ -294,9 +276,9 @@ class DistributedCheckpointer final : public Checkpointer {
   int world_;
   fsdp::ProcessGroupPtr job_group_, group_;
   std::string folder_;
-  bool async_ = false;
-  std::thread worker_;
-  std::exception_ptr error_;
+  std::unique_ptr<ckpt::AsyncSaver> saver_;
+  std::thread purger_;
+  std::exception_ptr purge_error_;
 };
 
 }  // namespace

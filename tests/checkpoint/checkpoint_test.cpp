@@ -4,6 +4,7 @@
 // and/or file — never a crash, an out-of-bounds read or a silently wrong tensor.
 #include "comm/dist_env.h"
 
+#include <fsdp/checkpoint/async_save.h>
 #include <fsdp/checkpoint/checkpoint.h>
 #include <fsdp/device_mesh.h>
 
@@ -15,6 +16,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <future>
 
 namespace fs = std::filesystem;
 namespace ckpt = fsdp::checkpoint;
@@ -160,6 +162,76 @@ TEST(Checkpoint, PurgeKeepsTheNewestAndInFlightSaves) {
   EXPECT_TRUE(fs::exists(dir / "step-6.partial"));
   ckpt::purge(dir.string(), 0);  // never deletes the newest complete checkpoint
   EXPECT_EQ(ckpt::latest_step(dir.string()), std::optional<int64_t>(5));
+  fs::remove_all(dir);
+}
+
+// The library's async save: the state is snapshotted before save() returns (changing it afterwards does not
+// change the checkpoint), the write runs on another thread (held open here by blocking its `after` callback),
+// and the checkpoint equals the state at the call.
+TEST(CheckpointAsync, SnapshotThenBackgroundWrite) {
+  const auto dir = fresh_dir("async");
+  const std::string path = (dir / "step-1").string();
+  Sample live(7);
+  ckpt::AsyncSaver saver(nullptr, ckpt::AsyncMode::Async);
+  std::promise<void> release;
+  auto released = release.get_future().share();
+  bool after_ran = false;
+  const auto started = saver.save(live.sd, path, {}, [&](const ckpt::SaveResult&) {
+    released.wait();
+    after_ran = true;
+  });
+  EXPECT_TRUE(started.background);
+  EXPECT_TRUE(saver.in_flight());
+  // Training goes on: the live state changes while the save is in flight.
+  live.sd.tensors.at("w").local().zero_();
+  live.sd.full.at("b").fill_(0);
+  release.set_value();
+  const auto result = saver.wait();
+  ASSERT_TRUE(result.has_value());
+  EXPECT_TRUE(after_ran);
+  EXPECT_FALSE(saver.in_flight());
+  Sample ref(7);
+  auto got = Sample::blank_like(ref.sd);
+  ckpt::load(got, path);
+  EXPECT_TRUE(torch::equal(got.tensors.at("w").local(), ref.sd.tensors.at("w").local()));
+  EXPECT_TRUE(torch::equal(got.full.at("b"), ref.sd.full.at("b")));
+  EXPECT_FALSE(torch::equal(got.full.at("b"), live.sd.full.at("b")));  // the snapshot, not the changed state
+  fs::remove_all(dir);
+}
+
+// A background save's error is raised by the next save(), wait() or check(), never dropped; the save that
+// raised it did not start; the saver works again afterwards.
+TEST(CheckpointAsync, BackgroundErrorSurfacesAtTheNextCall) {
+  const auto dir = fresh_dir("async_err");
+  std::ofstream(dir / "a_file") << "x";
+  const std::string bad = (dir / "a_file" / "step-1").string();  // its parent is a regular file
+  Sample s(3);
+  ckpt::AsyncSaver saver(nullptr, ckpt::AsyncMode::Async);
+  EXPECT_TRUE(saver.save(s.sd, bad).background);
+  const std::string good = (dir / "step-2").string();
+  EXPECT_ERROR_HAS(error_of([&] { saver.save(s.sd, good); }), "a_file");
+  EXPECT_FALSE(fs::exists(good));
+  saver.save(s.sd, bad);
+  EXPECT_ERROR_HAS(error_of([&] { saver.wait(); }), "a_file");
+  saver.save(s.sd, bad);
+  while (saver.in_flight()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_ERROR_HAS(error_of([&] { saver.check(); }), "a_file");
+  EXPECT_EQ(error_of([&] { saver.check(); }), "");  // raised once
+  saver.save(s.sd, good);
+  saver.wait();
+  EXPECT_EQ(ckpt::verify(good), std::vector<std::string>{});
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointAsync, DisabledIsSynchronousAndModesParse) {
+  const auto dir = fresh_dir("async_off");
+  const std::string path = (dir / "step-1").string();
+  Sample s(4);
+  ckpt::AsyncSaver saver(nullptr, ckpt::parse_async_mode("disabled"));
+  EXPECT_FALSE(saver.save(s.sd, path).background);
+  EXPECT_EQ(ckpt::verify(path), std::vector<std::string>{});  // complete when save() returned
+  EXPECT_EQ(ckpt::parse_async_mode("async_with_pinned_mem"), ckpt::AsyncMode::AsyncWithPinnedMem);
+  EXPECT_ERROR_HAS(error_of([] { ckpt::parse_async_mode("sometimes"); }), "sometimes", "async_with_pinned_mem");
   fs::remove_all(dir);
 }
 

@@ -1,0 +1,70 @@
+#pragma once
+// Asynchronous checkpoint saves with TorchTitan's async_mode semantics:
+//
+//   fsdp::checkpoint::AsyncSaver saver(fsdp::new_group(all_ranks, "checkpoint"), AsyncMode::Async);
+//   ...
+//   saver.save(sd, step_path(folder, step));   // stalls only for the snapshot; writes in the background
+//   ...                                        // training goes on
+//   saver.wait();                               // before exit (the final save is best made synchronous)
+//
+// - the state is snapshotted (deep-copied to CPU memory, pinned for device tensors with AsyncWithPinnedMem):
+//   that copy is the only stall; the save then runs on a background thread;
+// - at most one save is in flight: save() first waits for the previous one;
+// - the error of a background save is never lost: it is raised by the next save(), wait() or check();
+// - the background save's collectives use the saver's own group (create it with fsdp::new_group over the same
+//   ranks), so they never interleave with the training's collectives on another group.
+// With AsyncMode::Disabled, save() is synchronous and returns after the save completed.
+
+#include <fsdp/checkpoint/checkpoint.h>
+
+#include <c10/core/ScalarType.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace fsdp::checkpoint {
+
+enum class AsyncMode { Disabled, Async, AsyncWithPinnedMem };
+// TorchTitan's names: "disabled", "async", "async_with_pinned_mem" (error listing them otherwise).
+AsyncMode parse_async_mode(const std::string& name);
+
+// A deep CPU copy of every tensor of `state` (values copied too). `cast`: floating-point tensors are converted
+// to it (e.g. an export dtype). pin_memory: device tensors are copied into pinned CPU memory (faster device to
+// host copies on CUDA; nothing to pin for CPU tensors).
+StateDict snapshot(const StateDict& state, std::optional<c10::ScalarType> cast = std::nullopt,
+                   bool pin_memory = false);
+
+class AsyncSaver {
+ public:
+  // group: the process group the background saves use (null = a single process). Must not be used for
+  // anything else while a save may be in flight.
+  explicit AsyncSaver(ProcessGroupPtr group, AsyncMode mode = AsyncMode::Async);
+  ~AsyncSaver();  // waits for the save in flight; its error is printed to stderr (it can no longer be raised)
+  AsyncSaver(const AsyncSaver&) = delete;
+  AsyncSaver& operator=(const AsyncSaver&) = delete;
+
+  struct Started {
+    double stage_seconds = 0;  // the stall: snapshot (async) or the whole save (disabled)
+    bool background = false;   // the save runs in the background
+  };
+  // Raises a previous background save's error; waits for a save still in flight; snapshots `state`; starts the
+  // save of the snapshot to `path` (options.group is replaced by the saver's group). `after`, when given, runs
+  // after a successful save on the same thread (e.g. purging old checkpoints); its errors surface like the
+  // save's. `cast` applies to the snapshot (see snapshot()).
+  Started save(const StateDict& state, const std::string& path, SaveOptions options = {},
+               std::function<void(const SaveResult&)> after = {}, std::optional<c10::ScalarType> cast = std::nullopt);
+  // Waits for the save in flight (if any) and raises its error; returns its result.
+  std::optional<SaveResult> wait();
+  // Raises the error of a finished background save without waiting for one in flight.
+  void check();
+  bool in_flight() const;
+  AsyncMode mode() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace fsdp::checkpoint
