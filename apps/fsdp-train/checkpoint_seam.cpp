@@ -60,7 +60,9 @@ class DistributedCheckpointer final : public Checkpointer {
       for (int i = 0; i < world_; ++i) ranks[static_cast<size_t>(i)] = i;
       group_ = fsdp::new_group(ranks, "checkpoint");
     }
-    saver_ = std::make_unique<ckpt::AsyncSaver>(group_, mode);
+    // The snapshot is taken on the saver's thread while the next forward/backward runs (both only read the
+    // parameters and optimizer state); the loop waits for it before the optimizer step changes them.
+    saver_ = std::make_unique<ckpt::AsyncSaver>(group_, mode, ckpt::Staging::Background);
     if (mode == ckpt::AsyncMode::AsyncWithPinnedMem && rank_ == 0)
       std::cout << "checkpoint: async_with_pinned_mem on CPU tensors = async (pinned memory only helps device copies)"
                 << std::endl;
@@ -159,14 +161,14 @@ class DistributedCheckpointer final : public Checkpointer {
     so.saved_on = "fsdp-train step " + std::to_string(s.step);
     const auto t0 = Clock::now();
     if (saver_->mode() != ckpt::AsyncMode::Disabled && !last) {
-      // Snapshot (the only stall), then save and purge on the saver's thread.
+      // Snapshot, save and purge on the saver's thread; the loop waits for the snapshot before the next step.
       const auto started = saver_->save(sd, dir, so, [this, t0](const ckpt::SaveResult& r) {
         report(r, t0, "background ");
         purge();
       }, cast);
       if (rank_ == 0) {
-        std::printf("checkpoint: staged step %lld in %.3f s; writing %s in the background\n",
-                    static_cast<long long>(s.step), started.stage_seconds, dir.c_str());
+        std::printf("checkpoint: step %lld: snapshot and write of %s in the background (%.3f s to start)\n",
+                    static_cast<long long>(s.step), dir.c_str(), started.stage_seconds);
         std::fflush(stdout);
       }
       return;
@@ -181,6 +183,14 @@ class DistributedCheckpointer final : public Checkpointer {
         purge_error_ = std::current_exception();
       }
     });
+  }
+
+  void before_optimizer_step() override {
+    const double waited = saver_->wait_staged();
+    if (waited > 0.001 && rank_ == 0) {
+      std::printf("checkpoint: waited %.3f s for the async snapshot before the optimizer step\n", waited);
+      std::fflush(stdout);
+    }
   }
 
   void wait() override {

@@ -43,6 +43,9 @@ class Checkpointer {
   // After every step; decides itself whether this step is saved (interval, last step). Raises the error of a
   // failed background save of an earlier step.
   virtual void maybe_save(TrainState& state, bool last_step) = 0;
+  // Before the optimizer step (the first change of the saved tensors after a save started): waits until an
+  // async save's snapshot, taken in the background, is complete. The stall of an async save is this wait.
+  virtual void before_optimizer_step() = 0;
   // Waits for a background save and purge (also done by the destructor, which only logs errors).
   virtual void wait() = 0;
 };

@@ -6,6 +6,7 @@
 #include "lr_schedule.h"
 #include "metrics.h"
 #include "parallelize.h"
+#include "tensor_memory.h"
 
 #include <fsdp/clip_grad.h>
 #include <fsdp/materialize.h>
@@ -92,6 +93,10 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
   set_threads();
   torch::manual_seed(static_cast<uint64_t>(config.debug.seed));
   if (config.debug.deterministic) at::globalContext().setDeterministicAlgorithms(true, false);
+
+  // Before the model exists, so that its storages are counted (tensor_memory.h).
+  const bool track_tensors = config.metrics.tensor_memory;
+  if (track_tensors) tensor_memory::install();
 
   // ---- tokenizer, data, model ----
   auto tokenizer = make_tokenizer(config.model.tokenizer_path);
@@ -209,6 +214,11 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
     window_data_s += seconds_since(t_data);
     const double global_tokens = all_reduce(env.group, {static_cast<double>(local_tokens)})[0];
 
+    TrainSummary::TensorMemory tmem;
+    if (track_tensors) {
+      tmem.start = tensor_memory::live_bytes();
+      tensor_memory::reset_peak();
+    }
     double local_loss_sum = 0;
     for (auto& b : batches) {
       auto inputs = torch::from_blob(b.inputs.data(), {b.batch, b.seq_len}, torch::kLong);
@@ -217,6 +227,7 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
       auto loss_sum = torch::nn::functional::cross_entropy(
           logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), labels,
           torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(-100));
+      if (track_tensors) tmem.forward = tensor_memory::live_bytes();
       // Divided by the global count: summed over micro-batches and ranks, this is the full-batch gradient.
       (loss_sum / global_tokens).backward();
       local_loss_sum += loss_sum.item<double>();
@@ -228,7 +239,12 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
     } else {
       grad_norm = torch::nn::utils::clip_grad_norm_(params, config.training.max_norm);
     }
+    checkpointer->before_optimizer_step();  // an async save's background snapshot is complete
     optimizer->step();
+    if (track_tensors) {
+      tmem.peak = tensor_memory::peak_bytes();
+      summary.tensor_memory.push_back(tmem);
+    }
     const double loss = all_reduce(env.group, {local_loss_sum})[0] / global_tokens;
     summary.losses.push_back(loss);
     summary.grad_norms.push_back(grad_norm);
@@ -250,6 +266,11 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
     m.lr = lr;
     m.elapsed_s = seconds_since(t_start);
     m.tokens_seen = step * dims.global_batch_size * S;
+    if (track_tensors) {
+      m.tensor_start_bytes = tmem.start;
+      m.tensor_forward_bytes = tmem.forward;
+      m.tensor_peak_bytes = tmem.peak;
+    }
     const bool log_now = step == 1 || step % config.metrics.log_freq == 0 || last;
     if (log_now) {
       const double dt = seconds_since(t_window);

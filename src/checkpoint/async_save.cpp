@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <exception>
+#include <future>
 #include <iostream>
 #include <thread>
 
@@ -44,13 +45,28 @@ StateDict snapshot(const StateDict& state, std::optional<c10::ScalarType> cast, 
 struct AsyncSaver::Impl {
   ProcessGroupPtr group;
   AsyncMode mode = AsyncMode::Async;
+  Staging staging = Staging::Blocking;
   std::thread worker;
+  std::shared_future<void> staged;   // background staging: ready when the snapshot is complete
   std::atomic<bool> done{true};
   std::optional<SaveResult> result;  // of the last save, until wait() hands it out
   std::exception_ptr error;          // of the last save, until raised
 
   void join() {
     if (worker.joinable()) worker.join();
+    staged = {};
+  }
+  // The background part of a save: write, then the owner's continuation; the outcome is kept for the owner.
+  void run(const StateDict& snap, const std::string& path, const SaveOptions& options,
+           const std::function<void(const SaveResult&)>& after) {
+    try {
+      SaveResult r = checkpoint::save(snap, path, options);
+      if (after) after(r);
+      result = r;
+    } catch (...) {
+      error = std::current_exception();
+    }
+    done = true;
   }
   void raise_error() {
     if (error) {
@@ -61,9 +77,10 @@ struct AsyncSaver::Impl {
   }
 };
 
-AsyncSaver::AsyncSaver(ProcessGroupPtr group, AsyncMode mode) : impl_(std::make_unique<Impl>()) {
+AsyncSaver::AsyncSaver(ProcessGroupPtr group, AsyncMode mode, Staging staging) : impl_(std::make_unique<Impl>()) {
   impl_->group = std::move(group);
   impl_->mode = mode;
+  impl_->staging = staging;
 }
 
 AsyncSaver::~AsyncSaver() {
@@ -92,21 +109,46 @@ AsyncSaver::Started AsyncSaver::save(const StateDict& state, const std::string& 
     started.stage_seconds = since(t0);
     return started;
   }
-  auto snap = std::make_shared<StateDict>(snapshot(state, cast, impl_->mode == AsyncMode::AsyncWithPinnedMem));
-  started.stage_seconds = since(t0);
+  const bool pin = impl_->mode == AsyncMode::AsyncWithPinnedMem;
   started.background = true;
   impl_->done = false;
-  impl_->worker = std::thread([impl = impl_.get(), snap, path, options, after = std::move(after)] {
+  if (impl_->staging == Staging::Blocking) {
+    auto snap = std::make_shared<StateDict>(snapshot(state, cast, pin));
+    started.stage_seconds = since(t0);
+    impl_->staged = {};
+    impl_->worker = std::thread([impl = impl_.get(), snap, path, options, after = std::move(after)] {
+      impl->run(*snap, path, options, after);
+    });
+    return started;
+  }
+  // Background staging: the thread reads the live tensors (concurrent reads are safe) until the snapshot is
+  // complete; the owner promised not to change them before wait_staged().
+  auto live = std::make_shared<StateDict>(state);  // shares the tensors; copies the values now
+  std::promise<void> staged;
+  impl_->staged = staged.get_future().share();
+  impl_->worker = std::thread([impl = impl_.get(), live, staged = std::move(staged), path, options, cast, pin,
+                               after = std::move(after)]() mutable {
+    StateDict snap;
     try {
-      SaveResult r = checkpoint::save(*snap, path, options);
-      if (after) after(r);
-      impl->result = r;
+      snap = snapshot(*live, cast, pin);
     } catch (...) {
       impl->error = std::current_exception();
     }
+    live.reset();
+    staged.set_value();
+    if (!impl->error) impl->run(snap, path, options, after);
     impl->done = true;
   });
+  started.stage_seconds = since(t0);
   return started;
+}
+
+double AsyncSaver::wait_staged() {
+  if (!impl_->staged.valid()) return 0;
+  const auto t0 = Clock::now();
+  impl_->staged.wait();
+  impl_->staged = {};
+  return since(t0);
 }
 
 std::optional<SaveResult> AsyncSaver::wait() {

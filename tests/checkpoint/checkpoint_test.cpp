@@ -199,6 +199,29 @@ TEST(CheckpointAsync, SnapshotThenBackgroundWrite) {
   fs::remove_all(dir);
 }
 
+// Background staging: save() returns before the snapshot is taken; values are copied at the call; after
+// wait_staged() the state may change without changing the checkpoint.
+TEST(CheckpointAsync, BackgroundStagingSnapshotsBeforeWaitStagedReturns) {
+  const auto dir = fresh_dir("async_staging");
+  const std::string path = (dir / "step-1").string();
+  Sample live(9);
+  ckpt::AsyncSaver saver(nullptr, ckpt::AsyncMode::Async, ckpt::Staging::Background);
+  EXPECT_TRUE(saver.save(live.sd, path).background);
+  live.sd.values["lr"] = "0.5";  // values were copied by save()
+  saver.wait_staged();
+  live.sd.tensors.at("w").local().zero_();  // the optimizer step, after the snapshot
+  live.sd.full.at("b").fill_(0);
+  saver.wait();
+  Sample ref(9);
+  auto got = Sample::blank_like(ref.sd);
+  ckpt::load(got, path);
+  EXPECT_TRUE(torch::equal(got.tensors.at("w").local(), ref.sd.tensors.at("w").local()));
+  EXPECT_TRUE(torch::equal(got.full.at("b"), ref.sd.full.at("b")));
+  EXPECT_EQ(got.values.at("lr"), "0.001");
+  EXPECT_EQ(saver.wait_staged(), 0.0);  // nothing staged any more
+  fs::remove_all(dir);
+}
+
 // A background save's error is raised by the next save(), wait() or check(), never dropped; the save that
 // raised it did not start; the saver works again afterwards.
 TEST(CheckpointAsync, BackgroundErrorSurfacesAtTheNextCall) {

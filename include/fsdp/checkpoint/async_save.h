@@ -14,6 +14,11 @@
 // - the background save's collectives use the saver's own group (create it with fsdp::new_group over the same
 //   ranks), so they never interleave with the training's collectives on another group.
 // With AsyncMode::Disabled, save() is synchronous and returns after the save completed.
+//
+// Staging::Background goes further (PyTorch DCP's async staging): the snapshot itself is taken on the
+// background thread and save() returns at once; the caller must call wait_staged() before it next changes the
+// tensors of the state (the optimizer step), so the stall is only what the snapshot has not finished by then.
+// Values (JSON text) are copied before save() returns.
 
 #include <fsdp/checkpoint/checkpoint.h>
 
@@ -27,6 +32,7 @@
 namespace fsdp::checkpoint {
 
 enum class AsyncMode { Disabled, Async, AsyncWithPinnedMem };
+enum class Staging { Blocking, Background };
 // TorchTitan's names: "disabled", "async", "async_with_pinned_mem" (error listing them otherwise).
 AsyncMode parse_async_mode(const std::string& name);
 
@@ -40,7 +46,7 @@ class AsyncSaver {
  public:
   // group: the process group the background saves use (null = a single process). Must not be used for
   // anything else while a save may be in flight.
-  explicit AsyncSaver(ProcessGroupPtr group, AsyncMode mode = AsyncMode::Async);
+  explicit AsyncSaver(ProcessGroupPtr group, AsyncMode mode = AsyncMode::Async, Staging staging = Staging::Blocking);
   ~AsyncSaver();  // waits for the save in flight; its error is printed to stderr (it can no longer be raised)
   AsyncSaver(const AsyncSaver&) = delete;
   AsyncSaver& operator=(const AsyncSaver&) = delete;
@@ -55,6 +61,9 @@ class AsyncSaver {
   // save's. `cast` applies to the snapshot (see snapshot()).
   Started save(const StateDict& state, const std::string& path, SaveOptions options = {},
                std::function<void(const SaveResult&)> after = {}, std::optional<c10::ScalarType> cast = std::nullopt);
+  // Background staging: blocks until the snapshot of the save in flight is complete (the state's tensors may
+  // change afterwards). Returns the seconds it waited; a no-op otherwise.
+  double wait_staged();
   // Waits for the save in flight (if any) and raises its error; returns its result.
   std::optional<SaveResult> wait();
   // Raises the error of a finished background save without waiting for one in flight.
