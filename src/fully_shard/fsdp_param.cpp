@@ -104,6 +104,16 @@ void FSDPParam::allocate_storage(c10::Device sharded_device, c10::Device unshard
   // The visible shard: the owned rows, in the parameter's own layout (0-dim: keeps the 0-dim look on every rank).
   sharded_local_ = geometry_.from_rows(sharded_padded_.narrow(0, 0, rows));
   if (copy_from_param && rows > 0) sharded_local_.copy_(local_part_of(param_));
+  aliases_shard_ = geometry_.world == 1 && param_dtype_ == orig_dtype_ && sharded_device == unsharded_device &&
+                   !offload.cpu_offload && (geometry_.shard_dim == 0 || geometry_.replicated);
+  if (aliases_shard_) {
+    // One rank owns every row: the padded shard has no padding and already has the full shape.
+    TORCH_CHECK(sharded_local_.sizes() == c10::IntArrayRef(unsharded_sizes_) && sharded_local_.is_contiguous(),
+                "fsdp internal: world-size-1 shard of '", fqn_, "' has shape ", sharded_local_.sizes(),
+                ", expected the full shape ", unsharded_sizes_);
+    unsharded_ = sharded_local_;
+    return;
+  }
   unsharded_ = at::empty(unsharded_sizes_, at::TensorOptions().dtype(param_dtype_).device(unsharded_device));
   if (!on_meta) free_storage(unsharded_);
 }
@@ -154,11 +164,12 @@ void FSDPParam::end_full_init() {
 }
 
 void FSDPParam::alloc_unsharded() {
-  alloc_storage(unsharded_);
+  if (!aliases_shard_) alloc_storage(unsharded_);
 }
 
 void FSDPParam::free_unsharded() {
-  free_storage(unsharded_);
+  // Aliased: the "unsharded" storage is the shard itself, which must never be freed.
+  if (!aliases_shard_) free_storage(unsharded_);
 }
 
 void FSDPParam::to_unsharded() {

@@ -74,6 +74,12 @@ class FSDPParam {
   int64_t shard_rank() const { return shard_rank_; }
 
   int64_t shard_dim() const { return geometry_.shard_dim; }
+  // World-size-1 fast path: nothing is sharded (shard group of one rank), cast (param dtype = original dtype)
+  // or moved (no offload), so the unsharded parameter *is* the shard: unsharded() aliases sharded_local(),
+  // alloc/free_unsharded are no-ops and an unshard needs no copy and no collective. Decided whenever the
+  // storage is (re)created (construction, materialize, convert_dtype). Dim-0 (or 0-dim) sharding only, so the
+  // shown full parameter stays contiguous.
+  bool aliases_shard() const { return aliases_shard_; }
   // This rank's zero-padded shard [chunk_rows, row_sizes...] (rows layout) in the original dtype (all-gather
   // input source).
   const at::Tensor& sharded_padded() const { return sharded_padded_; }
@@ -141,6 +147,7 @@ class FSDPParam {
                         c10::Device compute_device, bool copy_from_param);
 
   at::Tensor param_;
+  bool aliases_shard_ = false;
   std::string fqn_;
   std::vector<int64_t> unsharded_sizes_;
   ShardGeometry geometry_;

@@ -127,11 +127,37 @@ void FSDPParamGroup::invalidate_caches() {
   for (FSDPParam* p : param_ptrs_) p->forget_known_zero();
 }
 
+bool FSDPParamGroup::unshards_locally() const {
+  if (mesh_info_.shard_size != 1) return false;
+  for (const FSDPParam* p : param_ptrs_) {
+    if (!p->aliases_shard()) return false;
+  }
+  return true;
+}
+
+bool FSDPParamGroup::hands_over_gradients() const {
+  if (!unshards_locally() || (mesh_info_.replicate_group && mesh_info_.replicate_size > 1) || all_reduce_hook) {
+    return false;
+  }
+  for (const FSDPParam* p : param_ptrs_) {
+    if (p->reduce_dtype() != p->orig_dtype()) return false;
+    const GradientDivision d = gradient_division(p->reduce_dtype(), 1, 1, gradient_divide_factor,
+                                                 force_sum_reduction_for_comms);
+    if (d.pre_divide || d.post_divide) return false;  // a divide factor other than 1 changes the values
+  }
+  return true;
+}
+
 void FSDPParamGroup::unshard() {
   if (is_unsharded_ || unshard_in_flight() || params_.empty()) return;
   for (FSDPParam* p : param_ptrs_) {
     TORCH_CHECK(!p->param().is_meta(), "fsdp: parameter '", p->fqn(),
                 "' is still on the meta device; materialize the model before running it");
+  }
+  if (unshards_locally()) {
+    // Nothing to gather: wait_for_unshard shows the shards (which are the full parameters) directly.
+    local_unshard_issued_ = true;
+    return;
   }
   const int64_t world = mesh_info_.shard_size;
   all_gather_output_ = at::empty({world * layout_.per_rank_bytes},
@@ -155,6 +181,13 @@ void FSDPParamGroup::unshard() {
 void FSDPParamGroup::wait_for_unshard() {
   if (is_unsharded_ || params_.empty()) return;
   if (!unshard_in_flight()) unshard();
+  if (local_unshard_issued_) {
+    // Always current (no copy that could go stale), so no version check either.
+    local_unshard_issued_ = false;
+    for (FSDPParam* p : param_ptrs_) p->to_unsharded();
+    is_unsharded_ = true;
+    return;
+  }
   all_gather_.wait();
   all_gather_ = Work();
   if (all_gather_version_ != shards_version()) {
@@ -177,6 +210,7 @@ void FSDPParamGroup::wait_for_unshard() {
 }
 
 void FSDPParamGroup::drop_unused_unshard() {
+  local_unshard_issued_ = false;
   if (!unshard_in_flight()) return;
   Work work = std::move(all_gather_);
   all_gather_ = Work();
@@ -320,6 +354,15 @@ void FSDPParamGroup::reduce_gradients() {
   if (!any) return;
   // At most one reduction in flight per group; the previous one completes first.
   finish_pending_reduce();
+  if (hands_over_gradients()) {
+    // One rank, same dtype, nothing to divide: the reduced gradient is the gradient. It becomes the sharded
+    // .grad as is (or is added to one kept from an earlier backward), exactly as without FSDP.
+    c10::NoGradGuard no_grad;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (grads[i].defined()) param_ptrs_[i]->accumulate_sharded_grad(grads[i]);
+    }
+    return;
+  }
   PendingReduce pending;
   pending.layout = make_reduce_scatter_layout(param_ptrs_, grads);
   at::Tensor input = pack_reduce_scatter_input(param_ptrs_, grads, pending.layout);

@@ -79,7 +79,13 @@ class FSDPParamGroup {
   void wait_for_unshard();
   bool is_unsharded() const { return is_unsharded_; }
   // In flight = issued, not yet waited.
-  bool unshard_in_flight() const { return all_gather_output_.defined(); }
+  bool unshard_in_flight() const { return all_gather_output_.defined() || local_unshard_issued_; }
+  // World-size-1 fast path (FSDPParam::aliases_shard for every parameter): unshard shows the shards
+  // themselves, no buffer, copy or collective.
+  bool unshards_locally() const;
+  // ... and gradients are handed to the sharded .grad as autograd produced them (no reduce-scatter, no
+  // copy): no replicas to all-reduce with, no division, no hook that expects a reduced buffer.
+  bool hands_over_gradients() const;
   // Frees the full parameters (waiting for and dropping an unused in-flight all-gather first). With
   // keep_post_forward_shard and reshard_after_forward = N, keeps an N-way sharded copy for backward.
   void reshard(bool keep_post_forward_shard = false);
@@ -161,6 +167,7 @@ class FSDPParamGroup {
   bool is_unsharded_ = false;
   Work all_gather_;
   at::Tensor all_gather_output_;
+  bool local_unshard_issued_ = false;  // unshard() on the fast path: nothing in flight, same state machine
   int64_t all_gather_version_ = -1;  // shards_version() when the in-flight gather packed them
 
   // Backward accounting for repeated use. A forward call with gradients enabled is one "use"; a use whose
