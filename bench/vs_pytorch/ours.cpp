@@ -303,23 +303,31 @@ int cmd_collectives(const Options& o, double mib) {
   at::Tensor out = at::empty({W * n}, at::kFloat);
   at::Tensor in = at::ones({n}, at::kFloat);
   at::Tensor rs_in = at::ones({W * n}, at::kFloat), rs_out = at::empty({n}, at::kFloat);
-  auto measure = [&](const std::function<void()>& op) {
-    std::vector<double> t;
-    for (int i = 0; i < 23; ++i) {
+  // All-gather and reduce-scatter alternate within one loop, so both see the same machine load (this box is
+  // shared: measured one after the other, their ratio drifts with whatever else runs).
+  std::vector<double> t_ags, t_rss;
+  int64_t ag_bytes = 0, rs_bytes = 0;
+  for (int i = 0; i < 23; ++i) {
+    for (int which = 0; which < 2; ++which) {
       world->barrier().wait();
+      world->reset_stats();
       const auto t0 = std::chrono::steady_clock::now();
-      op();
-      if (i >= 3) t.push_back(seconds_since(t0));
+      if (which == 0) {
+        world->all_gather_into_tensor(out, in).wait();
+      } else {
+        world->reduce_scatter_tensor(rs_out, rs_in, fsdp::ReduceOp::Sum).wait();
+      }
+      const double t = seconds_since(t0);
+      if (i < 3) continue;
+      (which == 0 ? t_ags : t_rss).push_back(t);
+      (which == 0 ? ag_bytes : rs_bytes) = world->stats().bytes_sent;
     }
+  }
+  auto median = [](std::vector<double> t) {
     std::sort(t.begin(), t.end());
     return t[t.size() / 2];
   };
-  world->reset_stats();
-  const double t_ag = measure([&] { world->all_gather_into_tensor(out, in).wait(); });
-  const int64_t ag_bytes = world->stats().bytes_sent / 23;
-  world->reset_stats();
-  const double t_rs = measure([&] { world->reduce_scatter_tensor(rs_out, rs_in, fsdp::ReduceOp::Sum).wait(); });
-  const int64_t rs_bytes = world->stats().bytes_sent / 23;
+  const double t_ag = median(t_ags), t_rs = median(t_rss);
   if (world->rank() == 0) {
     std::ofstream f(o.out_dir + "/collectives.json");
     f << "{\"event\":\"collectives\",\"world\":" << W << ",\"mib\":" << bench::fmt(mib)

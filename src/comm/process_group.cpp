@@ -72,22 +72,6 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
   TORCH_CHECK(false, "fsdp: unknown ReduceOp");
 }
 
-// Reduce the `size` rows of `chunks` ([size, n]) into `out` (n elements). Low-precision floats accumulate in
-// fp32 and are rounded once at the end, so the result does not depend on rounding after every addition.
-void reduce_rows(const at::Tensor& chunks, ReduceOp op, const at::Tensor& out) {
-  const auto dt = chunks.scalar_type();
-  const bool low = dt == at::kBFloat16 || dt == at::kHalf;
-  const at::Tensor x = low ? chunks.to(at::kFloat) : chunks;
-  at::Tensor r;
-  switch (op) {
-    case ReduceOp::Sum: r = x.sum(0); break;
-    case ReduceOp::Avg: r = x.sum(0).div_(chunks.size(0)); break;
-    case ReduceOp::Max: r = x.amax(0); break;
-    case ReduceOp::Min: r = x.amin(0); break;
-  }
-  out.view({-1}).copy_(r);
-}
-
 Work completed() { return Work(); }
 
 }  // namespace
@@ -200,19 +184,10 @@ Work ProcessGroup::reduce_scatter_tensor(at::Tensor output, at::Tensor input, Re
     return completed();
   }
   g.stats.bytes_sent += comm::reduce_scatter_bytes(nbytes(input), g.size);
-  const auto what = label(g, coll, c10::str(to_string(op), ", ", input.numel(), " x ", input.scalar_type()));
-  // All-to-all of the s chunks: afterwards row r of `received` is rank r's contribution to our chunk.
-  at::Tensor in_flat = input.view({-1});
-  at::Tensor received = at::empty_like(in_flat);
-  std::vector<int64_t> equal_splits;  // empty = equal splits
-  c10d::AllToAllOptions opts;
-  opts.timeout = g.timeout;
-  auto w = launch(what, [&] { return g.backend->alltoall_base(received, in_flat, equal_splits, equal_splits, opts); });
-  const int64_t s = g.size;
-  // The lambda keeps `input` alive until the transfer is done.
-  return make_work(g, what, std::move(w), [received, output, input, op, s] {
-    reduce_rows(received.view({s, -1}), op, output);
-  });
+  // Direct exchange reduced piece by piece as it arrives, on the group's progress thread
+  // (comm/reduce_scatter.cpp).
+  return comm::pipelined_reduce_scatter(
+      g, label(g, coll, c10::str(to_string(op), ", ", input.numel(), " x ", input.scalar_type())), output, input, op);
 }
 
 Work ProcessGroup::all_reduce(at::Tensor tensor, ReduceOp op) {

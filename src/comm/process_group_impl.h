@@ -2,6 +2,9 @@
 // Private: the state behind fsdp::ProcessGroup and fsdp::Work. Only src/comm/*.cpp include this header, so
 // c10d's headers never leak into the public API.
 
+#include "comm/buffer_pool.h"
+#include "comm/progress_thread.h"
+
 #include <fsdp/process_group.h>
 
 #include <c10/util/Exception.h>
@@ -29,6 +32,11 @@ struct ProcessGroup::Impl {
   // Point-to-point tag of the next all-gather exchange. Advances identically on every rank of the group
   // because collectives are called in the same order everywhere.
   uint32_t next_p2p_tag = 1;
+  // Drives the reduce-scatter's local reductions off the calling thread; started on first use. Declared
+  // after `backend` so it is joined (its tasks finished) before the backend goes.
+  comm::BufferPool scratch;  // reduce-scatter receive slots and accumulators, reused across calls
+  std::unique_ptr<comm::ProgressThread> progress;
+  comm::ProgressThread& progress_thread();
 
   // "group 'world' (world ranks [0, 1, 2], this rank 1)" — used in every error message.
   std::string describe() const;
@@ -43,10 +51,18 @@ inline const char* message_of(const std::exception& e) {
 struct Work::Impl {
   std::string what;  // "reduce_scatter_tensor(Sum, 8 x BFloat16) on group '...' (...)"
   std::vector<c10::intrusive_ptr<c10d::Work>> pending;
-  std::function<void()> on_complete;  // local post-processing once `pending` is done (e.g. the local sum)
+  std::function<void()> on_complete;  // local post-processing once `pending` is done
+  std::shared_ptr<comm::TaskState> task;  // work done on the group's progress thread (e.g. the local sums)
   std::chrono::milliseconds timeout{0};
   bool done = false;
   std::string error;  // non-empty once failed: later wait() calls rethrow the same failure
 };
+
+namespace comm {
+// Reduce-scatter as a direct exchange reduced piece by piece as it arrives (comm/reduce_scatter.cpp). Called
+// by ProcessGroup::reduce_scatter_tensor after its checks, for groups of more than one rank and non-empty input.
+Work pipelined_reduce_scatter(ProcessGroup::Impl& g, std::string what, const at::Tensor& output,
+                              const at::Tensor& input, ReduceOp op);
+}  // namespace comm
 
 }  // namespace fsdp

@@ -15,6 +15,7 @@ bool Work::is_completed() const {
   for (const auto& w : impl_->pending) {
     if (!w->isCompleted()) return false;
   }
+  if (impl_->task && !impl_->task->done()) return false;
   // The transfers are done; the local post-processing runs in wait().
   return impl_->on_complete == nullptr;
 }
@@ -33,6 +34,11 @@ void Work::wait() {
       TORCH_CHECK(ok, "the collective was aborted");
     }
     w.pending.clear();
+    if (w.task) {
+      // The task bounds each of its own waits by the timeout; this bound is the same backstop as above.
+      TORCH_CHECK(w.task->wait(backstop), "its local part did not finish");
+      w.task = nullptr;
+    }
     if (w.on_complete) {
       w.on_complete();
       w.on_complete = nullptr;
@@ -40,6 +46,7 @@ void Work::wait() {
   } catch (const std::exception& e) {
     w.error = c10::str("fsdp: ", w.what, " failed (timeout ", w.timeout.count(), " ms): ", message_of(e));
     w.pending.clear();
+    w.task = nullptr;
     w.on_complete = nullptr;
     TORCH_CHECK(false, w.error);
   }
