@@ -89,6 +89,8 @@ std::vector<Field> fields(JobConfig& c) {
       {"metrics", "save_tb_folder", &c.metrics.save_tb_folder, "unused", false},
       {"metrics", "save_for_all_ranks", &c.metrics.save_for_all_ranks, "every rank writes metrics_rank<r>.jsonl"},
       {"metrics", "peak_tflops", &c.metrics.peak_tflops, "per-rank peak for MFU; 0 = measure with a matmul benchmark at startup"},
+      {"metrics", "tensor_memory", &c.metrics.tensor_memory,
+       "count live CPU tensor bytes per step (start, end of forward, peak) into metrics.jsonl"},
       {"comm", "init_timeout_seconds", &c.comm.init_timeout_seconds, "rendezvous and first collectives"},
       {"comm", "train_timeout_seconds", &c.comm.train_timeout_seconds, "collectives after the first step"},
       {"debug", "seed", &c.debug.seed, "model init and anything random"},

@@ -86,6 +86,7 @@ struct JobConfig {
     std::string save_tb_folder = "tb";
     bool save_for_all_ranks = false;
     double peak_tflops = 0.0;  // 0 = measure with a short matmul benchmark at startup
+    bool tensor_memory = false;  // count live CPU tensor bytes (tensor_memory.h): start/forward/peak per step
   } metrics;
   struct Comm {
     int64_t init_timeout_seconds = 300;

@@ -74,6 +74,11 @@ void JsonlWriter::write(const StepMetrics& m) {
                       {"tps", m.tps},         {"tflops", m.tflops}, {"mfu", m.mfu},       {"memory_gib", m.mem_gib},
                       {"memory_max_gib", m.mem_max_gib}, {"data_s", m.data_s}, {"elapsed_s", m.elapsed_s},
                       {"tokens_seen", m.tokens_seen}};
+  if (m.tensor_peak_bytes >= 0) {
+    j["tensor_start_bytes"] = m.tensor_start_bytes;
+    j["tensor_forward_bytes"] = m.tensor_forward_bytes;
+    j["tensor_peak_bytes"] = m.tensor_peak_bytes;
+  }
   out_ << j.dump() << "\n";
   out_.flush();  // a crash keeps every step written so far
 }

@@ -21,6 +21,9 @@ struct StepMetrics {
   double data_s = 0;          // time spent loading data since the previous log
   double elapsed_s = 0;       // since the first step started
   int64_t tokens_seen = 0;    // global tokens so far
+  // metrics.tensor_memory: live CPU tensor bytes of this rank (tensor_memory.h) at the step's start (after
+  // zero_grad), at the end of its last forward (loss computed) and the step's peak; -1 = not tracked.
+  int64_t tensor_start_bytes = -1, tensor_forward_bytes = -1, tensor_peak_bytes = -1;
 };
 
 // Peak resident set size of this process in bytes (VmHWM of /proc/self/status); 0 where unavailable.

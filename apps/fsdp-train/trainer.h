@@ -31,6 +31,13 @@ struct TrainSummary {
   double mean_mfu = 0;
   double peak_tflops = 0;
   std::string plan;                 // how the model was parallelised
+  // metrics.tensor_memory: this rank's live CPU tensor bytes of every step (empty otherwise).
+  struct TensorMemory {
+    int64_t start = 0;    // after zero_grad: sharded params + optimizer states (+ anything kept across steps)
+    int64_t forward = 0;  // end of the (last micro-batch's) forward: loss computed, backward not started
+    int64_t peak = 0;     // highest during the step (forward, backward, clipping, optimizer step)
+  };
+  std::vector<TensorMemory> tensor_memory;
 };
 
 // TorchTitan's env handling: init_process_group when WORLD_SIZE > 1 (RANK, MASTER_ADDR, MASTER_PORT from the
