@@ -32,6 +32,7 @@ int torchtitan_8b() {
     c.seq_len = 8192;
     c.ac = ACMode::Selective;
     c.selective = kind;
+    c.op_sac_saves_attention = true;  // TorchTitan's op policy (ours keeps matmul outputs only)
     c.loss.upcast_logits = true;
     c.loss.free_logits_before_backward = true;
     Plan p = make_plan(c);
@@ -65,6 +66,12 @@ int main(int argc, char** argv) {
   app.add_option("--ac", ac, "activation checkpointing: none | selective | full");
   app.add_option("--selective", selective, "selective AC kind: layer | op");
   app.add_option("--selective-every", c.selective_every, "layer SAC: checkpoint every N-th block");
+  app.add_flag("--keep-last-block", c.keep_last_block_unsharded,
+               "the last block is not resharded after forward (fsdp-train's and TorchTitan's default)");
+  app.add_flag("--op-sac-attention", c.op_sac_saves_attention,
+               "op SAC keeps SDPA outputs too (TorchTitan's policy; ours keeps matmul outputs only)");
+  int64_t vocab = 0;
+  app.add_option("--vocab", vocab, "vocabulary size (default: the flavor's; fsdp-train's byte-level tokenizer: 258)");
   app.add_option("--reshard", reshard, "blocks' reshard_after_forward: true | false | N");
   app.add_flag("--loss-upcast", c.loss.upcast_logits, "cross-entropy on a float32 copy of the logits (TorchTitan)");
   app.add_flag("--free-logits", c.loss.free_logits_before_backward, "logits freed before backward (TorchTitan)");
@@ -77,6 +84,7 @@ int main(int argc, char** argv) {
     c.flavor = flavor;
     c.runtime_overhead = static_cast<int64_t>(overhead_mib * (1 << 20));
     c.args = fsdp::nn::llama::llama3_flavor(flavor);
+    if (vocab > 0) c.args.vocab_size = vocab;
     c.param_dtype = parse_dtype(param);
     c.compute_dtype = parse_dtype(compute);
     c.reduce_dtype = parse_dtype(reduce);

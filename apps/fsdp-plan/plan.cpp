@@ -114,7 +114,10 @@ Plan make_plan(const PlanConfig& c) {
   const int64_t full_per_token = 2 * norm + attn + ffn;
   m.act_per_layer_full = T * full_per_token;
   m.act_per_layer_checkpointed = T * e * D;  // the block input only
-  const int64_t op_sac_per_token = e * (D + hq + hkv + F + D + hq) + 4 * a.n_heads;  // x, wq, wv, w1, w2, sdpa, lse
+  // Op-level SAC: the block input and a copy of every other matmul output (wq, wv, w1, w2); TorchTitan's policy
+  // also keeps the SDPA output and log-sum-exp.
+  const int64_t op_sac_per_token =
+      e * (D + hq + hkv + F + D) + (c.op_sac_saves_attention ? e * hq + 4 * a.n_heads : 0);
   // Saved bytes of each block, and whether its backward first recomputes its forward (a checkpointed block).
   std::vector<int64_t> layer_saved(a.n_layers, m.act_per_layer_full);
   std::vector<bool> recomputed(a.n_layers, false);
@@ -124,7 +127,7 @@ Plan make_plan(const PlanConfig& c) {
          (l + 1) % std::max<int64_t>(c.selective_every, 1) == 0)) {  // TorchTitan: every N-th block
       layer_saved[l] = m.act_per_layer_checkpointed;
       recomputed[l] = true;
-    } else if (c.ac == ACMode::Selective) {  // op-level: the saved op outputs, the rest recomputed
+    } else if (c.ac == ACMode::Selective && c.selective == SelectiveKind::Op) {  // the saved op outputs, the rest recomputed
       layer_saved[l] = T * op_sac_per_token;
       recomputed[l] = true;
     }
@@ -213,6 +216,11 @@ Plan make_plan(const PlanConfig& c) {
   }
   m.root_unsharded = m.peak_moment == "optimizer step" ? 0 : m.root_unsharded;
   m.total = best;
+  m.saved_activations = saved_layers_bytes + final_norm;
+  const int64_t blocks_unsharded_after_forward =
+      c.block_reshard == 0 ? a.n_layers : (c.keep_last_block_unsharded && a.n_layers > 0 ? 1 : 0);
+  m.end_of_forward = root.numel * e + blocks_unsharded_after_forward * U + m.saved_activations + loss_fwd;
+  m.step_peak = best - persist;
 
   // ---- communication per step ----
   CommPlan& cm = plan.comm;
@@ -223,11 +231,12 @@ Plan make_plan(const PlanConfig& c) {
       cm.all_gather_bytes += (S - 1) * g.all_gather_bytes;  // forward
       cm.all_gather_calls += 1;
       cm.optimum_bytes += (S - 1) * g.numel * e / S;
-      if (!is_root && c.block_reshard == 1) {  // re-gathered in backward
+      const bool kept = c.keep_last_block_unsharded && &g == &plan.groups[plan.groups.size() - 2];
+      if (!is_root && c.block_reshard == 1 && !kept) {  // re-gathered in backward
         cm.all_gather_bytes += (S - 1) * g.all_gather_bytes;
         cm.all_gather_calls += 1;
         cm.optimum_bytes += (S - 1) * g.numel * e / S;
-      } else if (!is_root && c.block_reshard > 1) {  // hpZ: within N ranks, from the N-way copy
+      } else if (!is_root && c.block_reshard > 1 && !kept) {  // hpZ: within N ranks, from the N-way copy
         const int64_t N = c.block_reshard;
         cm.all_gather_bytes += (N - 1) * (S / N) * g.all_gather_bytes;
         cm.all_gather_calls += 1;
@@ -276,6 +285,8 @@ std::string format_plan(const Plan& p) {
   os << "  loss (logits etc.)      " << gib(m.loss) << "\n";
   if (m.runtime) os << "  runtime overhead        " << gib(m.runtime) << "\n";
   os << "  peak                    " << gib(m.total) << "  at: " << m.peak_moment << "\n";
+  os << "  AC: saved activations   " << gib(m.saved_activations) << "  (end of forward above params+optimizer: "
+     << gib(m.end_of_forward) << "; peak above them: " << gib(m.step_peak) << ")\n";
   const auto& cm = p.comm;
   os << "communication per rank per step\n";
   os << "  all-gather              " << gib(cm.all_gather_bytes) << " (" << cm.all_gather_calls << " calls)\n";

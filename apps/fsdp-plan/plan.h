@@ -41,9 +41,16 @@ struct PlanConfig {
   ACMode ac = ACMode::None;
   SelectiveKind selective = SelectiveKind::Layer;
   int64_t selective_every = 2;
+  // Op-level SAC's save list: false = ours (src/activation_checkpoint/selective_op.cpp: a copy of every other
+  // matmul output, wq wv w1 w2, everything else recomputed); true = TorchTitan's, which also keeps the SDPA
+  // output and its log-sum-exp.
+  bool op_sac_saves_attention = false;
   // Blocks' reshard_after_forward: 0 = false, 1 = true, N > 1 = hpZ N-way (must divide shard). The root keeps
   // PyTorch's default (not resharded after forward).
   int64_t block_reshard = 1;
+  // TorchTitan's and fsdp-train's default policy: the last block is not resharded after forward (backward starts
+  // with it), so its unsharded params stay from its forward to its backward and it is not re-gathered.
+  bool keep_last_block_unsharded = false;
   LossPath loss;
   // Fixed allocations of the framework's runtime, added to every moment (0 by default; ~4.5 MiB for libtorch
   // on CPU, measured in tests/plan; on CUDA the context lives outside the allocator's statistics).
@@ -73,6 +80,14 @@ struct MemoryPlan {
   // Saved activations per block (bytes), and of the checkpointed / recomputed layers.
   int64_t act_per_layer_full = 0;
   int64_t act_per_layer_checkpointed = 0;
+  // Activation checkpointing's view (docs/planner.md, "Activation checkpointing"): what the blocks keep from
+  // forward to backward under the configured AC mode (summed over blocks, final norm included), and the bytes
+  // above the persistent state (params + optimizer states + runtime) at the end of forward (saved activations,
+  // root unsharded params, logits and log-softmax) and at the peak. The trainer's metrics.tensor_memory
+  // measures the last two (tests/plan/plan_ac_vs_measured_test).
+  int64_t saved_activations = 0;
+  int64_t end_of_forward = 0;
+  int64_t step_peak = 0;
 };
 
 struct CommPlan {
