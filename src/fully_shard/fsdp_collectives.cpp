@@ -131,13 +131,19 @@ at::Tensor pack_reduce_scatter_input(const std::vector<FSDPParam*>& params, cons
   TORCH_CHECK(!params.empty(), "fsdp internal: empty reduce-scatter");
   const ShardGeometry& g0 = params.front()->geometry();
   const int64_t world = g0.world;
-  at::Tensor input = at::zeros({world, layout.per_rank_numel}, grads[0].defined() ? grads[0].options().dtype(layout.dtype)
+  // Not zero-filled: every element is written below, the gradient rows by the copy and only the padding rows
+  // of trailing ranks (uneven shards) by zero_.
+  at::Tensor input = at::empty({world, layout.per_rank_numel}, grads[0].defined() ? grads[0].options().dtype(layout.dtype)
                                                                                   : at::TensorOptions().dtype(layout.dtype));
   for (size_t i = 0; i < params.size(); ++i) {
     if (layout.offsets[i] < 0) continue;
     const ShardGeometry& g = params[i]->geometry();
     at::Tensor block = input.narrow(1, layout.offsets[i], g.padded_numel()).view(g.rows_shape({world, g.chunk_rows}));
     copy_rank_rows(g, as_rows(grads[i], g), block, 0, /*to_block=*/true);
+    for (int64_t r = 0; r < world; ++r) {
+      const int64_t rows = g.rows_of(r);
+      if (rows < g.chunk_rows) block.select(0, r).narrow(0, rows, g.chunk_rows - rows).zero_();
+    }
   }
   return input.view({-1});
 }
