@@ -3,8 +3,9 @@
 // CUDA). Every collective is asynchronous and returns a Work handle; nothing here blocks unless you wait().
 //
 // Why a layer at all: c10d's Gloo backend emulates reduce-scatter with a full all-reduce (twice the bytes)
-// and has dropped the reduce op (AVG became SUM, PyTorch issue 162338). Ours is an all-to-all of chunks plus
-// a local sum, which moves exactly the bytes of a ring reduce-scatter and honours every op. The layer also
+// and has dropped the reduce op (AVG became SUM, PyTorch issue 162338). Ours is a direct exchange of chunks,
+// reduced piece by piece as they arrive (docs/comm.md), which moves exactly the bytes of a ring reduce-scatter
+// and honours every op. The layer also
 // counts calls and bytes per collective (for tests and benchmarks) and turns timeouts into errors that
 // name the collective and the group.
 
