@@ -14,6 +14,8 @@
 
 #include <fsdp/process_group.h>
 
+#include "comm/dist_env.h"
+
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -23,12 +25,6 @@ using namespace fsdp_train;
 using namespace fsdp::plan;
 
 namespace {
-class DistEnv : public ::testing::Environment {
- public:
-  void SetUp() override { fsdp::init_process_group(); }
-  void TearDown() override { fsdp::destroy_process_group(); }
-};
-const auto* const kEnv = ::testing::AddGlobalTestEnvironment(new DistEnv);
 
 struct Mode {
   const char* mode;

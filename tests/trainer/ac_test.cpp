@@ -6,6 +6,8 @@
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/process_group.h>
 
+#include "comm/dist_env.h"
+
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -13,12 +15,6 @@
 using namespace fsdp_train;
 
 namespace {
-class DistEnv : public ::testing::Environment {
- public:
-  void SetUp() override { fsdp::init_process_group(); }
-  void TearDown() override { fsdp::destroy_process_group(); }
-};
-const auto* const kEnv = ::testing::AddGlobalTestEnvironment(new DistEnv);
 
 TrainSummary train(const std::string& mode, const std::string& option) {
   JobConfig c = load_config({"--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",

@@ -6,6 +6,8 @@
 
 #include <fsdp/process_group.h>
 
+#include "comm/dist_env.h"
+
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -14,12 +16,6 @@ using namespace fsdp_train;
 
 namespace {
 
-class DistEnv : public ::testing::Environment {
- public:
-  void SetUp() override { fsdp::init_process_group(); }
-  void TearDown() override { fsdp::destroy_process_group(); }
-};
-const auto* const kEnv = ::testing::AddGlobalTestEnvironment(new DistEnv);
 
 JobConfig base(const std::string& name, int64_t replicate, int64_t shard) {
   JobConfig c = load_config({"--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",

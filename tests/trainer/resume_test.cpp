@@ -8,6 +8,8 @@
 #include <fsdp/checkpoint/checkpoint.h>
 #include <fsdp/process_group.h>
 
+#include "comm/dist_env.h"
+
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -17,12 +19,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-class DistEnv : public ::testing::Environment {
- public:
-  void SetUp() override { fsdp::init_process_group(); }
-  void TearDown() override { fsdp::destroy_process_group(); }
-};
-const auto* const kEnv = ::testing::AddGlobalTestEnvironment(new DistEnv);
 
 std::string shared_dir(const std::string& name) {
   // The same folder on every rank (rank 0 clears it).
