@@ -50,14 +50,6 @@ int64_t pipeline_depth() {
   return depth;
 }
 
-// FSDP_RS_PROGRESS_THREAD=0: the reduction runs on the thread that waits for the work instead of the group's
-// progress thread (no third busy thread per rank, no receives posted from another thread). Must be equal on
-// every rank only in the sense that it changes nothing on the wire.
-bool use_progress_thread() {
-  static const bool on = env_int("FSDP_RS_PROGRESS_THREAD", 1, 0) != 0;
-  return on;
-}
-
 template <typename F>
 c10::intrusive_ptr<c10d::Work> launch(const std::string& what, F&& f) {
   try {
@@ -180,8 +172,7 @@ Work pipelined_reduce_scatter(ProcessGroup::Impl& g, std::string what, const at:
     }
   }
   for (int64_t j = 0; j < ex->depth; ++j) ex->post_recvs(j);
-  impl->task = use_progress_thread() ? g.progress_thread().submit([ex] { ex->run(); })
-                                     : std::make_shared<comm::TaskState>([ex] { ex->run(); });  // run by wait()
+  impl->task = g.progress_thread().submit([ex] { ex->run(); });
   // The sends read `input` and the task writes `output` until they complete: keep both alive with the work.
   impl->on_complete = [ex] {};
   return Work(std::move(impl));
