@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <sstream>
 
 namespace fsdp::checkpoint::detail {
 
@@ -17,6 +18,13 @@ ProcessGroupPtr resolve_group(const ProcessGroupPtr& g) {
 std::string error_text(const std::exception& e) {
   if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->msg();
   return e.what();
+}
+
+std::string list_names(const std::vector<std::string>& names, size_t max) {
+  std::ostringstream os;
+  for (size_t i = 0; i < names.size() && i < max; ++i) os << (i ? ", " : "") << "'" << names[i] << "'";
+  if (names.size() > max) os << " and " << names.size() - max << " more";
+  return os.str();
 }
 
 // Every rank's string, in group-rank order.

@@ -1,7 +1,7 @@
 #pragma once
 // The few collectives the checkpoint layers use to agree across ranks: which group to use, every rank's
 // string (chunk lists, errors), rank 0's string (the coordinator's outcome), "did any rank fail". Each is a
-// no-op for a null group or a group of one.
+// no-op for a null group or a group of one. Plus the text helpers of the errors they agree on.
 
 #include <fsdp/process_group.h>
 
@@ -15,6 +15,8 @@ namespace fsdp::checkpoint::detail {
 ProcessGroupPtr resolve_group(const ProcessGroupPtr& g);
 // The message of an exception without c10's backtrace.
 std::string error_text(const std::exception& e);
+// "'a', 'b', 'c' and 7 more": key lists in error messages.
+std::string list_names(const std::vector<std::string>& names, size_t max = 20);
 // Every rank's string, in group-rank order.
 std::vector<std::string> all_gather_strings(const ProcessGroupPtr& group, const std::string& mine);
 // Rank 0's string on every rank.

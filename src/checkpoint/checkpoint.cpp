@@ -38,13 +38,6 @@ std::string rank_file_name(int rank) {
   return buf;
 }
 
-std::string list_names(const std::vector<std::string>& names, size_t max = 20) {
-  std::ostringstream os;
-  for (size_t i = 0; i < names.size() && i < max; ++i) os << (i ? ", " : "") << "'" << names[i] << "'";
-  if (names.size() > max) os << " and " << names.size() - max << " more";
-  return os.str();
-}
-
 bool excluded(const std::string& key, const std::vector<std::string>& prefixes) {
   for (const auto& p : prefixes) {
     if (key.compare(0, p.size(), p) == 0) return true;

@@ -22,7 +22,6 @@
 #include <filesystem>
 #include <memory>
 #include <set>
-#include <sstream>
 
 namespace fsdp::checkpoint {
 namespace fs = std::filesystem;
@@ -35,13 +34,6 @@ using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 constexpr const char* kIndexName = "model.safetensors.index.json";
-
-std::string list_names(const std::vector<std::string>& names, size_t max = 20) {
-  std::ostringstream os;
-  for (size_t i = 0; i < names.size() && i < max; ++i) os << (i ? ", " : "") << "'" << names[i] << "'";
-  if (names.size() > max) os << " and " << names.size() - max << " more";
-  return os.str();
-}
 
 // Files of an earlier export with another split ("model.safetensors", "model-*-of-*.safetensors", the index)
 // that the new set does not contain: left in place they would shadow or contradict the new files.

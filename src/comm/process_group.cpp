@@ -113,15 +113,6 @@ Work make_work(const ProcessGroup::Impl& g, std::string what, c10::intrusive_ptr
   return Work(std::move(impl));
 }
 
-// Launch failures (e.g. the backend rejects the dtype) get the same context as wait() failures.
-template <typename F>
-c10::intrusive_ptr<c10d::Work> launch(const std::string& what, F&& f) {
-  try {
-    return f();
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "fsdp: ", what, " failed to start: ", message_of(e));
-  }
-}
 
 }  // namespace
 

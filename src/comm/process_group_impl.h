@@ -48,6 +48,17 @@ inline const char* message_of(const std::exception& e) {
   return ce ? ce->what_without_backtrace() : e.what();
 }
 
+// Starts a backend call; launch failures (e.g. the backend rejects the dtype) get the same context as wait()
+// failures.
+template <typename F>
+c10::intrusive_ptr<c10d::Work> launch(const std::string& what, F&& f) {
+  try {
+    return f();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "fsdp: ", what, " failed to start: ", message_of(e));
+  }
+}
+
 struct Work::Impl {
   std::string what;  // "reduce_scatter_tensor(Sum, 8 x BFloat16) on group '...' (...)"
   std::vector<c10::intrusive_ptr<c10d::Work>> pending;

@@ -50,15 +50,6 @@ int64_t pipeline_depth() {
   return depth;
 }
 
-template <typename F>
-c10::intrusive_ptr<c10d::Work> launch(const std::string& what, F&& f) {
-  try {
-    return f();
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "fsdp: ", what, " failed to start: ", message_of(e));
-  }
-}
-
 // Everything one reduce-scatter needs after launch; shared by the caller's Work and the progress task.
 struct Exchange {
   c10::intrusive_ptr<c10d::Backend> backend;
