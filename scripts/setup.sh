@@ -10,7 +10,8 @@ BUILD_TYPE="${FSDP_BUILD_TYPE:-RelWithDebInfo}"
 log() { echo "[setup] $*" >&2; }
 
 APT_PKGS=(cmake ninja-build ccache g++ python3-venv libgloo-dev libgtest-dev libgmock-dev
-          libtomlplusplus-dev nlohmann-json3-dev libcli11-dev zlib1g-dev libxxhash-dev)
+          libtomlplusplus-dev nlohmann-json3-dev libcli11-dev zlib1g-dev libxxhash-dev
+          clang)  # clang: libFuzzer targets (scripts/fuzz.sh; Debian's clang ships libFuzzer and the sanitizers)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -49,11 +49,13 @@ TokenFileInfo token_file_info(const std::string& path) {
   info.width = u32(12);
   if (info.width != 2 && info.width != 4)
     throw std::runtime_error("token file '" + path + "': bytes_per_token must be 2 or 4, got " + std::to_string(info.width));
-  info.count = static_cast<int64_t>(u64(16));
+  const uint64_t count = u64(16);
   info.vocab = u32(24);
   info.data_offset = kHeaderBytes;
-  if (info.data_offset + info.count * info.width > size)
-    throw std::runtime_error("token file '" + path + "': header says " + std::to_string(info.count) + " tokens, file is too short");
+  // Compared in tokens, not bytes: a hostile count times the width would overflow (found by fuzzing).
+  if (count > static_cast<uint64_t>((size - kHeaderBytes) / info.width))
+    throw std::runtime_error("token file '" + path + "': header says " + std::to_string(count) + " tokens, file is too short");
+  info.count = static_cast<int64_t>(count);
   return info;
 }
 
