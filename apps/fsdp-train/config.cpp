@@ -3,6 +3,14 @@
 
 #include <algorithm>
 
+// toml++ 3.3 (Debian's) marks "impossible" branches with __builtin_unreachable(), and its generated
+// is_non_ascii_horizontal_whitespace() does reach one for some non-ASCII characters (found by fuzzing:
+// tests/fuzz/corpus/toml_config/regression_*). Undefined behaviour becomes a defined abort here, and
+// reject_non_ascii_outside_strings() below keeps such characters away from that function in the first place.
+#include <toml++/impl/preprocessor.h>
+#undef TOML_UNREACHABLE
+#define TOML_UNREACHABLE ::std::abort()
+#include <cstdlib>
 #include <toml++/toml.h>
 
 #include <cerrno>
@@ -298,7 +306,72 @@ std::vector<KeyInfo> config_schema() {
   return out;
 }
 
+namespace {
+
+// TOML allows non-ASCII characters only inside strings and comments. Checked before toml++ sees the text, with a
+// clear error, because toml++ 3.3 misclassifies some of them as whitespace candidates (see the include above); for
+// the same reason a non-ASCII character right after a line-ending backslash of a multi-line basic string (where
+// whitespace is trimmed) is rejected too.
+void reject_non_ascii_outside_strings(std::string_view t, const std::string& source) {
+  enum class S { kNormal, kComment, kBasic, kLiteral, kMlBasic, kMlLiteral } st = S::kNormal;
+  int64_t line = 1, col = 1;
+  size_t i = t.substr(0, 3) == "\xEF\xBB\xBF" ? 3 : 0;  // a leading UTF-8 byte order mark is fine
+  auto fail = [&](const char* what) {
+    throw ConfigError("config error: invalid TOML: " + std::string(what) + " (" + source + ":" + std::to_string(line) +
+                      ":" + std::to_string(col) + ")");
+  };
+  auto starts = [&](const char* s) { return t.substr(i, std::char_traits<char>::length(s)) == s; };
+  auto advance = [&](size_t n) {
+    for (size_t k = 0; k < n && i < t.size(); ++k, ++i) {
+      if (t[i] == '\n') { ++line; col = 1; } else if ((static_cast<unsigned char>(t[i]) & 0xC0) != 0x80) { ++col; }
+    }
+  };
+  while (i < t.size()) {
+    const unsigned char c = static_cast<unsigned char>(t[i]);
+    switch (st) {
+      case S::kNormal:
+        if (c >= 0x80) fail("a non-ASCII character outside a string or comment");
+        if (c == '#') st = S::kComment;
+        else if (starts("\"\"\"")) { st = S::kMlBasic; advance(3); continue; }
+        else if (starts("'''")) { st = S::kMlLiteral; advance(3); continue; }
+        else if (c == '"') st = S::kBasic;
+        else if (c == '\'') st = S::kLiteral;
+        break;
+      case S::kComment:
+        if (c == '\n') st = S::kNormal;
+        break;
+      case S::kBasic:
+        if (c == '\\') { advance(2); continue; }
+        if (c == '"' || c == '\n') st = S::kNormal;
+        break;
+      case S::kLiteral:
+        if (c == '\'' || c == '\n') st = S::kNormal;
+        break;
+      case S::kMlBasic:
+        if (starts("\"\"\"")) { st = S::kNormal; advance(3); continue; }
+        if (c == '\\') {
+          size_t j = i + 1;
+          while (j < t.size() && (t[j] == ' ' || t[j] == '\t' || t[j] == '\r' || t[j] == '\n')) ++j;
+          if (j > i + 1 && j < t.size() && static_cast<unsigned char>(t[j]) >= 0x80) {
+            advance(j - i);
+            fail("a non-ASCII character right after a line-ending backslash (not supported by toml++ 3.3)");
+          }
+          advance(2);
+          continue;
+        }
+        break;
+      case S::kMlLiteral:
+        if (starts("'''")) { st = S::kNormal; advance(3); continue; }
+        break;
+    }
+    advance(1);
+  }
+}
+
+}  // namespace
+
 JobConfig parse_toml(std::string_view text, const std::string& source) {
+  reject_non_ascii_outside_strings(text, source);
   JobConfig config;
   auto fs = fields(config);
   toml::table tbl;
@@ -460,6 +533,8 @@ void validate(const JobConfig& c) {
 }
 
 ParallelDims resolve_parallelism(const JobConfig& c, int64_t world_size) {
+  validate(c);  // the divisions below need positive degrees and batch sizes (found by fuzzing)
+  check(world_size >= 1, "world size must be >= 1, got " + std::to_string(world_size));
   ParallelDims d;
   d.world_size = world_size;
   d.dp_replicate = c.parallelism.data_parallel_replicate_degree;
@@ -470,13 +545,18 @@ ParallelDims resolve_parallelism(const JobConfig& c, int64_t world_size) {
     d.dp_shard = world_size / d.dp_replicate;
   } else {
     d.dp_shard = c.parallelism.data_parallel_shard_degree;
-    check(d.dp_replicate * d.dp_shard == world_size,
+    int64_t product = 0;
+    const bool overflow = __builtin_mul_overflow(d.dp_replicate, d.dp_shard, &product);
+    check(!overflow && product == world_size,
           "parallelism.data_parallel_replicate_degree (" + R + ") x parallelism.data_parallel_shard_degree (" +
-              std::to_string(d.dp_shard) + ") = " + std::to_string(d.dp_replicate * d.dp_shard) +
+              std::to_string(d.dp_shard) + ") = " + (overflow ? "overflow" : std::to_string(product)) +
               ", expected the world size " + W);
   }
   d.local_batch_size = c.training.local_batch_size;
-  const int64_t per_micro = d.local_batch_size * d.dp_degree();
+  int64_t per_micro = 0;
+  const bool micro_overflow = __builtin_mul_overflow(d.local_batch_size, d.dp_degree(), &per_micro);
+  check(!micro_overflow,
+        "training.local_batch_size (" + std::to_string(d.local_batch_size) + ") x data-parallel degree overflows");
   d.global_batch_size = c.training.global_batch_size == -1 ? per_micro : c.training.global_batch_size;
   check(d.global_batch_size % per_micro == 0,
         "training.global_batch_size (" + std::to_string(d.global_batch_size) +
