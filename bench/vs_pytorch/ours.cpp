@@ -57,7 +57,7 @@ std::map<std::string, std::string> args_metadata(const std::string& flavor, cons
   std::ostringstream theta, eps;
   theta.precision(17), eps.precision(17);
   theta << a.rope_theta, eps << a.norm_eps;
-  return {{"flavor", flavor},
+  std::map<std::string, std::string> meta = {{"flavor", flavor},
           {"dim", std::to_string(a.dim)},
           {"n_layers", std::to_string(a.n_layers)},
           {"n_heads", std::to_string(a.n_heads)},
@@ -67,6 +67,19 @@ std::map<std::string, std::string> args_metadata(const std::string& flavor, cons
           {"norm_eps", eps.str()},
           {"rope_theta", theta.str()},
           {"tie_embeddings", a.tie_embeddings ? "1" : "0"}};
+  if (a.rope_scaling) {  // Llama 3.1 RoPE scaling (debugmodel has it)
+    auto num = [](double v) {
+      std::ostringstream s;
+      s.precision(17);
+      s << v;
+      return s.str();
+    };
+    meta["rope_scaling_factor"] = num(a.rope_scaling->factor);
+    meta["rope_low_freq_factor"] = num(a.rope_scaling->low_freq_factor);
+    meta["rope_high_freq_factor"] = num(a.rope_scaling->high_freq_factor);
+    meta["rope_original_max_position_embeddings"] = std::to_string(a.rope_scaling->original_max_position_embeddings);
+  }
+  return meta;
 }
 
 int cmd_init(const Options& o) {

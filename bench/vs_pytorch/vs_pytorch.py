@@ -3,7 +3,8 @@
 The model is a line-by-line transcription of our C++ Llama 3 (src/nn/llama.cpp), not TorchTitan's code:
   - RMSNorm: normalise in float32, x * rsqrt(mean(x^2) + eps), cast back, times weight;
   - RoPE: interleaved pairs (x[2i], x[2i+1]) rotated as complex numbers, tables cos/sin of
-    pos * theta^(-2i/head_dim) computed in float64 and rounded to float32 (TorchTitan's freqs_cis convention);
+    pos * theta^(-2i/head_dim) computed in float64 and rounded to float32 (TorchTitan's freqs_cis convention),
+    with Llama 3.1 frequency scaling when the weights' metadata names it (debugmodel);
   - attention: grouped-query (repeat_interleave of kv heads), scaled_dot_product_attention(is_causal=True),
     i.e. the default 1/sqrt(head_dim) scaling; no biases anywhere;
   - SwiGLU feed-forward w2(silu(w1 x) * w3 x); TorchTitan FQNs so the safetensors file loads as a state dict.
@@ -15,6 +16,7 @@ Writes one JSON line per step to <out-dir>/theirs_rank<r>.jsonl.
 """
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -42,9 +44,17 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype) * self.weight
 
 
-def precompute_rope(head_dim, seq_len, theta):
+def precompute_rope(head_dim, seq_len, theta, scaling=None):
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64)[: head_dim // 2] / head_dim
     freqs = 1.0 / torch.pow(theta, exponents)
+    if scaling is not None:  # Llama 3.1 (TorchTitan's RoPE scaling="llama")
+        factor, low, high, context = scaling
+        wavelen = 2 * math.pi / freqs
+        smooth = (context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * freqs / factor + smooth * freqs
+        scaled = torch.where(wavelen > context / low, freqs / factor, freqs)
+        medium = (wavelen >= context / high) & (wavelen <= context / low)
+        freqs = torch.where(medium, smoothed, scaled)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), freqs)
     return angles.cos().float(), angles.sin().float()
 
@@ -122,7 +132,8 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         seq = tokens.shape[1]
         if getattr(self, "_rope", None) is None or self._rope[0].shape[0] != seq:  # cached, as ours
-            self._rope = precompute_rope(self.a["dim"] // self.a["n_heads"], seq, self.a["rope_theta"])
+            self._rope = precompute_rope(self.a["dim"] // self.a["n_heads"], seq, self.a["rope_theta"],
+                                         self.a["rope_scaling"])
         cos, sin = self._rope
         for layer in self.layers:
             h = layer(h, cos, sin)
@@ -134,6 +145,11 @@ def model_args(meta):
     a = {k: int(meta[k]) for k in ints}
     a["norm_eps"] = float(meta["norm_eps"])
     a["rope_theta"] = float(meta["rope_theta"])
+    a["rope_scaling"] = None
+    if "rope_scaling_factor" in meta:
+        a["rope_scaling"] = (float(meta["rope_scaling_factor"]), float(meta["rope_low_freq_factor"]),
+                             float(meta["rope_high_freq_factor"]),
+                             float(meta["rope_original_max_position_embeddings"]))
     return a
 
 

@@ -45,29 +45,35 @@ LlamaArgs llama3_flavor(const std::string& name) {
   a.rope_theta = 500000;
   a.n_kv_heads.reset();
   a.ffn_dim_multiplier.reset();
-  if (name == "debugmodel") {  // TorchTitan's, unchanged (hidden 768)
+  if (name == "debugmodel") {  // TorchTitan's, unchanged (hidden 768; Llama 3.1 RoPE scaling since its PR #1839)
     a.dim = 256, a.n_layers = 6, a.n_heads = 16, a.vocab_size = 2048, a.multiple_of = 256;
+    a.rope_scaling = RopeScaling{};
   } else if (name == "cpu_tiny") {  // unit tests: a forward in milliseconds
     a.dim = 64, a.n_layers = 2, a.n_heads = 4, a.n_kv_heads = 2, a.vocab_size = 2048, a.multiple_of = 64;
   } else if (name == "cpu_small") {  // the default trainer config: hundreds of steps in minutes on 2 cores
     a.dim = 128, a.n_layers = 4, a.n_heads = 4, a.n_kv_heads = 2, a.vocab_size = 2048, a.multiple_of = 128;
   } else if (name == "cpu_medium") {
     a.dim = 192, a.n_layers = 6, a.n_heads = 6, a.n_kv_heads = 2, a.vocab_size = 2048, a.multiple_of = 128;
-  } else if (name == "1B") {  // Llama 3.2 1B
+  } else if (name == "1B") {  // Llama 3.2 1B. Meta's checkpoint scales RoPE by 32 (TorchTitan's flavor: 8)
     a.dim = 2048, a.n_layers = 16, a.n_heads = 32, a.n_kv_heads = 8, a.vocab_size = 128256;
-    a.ffn_dim_multiplier = 1.5, a.multiple_of = 256, a.tie_embeddings = true;
-  } else if (name == "3B") {  // Llama 3.2 3B
+    a.ffn_dim_multiplier = 1.5, a.multiple_of = 1024, a.tie_embeddings = true;
+    a.rope_scaling = RopeScaling{32.0, 1.0, 4.0, 8192};
+  } else if (name == "3B") {  // Llama 3.2 3B (RoPE as 1B)
     a.dim = 3072, a.n_layers = 28, a.n_heads = 24, a.n_kv_heads = 8, a.vocab_size = 128256;
-    a.ffn_dim_multiplier = 1.0, a.multiple_of = 256, a.tie_embeddings = true;
-  } else if (name == "8B") {
+    a.ffn_dim_multiplier = 1.0, a.multiple_of = 1024, a.tie_embeddings = true;
+    a.rope_scaling = RopeScaling{32.0, 1.0, 4.0, 8192};
+  } else if (name == "8B") {  // Llama 3.1 8B
     a.dim = 4096, a.n_layers = 32, a.n_heads = 32, a.n_kv_heads = 8, a.vocab_size = 128256;
     a.ffn_dim_multiplier = 1.3, a.multiple_of = 1024;
-  } else if (name == "70B") {
+    a.rope_scaling = RopeScaling{};
+  } else if (name == "70B") {  // Llama 3.1 70B
     a.dim = 8192, a.n_layers = 80, a.n_heads = 64, a.n_kv_heads = 8, a.vocab_size = 128256;
     a.ffn_dim_multiplier = 1.3, a.multiple_of = 4096;
-  } else if (name == "405B") {
+    a.rope_scaling = RopeScaling{};
+  } else if (name == "405B") {  // Llama 3.1 405B
     a.dim = 16384, a.n_layers = 126, a.n_heads = 128, a.n_kv_heads = 8, a.vocab_size = 128256;
     a.ffn_dim_multiplier = 1.2, a.multiple_of = 4096;
+    a.rope_scaling = RopeScaling{};
   } else {
     std::string known;
     for (const auto& n : llama3_flavor_names()) known += (known.empty() ? "" : ", ") + n;
@@ -102,13 +108,34 @@ void RMSNormImpl::reset_parameters() {
   weight().fill_(1.0);
 }
 
-std::pair<at::Tensor, at::Tensor> precompute_rope(int64_t head_dim, int64_t seq_len, double theta) {
-  // TorchTitan: freqs = 1 / theta^(arange(0, dim, 2)[: dim/2] / dim); angles = outer(t, freqs). In float64 then
-  // rounded, so tables match whatever the device.
+at::Tensor rope_frequencies(int64_t head_dim, double theta, const std::optional<RopeScaling>& scaling) {
+  // TorchTitan: freqs = 1 / theta^(arange(0, dim, 2)[: dim/2] / dim). In float64 (TorchTitan: float32), so the
+  // tables are the exact values rounded once, whatever the device.
   auto opts = at::TensorOptions().dtype(at::kDouble);
   auto exponents = at::arange(0, head_dim, 2, opts).slice(0, 0, head_dim / 2) / static_cast<double>(head_dim);
   auto freqs = 1.0 / at::pow(theta, exponents);
-  auto angles = at::outer(at::arange(seq_len, opts), freqs);
+  if (!scaling) return freqs;
+  const RopeScaling& s = *scaling;
+  TORCH_CHECK(s.factor > 0 && s.high_freq_factor > s.low_freq_factor && s.original_max_position_embeddings > 0,
+              "llama: bad RoPE scaling (factor ", s.factor, ", low_freq_factor ", s.low_freq_factor,
+              ", high_freq_factor ", s.high_freq_factor, ", original_max_position_embeddings ",
+              s.original_max_position_embeddings, "): need factor > 0, high > low, a positive context length");
+  // Llama 3.1: long wavelengths (low frequencies) are stretched by `factor`, short ones kept, the band between
+  // blended linearly in original_context / wavelength.
+  const double context = static_cast<double>(s.original_max_position_embeddings);
+  const double low_freq_wavelen = context / s.low_freq_factor, high_freq_wavelen = context / s.high_freq_factor;
+  auto wavelen = 2.0 * std::acos(-1.0) / freqs;
+  auto smooth = (context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+  auto smoothed = (1.0 - smooth) * freqs / s.factor + smooth * freqs;
+  auto scaled = at::where(wavelen > low_freq_wavelen, freqs / s.factor, freqs);
+  auto medium = wavelen.ge(high_freq_wavelen).logical_and(wavelen.le(low_freq_wavelen));
+  return at::where(medium, smoothed, scaled);
+}
+
+std::pair<at::Tensor, at::Tensor> precompute_rope(int64_t head_dim, int64_t seq_len, double theta,
+                                                  const std::optional<RopeScaling>& scaling) {
+  auto freqs = rope_frequencies(head_dim, theta, scaling);
+  auto angles = at::outer(at::arange(seq_len, freqs.options()), freqs);
   return {angles.cos().to(at::kFloat), angles.sin().to(at::kFloat)};
 }
 
@@ -123,7 +150,11 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   return out.flatten(3).to(x.scalar_type());
 }
 
-// PyTorch's trunc_normal_ (inverse-CDF sampling), drawn on the CPU from `gen` and copied into `param`.
+// A truncated normal N(0, std) cut at [a, b], drawn on the CPU from `gen` and copied into `param`. It samples by
+// inverse CDF (uniform in [cdf(a), cdf(b)], then erfinv), the algorithm torch.nn.init.trunc_normal_ used before
+// PyTorch switched to rejection sampling (torch 2.13's _no_grad_trunc_normal_ redraws normals outside [a, b], or
+// accepts uniform proposals by the density for narrow cuts). Same distribution, different numbers: our init
+// matches TorchTitan's in law, not bit for bit, for the same seed.
 static void trunc_normal_(at::Tensor& param, double std, double a, double b, at::Generator& gen) {
   auto norm_cdf = [](double v) { return (1.0 + std::erf(v / std::sqrt(2.0))) / 2.0; };
   const double lo = norm_cdf(a / std), hi = norm_cdf(b / std);
@@ -171,6 +202,32 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope_co
   return wo(out.transpose(1, 2).reshape({bs, seq, n_heads * head_dim}));
 }
 
+at::Tensor AttentionImpl::forward_cached(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin,
+                                         at::Tensor& cache_k, at::Tensor& cache_v, int64_t start) {
+  const int64_t bs = x.size(0), seq = x.size(1), end = start + seq;
+  TORCH_CHECK(end <= cache_k.size(1), "llama: KV cache holds ", cache_k.size(1), " positions, need ", end);
+  auto xq = apply_rope(wq(x).view({bs, seq, n_heads, head_dim}), rope_cos, rope_sin);
+  auto xk = apply_rope(wk(x).view({bs, seq, n_kv_heads, head_dim}), rope_cos, rope_sin);
+  auto xv = wv(x).view({bs, seq, n_kv_heads, head_dim});
+  cache_k.slice(1, start, end).copy_(xk);
+  cache_v.slice(1, start, end).copy_(xv);
+  auto keys = cache_k.slice(1, 0, end), values = cache_v.slice(1, 0, end);
+  const int64_t n_rep = n_heads / n_kv_heads;
+  if (n_rep > 1) {
+    keys = keys.repeat_interleave(n_rep, /*dim=*/2);
+    values = values.repeat_interleave(n_rep, /*dim=*/2);
+  }
+  auto q = xq.transpose(1, 2), k = keys.transpose(1, 2), v = values.transpose(1, 2);  // [B, H, S or end, D]
+  at::Tensor out;
+  if (seq == 1) {  // one new position sees every cached one
+    out = at::scaled_dot_product_attention(q, k, v);
+  } else {  // query i (position start + i) sees keys [0, start + i]
+    auto allowed = at::ones({seq, end}, at::TensorOptions().dtype(at::kBool).device(x.device())).tril(start);
+    out = at::scaled_dot_product_attention(q, k, v, allowed);
+  }
+  return wo(out.transpose(1, 2).reshape({bs, seq, n_heads * head_dim}));
+}
+
 void AttentionImpl::init_weights(double init_std, at::Generator& gen) {
   for (auto* l : {&wq, &wk, &wv}) trunc_normal_((*l)->weight(), 0.02, -2.0, 2.0, gen);
   trunc_normal_(wo->weight(), init_std, -2.0, 2.0, gen);
@@ -205,6 +262,13 @@ at::Tensor TransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& 
   return h + feed_forward(ffn_norm(h));
 }
 
+at::Tensor TransformerBlockImpl::forward_cached(const at::Tensor& x, const at::Tensor& rope_cos,
+                                                const at::Tensor& rope_sin, at::Tensor& cache_k, at::Tensor& cache_v,
+                                                int64_t start) {
+  auto h = x + attention->forward_cached(attention_norm(x), rope_cos, rope_sin, cache_k, cache_v, start);
+  return h + feed_forward(ffn_norm(h));
+}
+
 void TransformerBlockImpl::init_weights(at::Generator& gen) {
   attention_norm->reset_parameters();
   ffn_norm->reset_parameters();
@@ -230,7 +294,8 @@ TransformerImpl::TransformerImpl(LlamaArgs a) : args_(std::move(a)) {
 
 std::pair<at::Tensor, at::Tensor> TransformerImpl::rope_tables(int64_t seq_len, c10::Device device) {
   if (!rope_cos_.defined() || rope_cos_.size(0) < seq_len || rope_cos_.device() != device) {
-    auto [c, s] = precompute_rope(args_.head_dim(), std::max(seq_len, args_.max_seq_len), args_.rope_theta);
+    auto [c, s] = precompute_rope(args_.head_dim(), std::max(seq_len, args_.max_seq_len), args_.rope_theta,
+                                  args_.rope_scaling);
     rope_cos_ = c.to(device);
     rope_sin_ = s.to(device);
   }
@@ -242,6 +307,33 @@ at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
   auto h = tok_embeddings(tokens);
   auto [cos, sin] = rope_tables(tokens.size(1), h.device());
   for (auto& block : blocks_) h = fsdp::nn::call(block, h, cos, sin);
+  h = norm(h);
+  if (args_.tie_embeddings) return at::linear(h, tok_embeddings->weight());
+  return output(h);
+}
+
+KVCache TransformerImpl::make_kv_cache(int64_t batch, int64_t capacity) const {
+  const auto& w = tok_embeddings->weight();
+  KVCache cache;
+  for (int64_t i = 0; i < args_.n_layers; ++i) {
+    cache.keys.push_back(at::zeros({batch, capacity, args_.kv_heads(), args_.head_dim()}, w.options()));
+    cache.values.push_back(at::zeros({batch, capacity, args_.kv_heads(), args_.head_dim()}, w.options()));
+  }
+  return cache;
+}
+
+at::Tensor TransformerImpl::forward_cached(const at::Tensor& tokens, KVCache& cache) {
+  TORCH_CHECK(tokens.dim() == 2, "llama: tokens must be [batch, seq], got ", tokens.sizes());
+  TORCH_CHECK(static_cast<int64_t>(cache.keys.size()) == args_.n_layers, "llama: KV cache has ", cache.keys.size(),
+              " layers, the model ", args_.n_layers);
+  const int64_t start = cache.length, end = start + tokens.size(1);
+  auto h = tok_embeddings(tokens);
+  auto [cos, sin] = rope_tables(end, h.device());
+  cos = cos.slice(0, start, end);
+  sin = sin.slice(0, start, end);
+  for (size_t i = 0; i < blocks_.size(); ++i)
+    h = blocks_[i]->forward_cached(h, cos, sin, cache.keys[i], cache.values[i], start);
+  cache.length = end;
   h = norm(h);
   if (args_.tie_embeddings) return at::linear(h, tok_embeddings->weight());
   return output(h);

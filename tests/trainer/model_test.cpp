@@ -6,6 +6,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
 using namespace fsdp::nn::llama;
 
 namespace {
@@ -148,4 +153,103 @@ TEST(Llama, BlocksAreInvokedThroughModuleCall) {
   torch::NoGradGuard ng;
   model->forward(torch::zeros({1, 4}, torch::kLong));
   EXPECT_EQ(order, (std::vector<int64_t>{0, 1}));
+}
+
+// ---- Llama 3.1 RoPE scaling against an independent Python transcription of TorchTitan's formula ----------------
+
+namespace {
+// Runs tests/trainer/rope_reference.py (standard library only) and reads one frequency per line.
+std::vector<double> python_rope_frequencies(const std::string& args) {
+  const std::string cmd = std::string(FSDP_TEST_PYTHON) + " " + FSDP_SOURCE_DIR + "/tests/trainer/rope_reference.py " + args;
+  std::vector<double> out;
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (!pipe) return out;
+  char line[128];
+  while (fgets(line, sizeof line, pipe)) out.push_back(std::stod(line));
+  EXPECT_EQ(pclose(pipe), 0) << cmd;
+  return out;
+}
+}  // namespace
+
+TEST(Llama, RopeScalingOfThe8BFlavorEqualsTorchTitansFormula) {
+  const LlamaArgs a = llama3_flavor("8B");
+  ASSERT_TRUE(a.rope_scaling.has_value());
+  EXPECT_EQ(a.rope_scaling->factor, 8.0);
+  EXPECT_EQ(a.rope_scaling->low_freq_factor, 1.0);
+  EXPECT_EQ(a.rope_scaling->high_freq_factor, 4.0);
+  EXPECT_EQ(a.rope_scaling->original_max_position_embeddings, 8192);
+  const auto expect = python_rope_frequencies("128 500000 8 1 4 8192");
+  const auto plain = python_rope_frequencies("128 500000");
+  ASSERT_EQ(expect.size(), 64u);
+  ASSERT_EQ(plain.size(), 64u);
+  auto ours = rope_frequencies(a.head_dim(), a.rope_theta, a.rope_scaling);
+  ASSERT_EQ(ours.numel(), 64);
+  int kept = 0, divided = 0, blended = 0;
+  for (int i = 0; i < 64; ++i) {
+    const double v = ours[i].item<double>();
+    EXPECT_NEAR(v, expect[i], 1e-12 * expect[i]) << "frequency " << i;
+    // The reference moved, in all three bands of the formula.
+    if (expect[i] == plain[i]) ++kept;
+    else if (std::abs(expect[i] - plain[i] / 8) <= 1e-15 * plain[i]) ++divided;
+    else ++blended;
+  }
+  EXPECT_GT(kept, 0);
+  EXPECT_GT(divided, 0);
+  EXPECT_GT(blended, 0);
+  // The tables the model uses are cos/sin of position x those frequencies.
+  auto [cos, sin] = precompute_rope(a.head_dim(), 4097, a.rope_theta, a.rope_scaling);
+  for (int i : {0, 20, 40, 63}) {
+    EXPECT_NEAR(cos[4096][i].item<double>(), std::cos(4096 * expect[i]), 1e-6) << i;
+    EXPECT_NEAR(sin[4096][i].item<double>(), std::sin(4096 * expect[i]), 1e-6) << i;
+  }
+}
+
+TEST(Llama, RopeScalingFlavors) {
+  // TorchTitan applies Llama 3.1 scaling to debugmodel (PR #1839) and every real flavor; Llama 3.2 1B/3B
+  // checkpoints use factor 32. Our cpu_* flavors keep plain RoPE.
+  const LlamaArgs dbg = llama3_flavor("debugmodel");
+  ASSERT_TRUE(dbg.rope_scaling.has_value());
+  const auto expect = python_rope_frequencies("16 500000 8 1 4 8192");
+  auto ours = rope_frequencies(16, 500000, dbg.rope_scaling);
+  ASSERT_EQ(expect.size(), 8u);
+  for (int i = 0; i < 8; ++i) EXPECT_NEAR(ours[i].item<double>(), expect[i], 1e-12 * expect[i]) << i;
+  for (const char* name : {"70B", "405B"}) EXPECT_EQ(llama3_flavor(name).rope_scaling->factor, 8.0) << name;
+  for (const char* name : {"1B", "3B"}) EXPECT_EQ(llama3_flavor(name).rope_scaling->factor, 32.0) << name;
+  for (const char* name : {"cpu_tiny", "cpu_small", "cpu_medium"}) EXPECT_FALSE(llama3_flavor(name).rope_scaling) << name;
+  // The model's forward uses the scaled tables: switching scaling off changes the logits.
+  LlamaArgs a = llama3_flavor("cpu_tiny");
+  a.rope_scaling = RopeScaling{};
+  a.rope_theta = 10000;  // head_dim 16: the last two frequencies are scaled (wavelengths 6283 and 19869)
+  Transformer scaled(a);
+  a.rope_scaling.reset();
+  Transformer plain_model(a);
+  scaled->init_weights(5);
+  plain_model->init_weights(5);
+  torch::NoGradGuard ng;
+  auto tokens = torch::randint(0, 2048, {1, 12}, torch::kLong);
+  EXPECT_GT((scaled->forward(tokens) - plain_model->forward(tokens)).abs().max().item<double>(), 1e-6);
+  EXPECT_THROW(rope_frequencies(16, 500000, RopeScaling{8.0, 4.0, 1.0, 8192}), c10::Error);
+}
+
+// ---- KV cache -------------------------------------------------------------------------------------------------
+
+TEST(Llama, KvCacheGivesTheFullForwardsLogits) {
+  LlamaArgs a = llama3_flavor("cpu_tiny");  // grouped-query attention (4 heads, 2 kv heads)
+  a.rope_scaling = RopeScaling{};           // the scaled tables too
+  Transformer model(a);
+  model->init_weights(11);
+  torch::NoGradGuard ng;
+  auto tokens = torch::randint(0, 2048, {2, 12}, torch::kLong);
+  auto full = model->forward(tokens);
+  // Prefill 5 positions, then 4 more at once (a masked block starting at 5), then one at a time.
+  KVCache cache = model->make_kv_cache(2, 12);
+  std::vector<torch::Tensor> parts;
+  parts.push_back(model->forward_cached(tokens.slice(1, 0, 5), cache));
+  parts.push_back(model->forward_cached(tokens.slice(1, 5, 9), cache));
+  for (int64_t p = 9; p < 12; ++p) parts.push_back(model->forward_cached(tokens.slice(1, p, p + 1), cache));
+  EXPECT_EQ(cache.length, 12);
+  auto cached = torch::cat(parts, 1);
+  EXPECT_LT((cached - full).abs().max().item<double>(), 2e-5);
+  EXPECT_GT(full.abs().max().item<double>(), 0.1);  // not trivially zero
+  EXPECT_THROW(model->forward_cached(tokens.slice(1, 0, 1), cache), c10::Error);  // full
 }

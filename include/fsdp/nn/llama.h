@@ -27,6 +27,17 @@
 
 namespace fsdp::nn::llama {
 
+// Llama 3.1's RoPE frequency scaling (Hugging Face rope_type "llama3", TorchTitan's RoPE scaling="llama"):
+// frequencies whose wavelength exceeds original_max_position_embeddings / low_freq_factor are divided by
+// `factor`, those shorter than original_max_position_embeddings / high_freq_factor are kept, and the band in
+// between is interpolated smoothly. The defaults are Llama 3.1's (and TorchTitan's).
+struct RopeScaling {
+  double factor = 8.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 8192;
+};
+
 // TorchTitan's TransformerModelArgs for llama3.
 struct LlamaArgs {
   int64_t dim = 4096;
@@ -38,6 +49,7 @@ struct LlamaArgs {
   std::optional<double> ffn_dim_multiplier;  // applied to 2/3 * 4 * dim before rounding
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
+  std::optional<RopeScaling> rope_scaling;  // nullopt: plain RoPE (Llama 3.0 and our cpu_* flavors)
   int64_t max_seq_len = 2048;  // RoPE tables are computed lazily for the sequence length actually seen
   bool tie_embeddings = false;  // output.weight is tok_embeddings.weight (Llama 3.2 1B/3B)
   bool depth_init = true;       // TorchTitan: block l's output projections use std 0.02/sqrt(2(l+1))
@@ -49,8 +61,10 @@ struct LlamaArgs {
   int64_t ffn_hidden_dim() const;  // TorchTitan's FeedForward sizing (768 for debugmodel)
 };
 
-// Flavors by name: "debugmodel" (exactly TorchTitan's), small CPU flavors ("cpu_tiny", "cpu_small", "cpu_medium"),
-// and the real shapes "1B", "3B", "8B", "70B", "405B". Throws naming the known flavors for an unknown name.
+// Flavors by name: "debugmodel" (exactly TorchTitan's, with its Llama 3.1 RoPE scaling since TorchTitan PR #1839),
+// small CPU flavors ("cpu_tiny", "cpu_small", "cpu_medium", plain RoPE), and the real shapes "1B", "3B" (Llama 3.2,
+// RoPE scaling factor 32 as in Meta's checkpoints), "8B", "70B", "405B" (Llama 3.1, factor 8). Throws naming the
+// known flavors for an unknown name.
 LlamaArgs llama3_flavor(const std::string& name);
 std::vector<std::string> llama3_flavor_names();
 
@@ -94,12 +108,24 @@ class RMSNormImpl : public ParamModule {
 };
 TORCH_MODULE(RMSNorm);
 
+// Keys and values of every position seen so far, per block, for incremental decoding (generation): a new token
+// attends to the cached positions instead of recomputing them.
+struct KVCache {
+  std::vector<at::Tensor> keys, values;  // per block: [B, capacity, n_kv_heads, head_dim] (after RoPE for keys)
+  int64_t length = 0;                    // positions filled
+  int64_t capacity() const { return keys.empty() ? 0 : keys.front().size(1); }
+};
+
 // Grouped-query causal self-attention with rotary position embeddings.
 class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const LlamaArgs& args);
   // x: [B, S, dim]; rope_cos/rope_sin: [S, head_dim/2] (float32).
   at::Tensor forward(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin);
+  // x holds positions [start, start + S); rope tables for those positions. Writes their keys/values into
+  // cache_k/cache_v at [start, start + S) and attends causally over [0, start + S).
+  at::Tensor forward_cached(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin,
+                            at::Tensor& cache_k, at::Tensor& cache_v, int64_t start);
   void init_weights(double init_std, at::Generator& gen);
   int64_t n_heads, n_kv_heads, head_dim;
   Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
@@ -120,6 +146,8 @@ class TransformerBlockImpl : public torch::nn::Module {
  public:
   TransformerBlockImpl(int64_t layer_id, const LlamaArgs& args);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin);
+  at::Tensor forward_cached(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin,
+                            at::Tensor& cache_k, at::Tensor& cache_v, int64_t start);
   void init_weights(at::Generator& gen);
   int64_t layer_id;
   double weight_init_std;
@@ -134,6 +162,12 @@ class TransformerImpl : public torch::nn::Module {
   explicit TransformerImpl(LlamaArgs args);
   // tokens: [B, S] int64 -> logits [B, S, vocab] (in the dtype the blocks computed in).
   at::Tensor forward(const at::Tensor& tokens);
+  // Incremental decoding for generation on an unsharded model (blocks are called directly: no module hooks).
+  // An empty cache for `batch` sequences of up to `capacity` positions (zeros, the parameters' dtype/device).
+  KVCache make_kv_cache(int64_t batch, int64_t capacity) const;
+  // tokens [B, S] at positions [cache.length, cache.length + S) -> logits [B, S, vocab]; the cache grows by S.
+  // Equal to forward() over the whole sequence, restricted to the new positions.
+  at::Tensor forward_cached(const at::Tensor& tokens, KVCache& cache);
   // TorchTitan's init_weights: embeddings N(0,1); wq/wk/wv/w1 trunc_normal(0.02); wo/w2/w3 trunc_normal with the
   // depth-scaled std; norms 1; output trunc_normal(dim^-0.5, cut at 3 std). Deterministic for a seed: it draws
   // from a private CPU generator (so the result does not depend on the device or on other RNG users) and
@@ -164,8 +198,13 @@ class TransformerImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Transformer);
 
-// RoPE tables for positions [0, seq_len): cos/sin of pos * theta^(-2i/head_dim), shape [seq_len, head_dim/2].
-std::pair<at::Tensor, at::Tensor> precompute_rope(int64_t head_dim, int64_t seq_len, double theta);
+// RoPE inverse frequencies theta^(-2i/head_dim), i < head_dim/2, in float64, with Llama 3.1 scaling if given
+// (TorchTitan's ComplexRoPE._precompute_cache formula).
+at::Tensor rope_frequencies(int64_t head_dim, double theta, const std::optional<RopeScaling>& scaling = std::nullopt);
+// RoPE tables for positions [0, seq_len): cos/sin of pos * frequency_i, shape [seq_len, head_dim/2] (float32,
+// computed in float64).
+std::pair<at::Tensor, at::Tensor> precompute_rope(int64_t head_dim, int64_t seq_len, double theta,
+                                                  const std::optional<RopeScaling>& scaling = std::nullopt);
 // Rotates interleaved pairs (x[..., 2i], x[..., 2i+1]) of x [B, S, H, head_dim] like TorchTitan's complex
 // multiply by freqs_cis; computed in float32 and returned in x's dtype.
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
