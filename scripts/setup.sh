@@ -11,7 +11,8 @@ log() { echo "[setup] $*" >&2; }
 
 APT_PKGS=(cmake ninja-build ccache g++ python3-venv libgloo-dev libgtest-dev libgmock-dev
           libtomlplusplus-dev nlohmann-json3-dev libcli11-dev zlib1g-dev libxxhash-dev
-          clang)  # clang: libFuzzer targets (scripts/fuzz.sh; Debian's clang ships libFuzzer and the sanitizers)
+          clang  # clang: libFuzzer targets (scripts/fuzz.sh; Debian's clang ships libFuzzer and the sanitizers)
+          libprotobuf-dev protobuf-compiler libcrcutil-dev)  # fsdp-train's TensorBoard event files
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -37,6 +38,11 @@ fi
 if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
   log "installing torch==2.13.0 (CPU wheel) and numpy into $VENV"
   "$VENV/bin/pip" install -q torch==2.13.0 numpy >&2
+fi
+# tensorboard: tests read fsdp-train's event files with it (it does not depend on torch).
+if ! "$VENV/bin/python" -c 'import tensorboard' 2>/dev/null; then
+  log "installing tensorboard into $VENV"
+  "$VENV/bin/pip" install -q tensorboard >&2
 fi
 TORCH_DIR="$("$VENV/bin/python" -c 'import torch, os; print(os.path.join(torch.utils.cmake_prefix_path, "Torch"))')"
 

@@ -56,10 +56,16 @@ std::vector<Field> fields(JobConfig& c) {
       {"lr_scheduler", "decay_type", &c.lr_scheduler.decay_type, "linear | sqrt | cosine"},
       {"lr_scheduler", "min_lr_factor", &c.lr_scheduler.min_lr_factor, "the decay ends at lr x min_lr_factor"},
       {"training", "dataset", &c.training.dataset,
-       "common_licenses (Debian's /usr/share/common-licenses, always installed) | text (text files) | tokens (pre-tokenized files)"},
+       "common_licenses (Debian's /usr/share/common-licenses, always installed, less the held-out Apache-2.0) | "
+       "common_licenses_validation (only Apache-2.0) | text (text files; also JSON Lines by name) | jsonl (JSON Lines "
+       "files only: *.jsonl, *.ndjson) | tokens (pre-tokenized files). Text and JSON Lines files may be gzip-compressed (*.gz)"},
       {"training", "dataset_path", &c.training.dataset_path,
        "file, directory or comma-separated list; \"\" = the dataset's default location. *.tok/*.u16/*.u32 files are "
-       "pre-tokenized, anything else is text"},
+       "pre-tokenized, *.jsonl/*.ndjson are JSON Lines, anything else is text; a trailing .gz is decompressed"},
+      {"training", "dataset_text_field", &c.training.dataset_text_field,
+       "JSON Lines: the field of each record holding its text (each record is one document, framed by BOS/EOS)"},
+      {"training", "bad_records", &c.training.bad_records,
+       "a JSON Lines record that is not an object with a string text field: skip (reported with file:line, counted) | error"},
       {"training", "local_batch_size", &c.training.local_batch_size, "samples per rank per micro-batch"},
       {"training", "global_batch_size", &c.training.global_batch_size,
        "samples per optimizer step over all ranks; -1 = local x dp degree. Gradient accumulation = global / (local x dp)"},
@@ -70,6 +76,15 @@ std::vector<Field> fields(JobConfig& c) {
        "float32 | bfloat16: FSDP all-gathers and computes in this dtype (only when FSDP is applied)"},
       {"training", "mixed_precision_reduce", &c.training.mixed_precision_reduce, "float32 | bfloat16: gradient reduction dtype (FSDP)"},
       {"training", "enable_cpu_offload", &c.training.enable_cpu_offload, "FSDP CPU offload policy (no effect on a CPU run)"},
+      {"validation", "enable", &c.validation.enable, "validate every `freq` steps (and at step 1) on a held-out stream"},
+      {"validation", "dataset", &c.validation.dataset,
+       "common_licenses_validation (the license held out of common_licenses) | any training.dataset kind"},
+      {"validation", "dataset_path", &c.validation.dataset_path, "as training.dataset_path; \"\" = the dataset's default location"},
+      {"validation", "freq", &c.validation.freq, "validate when step % freq == 0 (and at step 1), as TorchTitan"},
+      {"validation", "steps", &c.validation.steps,
+       "-1 = one full pass over the held-out stream (its last batch padded); N = N batches of local_batch_size per rank (the stream wraps)"},
+      {"validation", "local_batch_size", &c.validation.local_batch_size, "samples per rank per validation batch"},
+      {"validation", "seq_len", &c.validation.seq_len, "tokens per validation sample"},
       {"parallelism", "data_parallel_replicate_degree", &c.parallelism.data_parallel_replicate_degree,
        "replicas (HSDP's replicate dim; plain DDP when the shard degree is 1)"},
       {"parallelism", "data_parallel_shard_degree", &c.parallelism.data_parallel_shard_degree,
@@ -93,9 +108,12 @@ std::vector<Field> fields(JobConfig& c) {
       {"activation_checkpoint", "selective_ac_option", &c.activation_checkpoint.selective_ac_option,
        "\"op\" = op-level SAC (every 2nd matmul kept) | \"k\" = full AC on every k-th block (\"0\"/\"1\" = all)"},
       {"metrics", "log_freq", &c.metrics.log_freq, "log every N steps (and the first and last step)"},
-      {"metrics", "enable_tensorboard", &c.metrics.enable_tensorboard, "not implemented: metrics go to job.dump_folder/metrics.jsonl", false},
-      {"metrics", "save_tb_folder", &c.metrics.save_tb_folder, "unused", false},
-      {"metrics", "save_for_all_ranks", &c.metrics.save_for_all_ranks, "every rank writes metrics_rank<r>.jsonl"},
+      {"metrics", "enable_tensorboard", &c.metrics.enable_tensorboard,
+       "also write TensorBoard event files with TorchTitan's scalar names (metrics.jsonl is always written)"},
+      {"metrics", "save_tb_folder", &c.metrics.save_tb_folder,
+       "TensorBoard folder under job.dump_folder; each run writes into <save_tb_folder>/<YYYYmmdd-HHMM>"},
+      {"metrics", "save_for_all_ranks", &c.metrics.save_for_all_ranks,
+       "every rank writes metrics_rank<r>.jsonl (and TensorBoard events under .../rank_<r>)"},
       {"metrics", "peak_tflops", &c.metrics.peak_tflops, "per-rank peak for MFU; 0 = measure with a matmul benchmark at startup"},
       {"metrics", "tensor_memory", &c.metrics.tensor_memory,
        "count live CPU tensor bytes per step (start, end of forward, peak) into metrics.jsonl"},
@@ -488,7 +506,17 @@ void validate(const JobConfig& c) {
   check_choice("model.name", c.model.name, {"llama3"});
   check_choice("optimizer.name", c.optimizer.name, {"AdamW", "Adam"});
   check_choice("lr_scheduler.decay_type", c.lr_scheduler.decay_type, {"linear", "sqrt", "cosine"});
-  check_choice("training.dataset", c.training.dataset, {"common_licenses", "text", "tokens"});
+  const std::vector<std::string> datasets = {"common_licenses", "common_licenses_validation", "text", "jsonl", "tokens"};
+  check_choice("training.bad_records", c.training.bad_records, {"skip", "error"});
+  check(!c.training.dataset_text_field.empty(), "training.dataset_text_field: expected a field name, got \"\"");
+  check_choice("training.dataset", c.training.dataset, datasets);
+  check_choice("validation.dataset", c.validation.dataset, datasets);
+  check(c.validation.freq > 0, "validation.freq: expected > 0, got " + std::to_string(c.validation.freq));
+  check(c.validation.steps == -1 || c.validation.steps > 0,
+        "validation.steps: expected -1 (one full pass) or > 0, got " + std::to_string(c.validation.steps));
+  check(c.validation.local_batch_size > 0,
+        "validation.local_batch_size: expected > 0, got " + std::to_string(c.validation.local_batch_size));
+  check(c.validation.seq_len > 0, "validation.seq_len: expected > 0, got " + std::to_string(c.validation.seq_len));
   check_choice("training.mixed_precision_param", c.training.mixed_precision_param, {"float32", "bfloat16"});
   check_choice("training.mixed_precision_reduce", c.training.mixed_precision_reduce, {"float32", "bfloat16"});
   check_choice("parallelism.fsdp_reshard_after_forward", c.parallelism.fsdp_reshard_after_forward,

@@ -47,6 +47,8 @@ struct JobConfig {
   struct Training {
     std::string dataset = "common_licenses";
     std::string dataset_path;  // "" = the dataset's default location
+    std::string dataset_text_field = "text";  // JSON Lines: the field holding each document's text
+    std::string bad_records = "skip";         // skip (report file:line, count) | error
     int64_t local_batch_size = 8;
     int64_t global_batch_size = -1;  // -1 = local_batch_size x data-parallel degree (no accumulation)
     int64_t seq_len = 2048;
@@ -56,6 +58,16 @@ struct JobConfig {
     std::string mixed_precision_reduce = "float32";
     bool enable_cpu_offload = false;
   } training;
+  // TorchTitan's [validation]: a forward under no_grad over a held-out stream every `freq` steps (and step 1).
+  struct Validation {
+    bool enable = false;
+    std::string dataset = "common_licenses_validation";  // TorchTitan: c4_validation
+    std::string dataset_path;                            // "" = the dataset's default location
+    int64_t freq = 10;
+    int64_t steps = -1;  // -1 = one full pass over the held-out stream; else this many batches (wrapping)
+    int64_t local_batch_size = 8;
+    int64_t seq_len = 2048;
+  } validation;
   struct Parallelism {
     int64_t data_parallel_replicate_degree = 1;
     int64_t data_parallel_shard_degree = -1;  // -1 = the ranks left over by the other degrees

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <sstream>
 #include <stdexcept>
 
@@ -109,35 +110,65 @@ std::vector<uint32_t> read_token_file(const std::string& path) {
   return {tmp.begin(), tmp.end()};
 }
 
-std::vector<std::string> resolve_dataset_files(const std::string& dataset, const std::string& path_in) {
+std::vector<std::string> resolve_dataset_files(const std::string& dataset, const std::string& path_in,
+                                               const std::string& section) {
+  const std::string key = section + ".dataset_path";
+  const bool licenses = dataset == "common_licenses" || dataset == "common_licenses_validation";
   std::string path = path_in;
   if (path.empty()) {
-    if (dataset == "common_licenses") path = "/usr/share/common-licenses";
-    else throw std::runtime_error("training.dataset_path: required for training.dataset = '" + dataset + "'");
+    if (licenses) path = "/usr/share/common-licenses";
+    else throw std::runtime_error(key + ": required for " + section + ".dataset = '" + dataset + "'");
   }
   std::vector<std::string> files;
   std::stringstream ss(path);
   std::string item;
   while (std::getline(ss, item, ',')) {
     if (item.empty()) continue;
-    if (!fs::exists(item)) throw std::runtime_error("training.dataset_path: '" + item + "' does not exist");
+    if (!fs::exists(item)) throw std::runtime_error(key + ": '" + item + "' does not exist");
     if (fs::is_directory(item)) {
       std::vector<std::string> found;
       for (const auto& e : fs::recursive_directory_iterator(item))
         if (!e.is_symlink() && e.is_regular_file()) found.push_back(e.path().string());
       std::sort(found.begin(), found.end());
-      if (found.empty()) throw std::runtime_error("training.dataset_path: directory '" + item + "' has no files");
+      if (found.empty()) throw std::runtime_error(key + ": directory '" + item + "' has no files");
       files.insert(files.end(), found.begin(), found.end());
     } else {
       files.push_back(item);
     }
   }
-  if (files.empty()) throw std::runtime_error("training.dataset_path: no files in '" + path + "'");
+  if (files.empty()) throw std::runtime_error(key + ": no files in '" + path + "'");
+  if (licenses) {
+    // The held-out split: one license text the training split never sees.
+    std::vector<std::string> train, held_out;
+    for (const auto& f : files) (fs::path(f).filename() == kHeldOutLicense ? held_out : train).push_back(f);
+    if (held_out.empty() || train.empty())
+      throw std::runtime_error(key + ": '" + path + "' must hold " + kHeldOutLicense +
+                               " (the held-out license of common_licenses_validation) and at least one other file");
+    files = dataset == "common_licenses" ? train : held_out;
+  }
   for (const auto& f : files) {
+    if (dataset == "jsonl" && !is_jsonl_file(f))
+      throw std::runtime_error(key + ": '" + f + "' is not a JSON Lines file (*.jsonl, *.ndjson, optionally .gz) but " +
+                               section + ".dataset = 'jsonl'");
     if (dataset == "tokens" && !is_token_file(f))
-      throw std::runtime_error("training.dataset_path: '" + f + "' is not a token file (*.tok, *.u16, *.u32) but training.dataset = 'tokens'");
+      throw std::runtime_error(key + ": '" + f + "' is not a token file (*.tok, *.u16, *.u32) but " + section +
+                               ".dataset = 'tokens'");
   }
   return files;
+}
+
+std::vector<int64_t> read_one_epoch(const std::vector<std::string>& files, std::shared_ptr<const Tokenizer> tokenizer,
+                                    int64_t vocab_limit, TextOptions text, int64_t* bad_records) {
+  TokenStream stream(files, std::move(tokenizer), vocab_limit, std::move(text));
+  std::vector<int64_t> tokens;
+  int64_t tok = 0;
+  while (true) {
+    stream.read(1, &tok);
+    if (stream.epoch() != 0) break;
+    tokens.push_back(tok);
+  }
+  if (bad_records) *bad_records = stream.bad_records();
+  return tokens;
 }
 
 // ---- TokenStream ---------------------------------------------------------------------------------------------
@@ -151,12 +182,19 @@ struct TokenStream::Chunk {
   TokenFileInfo info;
 };
 
-TokenStream::TokenStream(std::vector<std::string> files, std::shared_ptr<const Tokenizer> tokenizer, int64_t vocab_limit)
-    : files_(std::move(files)), tokenizer_(std::move(tokenizer)), vocab_limit_(vocab_limit) {
+bool is_jsonl_file(const std::string& path) {
+  const auto ext = extension(content_name(path));
+  return ext == ".jsonl" || ext == ".ndjson";
+}
+
+TokenStream::TokenStream(std::vector<std::string> files, std::shared_ptr<const Tokenizer> tokenizer, int64_t vocab_limit,
+                         TextOptions text)
+    : files_(std::move(files)), text_(std::move(text)), tokenizer_(std::move(tokenizer)), vocab_limit_(vocab_limit) {
   if (files_.empty()) throw std::runtime_error("data: no input files");
   for (const auto& f : files_) {
     if (!fs::exists(f)) throw std::runtime_error("training.dataset_path: '" + f + "' does not exist");
     token_file_.push_back(is_token_file(f));
+    jsonl_file_.push_back(is_jsonl_file(f));
     if (token_file_.back()) {
       const auto info = token_file_info(f);  // validates the header early
       if (info.vocab > vocab_limit_)
@@ -176,25 +214,82 @@ void TokenStream::ensure_chunk() {
     c->next_offset = offset_ + c->length;
     c->last_in_file = c->next_offset >= c->info.count;
   } else {
-    const auto size = static_cast<int64_t>(fs::file_size(path));
-    std::ifstream in(path, std::ios::binary);
-    in.seekg(offset_);
-    std::string text(static_cast<size_t>(std::min(kTextChunkBytes, size - offset_)), '\0');
-    in.read(text.data(), static_cast<std::streamsize>(text.size()));
-    if (offset_ + static_cast<int64_t>(text.size()) < size) {
-      // Cut at the last newline so that words are not split between chunks (tokenization stays stable).
+    bool at_end = false;
+    std::string text = content_.read(path, offset_, kTextChunkBytes, &at_end);
+    if (jsonl_file_[static_cast<size_t>(file_)]) {
+      // Whole lines only: a line longer than a chunk extends the chunk.
+      while (!at_end && text.find('\n') == std::string::npos) {
+        bool end2 = false;
+        text += content_.read(path, offset_ + static_cast<int64_t>(text.size()), kTextChunkBytes, &end2);
+        at_end = end2;
+      }
+    }
+    if (!at_end) {
+      // Cut at the last newline so that words (and JSON lines) are not split between chunks.
       const auto nl = text.rfind('\n');
       if (nl != std::string::npos) text.resize(nl + 1);
     }
     c->next_offset = offset_ + static_cast<int64_t>(text.size());
-    c->last_in_file = c->next_offset >= size;
-    if (offset_ == 0 && tokenizer_->bos_id()) c->tokens.push_back(*tokenizer_->bos_id());
-    for (uint32_t t : tokenizer_->encode(text)) c->tokens.push_back(t);
-    if (c->last_in_file && tokenizer_->eos_id()) c->tokens.push_back(*tokenizer_->eos_id());
+    c->last_in_file = at_end;  // not cut: the chunk runs to the end of the content
+    if (!jsonl_file_[static_cast<size_t>(file_)]) {
+      if (offset_ == 0 && tokenizer_->bos_id()) c->tokens.push_back(*tokenizer_->bos_id());
+      for (uint32_t t : tokenizer_->encode(text)) c->tokens.push_back(t);
+      if (c->last_in_file && tokenizer_->eos_id()) c->tokens.push_back(*tokenizer_->eos_id());
+    } else {
+      int64_t line = line_at(file_, offset_);
+      size_t begin = 0;
+      while (begin < text.size()) {
+        size_t end = text.find('\n', begin);
+        if (end == std::string::npos) end = text.size();
+        const std::string_view record(text.data() + begin, end - begin);
+        if (record.find_first_not_of(" \t\r") != std::string_view::npos) {
+          std::string problem;
+          nlohmann::json j = nlohmann::json::parse(record, nullptr, /*allow_exceptions=*/false);
+          if (j.is_discarded()) problem = "not valid JSON";
+          else if (!j.is_object()) problem = "not a JSON object";
+          else if (!j.contains(text_.text_field)) problem = "no field \"" + text_.text_field + "\"";
+          else if (!j[text_.text_field].is_string())
+            problem = "field \"" + text_.text_field + "\" is a " + std::string(j[text_.text_field].type_name()) + ", not a string";
+          if (problem.empty()) {
+            if (tokenizer_->bos_id()) c->tokens.push_back(*tokenizer_->bos_id());
+            for (uint32_t t : tokenizer_->encode(j[text_.text_field].get_ref<const std::string&>())) c->tokens.push_back(t);
+            if (tokenizer_->eos_id()) c->tokens.push_back(*tokenizer_->eos_id());
+          } else {
+            const std::string where = path + ":" + std::to_string(line);
+            if (!text_.skip_bad_records)
+              throw std::runtime_error("data: bad record at " + where + ": " + problem +
+                                       " (training.bad_records = \"error\"; \"skip\" skips and counts such records)");
+            if (bad_seen_.insert({file_, line}).second && text_.report_bad_records)
+              std::cerr << "fsdp-train: skipping bad record at " << where << ": " << problem << "\n";
+          }
+        }
+        ++line;
+        begin = end + 1;
+      }
+      line_of_offset_[{file_, c->next_offset}] = line;
+    }
     c->length = static_cast<int64_t>(c->tokens.size());
     c->loaded = true;
   }
   chunk_ = std::move(c);
+}
+
+int64_t TokenStream::line_at(int64_t file, int64_t offset) {
+  if (offset == 0) return 1;
+  auto it = line_of_offset_.find({file, offset});
+  if (it != line_of_offset_.end()) return it->second;
+  // A position not reached chunk by chunk (a resumed run): count the newlines before it once.
+  int64_t line = 1, at = 0;
+  FileContent reader;
+  while (at < offset) {
+    bool end = false;
+    const std::string part = reader.read(files_[static_cast<size_t>(file)], at, std::min<int64_t>(1 << 20, offset - at), &end);
+    if (part.empty()) break;
+    line += std::count(part.begin(), part.end(), '\n');
+    at += static_cast<int64_t>(part.size());
+  }
+  line_of_offset_[{file, offset}] = line;
+  return line;
 }
 
 int64_t TokenStream::chunk_remaining() {
@@ -280,8 +375,8 @@ void TokenStream::load_state(const nlohmann::json& s) {
 // ---- DataLoader ----------------------------------------------------------------------------------------------
 
 DataLoader::DataLoader(std::vector<std::string> files, std::shared_ptr<const Tokenizer> tokenizer, int64_t vocab_limit,
-                       LoaderOptions options)
-    : opt_(options), stream_(std::move(files), std::move(tokenizer), vocab_limit) {
+                       LoaderOptions options, TextOptions text)
+    : opt_(options), stream_(std::move(files), std::move(tokenizer), vocab_limit, std::move(text)) {
   if (opt_.seq_len <= 0 || opt_.local_batch_size <= 0 || opt_.grad_accum_steps <= 0 || opt_.dp_degree <= 0 ||
       opt_.dp_rank < 0 || opt_.dp_rank >= opt_.dp_degree)
     throw std::runtime_error("data: invalid loader options");
@@ -335,8 +430,9 @@ void DataLoader::load_state(const nlohmann::json& s) {
 }
 
 double unigram_entropy_nats(const std::vector<std::string>& files, std::shared_ptr<const Tokenizer> tokenizer,
-                            int64_t vocab_limit, int64_t* num_tokens) {
-  TokenStream stream(files, std::move(tokenizer), vocab_limit);
+                            int64_t vocab_limit, int64_t* num_tokens, TextOptions text) {
+  text.report_bad_records = false;  // the loader reports them
+  TokenStream stream(files, std::move(tokenizer), vocab_limit, std::move(text));
   std::vector<int64_t> counts(static_cast<size_t>(vocab_limit), 0);
   int64_t total = 0, tok = 0;
   while (true) {

@@ -16,13 +16,17 @@
 // tokens consumed in the chunk) and the loader's sample/micro-batch counters; load_state() reproduces the next
 // batch bit for bit.
 
+#include "file_content.h"
 #include "tokenizer.h"
 
 #include <nlohmann/json_fwd.hpp>
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fsdp_train {
@@ -36,16 +40,34 @@ bool is_token_file(const std::string& path);
 void write_token_file(const std::string& path, const std::vector<uint32_t>& tokens, int64_t vocab_size);
 std::vector<uint32_t> read_token_file(const std::string& path);  // whole file (tests, tools)
 
-// Files of a dataset from the config: common_licenses (default path /usr/share/common-licenses), text, tokens.
+// Files of a dataset from the config: common_licenses (default path /usr/share/common-licenses, every file but
+// the held-out license), common_licenses_validation (only the held-out license), text, jsonl (JSON Lines files
+// only), tokens (token files only). Any text or JSON Lines file may be gzip-compressed (*.gz).
 // `path` may be a file, a directory (its regular files, recursively, sorted; symlinks skipped so that aliases
-// such as GPL -> GPL-3 are not read twice) or a comma-separated list. Throws naming training.dataset_path
+// such as GPL -> GPL-3 are not read twice) or a comma-separated list. Throws naming <section>.dataset_path
 // when something is missing.
-std::vector<std::string> resolve_dataset_files(const std::string& dataset, const std::string& path);
+inline constexpr const char* kHeldOutLicense = "Apache-2.0";
+std::vector<std::string> resolve_dataset_files(const std::string& dataset, const std::string& path,
+                                               const std::string& section = "training");
+
+// How text files are read. JSON Lines files (*.jsonl, *.ndjson, optionally .gz; the usual export of a Hugging
+// Face dataset) hold one document per line: the string under `text_field` of each JSON object, each document
+// framed by BOS/EOS. A bad record (not JSON, not an object, no such field, not a string) is reported with its
+// file and line and skipped (and counted) or, with skip_bad_records = false, fatal. Blank lines are ignored.
+struct TextOptions {
+  std::string text_field = "text";
+  bool skip_bad_records = true;
+  bool report_bad_records = true;  // print each skipped record's file:line to stderr (rank 0)
+};
+bool is_jsonl_file(const std::string& path);  // *.jsonl, *.ndjson (+ .gz)
 
 // The endless token stream over `files` (see above).
 class TokenStream {
  public:
-  TokenStream(std::vector<std::string> files, std::shared_ptr<const Tokenizer> tokenizer, int64_t vocab_limit);
+  TokenStream(std::vector<std::string> files, std::shared_ptr<const Tokenizer> tokenizer, int64_t vocab_limit,
+              TextOptions text = {});
+  // Distinct bad records met so far (skipped; each counted once however often its chunk is read).
+  int64_t bad_records() const { return static_cast<int64_t>(bad_seen_.size()); }
   void read(int64_t n, int64_t* out);  // the next n tokens
   void skip(int64_t n);                // drop the next n tokens (arithmetic for token files)
   nlohmann::json state() const;
@@ -59,8 +81,14 @@ class TokenStream {
   void advance_chunk();
   int64_t chunk_remaining();
 
+  int64_t line_at(int64_t file, int64_t offset);  // 1-based line number of a content offset (JSON Lines)
+
   std::vector<std::string> files_;
-  std::vector<bool> token_file_;
+  std::vector<bool> token_file_, jsonl_file_;
+  TextOptions text_;
+  FileContent content_;  // keeps a gzip stream open between chunks
+  std::map<std::pair<int64_t, int64_t>, int64_t> line_of_offset_;  // (file, chunk offset) -> line (cache)
+  std::set<std::pair<int64_t, int64_t>> bad_seen_;                 // (file, line) of bad records
   std::shared_ptr<const Tokenizer> tokenizer_;
   int64_t vocab_limit_;
   // Position: file_ in epoch_, the chunk starting at offset_ (bytes for text, tokens for token files), of which
@@ -87,7 +115,8 @@ struct Batch {
 class DataLoader {
  public:
   DataLoader(std::vector<std::string> files, std::shared_ptr<const Tokenizer> tokenizer, int64_t vocab_limit,
-             LoaderOptions options);
+             LoaderOptions options, TextOptions text = {});
+  int64_t bad_records() const { return stream_.bad_records(); }
   Batch next();  // the next micro-batch of this rank (grad_accum_steps of them per optimizer step)
   nlohmann::json state() const;
   void load_state(const nlohmann::json& state);
@@ -101,9 +130,14 @@ class DataLoader {
   int64_t micro_ = 0;        // micro-batches delivered so far
 };
 
+// Exactly one epoch of the stream over `files` (each file: BOS, its tokens, EOS), in memory. For held-out data
+// (validation) and `fsdp-train tokenize`.
+std::vector<int64_t> read_one_epoch(const std::vector<std::string>& files, std::shared_ptr<const Tokenizer> tokenizer,
+                                    int64_t vocab_limit, TextOptions text = {}, int64_t* bad_records = nullptr);
+
 // Shannon entropy (nats) of the unigram distribution of one epoch of the stream: the loss of the best model
 // that ignores context. A trained model must get well below it.
 double unigram_entropy_nats(const std::vector<std::string>& files, std::shared_ptr<const Tokenizer> tokenizer,
-                            int64_t vocab_limit, int64_t* num_tokens = nullptr);
+                            int64_t vocab_limit, int64_t* num_tokens = nullptr, TextOptions text = {});
 
 }  // namespace fsdp_train

@@ -2,10 +2,13 @@
 //   fsdp-train [--config FILE] [--section.key value ...]      train (the embedded default config without --config)
 //   fsdp-train --print-config [...]                             the effective config as TOML
 //   fsdp-train plot <metrics.jsonl> <out.png>                   loss / throughput / lr charts
-//   fsdp-train tokenize [--tokenizer PATH] --out FILE.tok IN... pre-tokenize text into a token file
+//   fsdp-train generate --checkpoint DIR --prompt TEXT [...]    sample text from a trained checkpoint (KV cache)
+//   fsdp-train tokenize [--tokenizer PATH] --out FILE.tok IN... pre-tokenize text / JSON Lines (.gz too) into a token file
 // Multi-process: start it with fsdprun (or torchrun-compatible variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 #include "config.h"
 #include "data.h"
+#include "generate.h"
+#include "metrics.h"
 #include "plot.h"
 #include "trainer.h"
 
@@ -13,6 +16,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -24,7 +29,8 @@ constexpr const char* kUsage =
     "usage: fsdp-train [--config FILE] [--section.key value ...]\n"
     "       fsdp-train --print-config [--config FILE] [--section.key value ...]\n"
     "       fsdp-train plot <metrics.jsonl> <out.png>\n"
-    "       fsdp-train tokenize [--tokenizer tokenizer.json] --out FILE.tok INPUT...\n"
+    "       fsdp-train generate --checkpoint DIR --prompt TEXT [--max_new_tokens N --temperature T --top_k K --seed S]\n"
+    "       fsdp-train tokenize [--tokenizer tokenizer.json] [--text-field F] [--bad-records skip|error] --out FILE.tok INPUT...\n"
     "Keys and defaults: docs/trainer.md (TorchTitan's names: job, model, optimizer, lr_scheduler, training,\n"
     "parallelism, checkpoint, activation_checkpoint, metrics, comm, debug).\n";
 
@@ -39,34 +45,77 @@ int plot_main(const std::vector<std::string>& args) {
 }
 
 int tokenize_main(const std::vector<std::string>& args) {
+  constexpr const char* usage =
+      "usage: fsdp-train tokenize [--tokenizer tokenizer.json] [--text-field text] [--bad-records skip|error]\n"
+      "                           --out FILE.tok INPUT...\n"
+      "INPUT: text, JSON Lines (*.jsonl, *.ndjson) or either gzip-compressed (*.gz); a file, directory or list.\n";
   std::string tokenizer_path, out;
+  fsdp_train::TextOptions text;
   std::vector<std::string> inputs;
   for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--tokenizer" && i + 1 < args.size()) tokenizer_path = args[++i];
-    else if (args[i] == "--out" && i + 1 < args.size()) out = args[++i];
-    else inputs.push_back(args[i]);
+    const bool has_value = i + 1 < args.size();
+    if (args[i] == "--tokenizer" && has_value) tokenizer_path = args[++i];
+    else if (args[i] == "--out" && has_value) out = args[++i];
+    else if (args[i] == "--text-field" && has_value) text.text_field = args[++i];
+    else if (args[i] == "--bad-records" && has_value) {
+      const std::string v = args[++i];
+      if (v != "skip" && v != "error") {
+        std::cerr << "fsdp-train tokenize: --bad-records expects skip or error, got '" << v << "'\n" << usage;
+        return 2;
+      }
+      text.skip_bad_records = v == "skip";
+    } else if (args[i].rfind("--", 0) == 0) {
+      std::cerr << "fsdp-train tokenize: unknown option '" << args[i] << "'\n" << usage;
+      return 2;
+    } else {
+      inputs.push_back(args[i]);
+    }
   }
   if (out.empty() || inputs.empty()) {
-    std::cerr << "usage: fsdp-train tokenize [--tokenizer tokenizer.json] --out FILE.tok INPUT...\n";
+    std::cerr << usage;
     return 2;
   }
   auto tokenizer = fsdp_train::make_tokenizer(tokenizer_path);
   std::vector<std::string> files;
   for (const auto& in : inputs)
     for (const auto& f : fsdp_train::resolve_dataset_files("text", in)) files.push_back(f);
-  // Exactly one epoch of the stream the trainer would read from these text files (BOS/EOS per file).
-  fsdp_train::TokenStream stream(files, tokenizer, tokenizer->vocab_size());
-  std::vector<uint32_t> tokens;
-  int64_t tok = 0;
-  while (true) {
-    stream.read(1, &tok);
-    if (stream.epoch() != 0) break;
-    tokens.push_back(static_cast<uint32_t>(tok));
-  }
+  // Exactly one epoch of the stream the trainer would read from these files (BOS/EOS per text file or record).
+  int64_t bad = 0;
+  const auto epoch = fsdp_train::read_one_epoch(files, tokenizer, tokenizer->vocab_size(), text, &bad);
+  const std::vector<uint32_t> tokens(epoch.begin(), epoch.end());
   fsdp_train::write_token_file(out, tokens, tokenizer->vocab_size());
   std::cout << "wrote " << out << ": " << tokens.size() << " tokens from " << files.size() << " files ("
-            << tokenizer->describe() << ")\n";
+            << tokenizer->describe() << ")";
+  if (bad > 0) std::cout << "; " << bad << " bad records skipped";
+  std::cout << "\n";
   return 0;
+}
+
+// The final summary: what was learned, how fast, and where every output went.
+void print_summary(const fsdp_train::JobConfig& config, const fsdp_train::TrainSummary& s) {
+  std::printf("\n== summary ==\n");
+  std::printf("steps:            %zu (%s wall time)\n", s.losses.size(), fsdp_train::format_duration(s.seconds).c_str());
+  std::printf("tokens seen:      %lld\n", static_cast<long long>(s.tokens_seen));
+  std::printf("throughput:       %.0f tokens/s per rank, MFU %.1f%% (mean after the first log window)\n", s.mean_tps,
+              s.mean_mfu);
+  std::printf("final loss:       %.4f nats/token (mean of the last 10 steps)\n", s.final_loss);
+  if (!s.validation_losses.empty()) {
+    const auto best = std::min_element(s.validation_losses.begin(), s.validation_losses.end()) - s.validation_losses.begin();
+    std::printf("validation loss:  %.4f (perplexity %.2f) at the last validation, step %lld; best %.4f at step %lld\n",
+                s.validation_losses.back(), std::exp(s.validation_losses.back()),
+                static_cast<long long>(s.validation_steps.back()), s.validation_losses[static_cast<size_t>(best)],
+                static_cast<long long>(s.validation_steps[static_cast<size_t>(best)]));
+  }
+  if (s.unigram_entropy > 0) {
+    std::printf("unigram entropy:  %.4f nats/token of the training stream (%lld tokens per epoch); loss / entropy = %.2f\n",
+                s.unigram_entropy, static_cast<long long>(s.epoch_tokens), s.final_loss / s.unigram_entropy);
+  }
+  if (s.bad_records > 0 || s.validation_bad_records > 0)
+    std::printf("bad records:      %lld skipped in the training data, %lld in the validation data (reported above)\n",
+                static_cast<long long>(s.bad_records), static_cast<long long>(s.validation_bad_records));
+  std::printf("outputs:\n");
+  for (const auto& [what, where] : s.outputs) std::printf("  %-22s %s\n", what.c_str(), where.c_str());
+  std::printf("  %-22s fsdp-train plot %s/metrics.jsonl loss.png\n", "plot with", config.job.dump_folder.c_str());
 }
 
 }  // namespace
@@ -76,6 +125,7 @@ int main(int argc, char** argv) {
   try {
     if (!args.empty() && args[0] == "plot") return plot_main({args.begin() + 1, args.end()});
     if (!args.empty() && args[0] == "tokenize") return tokenize_main({args.begin() + 1, args.end()});
+    if (!args.empty() && args[0] == "generate") return fsdp_train::generate_main({args.begin() + 1, args.end()});
     for (const auto& a : args)
       if (a == "--help" || a == "-h") {
         std::cout << kUsage;
@@ -94,14 +144,7 @@ int main(int argc, char** argv) {
     }
     auto env = fsdp_train::init_distributed(config);
     const auto summary = fsdp_train::run_training(config, env);
-    if (env.rank == 0) {
-      std::printf("done: %zu steps in %.1f s; %.0f tokens/s per rank, MFU %.1f%% (after the first log window)\n",
-                  summary.losses.size(), summary.seconds, summary.mean_tps, summary.mean_mfu);
-      std::printf("final loss (mean of the last 10 steps): %.4f nats/token\n", summary.final_loss);
-      std::printf("unigram entropy of the training stream:  %.4f nats/token (%lld tokens per epoch)\n",
-                  summary.unigram_entropy, static_cast<long long>(summary.epoch_tokens));
-      std::printf("loss / unigram entropy = %.2f\n", summary.final_loss / summary.unigram_entropy);
-    }
+    if (env.rank == 0) print_summary(config, summary);
     if (env.group) fsdp::destroy_process_group();
     return 0;
   } catch (const fsdp_train::ConfigError& e) {

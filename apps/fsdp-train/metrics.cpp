@@ -45,12 +45,20 @@ std::string format_duration(double s) {
 }
 
 std::string format_log_line(const StepMetrics& m) {
-  char buf[320];
+  char buf[400];
   std::snprintf(buf, sizeof buf,
                 "step: %4lld  loss: %8.4f  grad_norm: %7.3f  lr: %.2e  memory: %.2fGiB (max %.2fGiB)  tps: %s  "
-                "tflops: %.3f  mfu: %.1f%%",
+                "tflops: %.3f  mfu: %.1f%%  elapsed: %s  eta: %s",
                 static_cast<long long>(m.step), m.loss, m.grad_norm, m.lr, m.mem_gib, m.mem_max_gib,
-                thousands(m.tps).c_str(), m.tflops, m.mfu);
+                thousands(m.tps).c_str(), m.tflops, m.mfu, format_duration(m.elapsed_s).c_str(),
+                format_duration(m.eta_s).c_str());
+  return buf;
+}
+
+std::string format_validation_line(int64_t step, double loss, double perplexity, double tps, double seconds) {
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "validate step: %4lld  loss: %8.4f  perplexity: %.2f  tps: %s  time: %.1fs",
+                static_cast<long long>(step), loss, perplexity, thousands(tps).c_str(), seconds);
   return buf;
 }
 
@@ -79,8 +87,17 @@ void JsonlWriter::write(const StepMetrics& m) {
     j["tensor_forward_bytes"] = m.tensor_forward_bytes;
     j["tensor_peak_bytes"] = m.tensor_peak_bytes;
   }
+  if (m.eta_s >= 0) j["eta_s"] = m.eta_s;
   out_ << j.dump() << "\n";
   out_.flush();  // a crash keeps every step written so far
+}
+
+void JsonlWriter::write_validation(int64_t step, double loss, double perplexity, int64_t tokens, double seconds) {
+  if (!out_.is_open()) return;
+  const nlohmann::json j = {{"step", step}, {"validation_loss", loss}, {"validation_perplexity", perplexity},
+                            {"validation_tokens", tokens}, {"validation_s", seconds}};
+  out_ << j.dump() << "\n";
+  out_.flush();
 }
 
 }  // namespace fsdp_train

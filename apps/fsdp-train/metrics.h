@@ -11,6 +11,8 @@ namespace fsdp_train {
 struct StepMetrics {
   int64_t step = 0, total_steps = 0;
   double loss = 0;            // global mean token loss of the step (nats)
+  double max_loss = 0;        // highest mean token loss of one data-parallel rank (TorchTitan's global_max_loss)
+  double step_s = 0;          // mean wall time per step since the previous log
   double grad_norm = 0;       // before clipping
   double lr = 0;
   double tps = 0;             // tokens/s per rank since the previous log
@@ -20,6 +22,7 @@ struct StepMetrics {
   double mem_max_gib = 0;     // max over ranks
   double data_s = 0;          // time spent loading data since the previous log
   double elapsed_s = 0;       // since the first step started
+  double eta_s = -1;          // estimated time to training.steps (-1 = unknown)
   int64_t tokens_seen = 0;    // global tokens so far
   // metrics.tensor_memory: live CPU tensor bytes of this rank (tensor_memory.h) at the step's start (after
   // zero_grad), at the end of its last forward (loss computed) and the step's peak; -1 = not tracked.
@@ -29,8 +32,11 @@ struct StepMetrics {
 // Peak resident set size of this process in bytes (VmHWM of /proc/self/status); 0 where unavailable.
 int64_t peak_rss_bytes();
 
-// "step:  10  loss:  2.3456  grad_norm:  0.812  lr: 3.0e-03  memory: 0.21GiB (max 0.22GiB)  tps: 1,234  tflops: 0.01  mfu: 4.2%"
+// "step:  10  loss:  2.3456  grad_norm:  0.812  lr: 3.0e-03  memory: 0.21GiB (max 0.22GiB)  tps: 1,234  tflops: 0.01
+//  mfu: 4.2%  elapsed: 12s  eta: 5m40s"
 std::string format_log_line(const StepMetrics& m);
+// "validate step:  10  loss:  2.5000  perplexity: 12.18  tps: 5,000  time: 0.4s"
+std::string format_validation_line(int64_t step, double loss, double perplexity, double tps, double seconds);
 // "[ 12/300]  loss 2.3456  1,234 tok/s  ETA 1m20s"
 std::string format_progress(const StepMetrics& m, double eta_s);
 std::string format_duration(double seconds);
@@ -42,6 +48,8 @@ class JsonlWriter {
   explicit JsonlWriter(const std::string& path);  // creates parent folders, truncates
   bool is_open() const { return out_.is_open(); }
   void write(const StepMetrics& m);
+  // {"step", "validation_loss", "validation_perplexity", "validation_tokens", "validation_s"}
+  void write_validation(int64_t step, double loss, double perplexity, int64_t tokens, double seconds);
   const std::string& path() const { return path_; }
 
  private:

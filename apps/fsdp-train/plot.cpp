@@ -67,7 +67,8 @@ void plot_series(const std::vector<Series>& series, const std::string& png_path,
 int plot_metrics(const std::string& jsonl_path, const std::string& png_path) {
   std::ifstream in(jsonl_path);
   if (!in) throw std::runtime_error("plot: cannot open '" + jsonl_path + "'");
-  Series loss{"loss (nats/token) vs step", {}, {}}, tps{"tokens/s per rank vs step", {}, {}}, lr{"learning rate vs step", {}, {}};
+  Series loss{"loss (nats/token) vs step", {}, {}}, tps{"tokens/s per rank vs step", {}, {}}, lr{"learning rate vs step", {}, {}},
+      val{"validation loss (nats/token) vs step", {}, {}};
   std::string line;
   int n = 0, lineno = 0;
   while (std::getline(in, line)) {
@@ -84,10 +85,13 @@ int plot_metrics(const std::string& jsonl_path, const std::string& png_path) {
     if (j.contains("loss")) loss.x.push_back(step), loss.y.push_back(j["loss"].get<double>());
     if (j.contains("tps")) tps.x.push_back(step), tps.y.push_back(j["tps"].get<double>());
     if (j.contains("lr")) lr.x.push_back(step), lr.y.push_back(j["lr"].get<double>());
+    if (j.contains("validation_loss")) val.x.push_back(step), val.y.push_back(j["validation_loss"].get<double>());
     ++n;
   }
   if (n == 0) throw std::runtime_error("plot: no records with a \"step\" in '" + jsonl_path + "'");
-  plot_series({loss, tps, lr}, png_path);
+  std::vector<Series> panels = {loss, tps, lr};
+  if (!val.x.empty()) panels.insert(panels.begin() + 1, val);  // [validation] enabled: under the training loss
+  plot_series(panels, png_path);
   return n;
 }
 

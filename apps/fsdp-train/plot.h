@@ -12,8 +12,9 @@ struct Series {
   std::vector<double> x, y;
 };
 
-// Reads metrics.jsonl records ({"step":..., "loss":..., "tps":..., "lr":...}; other fields ignored) and writes
-// a PNG with one panel per quantity. Returns the number of records plotted; throws on an empty or unreadable file.
+// Reads metrics.jsonl records ({"step":..., "loss":..., "tps":..., "lr":...} and validation records
+// {"step":..., "validation_loss":...}; other fields ignored) and writes a PNG with one panel per quantity (the
+// validation loss only when there is one). Returns the number of records plotted; throws on an empty or unreadable file.
 int plot_metrics(const std::string& jsonl_path, const std::string& png_path);
 
 // One chart per series, stacked vertically.

@@ -7,6 +7,8 @@
 #include "metrics.h"
 #include "parallelize.h"
 #include "tensor_memory.h"
+#include "tensorboard.h"
+#include "validate.h"
 
 #include <fsdp/clip_grad.h>
 #include <fsdp/materialize.h>
@@ -105,8 +107,14 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
   args.vocab_size = tokenizer->vocab_size();  // TorchTitan: the model's vocab follows the tokenizer
   args.max_seq_len = config.training.seq_len;
   const int64_t dp_rank = env.rank;  // no tensor parallelism: every rank is a data-parallel rank
+  const TextOptions text_options{config.training.dataset_text_field, config.training.bad_records == "skip", main_rank};
   DataLoader loader(files, tokenizer, args.vocab_size,
-                    {config.training.seq_len, dims.local_batch_size, dims.grad_accum_steps, dp_rank, dims.dp_degree()});
+                    {config.training.seq_len, dims.local_batch_size, dims.grad_accum_steps, dp_rank, dims.dp_degree()},
+                    text_options);
+  std::unique_ptr<Validator> validator;
+  if (config.validation.enable)
+    validator = std::make_unique<Validator>(config.validation, tokenizer, args.vocab_size, dp_rank, dims.dp_degree(),
+                                            text_options);
 
   // With FSDP the model is built on `meta` (no full copy on any rank), sharded, then only the local shards are
   // allocated and initialized unit by unit — the same weights as an unsharded init (TorchTitan's flow).
@@ -161,6 +169,11 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
                                                                               : "metrics_rank" + std::to_string(env.rank) + ".jsonl";
     jsonl = JsonlWriter((std::filesystem::path(config.job.dump_folder) / name).string());
   }
+  TensorBoardWriter tb;
+  if (config.metrics.enable_tensorboard && (main_rank || config.metrics.save_for_all_ranks))
+    tb = TensorBoardWriter(tensorboard_log_dir(config.job.dump_folder, config.metrics.save_tb_folder,
+                                               config.metrics.save_for_all_ranks, env.rank));
+  const std::string lr_tag = "lr/" + config.optimizer.name;  // TorchTitan: lr/<optimizer class>
   if (main_rank) {
     std::filesystem::create_directories(config.job.dump_folder);
     std::ofstream(std::filesystem::path(config.job.dump_folder) / "config.toml") << to_toml(config);
@@ -265,11 +278,28 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
     m.grad_norm = grad_norm;
     m.lr = lr;
     m.elapsed_s = seconds_since(t_start);
+    m.eta_s = m.elapsed_s / static_cast<double>(step - first_step + 1) * static_cast<double>(config.training.steps - step);
     m.tokens_seen = step * dims.global_batch_size * S;
     if (track_tensors) {
       m.tensor_start_bytes = tmem.start;
       m.tensor_forward_bytes = tmem.forward;
       m.tensor_peak_bytes = tmem.peak;
+    }
+    if (validator && validator->should_validate(step)) {
+      const ValidationResult v = validator->validate(*model, env.group);
+      summary.validation_steps.push_back(step);
+      summary.validation_losses.push_back(v.loss);
+      jsonl.write_validation(step, v.loss, v.perplexity, v.tokens, v.seconds);
+      if (tb.is_open()) {
+        tb.add_scalar("validation_metrics/loss", v.loss, step);
+        tb.add_scalar("validation_metrics/perplexity", v.perplexity, step);
+        tb.add_scalar("validation_metrics/throughput(tps)", v.tps, step);
+        tb.flush();
+      }
+      if (say)
+        std::cout << (tty ? "\r\033[K" : "") << format_validation_line(step, v.loss, v.perplexity, v.tps, v.seconds)
+                  << std::endl;
+      t_window += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(v.seconds));
     }
     const bool log_now = step == 1 || step % config.metrics.log_freq == 0 || last;
     if (log_now) {
@@ -278,6 +308,9 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
       m.tflops = flops_per_token * m.tps / 1e12;
       m.mfu = 100.0 * m.tflops / summary.peak_tflops;
       m.data_s = window_data_s;
+      m.step_s = dt / static_cast<double>(window_steps);
+      m.max_loss = all_reduce(env.group, {local_tokens > 0 ? local_loss_sum / static_cast<double>(local_tokens) : 0.0},
+                              fsdp::ReduceOp::Max)[0];
       m.mem_gib = static_cast<double>(peak_rss_bytes()) / (1 << 30);
       m.mem_max_gib = all_reduce(env.group, {m.mem_gib}, fsdp::ReduceOp::Max)[0];
       if (!first_window) {  // the first window holds one-time costs (allocation, lazy init)
@@ -287,19 +320,40 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
       }
       first_window = false;
       jsonl.write(m);
+      if (tb.is_open()) {  // TorchTitan's scalar names
+        tb.add_scalar("loss_metrics/global_avg_loss", m.loss, step);
+        tb.add_scalar("loss_metrics/global_max_loss", m.max_loss, step);
+        tb.add_scalar("grad_norm", m.grad_norm, step);
+        tb.add_scalar(lr_tag, m.lr, step);
+        tb.add_scalar("throughput(tps)", m.tps, step);
+        tb.add_scalar("tflops", m.tflops, step);
+        tb.add_scalar("mfu(%)", m.mfu, step);
+        tb.add_scalar("time_metrics/end_to_end(s)", m.step_s, step);
+        tb.add_scalar("time_metrics/data_loading(s)", m.data_s / static_cast<double>(window_steps), step);
+        tb.add_scalar("time_metrics/data_loading(%)", 100.0 * m.data_s / dt, step);
+        tb.add_scalar("memory/max_reserved(GiB)", m.mem_gib, step);  // CPU: this rank's peak RSS
+        tb.flush();
+      }
       if (say) std::cout << (tty ? "\r\033[K" : "") << format_log_line(m) << std::endl;
       t_window = Clock::now();
       window_tokens = window_steps = 0;
       window_data_s = 0;
     } else if (tty) {
       m.tps = static_cast<double>(window_tokens) / seconds_since(t_window);
-      const double eta = m.elapsed_s / static_cast<double>(step - first_step + 1) * static_cast<double>(config.training.steps - step);
-      std::cout << "\r\033[K" << format_progress(m, eta) << std::flush;
+      std::cout << "\r\033[K" << format_progress(m, m.eta_s) << std::flush;
     }
   }
 
   checkpointer->wait();  // a background save or purge finishes (and reports its error) before the job ends
   summary.seconds = seconds_since(t_start);
+  summary.tokens_seen = state.step * dims.global_batch_size * S;
+  if (main_rank) {
+    const std::filesystem::path dump(config.job.dump_folder);
+    summary.outputs.push_back({"effective config", (dump / "config.toml").string()});
+    if (jsonl.is_open()) summary.outputs.push_back({"metrics (JSON lines)", jsonl.path()});
+    if (tb.is_open()) summary.outputs.push_back({"TensorBoard events", tb.log_dir()});
+    if (config.checkpoint.enable) summary.outputs.push_back({"checkpoints", (dump / config.checkpoint.folder).string()});
+  }
   const size_t n = summary.losses.size(), k = std::min<size_t>(10, n);
   for (size_t i = n - k; i < n; ++i) summary.final_loss += summary.losses[i] / static_cast<double>(k);
   if (tps_count > 0) {
@@ -307,7 +361,10 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
     summary.mean_mfu = mfu_sum / static_cast<double>(tps_count);
   }
   if (compute_entropy && main_rank)
-    summary.unigram_entropy = unigram_entropy_nats(files, tokenizer, args.vocab_size, &summary.epoch_tokens);
+    summary.unigram_entropy =
+        unigram_entropy_nats(files, tokenizer, args.vocab_size, &summary.epoch_tokens, text_options);
+  summary.bad_records = loader.bad_records();
+  if (validator) summary.validation_bad_records = validator->bad_records();
   return summary;
 }
 

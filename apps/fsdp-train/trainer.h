@@ -8,6 +8,7 @@
 #include <fsdp/process_group.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fsdp_train {
@@ -23,14 +24,20 @@ struct TrainEnv {
 struct TrainSummary {
   std::vector<double> losses;       // global loss of every step (identical on every rank)
   std::vector<double> grad_norms;
+  std::vector<int64_t> validation_steps;  // [validation]: the steps validated and their global losses
+  std::vector<double> validation_losses;
   double final_loss = 0;            // mean of the last min(10, steps) losses
   double unigram_entropy = 0;       // of one epoch of the stream (nats); computed when compute_entropy
   int64_t epoch_tokens = 0;
-  double seconds = 0;
+  double seconds = 0;               // wall time from the first step to the end
+  int64_t tokens_seen = 0;          // global training tokens up to the last step (steps before a resume included)
+  std::vector<std::pair<std::string, std::string>> outputs;  // rank 0: what was written where
   double mean_tps = 0;              // tokens/s per rank after the first step
   double mean_mfu = 0;
   double peak_tflops = 0;
   std::string plan;                 // how the model was parallelised
+  int64_t bad_records = 0;          // JSON Lines records skipped by this rank's training stream so far
+  int64_t validation_bad_records = 0;
   // metrics.tensor_memory: this rank's live CPU tensor bytes of every step (empty otherwise).
   struct TensorMemory {
     int64_t start = 0;    // after zero_grad: sharded params + optimizer states (+ anything kept across steps)

@@ -202,3 +202,148 @@ TEST(UnigramEntropy, MatchesTheHandComputedValue) {
   EXPECT_NEAR(unigram_entropy_nats({dir + "/x.txt"}, bytes(), 258, &n), expect, 1e-12);
   EXPECT_EQ(n, 6);
 }
+
+// ---- held-out split, JSON Lines, gzip, bad records ------------------------------------------------------------
+
+TEST(DataLoader, CommonLicensesHoldsOutApache) {
+  const auto train = resolve_dataset_files("common_licenses", "");
+  const auto held_out = resolve_dataset_files("common_licenses_validation", "");
+  ASSERT_EQ(held_out.size(), 1u);
+  EXPECT_EQ(fs::path(held_out[0]).filename(), "Apache-2.0");
+  for (const auto& f : train) EXPECT_NE(fs::path(f).filename(), "Apache-2.0");
+  std::set<std::string> all;
+  for (const auto& e : fs::directory_iterator("/usr/share/common-licenses"))
+    if (!e.is_symlink() && e.is_regular_file()) all.insert(e.path().string());
+  EXPECT_EQ(train.size() + 1, all.size());
+  // Errors name the section's key.
+  try {
+    resolve_dataset_files("text", "/nonexistent/x.txt", "validation");
+    FAIL() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("validation.dataset_path"), std::string::npos) << e.what();
+  }
+}
+
+namespace {
+// A JSON Lines corpus (the HF datasets export shape) and its reference stream: per record BOS, bytes, EOS.
+struct JsonlCorpus {
+  std::string path;
+  std::vector<int64_t> epoch_tokens;
+};
+JsonlCorpus make_jsonl(const std::string& name, int records) {
+  JsonlCorpus c;
+  const std::string dir = ::testing::TempDir() + "/fsdp_train_jsonl_" + name;
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  c.path = dir + "/data.jsonl";
+  std::ofstream out(c.path, std::ios::binary);
+  std::mt19937 rng(7);
+  for (int i = 0; i < records; ++i) {
+    std::string text = "record " + std::to_string(i) + ": \"quoted\" \xc3\xa9\n";
+    const unsigned length = rng() % 400;
+    for (unsigned k = 0; k < length; ++k) text += static_cast<char>('a' + rng() % 26);
+    out << nlohmann::json({{"id", i}, {"content", text}, {"meta", {{"n", i}}}}).dump() << "\n";
+    if (i % 50 == 7) out << "\n";  // blank lines are not records
+    c.epoch_tokens.push_back(256);
+    for (unsigned char ch : text) c.epoch_tokens.push_back(ch);
+    c.epoch_tokens.push_back(257);
+  }
+  return c;
+}
+std::vector<int64_t> stream_tokens(const std::vector<std::string>& files, int64_t n, TextOptions text = {}) {
+  TokenStream s(files, bytes(), 258, std::move(text));
+  std::vector<int64_t> out(static_cast<size_t>(n));
+  s.read(n, out.data());
+  return out;
+}
+}  // namespace
+
+TEST(DataLoader, JsonLinesRecordsAreDocumentsOfTheConfiguredField) {
+  const JsonlCorpus c = make_jsonl("plain", 600);  // > 64 KiB: records cross chunk cuts
+  ASSERT_GT(fs::file_size(c.path), 128u * 1024u);
+  TextOptions opt;
+  opt.text_field = "content";
+  const int64_t n = static_cast<int64_t>(c.epoch_tokens.size());
+  const auto got = stream_tokens({c.path}, 2 * n + 5, opt);  // beyond one epoch
+  for (int64_t i = 0; i < 2 * n + 5; ++i) ASSERT_EQ(got[static_cast<size_t>(i)], c.epoch_tokens[static_cast<size_t>(i % n)]) << i;
+  EXPECT_EQ(resolve_dataset_files("jsonl", c.path), std::vector<std::string>{c.path});
+  EXPECT_THROW(resolve_dataset_files("jsonl", fs::path(c.path).parent_path().string() + "/../fsdp_train_data_plain_missing"),
+               std::runtime_error);
+  // The loader's saved position inside a JSON Lines file reproduces the next batch (line numbers recomputed).
+  DataLoader a({c.path}, bytes(), 258, {500, 2, 1, 0, 1}, opt);
+  for (int i = 0; i < 40; ++i) a.next();
+  DataLoader b({c.path}, bytes(), 258, {500, 2, 1, 0, 1}, opt);
+  b.load_state(a.state());
+  for (int i = 0; i < 5; ++i) ASSERT_EQ(a.next().inputs, b.next().inputs);
+}
+
+TEST(DataLoader, GzipInputsGiveTheSameStreamAsTheirContent) {
+  // Compressed by the gzip tool (an independent implementation), text and JSON Lines.
+  const Corpus text = make_corpus("gz");
+  const JsonlCorpus jsonl = make_jsonl("gz", 300);
+  for (const auto& f : {text.files[1], jsonl.path})
+    ASSERT_EQ(std::system(("gzip -k -f '" + f + "'").c_str()), 0);
+  TextOptions opt;
+  opt.text_field = "content";
+  const int64_t n = 3 * static_cast<int64_t>(jsonl.epoch_tokens.size()) + 11;
+  EXPECT_EQ(stream_tokens({jsonl.path + ".gz"}, n, opt), stream_tokens({jsonl.path}, n, opt));
+  const std::vector<std::string> gz_files = {text.files[0], text.files[1] + ".gz", text.files[2]};
+  const int64_t m = 2 * static_cast<int64_t>(text.epoch_tokens.size()) + 3;
+  const auto got = stream_tokens(gz_files, m);
+  for (int64_t i = 0; i < m; ++i) ASSERT_EQ(got[static_cast<size_t>(i)], ref_token(text, i)) << i;
+  EXPECT_TRUE(is_jsonl_file(jsonl.path + ".gz"));
+  // A saved position inside the compressed file: resuming decompresses forward to it.
+  DataLoader a(gz_files, bytes(), 258, {700, 2, 1, 0, 1});
+  for (int i = 0; i < 30; ++i) a.next();
+  DataLoader b(gz_files, bytes(), 258, {700, 2, 1, 0, 1});
+  b.load_state(a.state());
+  for (int i = 0; i < 5; ++i) ASSERT_EQ(a.next().inputs, b.next().inputs);
+  // A truncated gzip file is an error naming the file (never silently short data).
+  const std::string cut = ::testing::TempDir() + "/fsdp_train_cut.txt.gz";
+  {
+    std::ifstream in(text.files[1] + ".gz", std::ios::binary);
+    std::string bytes_in((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::ofstream(cut, std::ios::binary) << bytes_in.substr(0, bytes_in.size() / 2);
+  }
+  try {
+    stream_tokens({cut}, m);
+    FAIL() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(cut), std::string::npos) << e.what();
+  }
+}
+
+TEST(DataLoader, BadJsonLinesRecordsAreSkippedAndCountedOrFatalWithFileAndLine) {
+  const std::string path = ::testing::TempDir() + "/fsdp_train_bad.jsonl";
+  std::ofstream(path) << "{\"text\": \"ok one\"}\n"
+                      << "{\"text\": \"broken\"\n"        // line 2: not JSON
+                      << "[1, 2]\n"                        // line 3: not an object
+                      << "{\"body\": \"x\"}\n"            // line 4: no field
+                      << "{\"text\": 5}\n"                 // line 5: not a string
+                      << "\n"
+                      << "{\"text\": \"ok two\"}\n";
+  std::vector<int64_t> expect;
+  for (const std::string t : {"ok one", "ok two"}) {
+    expect.push_back(256);
+    for (unsigned char ch : t) expect.push_back(ch);
+    expect.push_back(257);
+  }
+  TextOptions skip;
+  skip.report_bad_records = false;
+  TokenStream s({path}, bytes(), 258, skip);
+  std::vector<int64_t> got(expect.size() * 3);
+  s.read(static_cast<int64_t>(got.size()), got.data());  // three epochs: each bad record counted once
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], expect[i % expect.size()]) << i;
+  EXPECT_EQ(s.bad_records(), 4);
+  int64_t bad = 0;
+  EXPECT_EQ(read_one_epoch({path}, bytes(), 258, skip, &bad), expect);
+  EXPECT_EQ(bad, 4);
+  TextOptions fatal;
+  fatal.skip_bad_records = false;
+  try {
+    stream_tokens({path}, 10, fatal);
+    FAIL() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(path + ":2: not valid JSON"), std::string::npos) << e.what();
+  }
+}

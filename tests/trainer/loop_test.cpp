@@ -16,7 +16,8 @@ JobConfig tiny(const std::string& name, int64_t local, int64_t global, int64_t s
   JobConfig c = load_config({"--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--training.local_batch_size",
                              std::to_string(local), "--training.global_batch_size", std::to_string(global),
                              "--training.steps", std::to_string(steps), "--lr_scheduler.warmup_steps", "5",
-                             "--metrics.peak_tflops", "1", "--metrics.log_freq", "10"});
+                             "--metrics.peak_tflops", "1", "--metrics.log_freq", "10",
+                             "--validation.enable", "false"});
   c.job.dump_folder = ::testing::TempDir() + "/fsdp_train_loop_" + name;
   std::filesystem::remove_all(c.job.dump_folder);
   return c;
