@@ -14,6 +14,7 @@
 #include <fsdp/materialize.h>
 #include <fsdp/nn/llama.h>
 #include <fsdp/nn/module_call.h>
+#include <fsdp/launch_check.h>
 
 #include <torch/torch.h>
 
@@ -26,6 +27,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <sstream>
 #include <thread>
 
 namespace fsdp_train {
@@ -75,6 +77,16 @@ double measure_peak_tflops() {
   return best;
 }
 
+// Before the first collective, through the rendezvous store: every rank builds the same model from the same
+// effective configuration. A mismatched launch (different flags, files or binaries per rank) is an error naming
+// the ranks and the first differing line, instead of a deadlock or a silently different run.
+static void check_launch_matches(const JobConfig& config, const torch::nn::Module& model) {
+  std::ostringstream shapes;
+  for (const auto& p : model.named_parameters()) shapes << p.key() << " " << p.value().sizes() << " " << p.value().dtype() << "\n";
+  fsdp::check_same_on_all_ranks("model parameter shapes", shapes.str());
+  fsdp::check_same_on_all_ranks("job configuration (effective TOML)", to_toml(config));
+}
+
 TrainEnv init_distributed(const JobConfig& config) {
   TrainEnv env;
   const char* ws = std::getenv("WORLD_SIZE");
@@ -122,6 +134,7 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
   const uint64_t seed = static_cast<uint64_t>(config.debug.seed);
   if (meta_init) args.device = c10::kMeta;
   fsdp::nn::llama::Transformer model(args);
+  if (env.group) check_launch_matches(config, *model);
   if (!meta_init) model->init_weights(seed);
   const int64_t n_params = fsdp::nn::llama::num_params(args);
   const double flops_per_token = fsdp::nn::llama::flops_per_token(args, config.training.seq_len);
@@ -261,7 +274,16 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
     const double loss = all_reduce(env.group, {local_loss_sum})[0] / global_tokens;
     summary.losses.push_back(loss);
     summary.grad_norms.push_back(grad_norm);
-    if (step == 1 && env.group) env.group->set_timeout(std::chrono::seconds(config.comm.train_timeout_seconds));
+    if (step == 1 && env.group) {
+      // Every group the step uses (the mesh's groups carry FSDP's all-gathers and reduce-scatters), not only the
+      // world: a rank that stops participating must make the others fail within comm.train_timeout_seconds.
+      const std::chrono::seconds t(config.comm.train_timeout_seconds);
+      env.group->set_timeout(t);
+      if (plan.dp_group) plan.dp_group->set_timeout(t);
+      if (plan.mesh.valid())
+        for (int64_t d = 0; d < plan.mesh.ndim(); ++d)
+          if (auto g = plan.mesh.group(d)) g->set_timeout(t);
+    }
 
     state.step = step;
     state.ntokens_seen = step * dims.global_batch_size * S;

@@ -3,13 +3,15 @@
 #include <CLI/CLI.hpp>
 
 #include <iostream>
+#include <random>
+#include <sstream>
 
 namespace fsdprun {
 namespace {
 
 constexpr const char* kFooter = R"(Environment set for every rank (as torchrun does):
   RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (= node rank), MASTER_ADDR, MASTER_PORT,
-  TORCHELASTIC_RESTART_COUNT (restart attempt, 0 first), TORCHELASTIC_MAX_RESTARTS, and
+  TORCHELASTIC_RESTART_COUNT (restart attempt, 0 first), TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, and
   OMP_NUM_THREADS=1 unless it is already set (like torchrun: N ranks on one host would otherwise
   oversubscribe the cores).
 With --nnodes 1 and no --master-port a free port is picked for every attempt (torchrun --standalone).
@@ -56,6 +58,9 @@ std::variant<LaunchOptions, int> parse_options(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--kill-grace", o.kill_grace_s, "seconds between SIGTERM and SIGKILL when stopping ranks (default 3)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--rdzv-id,--rdzv_id,--run-id", o.run_id,
+                 "job id given to every rank as TORCHELASTIC_RUN_ID; ranks refuse a store of another run (default: "
+                 "random per job with --nnodes 1, \"none\" otherwise)");
   bool no_prefix = false;
   app.add_flag("--no-prefix", no_prefix, "pass the ranks' output through unchanged instead of prefixing \"[rank N] \"");
   app.footer(kFooter);
@@ -66,6 +71,14 @@ std::variant<LaunchOptions, int> parse_options(int argc, char** argv) {
     if (!o.command.empty() && o.command.front() == "--") o.command.erase(o.command.begin());
     o.prefix_output = !no_prefix;
     validate(o);
+    if (o.run_id.empty() && o.nnodes == 1) {
+      std::random_device rd;
+      std::ostringstream id;
+      id << "fsdprun-" << std::hex << rd() << rd();
+      o.run_id = id.str();
+    } else if (o.run_id.empty()) {
+      o.run_id = "none";  // torchrun's default; the nodes of one job must agree
+    }
   } catch (const CLI::ParseError& e) {
     const int code = app.exit(e);  // prints help or "error: ..." plus a hint
     return code == 0 ? 0 : 2;

@@ -17,6 +17,9 @@ struct LaunchOptions {
   double timeout_s = 0;     // wall-clock bound on the whole job, 0 = none
   double kill_grace_s = 3;  // SIGTERM -> SIGKILL escalation delay
   bool prefix_output = true;
+  // TORCHELASTIC_RUN_ID of every rank: the library refuses a rendezvous store of another run (a second job on the
+  // same port). --rdzv-id, else random per job with --nnodes 1, else "none" (nodes must agree; pass --rdzv-id).
+  std::string run_id;
   std::vector<std::string> command;  // the program and its own arguments, untouched
 
   int world_size() const { return nnodes * nproc_per_node; }

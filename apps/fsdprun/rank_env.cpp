@@ -18,6 +18,7 @@ std::vector<std::string> build_rank_environment(const LaunchOptions& opts, int l
       {"MASTER_PORT", std::to_string(master_port)},
       {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count)},
       {"TORCHELASTIC_MAX_RESTARTS", std::to_string(opts.max_restarts)},
+      {"TORCHELASTIC_RUN_ID", opts.run_id},
   };
   std::vector<std::string> env;
   bool has_omp = false;

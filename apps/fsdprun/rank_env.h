@@ -9,7 +9,7 @@
 namespace fsdprun {
 
 // Returns "KEY=VALUE" entries: the launcher's environment with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-// GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_MAX_RESTARTS replaced, and
+// GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_RUN_ID replaced, and
 // OMP_NUM_THREADS=1 added unless the launcher's environment already sets it.
 std::vector<std::string> build_rank_environment(const LaunchOptions& opts, int local_rank, int master_port,
                                                 int restart_count);

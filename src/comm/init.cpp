@@ -3,6 +3,8 @@
 // The registry below is the library's only global mutable state (allowed by design: process groups are
 // process-wide, like torch.distributed's default group). Everything else hangs off ProcessGroup objects.
 
+#include "comm/launch_check.h"
+#include <fsdp/launch_check.h>
 #include "comm/process_group_impl.h"
 
 #include <ATen/Context.h>
@@ -10,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/version.h>
 #ifdef FSDP_WITH_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
@@ -30,6 +33,9 @@ struct Registry {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   std::shared_ptr<::gloo::transport::Device> gloo_device;  // one transport device shared by all Gloo groups
   int64_t groups_created = 0;  // advances identically on every rank: names the key space of each new group
+  comm::StoreView launch;       // for check_same_on_all_ranks (store null when the world has one rank)
+  std::string run_id;           // TORCHELASTIC_RUN_ID, "none" when unset
+  int64_t checks_done = 0;      // advances identically on every rank: names the key space of each check
 };
 
 Registry& registry() {
@@ -100,6 +106,7 @@ ProcessGroupPtr make_group(Registry& r, const std::string& prefix, const std::st
   impl->timeout = r.timeout;
   if (impl->size > 1) {
     auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, r.store);
+    impl->store = store;
     try {
       if (r.backend == "gloo") {
         auto opts = c10d::ProcessGroupGloo::Options::create(r.timeout);
@@ -130,6 +137,20 @@ ProcessGroupPtr make_group(Registry& r, const std::string& prefix, const std::st
 }
 
 }  // namespace
+
+std::string library_version() {
+  // FSDP_LIBRARY_VERSION_OVERRIDE exists for the launch-mismatch test only (two builds cannot be made in one test).
+  if (const char* fake = getenv_or_null("FSDP_LIBRARY_VERSION_OVERRIDE")) return fake;
+  return c10::str("libfsdp ", FSDP_VERSION_STRING, " (libtorch ", TORCH_VERSION, ")");
+}
+
+void check_same_on_all_ranks(const std::string& what, const std::string& value) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  TORCH_CHECK(r.world != nullptr, "fsdp: check_same_on_all_ranks before init_process_group");
+  if (!r.launch.store) return;  // one rank
+  comm::check_agreement(r.launch, r.run_id, r.checks_done++, what, value);
+}
 
 int env_rank() { return require_env_int("RANK"); }
 int env_world_size() { return require_env_int("WORLD_SIZE"); }
@@ -167,11 +188,27 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
     so.numWorkers = static_cast<std::size_t>(world_size);
     so.waitWorkers = true;
     so.timeout = options.timeout;
+    // Rank 0 listens only where MASTER_ADDR says (c10d alone would listen on every interface).
+    if (rank == 0) so.masterListenFd = comm::listen_socket(addr, port);
     try {
       store = c10::make_intrusive<c10d::TCPStore>(addr, so);
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "fsdp: rendezvous at ", addr, ":", port, " failed for rank ", rank, " of ", world_size,
                   " (timeout ", options.timeout.count(), " ms): ", message_of(e));
+    }
+    // Before any collective: the store is ours (not another job's on the same port), and every rank agrees on
+    // the world size and the library. A mismatch is an error on the ranks that see it, not a deadlock.
+    const char* run = getenv_or_null("TORCHELASTIC_RUN_ID");
+    r.run_id = run ? run : "none";
+    r.checks_done = 0;
+    r.launch = comm::StoreView{store, rank, world_size, c10::str(addr, ":", port), options.timeout};
+    try {
+      comm::claim_or_check_run(r.launch, r.run_id);
+      comm::check_agreement(r.launch, r.run_id, r.checks_done++, "world size (WORLD_SIZE)", std::to_string(world_size));
+      comm::check_agreement(r.launch, r.run_id, r.checks_done++, "library version", library_version());
+    } catch (...) {
+      r.launch = {};
+      throw;
     }
   }
 
@@ -232,6 +269,7 @@ void destroy_process_group() {
   // Groups handed out earlier stay usable while referenced: each keeps its backend and store alive.
   r.world.reset();
   r.store.reset();
+  r.launch = {};
   r.groups_created = 0;
 }
 

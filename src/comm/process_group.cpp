@@ -110,6 +110,7 @@ Work make_work(const ProcessGroup::Impl& g, std::string what, c10::intrusive_ptr
   impl->pending.push_back(std::move(w));
   impl->on_complete = std::move(on_complete);
   impl->timeout = g.timeout;
+  comm::stamp(*impl, g);
   return Work(std::move(impl));
 }
 
@@ -143,6 +144,7 @@ Work ProcessGroup::all_gather_into_tensor(at::Tensor output, at::Tensor input) {
   auto impl = std::make_shared<Work::Impl>();
   impl->what = what;
   impl->timeout = g.timeout;
+  comm::stamp(*impl, g);
   const int tag = static_cast<int>(g.next_p2p_tag++ & 0x3fffffff);
   for (int step = 1; step < g.size; ++step) {
     // Staggered peer order spreads the traffic instead of everyone sending to rank 0 first.

@@ -9,6 +9,7 @@
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <chrono>
@@ -37,6 +38,12 @@ struct ProcessGroup::Impl {
   comm::BufferPool scratch;  // reduce-scatter receive slots and accumulators, reused across calls
   std::unique_ptr<comm::ProgressThread> progress;
   comm::ProgressThread& progress_thread();
+
+  // The group's key space in the rendezvous store (null for size-1 groups) and the number of collectives issued
+  // so far (advances identically on every rank): when a collective fails, the ranks that never reached it are
+  // found through the store (comm::missing_ranks).
+  c10::intrusive_ptr<c10d::Store> store;
+  mutable uint64_t collectives_issued = 0;
 
   // "group 'world' (world ranks [0, 1, 2], this rank 1)" — used in every error message.
   std::string describe() const;
@@ -67,9 +74,23 @@ struct Work::Impl {
   std::chrono::milliseconds timeout{0};
   bool done = false;
   std::string error;  // non-empty once failed: later wait() calls rethrow the same failure
+  // For the diagnosis of a failure (see comm::stamp): the group's store, members and this collective's number.
+  c10::intrusive_ptr<c10d::Store> store;
+  std::vector<int> global_ranks;
+  int rank = 0;
+  uint64_t seq = 0;
 };
 
 namespace comm {
+// Gives `w` the group's store, members and the next collective number (call once per collective that reaches
+// the backend, in the same order on every rank).
+void stamp(Work::Impl& w, const ProcessGroup::Impl& g);
+// After `w` failed: every rank that fails records in the store which collective it was stuck in; this waits a
+// short grace for the other members' records and returns " — world rank(s) [2] never reached collective #7 of
+// this group (...)" naming the ranks that are missing or elsewhere; "" when nothing can be said. Bounded in time
+// even when the store's host is the rank that is gone.
+std::string missing_ranks(const Work::Impl& w);
+
 // Reduce-scatter as a direct exchange reduced piece by piece as it arrives (comm/reduce_scatter.cpp). Called
 // by ProcessGroup::reduce_scatter_tensor after its checks, for groups of more than one rank and non-empty input.
 Work pipelined_reduce_scatter(ProcessGroup::Impl& g, std::string what, const at::Tensor& output,

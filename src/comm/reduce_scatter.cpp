@@ -153,6 +153,7 @@ Work pipelined_reduce_scatter(ProcessGroup::Impl& g, std::string what, const at:
   auto impl = std::make_shared<Work::Impl>();
   impl->what = std::move(what);
   impl->timeout = g.timeout;
+  comm::stamp(*impl, g);
   // Every piece for every peer, staggered so the ranks do not all send to rank 0 first. Gloo transfers a
   // piece once its receiver posted the matching receive.
   for (int step = 1; step < g.size; ++step) {

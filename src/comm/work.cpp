@@ -44,7 +44,8 @@ void Work::wait() {
       w.on_complete = nullptr;
     }
   } catch (const std::exception& e) {
-    w.error = c10::str("fsdp: ", w.what, " failed (timeout ", w.timeout.count(), " ms): ", message_of(e));
+    w.error = c10::str("fsdp: ", w.what, " failed (timeout ", w.timeout.count(), " ms): ", message_of(e),
+                       comm::missing_ranks(w));
     w.pending.clear();
     w.task = nullptr;
     w.on_complete = nullptr;

@@ -1,0 +1,249 @@
+"""Shared pieces of the fault tests (tests/fault/*_test.py): start fsdprun jobs marked with a unique environment
+variable, read their output as it comes, inject faults, print what was injected and what was observed, and prove at
+the end that no process of the test is left (every process started by a test carries the marker in its
+environment, so one scan of /proc finds them all, whoever their parent is now)."""
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+MARKER = "FSDP_FAULT_TEST_ID"
+_test_id = uuid.uuid4().hex
+_failures = []
+
+
+def log(kind, text):
+    print(f"[{kind}] {text}", flush=True)
+
+
+def injected(text):
+    log("injected", text)
+
+
+def observed(text):
+    log("observed", text)
+
+
+def check(cond, what):
+    if cond:
+        log("ok", what)
+    else:
+        log("FAIL", what)
+        _failures.append(what)
+    return cond
+
+
+def env(**extra):
+    e = dict(os.environ)
+    e[MARKER] = _test_id
+    e.setdefault("OMP_NUM_THREADS", "1")
+    e.update({k: str(v) for k, v in extra.items()})
+    return e
+
+
+def marked_pids():
+    """Processes carrying this test's marker (ourselves excluded)."""
+    pids = []
+    needle = f"{MARKER}={_test_id}".encode()
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    pids.append(int(d))
+        except OSError:
+            pass
+    return pids
+
+
+def proc_env(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return {}
+
+
+def rank_pids(rank, exe_name=None):
+    """Marked processes whose RANK is `rank` (the ranks themselves and anything they started)."""
+    out = []
+    for pid in marked_pids():
+        e = proc_env(pid)
+        if e.get(b"RANK") != str(rank).encode():
+            continue
+        if exe_name:
+            try:
+                if os.path.basename(os.readlink(f"/proc/{pid}/exe")) != exe_name:
+                    continue
+            except OSError:
+                continue
+        out.append(pid)
+    return out
+
+
+class Job:
+    """One fsdprun process; its merged stdout/stderr is read line by line with timestamps."""
+
+    def __init__(self, args, name, **extra_env):
+        self.name = name
+        self.lines = []  # (time, line)
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env(**extra_env),
+                                     start_new_session=True)
+        self._buf = b""
+        self.start = time.monotonic()
+
+    def _pump(self, timeout):
+        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not r:
+            return False
+        chunk = os.read(self.proc.stdout.fileno(), 65536)
+        if not chunk:
+            return None
+        self._buf += chunk
+        while b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
+            self.lines.append((time.monotonic(), line.decode(errors="replace")))
+        return True
+
+    def wait_for(self, pattern, timeout):
+        """Time of the first line (already read or arriving within timeout) matching pattern, else None."""
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while True:
+            for t, line in self.lines[seen:]:
+                if rx.search(line):
+                    return t
+            seen = len(self.lines)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if self._pump(min(left, 0.2)) is None and self.proc.poll() is not None:
+                for t, line in self.lines[seen:]:
+                    if rx.search(line):
+                        return t
+                return None
+
+    def finish(self, timeout):
+        """Reads until fsdprun exits; kills its whole session after `timeout` s. Returns the exit code."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None or self._pump(0) is True:
+            if time.monotonic() > deadline:
+                log("FAIL", f"{self.name}: fsdprun still running after {timeout} s; killing its session")
+                _failures.append(f"{self.name} did not end in time")
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+                break
+            self._pump(0.2)
+        while self._pump(0) is True:
+            pass
+        self.end = time.monotonic()
+        return self.proc.returncode
+
+    def text(self):
+        return "\n".join(line for _, line in self.lines)
+
+    def grep(self, pattern):
+        rx = re.compile(pattern)
+        return [line for _, line in self.lines if rx.search(line)]
+
+
+def no_process_left(grace=5.0):
+    deadline = time.monotonic() + grace
+    while marked_pids() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = marked_pids()
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)  # our own marked processes only
+        except OSError:
+            pass
+    return check(not left, f"no process of this test left running (found {left})" if left else
+                 "no process of this test left running")
+
+
+def finish_test(name):
+    no_process_left()
+    if _failures:
+        log("result", f"{name}: FAILED ({len(_failures)}): " + "; ".join(_failures))
+        sys.exit(1)
+    log("result", f"{name}: passed")
+    sys.exit(0)
+
+
+def skip(reason):
+    log("skip", reason)
+    sys.exit(77)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------------------------
+def complete_steps(ckpt_folder):
+    """Steps with a committed checkpoint (step-N/metadata.json) in a checkpoint folder."""
+    out = []
+    for n in os.listdir(ckpt_folder):
+        if n.startswith("step-") and n[5:].isdigit() and os.path.exists(os.path.join(ckpt_folder, n, "metadata.json")):
+            out.append(int(n[5:]))
+    return sorted(out)
+
+
+def read_safetensors(path):
+    """{name: (dtype, shape, raw bytes)} of a safetensors file, read with the standard library only."""
+    import json
+    import struct
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    return {k: (v["dtype"], v["shape"], data[v["data_offsets"][0]:v["data_offsets"][1]])
+            for k, v in header.items() if k != "__metadata__"}
+
+
+def read_final_weights(ckpt_tool, ckpt_folder, step, out):
+    """The model tensors of checkpoint step-<step>, through `fsdp-ckpt convert --model-only`."""
+    import shutil
+    shutil.rmtree(out, ignore_errors=True)
+    subprocess.run([ckpt_tool, "convert", "--model-only", os.path.join(ckpt_folder, f"step-{step}"), out],
+                   check=True, stdout=subprocess.DEVNULL, env=env())
+    tensors = {}
+    for n in sorted(os.listdir(out)):
+        if n.endswith(".safetensors"):
+            tensors.update(read_safetensors(os.path.join(out, n)))
+    return tensors
+
+
+class Inotify:
+    """Names created in (or, with moved_to, renamed into) one directory, via inotify (ctypes: not in Python's
+    standard library). Lets a test act within a millisecond of a checkpoint save starting or committing."""
+
+    def __init__(self, path, moved_to=False):
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = libc.inotify_init1(os.O_CLOEXEC)
+        mask = 0x100 | (0x80 if moved_to else 0)  # IN_CREATE | IN_MOVED_TO
+        if self.fd < 0 or libc.inotify_add_watch(self.fd, path.encode(), mask) < 0:
+            raise OSError(ctypes.get_errno(), f"inotify on {path}")
+
+    def wait_created(self, name, timeout):
+        import struct
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r, _, _ = select.select([self.fd], [], [], 0.2)
+            if not r:
+                continue
+            buf = os.read(self.fd, 65536)
+            i = 0
+            while i < len(buf):
+                _, _, _, ln = struct.unpack_from("iIII", buf, i)
+                got = buf[i + 16:i + 16 + ln].rstrip(b"\0").decode()
+                i += 16 + ln
+                if got == name:
+                    return True
+        return False
+
+    def close(self):
+        os.close(self.fd)
