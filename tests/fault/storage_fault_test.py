@@ -160,7 +160,7 @@ ckpt = os.path.join(MNT, "vanished")
 job = launch("vanished", ckpt)
 after_step3(ckpt, job, lambda: shutil.rmtree(ckpt), "vanished: checkpoint folder deleted")
 rc = job.finish(200)
-errors = job.grep(r"rror")
+errors = job.grep(r"rror|failed")
 steps = complete_steps(ckpt) if os.path.isdir(ckpt) else []
 fu.observed(f"vanished: exit {rc}; complete checkpoints now {steps}; "
             f"{errors[0][:300] if errors else 'no error printed'}")
@@ -171,5 +171,6 @@ if rc == 0:
     fu.check(got == reference, "vanished: final weights bit-identical to the uninterrupted run")
 else:
     fu.check(any(ckpt in e for e in errors), "vanished: the error names the folder")
+    print("\n".join(l for l in job.text().splitlines() if "frame #" not in l)[-3000:])
 subprocess.run(["umount", MNT], capture_output=True)
 fu.finish_test("storage_fault_test")
