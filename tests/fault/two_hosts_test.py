@@ -70,7 +70,8 @@ def losses(folder):
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(l)["loss"] for l in f if l.strip()]
+        rows = [json.loads(l) for l in f if l.strip()]
+    return [r["loss"] for r in rows if "loss" in r]  # training steps (other rows: validation, ...)
 
 
 try:
