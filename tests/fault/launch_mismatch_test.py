@@ -75,7 +75,7 @@ with socket.socket() as s:
     s.bind(("127.0.0.2", 0))
     port = s.getsockname()[1]
 first = fu.Job([a.fsdprun, "--nproc-per-node", "2", "--timeout", "240", "--master-addr", "127.0.0.2",
-                "--master-port", str(port)] + wrapped("", "", 40, a.workdir + "/first"), "first")
+                "--master-port", str(port)] + wrapped("", "", 150, a.workdir + "/first"), "first")
 t = first.wait_for(r"step:? +2\b", 150)
 fu.check(t is not None, "the first job is training (step 2 seen)")
 refused = {}
@@ -94,6 +94,9 @@ fu.injected(f"a second job on the same MASTER_ADDR:MASTER_PORT 127.0.0.2:{port} 
 second = fu.Job([a.fsdprun, "--nproc-per-node", "2", "--timeout", "60", "--master-addr", "127.0.0.2",
                  "--master-port", str(port)] + wrapped("", "", 3, a.workdir + "/second"), "second")
 rc2 = second.finish(90)
+fu.check(first.proc.poll() is None, "the first job was still running (holding the port) while the second one ran")
+if rc2 == 0:
+    print(second.text()[-2500:])
 msgs = second.grep(r"refuses the rendezvous store|another job is using this port")
 fu.observed(f"second job: exit {rc2} after {second.end - second.start:.1f} s; " + " | ".join(msgs[:2]))
 fu.check(rc2 != 0, "the second job fails")
@@ -103,5 +106,5 @@ fu.check(any("refuses the rendezvous store" in m and "belongs to run" in m for m
 rc1 = first.finish(240)
 fu.observed(f"first job: exit {rc1}, last step line: {(first.grep(r'step') or ['none'])[-1]}")
 fu.check(rc1 == 0, "the first job is unharmed and finishes")
-fu.check(bool(first.grep(r"step:? +40\b")), "the first job ran all 40 steps")
+fu.check(bool(first.grep(r"step:? +150\b")), "the first job ran all 150 steps")
 fu.finish_test("launch_mismatch_test")
