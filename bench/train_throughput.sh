@@ -16,8 +16,8 @@ for n in 1 2; do
   "$BUILD_DIR/apps/fsdprun/fsdprun" --nproc-per-node "$n" "$TRAIN" --training.steps "$STEPS" \
     --metrics.log_freq 10 --job.dump_folder "$OUT/np$n" "$@" > "$log" 2>&1 || { cat "$log"; exit 1; }
   plan="$(sed -n 's/.*  ranks     [0-9]* ([^)]*); \(.*\)$/\1/p' "$log" | cut -c1-60)"
-  tps="$(sed -n 's/.*done: .* steps in .* s; \([0-9.]*\) tokens\/s per rank, MFU \([0-9.]*\)%.*/\1/p' "$log")"
-  mfu="$(sed -n 's/.*done: .* steps in .* s; \([0-9.]*\) tokens\/s per rank, MFU \([0-9.]*\)%.*/\2/p' "$log")"
-  loss="$(sed -n 's/.*final loss (mean of the last 10 steps): \([0-9.]*\).*/\1/p' "$log")"
+  tps="$(sed -n 's/.*throughput: *\([0-9.]*\) tokens\/s per rank, MFU \([0-9.]*\)%.*/\1/p' "$log")"
+  mfu="$(sed -n 's/.*throughput: *\([0-9.]*\) tokens\/s per rank, MFU \([0-9.]*\)%.*/\2/p' "$log")"
+  loss="$(sed -n 's/.*final loss: *\([0-9.]*\) nats.*/\1/p' "$log")"
   printf "%-6s %-60s %12s %12.0f %8s %10s\n" "$n" "${plan:0:60}" "$tps" "$(awk -v t="$tps" -v n="$n" 'BEGIN { print t * n }')" "$mfu" "$loss"
 done

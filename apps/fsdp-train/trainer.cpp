@@ -206,7 +206,14 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
               << "  peak      " << summary.peak_tflops << " TFLOP/s per rank ("
               << (config.metrics.peak_tflops > 0 ? "metrics.peak_tflops" : "measured") << "), "
               << flops_per_token / 1e6 << " MFLOP per token\n"
-              << "  output    " << config.job.dump_folder << "/metrics.jsonl" << std::endl;
+              << "  output    " << config.job.dump_folder << "/metrics.jsonl"
+              << (tb.is_open() ? ", TensorBoard " + tb.log_dir() : std::string()) << "\n";
+    if (validator)
+      std::cout << "  validate  " << config.validation.dataset << ": " << validator->files().size() << " files, "
+                << validator->num_samples() << " samples of " << config.validation.seq_len + 1 << " tokens, "
+                << validator->batches_per_run() << " batches of " << config.validation.local_batch_size
+                << " per rank at step 1 and every " << config.validation.freq << " steps\n";
+    std::cout << std::flush;
   }
 
   auto checkpointer = make_checkpointer(config, env.rank, env.group);
