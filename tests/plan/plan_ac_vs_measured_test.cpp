@@ -39,16 +39,18 @@ TrainSummary::TensorMemory measure(const std::string& flavor, int64_t seq, const
                              "1", "--metrics.tensor_memory", "true", "--activation_checkpoint.mode", m.mode,
                              "--activation_checkpoint.selective_ac_option", m.option});
   auto world = fsdp::world();
-  c.job.dump_folder = ::testing::TempDir() + "/fsdp_plan_ac_" + flavor + m.mode + m.option + "_rank" +
-                      std::to_string(world->rank());
-  std::filesystem::remove_all(c.job.dump_folder);
+  // One folder for all ranks: the launch check requires the same effective configuration on every rank.
+  c.job.dump_folder = ::testing::TempDir() + "/fsdp_plan_ac_" + flavor + m.mode + m.option;
+  if (world->rank() == 0) std::filesystem::remove_all(c.job.dump_folder);  // one remover
+  world->barrier().wait();
   TrainEnv env;
   env.rank = world->rank();
   env.world_size = world->size();
   env.group = world;
   env.verbose = false;
   const TrainSummary s = run_training(c, env, false);
-  std::filesystem::remove_all(c.job.dump_folder);
+  world->barrier().wait();  // every rank is done with the folder
+  if (world->rank() == 0) std::filesystem::remove_all(c.job.dump_folder);
   EXPECT_EQ(s.tensor_memory.size(), 2u);
   return s.tensor_memory.back();  // step 2: the optimizer states exist at its start
 }

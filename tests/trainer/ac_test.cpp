@@ -22,8 +22,10 @@ TrainSummary train(const std::string& mode, const std::string& option) {
                              "1", "--metrics.peak_tflops", "1", "--activation_checkpoint.mode", mode,
                              "--activation_checkpoint.selective_ac_option", option});
   auto world = fsdp::world();
-  c.job.dump_folder = ::testing::TempDir() + "/fsdp_train_ac_" + mode + option + "_rank" + std::to_string(world->rank());
-  std::filesystem::remove_all(c.job.dump_folder);
+  // One folder for all ranks: the launch check requires the same effective configuration on every rank.
+  c.job.dump_folder = ::testing::TempDir() + "/fsdp_train_ac_" + mode + option;
+  if (world->rank() == 0) std::filesystem::remove_all(c.job.dump_folder);  // one remover
+  world->barrier().wait();
   TrainEnv env;
   env.rank = world->rank();
   env.world_size = world->size();

@@ -23,8 +23,13 @@ JobConfig base(const std::string& name, int64_t replicate, int64_t shard) {
                              "2", "--metrics.peak_tflops", "1"});
   c.parallelism.data_parallel_replicate_degree = replicate;
   c.parallelism.data_parallel_shard_degree = shard;
-  c.job.dump_folder = ::testing::TempDir() + "/fsdp_train_parity_" + name + "_rank" + std::to_string(fsdp::world()->rank());
-  std::filesystem::remove_all(c.job.dump_folder);
+  // Distributed runs share one folder (the launch check requires the same effective configuration on every
+  // rank); the 1-rank references, run by every process, get one each.
+  c.job.dump_folder = ::testing::TempDir() + "/fsdp_train_parity_" + name;
+  const bool per_rank = name.size() > 4 && name.compare(name.size() - 4, 4, "_ref") == 0;
+  if (per_rank) c.job.dump_folder += "_rank" + std::to_string(fsdp::world()->rank());
+  if (per_rank || fsdp::world()->rank() == 0) std::filesystem::remove_all(c.job.dump_folder);  // one remover
+  fsdp::world()->barrier().wait();
   return c;
 }
 

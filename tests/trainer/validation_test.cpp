@@ -41,8 +41,12 @@ JobConfig config(const std::string& name, bool validate, int64_t val_batch, cons
   c.validation.steps = -1;
   c.validation.local_batch_size = val_batch;
   c.validation.seq_len = 40;
-  c.job.dump_folder = ::testing::TempDir() + "/fsdp_train_validation_" + name + "_rank" + std::to_string(fsdp::world()->rank());
-  fs::remove_all(c.job.dump_folder);
+  // Distributed runs share one folder (only rank 0 writes, and every rank must run the same configuration: the
+  // launch check compares them); the 1-rank references, run by each process, get one each.
+  c.job.dump_folder = ::testing::TempDir() + "/fsdp_train_validation_" + name;
+  if (name == "ref") c.job.dump_folder += "_rank" + std::to_string(fsdp::world()->rank());
+  if (name == "ref" || fsdp::world()->rank() == 0) fs::remove_all(c.job.dump_folder);  // one remover per folder
+  fsdp::world()->barrier().wait();
   return c;
 }
 
@@ -78,7 +82,7 @@ TEST(Validation, SameLossOnOneAndTwoRanksForAnyBatchSize) {
   EXPECT_LT(ref.validation_losses.back(), ref.validation_losses.front() - 0.1);
   // The JSONL holds a validation record per validation with the exact token count: every complete sample of
   // 41 tokens, 40 labels each (rank 0's file on the distributed run).
-  std::ifstream in(::testing::TempDir() + "/fsdp_train_validation_dist_rank0/metrics.jsonl");
+  std::ifstream in(::testing::TempDir() + "/fsdp_train_validation_dist/metrics.jsonl");
   if (fsdp::world()->rank() == 0) {
     ASSERT_TRUE(in.good());
     std::string line;
