@@ -84,7 +84,10 @@ static void check_launch_matches(const JobConfig& config, const torch::nn::Modul
   std::ostringstream shapes;
   for (const auto& p : model.named_parameters()) shapes << p.key() << " " << p.value().sizes() << " " << p.value().dtype() << "\n";
   fsdp::check_same_on_all_ranks("model parameter shapes", shapes.str());
-  fsdp::check_same_on_all_ranks("job configuration (effective TOML)", to_toml(config));
+  // job.dump_folder may differ per rank or per host (local output folders); everything else must not.
+  JobConfig compared = config;
+  compared.job.dump_folder = "<per rank>";
+  fsdp::check_same_on_all_ranks("job configuration (effective TOML, job.dump_folder excepted)", to_toml(compared));
 }
 
 TrainEnv init_distributed(const JobConfig& config) {
