@@ -5,6 +5,10 @@
 //   fsdp-ckpt convert <ckpt> <out-dir> [--max-shard-size 5GB] [--model-only] [--dtype bf16]
 //                                               to safetensors, one tensor in memory at a time; above the
 //                                               size threshold: model-0000i-of-0000N.safetensors + index json
+//   fsdp-ckpt convert <ckpt> <out-dir> --to dcp|libfsdp [--model-only]
+//                                               to PyTorch DCP (dcp.load / TorchTitan read it) or to ours, one
+//                                               saved chunk at a time, keeping each rank's file
+// <ckpt> is a libfsdp checkpoint or a PyTorch DCP directory (.metadata read without executing anything).
 //   fsdp-ckpt diff    <a> <b> [--atol 0]        max abs/rel difference per tensor (exit 1 when they differ)
 #include <fsdp/checkpoint/checkpoint.h>
 #include <fsdp/checkpoint/safetensors.h>
@@ -60,8 +64,12 @@ std::string shape_str(const std::vector<int64_t>& shape) {
 
 int cmd_inspect(const std::string& path, bool values) {
   const auto s = ckpt::inspect(path);
-  std::cout << path << ": libfsdp checkpoint v" << s.version << ", saved by " << s.world_size << " rank(s)"
-            << (s.saved_on.empty() ? "" : " (" + s.saved_on + ")") << "\n";
+  if (s.format == ckpt::Format::PytorchDcp) {
+    std::cout << path << ": PyTorch DCP checkpoint (" << s.saved_on << "), " << s.world_size << " rank file set(s)\n";
+  } else {
+    std::cout << path << ": libfsdp checkpoint v" << s.version << ", saved by " << s.world_size << " rank(s)"
+              << (s.saved_on.empty() ? "" : " (" + s.saved_on + ")") << "\n";
+  }
   for (const char* key : {"train_state.step", "train_state.ntokens_seen"}) {
     auto it = s.values.find(key);
     if (it != s.values.end()) std::cout << "  " << key << " = " << it->second << "\n";
@@ -77,6 +85,7 @@ int cmd_inspect(const std::string& path, bool values) {
   if (values) {
     for (const auto& [k, v] : s.values) std::cout << "  " << k << " = " << (v.size() > 200 ? v.substr(0, 200) + "..." : v) << "\n";
   }
+  for (const auto& [k, why] : s.unreadable_values) std::cout << "  " << k << ": not loaded (" << why << ")\n";
   return 0;
 }
 
@@ -85,7 +94,8 @@ int cmd_verify(const std::string& path) {
   if (problems.empty()) {
     const auto s = ckpt::inspect(path);
     std::cout << path << ": OK (" << s.tensors.size() << " tensors, " << human(s.total_bytes)
-              << ", every checksum verified)\n";
+              << (s.format == ckpt::Format::PytorchDcp ? ", every item decoded; DCP has no checksums)\n"
+                                                       : ", every checksum verified)\n");
     return 0;
   }
   std::cout << path << ": " << problems.size() << " problem(s)\n";
@@ -131,6 +141,18 @@ int cmd_convert(const std::string& path, const std::string& out, int64_t max_sha
   if (n > 1) fsdp::checkpoint::safetensors::save_index((fs::path(out) / "model.safetensors.index.json").string(), weight_map, total);
   std::cout << path << " -> " << out << ": " << weight_map.size() << " tensors, " << human(total) << " in " << n
             << " file(s)\n";
+  return 0;
+}
+
+int cmd_convert_checkpoint(const std::string& path, const std::string& out, const std::string& to, bool model_only) {
+  ckpt::ConvertOptions o;
+  TORCH_CHECK(to == "dcp" || to == "libfsdp", "fsdp-ckpt: --to must be safetensors, dcp or libfsdp, got '", to, "'");
+  o.to = to == "dcp" ? ckpt::Format::PytorchDcp : ckpt::Format::Libfsdp;
+  o.model_only = model_only;
+  const auto r = ckpt::convert(path, out, o);
+  std::cout << path << " -> " << out << " (" << ckpt::format_name(o.to) << "): " << r.tensors << " tensors in "
+            << r.chunks << " chunks, " << r.values << " values, " << human(r.bytes_written) << "\n";
+  for (const auto& s : r.skipped) std::cout << "  skipped " << s << "\n";
   return 0;
 }
 
@@ -186,9 +208,9 @@ int cmd_diff(const std::string& a, const std::string& b, double atol) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"fsdp-ckpt: inspect, verify, convert and diff libfsdp distributed checkpoints"};
+  CLI::App app{"fsdp-ckpt: inspect, verify, convert and diff libfsdp and PyTorch DCP checkpoints"};
   app.require_subcommand(1);
-  std::string path, out, other, max_shard = "5GB", dtype;
+  std::string path, out, other, max_shard = "5GB", dtype, to = "safetensors";
   bool values = false, model_only = false;
   double atol = 0;
   auto* inspect = app.add_subcommand("inspect", "tensors, shapes, dtypes, sizes, step, the mesh it was saved on");
@@ -196,12 +218,14 @@ int main(int argc, char** argv) {
   inspect->add_flag("--values", values, "also print every value (optimizer hyperparameters, trainer state)");
   auto* verify = app.add_subcommand("verify", "check completeness, file sizes and every checksum");
   verify->add_option("checkpoint", path, "checkpoint directory")->required();
-  auto* convert = app.add_subcommand("convert", "write the tensors as safetensors (sharded with an index above --max-shard-size)");
+  auto* convert = app.add_subcommand("convert", "write the tensors as safetensors (sharded with an index above "
+                                                 "--max-shard-size), or the checkpoint as PyTorch DCP / libfsdp");
   convert->add_option("checkpoint", path, "checkpoint directory")->required();
   convert->add_option("out", out, "output directory")->required();
   convert->add_option("--max-shard-size", max_shard, "largest safetensors file (e.g. 5GB, 500MB)");
   convert->add_flag("--model-only", model_only, "skip optimizer.* tensors");
-  convert->add_option("--dtype", dtype, "cast floating tensors: bf16, fp16 or fp32");
+  convert->add_option("--dtype", dtype, "cast floating tensors: bf16, fp16 or fp32 (safetensors)");
+  convert->add_option("--to", to, "safetensors (default), dcp (PyTorch DCP) or libfsdp");
   auto* diff = app.add_subcommand("diff", "max abs/rel difference per tensor of two checkpoints");
   diff->add_option("a", path, "first checkpoint")->required();
   diff->add_option("b", other, "second checkpoint")->required();
@@ -210,6 +234,7 @@ int main(int argc, char** argv) {
   try {
     if (*inspect) return cmd_inspect(path, values);
     if (*verify) return cmd_verify(path);
+    if (*convert && to != "safetensors") return cmd_convert_checkpoint(path, out, to, model_only);
     if (*convert) return cmd_convert(path, out, parse_size(max_shard), model_only, dtype);
     if (*diff) return cmd_diff(path, other, atol);
   } catch (const c10::Error& e) {

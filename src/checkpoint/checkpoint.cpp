@@ -4,7 +4,9 @@
 #include <fsdp/checkpoint/checkpoint.h>
 
 #include "checkpoint/agreement.h"
+#include "checkpoint/dcp_save.h"
 #include "checkpoint/format.h"
+#include "checkpoint/open_checkpoint.h"
 #include "checkpoint/planning.h"
 #include "checkpoint/storage.h"
 
@@ -44,88 +46,6 @@ bool excluded(const std::string& key, const std::vector<std::string>& prefixes) 
   }
   return false;
 }
-
-// ---- reading ------------------------------------------------------------------------------------------------
-
-// An opened checkpoint: validated metadata and lazily opened data files (size checked against the metadata).
-class OpenCheckpoint {
- public:
-  explicit OpenCheckpoint(std::string dir) : dir_(std::move(dir)) {
-    const std::string md_path = (fs::path(dir_) / kMetadataFile).string();
-    std::error_code ec;
-    TORCH_CHECK(fs::is_directory(dir_, ec), "checkpoint: ", dir_, " does not exist or is not a directory");
-    TORCH_CHECK(fs::is_regular_file(md_path, ec), "checkpoint: ", md_path,
-                " is missing: not a complete libfsdp checkpoint (interrupted save?)");
-    md_ = parse_metadata(read_small_file(md_path, kMaxMetadataBytes), md_path);
-  }
-  const Metadata& md() const { return md_; }
-  const std::string& dir() const { return dir_; }
-
-  const RangeReader& file(const std::string& name) {
-    auto it = readers_.find(name);
-    if (it != readers_.end()) return *it->second;
-    const std::string path = (fs::path(dir_) / name).string();  // name validated: plain, no '/'
-    auto r = std::make_unique<RangeReader>(path);
-    const int64_t expect = md_.files.at(name);
-    TORCH_CHECK(r->size() == expect, "checkpoint: ", path, " has ", r->size(), " bytes but the metadata records ",
-                expect, " (truncated or altered)");
-    return *readers_.emplace(name, std::move(r)).first->second;
-  }
-
-  // Copies the part of saved tensor `fqn` that overlaps `dest_box` into `dest` (whose box it is). Reads only
-  // the checksum blocks covering each overlap. Returns bytes read.
-  int64_t fill(const std::string& fqn, const at::Tensor& dest, const Box& dest_box) {
-    const TensorMeta& t = md_.tensors.at(fqn);
-    const int64_t es = static_cast<int64_t>(c10::elementSize(t.dtype));
-    const int64_t B = md_.block_bytes;
-    int64_t bytes = 0;
-    for (size_t k = 0; k < t.chunks.size(); ++k) {
-      const ChunkMeta& c = t.chunks[k];
-      const Box saved{c.offsets, c.sizes};
-      auto overlap = intersect(saved, dest_box);
-      if (!overlap) continue;
-      const auto [first, last] = element_span(saved, *overlap);
-      const int64_t b0 = first * es / B * B;
-      const int64_t b1 = std::min(((last + 1) * es + B - 1) / B * B, c.length);
-      at::Tensor dst = dest;
-      for (size_t d = 0; d < overlap->sizes.size(); ++d) {
-        dst = dst.narrow(static_cast<int64_t>(d), overlap->offsets[d] - dest_box.offsets[d], overlap->sizes[d]);
-      }
-      // Fast path: the overlap is exactly the block-aligned byte span, contiguous in the destination and of the
-      // same dtype (e.g. the same sharding as saved): read straight into the destination, verify in place.
-      const bool direct = first * es == b0 && (last + 1) * es == b1 && dst.is_contiguous() &&
-                          dst.scalar_type() == t.dtype && dst.device().is_cpu() &&
-                          element_span(saved, *overlap).second - element_span(saved, *overlap).first + 1 == overlap->numel();
-      at::Tensor buf = direct ? dst : at::empty({b1 - b0}, at::kByte);
-      const RangeReader* reader = nullptr;
-      try {
-        reader = &file(c.file);
-        reader->read(c.offset + b0, b1 - b0, buf.data_ptr());
-      } catch (const std::exception& e) {
-        TORCH_CHECK(false, "checkpoint: tensor '", fqn, "' (chunk ", k, "): ", error_text(e));
-      }
-      const RangeReader& r = *reader;
-      bytes += b1 - b0;
-      const auto* p = static_cast<const char*>(buf.data_ptr());
-      for (int64_t blk = b0 / B; blk * B < b1; ++blk) {
-        const int64_t n = std::min(B, c.length - blk * B);
-        TORCH_CHECK(hash_bytes(p + (blk * B - b0), n) == c.hashes[static_cast<size_t>(blk)], "checkpoint: tensor '", fqn,
-                    "': checksum mismatch in file ", r.path(), " bytes [", c.offset + blk * B, ", ",
-                    c.offset + blk * B + n, ") (chunk ", k, "): the file was altered or is corrupt");
-      }
-      if (direct) continue;
-      at::Tensor src = at::from_blob(const_cast<char*>(p) + (first * es - b0), overlap->sizes,
-                                     contiguous_strides(c.sizes), at::TensorOptions().dtype(t.dtype));
-      dst.copy_(src);
-    }
-    return bytes;
-  }
-
- private:
-  std::string dir_;
-  Metadata md_;
-  std::map<std::string, std::unique_ptr<RangeReader>> readers_;
-};
 
 // ---- writing ------------------------------------------------------------------------------------------------
 
@@ -181,6 +101,7 @@ void StateDict::merge(StateDict other) {
 // ---- save ---------------------------------------------------------------------------------------------------
 
 SaveResult save(const StateDict& state, const std::string& path, const SaveOptions& options) {
+  if (options.format == Format::PytorchDcp) return save_dcp(state, path, options);
   const auto t0 = Clock::now();
   const ProcessGroupPtr group = options.local_only ? nullptr : resolve_group(options.group);
   const int rank = group ? group->rank() : 0;
@@ -351,6 +272,9 @@ LoadResult load_local(StateDict& state, const std::string& path, const LoadOptio
   std::vector<std::string> value_keys;
   for (auto& [key, v] : state.values) {
     if (excluded(key, options.exclude_prefixes)) continue;
+    auto bad = md.unreadable.find(key);
+    TORCH_CHECK(bad == md.unreadable.end(), "checkpoint::load from ", path, ": value '", key,
+                "' cannot be loaded: ", bad == md.unreadable.end() ? "" : bad->second);
     if (md.values.count(key)) value_keys.push_back(key);
     else res.missing.push_back(key);
   }
@@ -358,6 +282,9 @@ LoadResult load_local(StateDict& state, const std::string& path, const LoadOptio
     if (!state.contains(fqn) && !excluded(fqn, options.exclude_prefixes)) res.unexpected.push_back(fqn);
   }
   for (const auto& [key, _] : md.values) {
+    if (!state.contains(key) && !excluded(key, options.exclude_prefixes)) res.unexpected.push_back(key);
+  }
+  for (const auto& [key, _] : md.unreadable) {
     if (!state.contains(key) && !excluded(key, options.exclude_prefixes)) res.unexpected.push_back(key);
   }
   TORCH_CHECK(mismatched.empty(), "checkpoint::load from ", path, ": ", mismatched.size(), " shape mismatch(es): ",
@@ -398,6 +325,8 @@ LoadResult load(StateDict& state, const std::string& path, const LoadOptions& op
 namespace {
 CheckpointSummary summarize(const Metadata& md) {
   CheckpointSummary s;
+  s.format = md.dcp ? Format::PytorchDcp : Format::Libfsdp;
+  s.unreadable_values = md.unreadable;
   s.version = md.version;
   s.world_size = md.world_size;
   s.saved_on = md.saved_on;

@@ -215,7 +215,7 @@ Metadata parse_metadata(const std::string& text, const std::string& where) {
 }
 
 void validate(const Metadata& md, const std::string& where) {
-  TORCH_CHECK(md.block_bytes >= 64 && md.block_bytes <= (int64_t(1) << 32), "checkpoint: ", where,
+  TORCH_CHECK(md.dcp || (md.block_bytes >= 64 && md.block_bytes <= (int64_t(1) << 32)), "checkpoint: ", where,
               ": block_bytes ", md.block_bytes, " out of range");
   TORCH_CHECK(md.world_size >= 1, "checkpoint: ", where, ": world_size ", md.world_size, " < 1");
   for (const auto& [name, size] : md.files) {
@@ -246,14 +246,17 @@ void validate(const Metadata& md, const std::string& where) {
       }
       const int64_t cnumel = checked_numel(c.sizes, cw);
       TORCH_CHECK(cnumel > 0, cw, ": empty chunk");
-      TORCH_CHECK(c.length == cnumel * esize, cw, ": holds ", c.length, " bytes but its box needs ", cnumel * esize);
+      TORCH_CHECK(md.dcp ? c.length > 0 : c.length == cnumel * esize, cw, ": holds ", c.length,
+                  " bytes but its box needs ", cnumel * esize);
       auto f = md.files.find(c.file);
       TORCH_CHECK(f != md.files.end(), cw, ": file not listed in \"files\"");
       TORCH_CHECK(c.offset >= 0 && c.offset <= f->second && c.length <= f->second - c.offset, cw, ": bytes [",
                   c.offset, ", +", c.length, ") outside the file's ", f->second, " bytes");
-      const int64_t blocks = (c.length + md.block_bytes - 1) / md.block_bytes;
-      TORCH_CHECK(static_cast<int64_t>(c.hashes.size()) == blocks, cw, ": ", c.hashes.size(), " hashes for ", blocks,
-                  " blocks");
+      if (!md.dcp) {
+        const int64_t blocks = (c.length + md.block_bytes - 1) / md.block_bytes;
+        TORCH_CHECK(static_cast<int64_t>(c.hashes.size()) == blocks, cw, ": ", c.hashes.size(), " hashes for ",
+                    blocks, " blocks");
+      }
       ranges[c.file].emplace_back(c.offset, c.length);
       TORCH_CHECK(cnumel <= numel - covered, cw, ": the chunks hold more elements than the tensor (overlap)");
       covered += cnumel;

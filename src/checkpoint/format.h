@@ -43,6 +43,11 @@ struct TensorMeta {
 };
 
 struct Metadata {
+  // A PyTorch DCP checkpoint read through dcp_format.h: chunks are torch.save archives (length = the
+  // archive's bytes), without checksums (hashes empty, block_bytes 0); values are the items that are plain
+  // data, `unreadable` the others (key -> why).
+  bool dcp = false;
+  std::map<std::string, std::string> unreadable;
   int version = kFormatVersion;
   int64_t block_bytes = 4 << 20;
   int64_t world_size = 1;

@@ -147,7 +147,9 @@ std::vector<int64_t> complete_steps(const std::string& folder) {
     const std::string name = entry.path().filename().string();
     std::smatch m;
     if (!std::regex_match(name, m, pattern)) continue;
-    if (!fs::is_regular_file(entry.path() / kMetadataFile, ec)) continue;
+    // libfsdp's metadata.json, or PyTorch DCP's .metadata (both written last: their presence marks completeness).
+    if (!fs::is_regular_file(entry.path() / kMetadataFile, ec) && !fs::is_regular_file(entry.path() / ".metadata", ec))
+      continue;
     out.push_back(std::stoll(m[1].str()));
   }
   std::sort(out.begin(), out.end());

@@ -58,7 +58,7 @@ std::string read_small_file(const std::string& path, int64_t max_bytes);
 void commit_dir(const std::string& tmp, const std::string& final_dir);
 void remove_tree(const std::string& path);  // no error when absent
 
-// step-N folders under `folder` that hold a metadata.json (complete checkpoints), ascending by N.
+// step-N folders under `folder` that hold a metadata.json or a DCP .metadata (complete checkpoints), ascending by N.
 std::vector<int64_t> complete_steps(const std::string& folder);
 std::string step_dir(const std::string& folder, int64_t step);
 

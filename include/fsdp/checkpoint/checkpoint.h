@@ -44,11 +44,24 @@ struct StateDict {
   bool contains(const std::string& key) const;
 };
 
+// On-disk formats. Loading, inspecting and converting accept both (detected from the directory); saving
+// writes libfsdp's unless asked otherwise.
+//   Libfsdp:    metadata.json (data only) + rank-NNNNN.bin with xxHash per block; atomic directory commit.
+//   PytorchDcp: PyTorch Distributed Checkpoint as torch.distributed.checkpoint.FileSystemWriter writes it
+//               (.metadata pickle + __<rank>_0.distcp of torch.save archives), readable by dcp.load and
+//               TorchTitan. Its .metadata is read by a restricted pickle reader that executes nothing; DCP has
+//               no checksums. See docs/interop.md.
+enum class Format { Libfsdp, PytorchDcp };
+const char* format_name(Format f);  // "libfsdp", "pytorch-dcp"
+// The format of the checkpoint directory `path`; error when it holds neither metadata.json nor .metadata.
+Format detect_format(const std::string& path);
+
 struct SaveOptions {
   ProcessGroupPtr group;            // null = the world when initialized, else a single process
   bool local_only = false;          // this process saves alone, without collectives (ignores `group`)
   int64_t block_bytes = 4 << 20;    // checksum granularity (partial reads verify whole blocks)
-  std::string saved_on;             // free text recorded in the metadata (e.g. the mesh)
+  std::string saved_on;             // free text recorded in the metadata (e.g. the mesh; not in DCP)
+  Format format = Format::Libfsdp;
 };
 
 struct SaveResult {
@@ -94,12 +107,15 @@ struct TensorSummary {
   int64_t bytes = 0;
 };
 struct CheckpointSummary {
+  Format format = Format::Libfsdp;
   int version = 0;
   int64_t world_size = 0;
   std::string saved_on;
   int64_t total_bytes = 0;
   std::vector<TensorSummary> tensors;          // sorted by name
   std::map<std::string, std::string> values;   // JSON text
+  // DCP non-tensor items that are not plain data (bytes, Python objects): key -> why. Never loaded.
+  std::map<std::string, std::string> unreadable_values;
   std::map<std::string, int64_t> files;        // data files and their sizes
 };
 CheckpointSummary inspect(const std::string& path);
@@ -128,11 +144,26 @@ at::Tensor read_tensor(const std::string& path, const std::string& name);
 // A value's JSON text; error naming the key when absent.
 std::string read_value(const std::string& path, const std::string& key);
 
+// Rewrites checkpoint `src` (either format) as `dst` in format `to`, one saved chunk at a time (memory: one
+// chunk). The chunk layout is kept: each source data file becomes one file of the target (rank r's file stays
+// rank r's), so the result is what a save on the same mesh would have written. No collectives. `dst` appears
+// complete or not at all. Values that are not plain data (DCP) cannot be converted and are listed.
+struct ConvertOptions {
+  Format to = Format::PytorchDcp;
+  bool model_only = false;  // drop optimizer.*, train_state.*, lr_scheduler.*, dataloader.*, rng.* entries
+};
+struct ConvertResult {
+  int64_t tensors = 0, chunks = 0, values = 0;
+  int64_t bytes_written = 0;
+  std::vector<std::string> skipped;  // "key: why"
+};
+ConvertResult convert(const std::string& src, const std::string& dst, const ConvertOptions& options = {});
+
 // ---- step folders ---------------------------------------------------------------------------------------
 
 // "<folder>/step-<N>".
 std::string step_path(const std::string& folder, int64_t step);
-// Steps of complete checkpoints (step-N holding metadata.json) under folder, ascending.
+// Steps of complete checkpoints (step-N holding metadata.json, or a DCP .metadata) under folder, ascending.
 std::vector<int64_t> complete_steps(const std::string& folder);
 std::optional<int64_t> latest_step(const std::string& folder);
 // Deletes all complete step-N folders but the newest `keep` (keep >= 1: the newest complete one always

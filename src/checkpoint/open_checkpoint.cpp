@@ -1,0 +1,192 @@
+// Reading either checkpoint format (see open_checkpoint.h).
+#include "checkpoint/open_checkpoint.h"
+
+#include "checkpoint/agreement.h"
+#include "checkpoint/dcp_format.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <set>
+
+namespace fsdp::checkpoint::detail {
+namespace fs = std::filesystem;
+
+bool is_dcp_dir(const std::string& dir) {
+  std::error_code ec;
+  return !fs::exists(fs::path(dir) / kMetadataFile, ec) && fs::is_regular_file(fs::path(dir) / dcp::kMetadataFile, ec);
+}
+
+OpenCheckpoint::OpenCheckpoint(std::string dir) : dir_(std::move(dir)) {
+  const std::string md_path = (fs::path(dir_) / kMetadataFile).string();
+  std::error_code ec;
+  TORCH_CHECK(fs::is_directory(dir_, ec), "checkpoint: ", dir_, " does not exist or is not a directory");
+  if (is_dcp_dir(dir_)) {
+    open_dcp();
+    return;
+  }
+  TORCH_CHECK(fs::is_regular_file(md_path, ec), "checkpoint: ", md_path,
+              " is missing: not a complete libfsdp checkpoint (interrupted save?), nor a PyTorch DCP checkpoint "
+              "(no .metadata)");
+  md_ = parse_metadata(read_small_file(md_path, kMaxMetadataBytes), md_path);
+}
+
+const RangeReader& OpenCheckpoint::file(const std::string& name) {
+  auto it = readers_.find(name);
+  if (it != readers_.end()) return *it->second;
+  const std::string path = (fs::path(dir_) / name).string();  // name validated: plain, no '/'
+  auto r = std::make_unique<RangeReader>(path);
+  const int64_t expect = md_.files.at(name);
+  TORCH_CHECK(r->size() == expect, "checkpoint: ", path, " has ", r->size(), " bytes but the metadata records ",
+              expect, " (truncated or altered)");
+  return *readers_.emplace(name, std::move(r)).first->second;
+}
+
+std::string OpenCheckpoint::read_bytes(const std::string& name, int64_t offset, int64_t length, const std::string& what) {
+  std::string buf(static_cast<size_t>(length), '\0');
+  try {
+    file(name).read(offset, length, buf.data());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "checkpoint: ", what, ": ", error_text(e));
+  }
+  return buf;
+}
+
+void OpenCheckpoint::open_dcp() {
+  const std::string path = (fs::path(dir_) / dcp::kMetadataFile).string();
+  const dcp::Metadata d = dcp::parse_metadata(read_small_file(path, kMaxMetadataBytes), path);
+  Metadata md;
+  md.dcp = true;
+  md.block_bytes = 0;
+  md.saved_on = "PyTorch DCP" + (d.version.empty() ? std::string() : " " + d.version);
+  // Data files: sizes from the directory (DCP records none); a listed file that is absent is an error here.
+  std::set<int64_t> ranks;
+  auto add_file = [&](const std::string& name) {
+    if (md.files.count(name)) return;
+    const fs::path p = fs::path(dir_) / name;
+    std::error_code ec;
+    const auto size = fs::file_size(p, ec);
+    TORCH_CHECK(!ec, "checkpoint: ", path, " refers to data file ", name, ", which cannot be read: ", ec.message());
+    md.files[name] = static_cast<int64_t>(size);
+    int r = -1;
+    if (std::sscanf(name.c_str(), "__%d_", &r) == 1 && r >= 0) ranks.insert(r);
+  };
+  for (const auto& [fqn, t] : d.tensors) {
+    TensorMeta m;
+    m.dtype = t.dtype;
+    m.shape = t.size;
+    for (const auto& c : t.chunks) {
+      if (checked_numel(c.sizes, "checkpoint: " + path + ": tensor '" + fqn + "'") == 0) continue;  // empty shard
+      add_file(c.item.file);
+      ChunkMeta cm;
+      cm.offsets = c.offsets;
+      cm.sizes = c.sizes;
+      cm.file = c.item.file;
+      cm.offset = c.item.offset;
+      cm.length = c.item.length;
+      m.chunks.push_back(std::move(cm));
+    }
+    md.tensors.emplace(fqn, std::move(m));
+  }
+  for (const auto& [key, item] : d.values) add_file(item.file);
+  md.world_size = std::max<int64_t>(1, static_cast<int64_t>(ranks.size()));
+  validate(md, path);
+  md_ = std::move(md);  // the value items are read through file(), which checks sizes against md_
+  for (const auto& [key, item] : d.values) {
+    const int64_t size = md_.files.at(item.file);
+    TORCH_CHECK(item.offset <= size && item.length <= size - item.offset, "checkpoint: ", path, ": value '", key,
+                "': bytes [", item.offset, ", +", item.length, ") outside file ", item.file, " of ", size, " bytes");
+    const std::string what = "value '" + key + "' (" + item.file + " bytes [" + std::to_string(item.offset) + ", +" +
+                             std::to_string(item.length) + "))";
+    const std::string bytes = read_bytes(item.file, item.offset, item.length, what);
+    try {
+      md_.values[key] = dcp::read_value_item(bytes.data(), bytes.size(), (fs::path(dir_) / item.file).string() + ": " + what);
+    } catch (const dcp::ValueNotPlainData& e) {
+      md_.unreadable[key] = e.what();
+    }
+  }
+}
+
+int64_t OpenCheckpoint::fill(const std::string& fqn, const at::Tensor& dest, const Box& dest_box) {
+  if (md_.dcp) return fill_dcp(fqn, dest, dest_box);
+  const TensorMeta& t = md_.tensors.at(fqn);
+  const int64_t es = static_cast<int64_t>(c10::elementSize(t.dtype));
+  const int64_t B = md_.block_bytes;
+  int64_t bytes = 0;
+  for (size_t k = 0; k < t.chunks.size(); ++k) {
+    const ChunkMeta& c = t.chunks[k];
+    const Box saved{c.offsets, c.sizes};
+    auto overlap = intersect(saved, dest_box);
+    if (!overlap) continue;
+    const auto [first, last] = element_span(saved, *overlap);
+    const int64_t b0 = first * es / B * B;
+    const int64_t b1 = std::min(((last + 1) * es + B - 1) / B * B, c.length);
+    at::Tensor dst = dest;
+    for (size_t d = 0; d < overlap->sizes.size(); ++d) {
+      dst = dst.narrow(static_cast<int64_t>(d), overlap->offsets[d] - dest_box.offsets[d], overlap->sizes[d]);
+    }
+    // Fast path: the overlap is exactly the block-aligned byte span, contiguous in the destination and of the
+    // same dtype (e.g. the same sharding as saved): read straight into the destination, verify in place.
+    const bool direct = first * es == b0 && (last + 1) * es == b1 && dst.is_contiguous() &&
+                        dst.scalar_type() == t.dtype && dst.device().is_cpu() && last - first + 1 == overlap->numel();
+    at::Tensor buf = direct ? dst : at::empty({b1 - b0}, at::kByte);
+    const RangeReader* reader = nullptr;
+    try {
+      reader = &file(c.file);
+      reader->read(c.offset + b0, b1 - b0, buf.data_ptr());
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "checkpoint: tensor '", fqn, "' (chunk ", k, "): ", error_text(e));
+    }
+    const RangeReader& r = *reader;
+    bytes += b1 - b0;
+    const auto* p = static_cast<const char*>(buf.data_ptr());
+    for (int64_t blk = b0 / B; blk * B < b1; ++blk) {
+      const int64_t n = std::min(B, c.length - blk * B);
+      TORCH_CHECK(hash_bytes(p + (blk * B - b0), n) == c.hashes[static_cast<size_t>(blk)], "checkpoint: tensor '", fqn,
+                  "': checksum mismatch in file ", r.path(), " bytes [", c.offset + blk * B, ", ",
+                  c.offset + blk * B + n, ") (chunk ", k, "): the file was altered or is corrupt");
+    }
+    if (direct) continue;
+    at::Tensor src = at::from_blob(const_cast<char*>(p) + (first * es - b0), overlap->sizes,
+                                   contiguous_strides(c.sizes), at::TensorOptions().dtype(t.dtype));
+    dst.copy_(src);
+  }
+  return bytes;
+}
+
+int64_t OpenCheckpoint::fill_dcp(const std::string& fqn, const at::Tensor& dest, const Box& dest_box) {
+  const TensorMeta& t = md_.tensors.at(fqn);
+  int64_t bytes = 0;
+  for (size_t k = 0; k < t.chunks.size(); ++k) {
+    const ChunkMeta& c = t.chunks[k];
+    const Box saved{c.offsets, c.sizes};
+    auto overlap = intersect(saved, dest_box);
+    if (!overlap) continue;
+    const std::string key = fqn + "#" + std::to_string(k);
+    if (cached_key_ != key) {
+      cached_key_.clear();
+      const std::string what = "tensor '" + fqn + "' chunk " + std::to_string(k) + " (" + c.file + " bytes [" +
+                               std::to_string(c.offset) + ", +" + std::to_string(c.length) + "))";
+      const std::string raw = read_bytes(c.file, c.offset, c.length, what);
+      bytes += c.length;
+      at::Tensor x = dcp::read_tensor_item(raw.data(), raw.size(), (fs::path(dir_) / c.file).string() + ": " + what);
+      TORCH_CHECK(x.scalar_type() == t.dtype && x.sizes().vec() == c.sizes, "checkpoint: ", dir_, ": ", what,
+                  " holds a ", x.scalar_type(), " tensor of shape ", x.sizes(), " but the metadata records ", t.dtype,
+                  " ", c10::IntArrayRef(c.sizes));
+      cached_ = x;
+      cached_key_ = key;
+    }
+    at::Tensor src = cached_, dst = dest;
+    for (size_t d = 0; d < overlap->sizes.size(); ++d) {
+      const auto dim = static_cast<int64_t>(d);
+      src = src.narrow(dim, overlap->offsets[d] - saved.offsets[d], overlap->sizes[d]);
+      dst = dst.narrow(dim, overlap->offsets[d] - dest_box.offsets[d], overlap->sizes[d]);
+    }
+    dst.copy_(src);
+  }
+  return bytes;
+}
+
+}  // namespace fsdp::checkpoint::detail
