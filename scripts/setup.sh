@@ -44,6 +44,14 @@ if ! "$VENV/bin/python" -c 'import tensorboard' 2>/dev/null; then
   log "installing tensorboard into $VENV"
   "$VENV/bin/pip" install -q tensorboard >&2
 fi
+# transformers: the Hugging Face interop tests compare logits with LlamaForCausalLM (tests/checkpoint/interop).
+# It does not depend on torch; torch stays the pinned 2.13.0.
+if ! "$VENV/bin/python" -c 'import transformers' 2>/dev/null; then
+  log "installing transformers into $VENV (Hugging Face interop tests)"
+  "$VENV/bin/pip" install -q transformers >&2
+  "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' ||
+    { log "installing transformers changed torch; reinstall torch==2.13.0"; exit 1; }
+fi
 TORCH_DIR="$("$VENV/bin/python" -c 'import torch, os; print(os.path.join(torch.utils.cmake_prefix_path, "Torch"))')"
 
 if [ ! -f "$BUILD_DIR/build.ninja" ]; then

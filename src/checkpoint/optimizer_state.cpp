@@ -118,8 +118,22 @@ void set_if(const StateDict& sd, const std::string& key, T& out) {
 }
 
 // Parameter-state flavours.
+// The param_group entries torch.optim has and libtorch does not (their values are what libtorch's optimizers
+// do): PyTorch's dcp.load requires every key of its state dict, so a TorchTitan run loading our checkpoint
+// needs them. Loading ignores them.
+void pytorch_only_entries(StateDict& sd, const std::string& pg, bool sgd, bool decoupled_weight_decay) {
+  sd.values[pg + "maximize"] = "false";
+  sd.values[pg + "foreach"] = "null";
+  sd.values[pg + "differentiable"] = "false";
+  sd.values[pg + "fused"] = "null";
+  if (sgd) return;
+  sd.values[pg + "capturable"] = "false";
+  sd.values[pg + "decoupled_weight_decay"] = decoupled_weight_decay ? "true" : "false";
+}
+
 template <class State, class Options>
-void adam_entries(torch::optim::Optimizer& optim, const ParamIndex& idx, const std::string& prefix, StateDict& sd) {
+void adam_entries(torch::optim::Optimizer& optim, const ParamIndex& idx, const std::string& prefix, StateDict& sd,
+                  bool decoupled_weight_decay) {
   for (auto& group : optim.param_groups()) {
     auto& o = static_cast<Options&>(group.options());
     for (auto& p : group.params()) {
@@ -145,6 +159,7 @@ void adam_entries(torch::optim::Optimizer& optim, const ParamIndex& idx, const s
       sd.values[pg + "eps"] = nlohmann::json(o.eps()).dump();
       sd.values[pg + "weight_decay"] = nlohmann::json(o.weight_decay()).dump();
       sd.values[pg + "amsgrad"] = nlohmann::json(o.amsgrad()).dump();
+      pytorch_only_entries(sd, pg, /*sgd=*/false, decoupled_weight_decay);
     }
   }
 }
@@ -208,6 +223,7 @@ void sgd_entries(torch::optim::Optimizer& optim, const ParamIndex& idx, const st
       sd.values[pg + "dampening"] = nlohmann::json(o.dampening()).dump();
       sd.values[pg + "weight_decay"] = nlohmann::json(o.weight_decay()).dump();
       sd.values[pg + "nesterov"] = nlohmann::json(o.nesterov()).dump();
+      pytorch_only_entries(sd, pg, /*sgd=*/true, false);
     }
   }
 }
@@ -295,10 +311,10 @@ StateDict optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer
   c10::NoGradGuard no_grad;
   switch (kind_of(optim)) {
     case Kind::AdamW:
-      adam_entries<torch::optim::AdamWParamState, torch::optim::AdamWOptions>(optim, idx, prefix, sd);
+      adam_entries<torch::optim::AdamWParamState, torch::optim::AdamWOptions>(optim, idx, prefix, sd, true);
       break;
     case Kind::Adam:
-      adam_entries<torch::optim::AdamParamState, torch::optim::AdamOptions>(optim, idx, prefix, sd);
+      adam_entries<torch::optim::AdamParamState, torch::optim::AdamOptions>(optim, idx, prefix, sd, false);
       break;
     case Kind::SGD:
       sgd_entries(optim, idx, prefix, sd);

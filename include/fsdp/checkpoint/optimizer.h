@@ -3,6 +3,8 @@
 //   model:      <fqn>                                   (no prefix)
 //   optimizer:  optimizer.state.<fqn>.{exp_avg, exp_avg_sq, max_exp_avg_sq, step, momentum_buffer}
 //               optimizer.param_groups.<fqn>.{lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov}
+//               and torch.optim's group keys libtorch lacks ({maximize, foreach, capturable, differentiable, fused,
+//               decoupled_weight_decay}: what libtorch does; written so that PyTorch's dcp.load finds every key)
 // For fully_shard models each state tensor is a ShardedTensor with its parameter's mesh, placements and global
 // shape (the optimizer runs on the shards), so a checkpoint loads into a freshly built optimizer on another mesh
 // or world size. Supported: torch::optim::Adam, AdamW, SGD. `step` is a replicated 0-dim int64 tensor.
