@@ -10,6 +10,8 @@
 #include <fsdp/checkpoint/model_safetensors.h>
 
 #include "checkpoint/agreement.h"
+#include "checkpoint/model_safetensors_impl.h"
+#include "checkpoint/storage.h"
 
 #include <fsdp/checkpoint/safetensors.h>
 #include <fsdp/process_group.h>
@@ -20,6 +22,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <algorithm>
 #include <memory>
 #include <set>
 
@@ -47,6 +50,9 @@ void remove_stale_files(const fs::path& dir, const std::set<std::string>& keep) 
   }
 }
 
+}  // namespace
+
+namespace detail {
 // tensor name -> file, for a single file, an index, or a directory holding either.
 std::map<std::string, std::string> resolve_files(const std::string& path) {
   fs::path p(path);
@@ -70,10 +76,16 @@ std::map<std::string, std::string> resolve_files(const std::string& path) {
   }
   return where;
 }
+}  // namespace detail
+
+namespace {
 
 // This rank's piece of `t` read from `reader`: the rows its box covers along dim 0 (only those bytes), then
 // narrowed along the other dims when the piece does not span them (a Shard on another dim).
-at::Tensor read_piece(const st::Reader& reader, const std::string& name, const ShardedTensor& t, int64_t& bytes) {
+// `file_rows` (when not empty) gives the file row of each of the piece's rows: they are read as runs of
+// consecutive file rows (still only the piece's own rows) and put in the piece's order.
+at::Tensor read_piece(const st::Reader& reader, const std::string& name, const ShardedTensor& t, int64_t& bytes,
+                      const std::vector<int64_t>& file_rows) {
   const at::Tensor& local = t.local();
   if (t.dim() == 0) {
     at::Tensor whole = reader.read(name);
@@ -81,7 +93,27 @@ at::Tensor read_piece(const st::Reader& reader, const std::string& name, const S
     return whole;
   }
   const std::vector<int64_t> offset = t.local_offset();
-  at::Tensor rows = reader.read_rows(name, offset[0], local.size(0));
+  at::Tensor rows;
+  if (file_rows.empty()) {
+    rows = reader.read_rows(name, offset[0], local.size(0));
+  } else {
+    TORCH_CHECK(static_cast<int64_t>(file_rows.size()) == local.size(0), "import_safetensors: '", name,
+                "': row map of ", file_rows.size(), " rows for a piece of ", local.size(0));
+    std::vector<int64_t> sorted = file_rows;
+    std::sort(sorted.begin(), sorted.end());
+    sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+    std::vector<at::Tensor> runs;
+    for (size_t i = 0; i < sorted.size();) {
+      size_t j = i + 1;
+      while (j < sorted.size() && sorted[j] == sorted[j - 1] + 1) ++j;
+      runs.push_back(reader.read_rows(name, sorted[i], static_cast<int64_t>(j - i)));
+      i = j;
+    }
+    at::Tensor gathered = runs.size() == 1 ? runs[0] : at::cat(runs);
+    std::vector<int64_t> pick;
+    for (int64_t r : file_rows) pick.push_back(std::lower_bound(sorted.begin(), sorted.end(), r) - sorted.begin());
+    rows = gathered.index_select(0, at::tensor(pick, at::kLong));
+  }
   bytes += rows.nbytes();
   for (int64_t d = 1; d < t.dim(); ++d) {
     if (local.size(d) != t.sizes()[d]) rows = rows.narrow(d, offset[d], local.size(d));
@@ -93,18 +125,34 @@ at::Tensor read_piece(const st::Reader& reader, const std::string& name, const S
 
 SafetensorsExportResult export_safetensors(torch::nn::Module& root, const std::string& dir,
                                            const SafetensorsExportOptions& options) {
+  return detail::export_safetensors(root, dir, options, detail::KeyAdapter{});
+}
+
+SafetensorsImportResult import_safetensors(torch::nn::Module& root, const std::string& path,
+                                           const SafetensorsImportOptions& options) {
+  return detail::import_safetensors(root, path, options, detail::KeyAdapter{});
+}
+
+namespace detail {
+
+SafetensorsExportResult export_safetensors(torch::nn::Module& root, const std::string& dir,
+                                           const SafetensorsExportOptions& options, const KeyAdapter& adapter) {
   const auto start = Clock::now();
   const ProcessGroupPtr group = resolve_group(nullptr);
   const bool writer = !group || group->rank() == 0;
   const ShardedStateDict state = sharded_state_dict(root);
 
   std::vector<const ShardedTensor*> tensors;
+  std::vector<std::string> keys;
   std::vector<st::TensorSpec> specs;
   for (const auto& [name, t] : state) {
+    std::optional<std::string> file_name = adapter.file_name ? adapter.file_name(name) : std::optional<std::string>(name);
+    if (!file_name) continue;
     c10::ScalarType dtype = t.dtype();
     if (options.dtype && at::isFloatingType(dtype)) dtype = *options.dtype;
-    specs.push_back({name, dtype, t.sizes()});
+    specs.push_back({*file_name, dtype, t.sizes()});
     tensors.push_back(&t);
+    keys.push_back(name);
   }
   const std::vector<st::FilePlan> files = st::plan_files(specs, options.max_file_bytes);
   std::map<std::string, std::string> metadata = options.metadata;
@@ -116,6 +164,7 @@ SafetensorsExportResult export_safetensors(torch::nn::Module& root, const std::s
     TORCH_CHECK(k == next, "export_safetensors: internal error: tensor ", k, " gathered out of order");
     ++next;
     at::Tensor full = tensors[k]->full_tensor();
+    if (adapter.to_file) full = adapter.to_file(keys[k], full);
     if (full.scalar_type() != specs[k].dtype) full = full.to(specs[k].dtype);
     return full;
   };
@@ -146,6 +195,11 @@ SafetensorsExportResult export_safetensors(torch::nn::Module& root, const std::s
         result.files.push_back(index);
         names.insert(kIndexName);
       }
+      for (const auto& [name, text] : adapter.extra_files) {
+        const std::string path = (fs::path(dir) / name).string();
+        write_file_atomic(path, text);
+        result.files.push_back(path);
+      }
       remove_stale_files(dir, names);
     } catch (const std::exception& e) {
       error = error_text(e);
@@ -162,7 +216,7 @@ SafetensorsExportResult export_safetensors(torch::nn::Module& root, const std::s
 }
 
 SafetensorsImportResult import_safetensors(torch::nn::Module& root, const std::string& path,
-                                           const SafetensorsImportOptions& options) {
+                                           const SafetensorsImportOptions& options, const KeyAdapter& adapter) {
   const auto start = Clock::now();
   const ProcessGroupPtr group = resolve_group(nullptr);
   SafetensorsImportResult result;
@@ -170,11 +224,19 @@ SafetensorsImportResult import_safetensors(torch::nn::Module& root, const std::s
   try {
     const std::map<std::string, std::string> where = resolve_files(path);
     const ShardedStateDict current = sharded_state_dict(root);
-    for (const auto& [name, file] : where) {
-      if (!current.count(name)) result.unexpected.push_back(name);
-    }
+    std::map<std::string, std::string> file_name;  // model key -> file tensor
+    std::set<std::string> wanted;
     for (const auto& [name, t] : current) {
-      if (!where.count(name)) result.missing.push_back(name);
+      std::optional<std::string> f = adapter.file_name ? adapter.file_name(name) : std::optional<std::string>(name);
+      if (!f) continue;
+      file_name[name] = *f;
+      wanted.insert(*f);
+    }
+    for (const auto& [name, file] : where) {
+      if (!wanted.count(name) && !(adapter.ignorable && adapter.ignorable(name))) result.unexpected.push_back(name);
+    }
+    for (const auto& [name, f] : file_name) {
+      if (!where.count(f)) result.missing.push_back(f);
     }
     TORCH_CHECK(!options.strict || (result.missing.empty() && result.unexpected.empty()), "import_safetensors from ",
                 path, ": keys do not match the model (strict load). Missing from the files: [",
@@ -183,17 +245,21 @@ SafetensorsImportResult import_safetensors(torch::nn::Module& root, const std::s
     std::map<std::string, std::unique_ptr<st::Reader>> readers;  // opened once per file
     ShardedStateDict loaded;
     for (const auto& [name, t] : current) {
-      auto w = where.find(name);
+      auto fn = file_name.find(name);
+      auto w = fn == file_name.end() ? where.end() : where.find(fn->second);
       if (w == where.end()) {
         loaded.emplace(name, t);  // non-strict: keeps its value
         continue;
       }
+      const std::string& fname = fn->second;
       auto& reader = readers[w->second];
       if (!reader) reader = std::make_unique<st::Reader>(w->second);
-      const st::TensorInfo& info = reader->info(name);
-      TORCH_CHECK(info.shape == t.sizes(), "import_safetensors: '", name, "' in ", w->second, " has shape ",
-                  c10::IntArrayRef(info.shape), " but the model's is ", c10::IntArrayRef(t.sizes()));
-      at::Tensor piece = read_piece(*reader, name, t, result.bytes_read);
+      const st::TensorInfo& info = reader->info(fname);
+      TORCH_CHECK(info.shape == t.sizes(), "import_safetensors: '", fname, "' in ", w->second, " has shape ",
+                  c10::IntArrayRef(info.shape), " but the model's '", name, "' is ", c10::IntArrayRef(t.sizes()));
+      std::vector<int64_t> rows;
+      if (adapter.file_rows && t.dim() > 0) rows = adapter.file_rows(name, t.local_offset()[0], t.local().size(0));
+      at::Tensor piece = read_piece(*reader, fname, t, result.bytes_read, rows);
       piece = piece.to(t.local().options());
       loaded.emplace(name, ShardedTensor::from_local(piece, t.mesh(), t.placements(), t.sizes()));
     }
@@ -207,4 +273,5 @@ SafetensorsImportResult import_safetensors(torch::nn::Module& root, const std::s
   return result;
 }
 
+}  // namespace detail
 }  // namespace fsdp::checkpoint

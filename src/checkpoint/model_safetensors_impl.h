@@ -1,0 +1,41 @@
+#pragma once
+// The streaming export and own-rows import of model_safetensors.cpp, parameterised by how model keys and rows
+// map to file tensors. The public export_safetensors/import_safetensors use the identity; the Hugging Face
+// Llama adapter (hf_llama.cpp) renames keys and permutes the Q/K rows.
+
+#include <fsdp/checkpoint/model_safetensors.h>
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace fsdp::checkpoint::detail {
+
+struct KeyAdapter {
+  // Model key -> tensor name in the files (nullopt: not exported; on import: must not be required).
+  std::function<std::optional<std::string>(const std::string& key)> file_name;
+  // Export: the full model tensor -> what the file holds (e.g. a row permutation). Null: unchanged.
+  std::function<at::Tensor(const std::string& key, const at::Tensor& full)> to_file;
+  // Import: for model rows [begin, begin + count) of `key`, the file row holding each (in model order). Null
+  // or empty result: the same rows.
+  std::function<std::vector<int64_t>(const std::string& key, int64_t begin, int64_t count)> file_rows;
+  // Import: file tensors that are expected extras (not reported as unexpected), e.g. a tied lm_head.
+  std::function<bool(const std::string& file_name)> ignorable;
+  // Export: extra files written with the tensors (name -> content), e.g. config.json.
+  std::vector<std::pair<std::string, std::string>> extra_files;
+};
+
+// Tensor name -> file path, for a .safetensors file, a model.safetensors.index.json, or a directory holding
+// either (the index wins).
+std::map<std::string, std::string> resolve_files(const std::string& path);
+
+SafetensorsExportResult export_safetensors(torch::nn::Module& root, const std::string& dir,
+                                           const SafetensorsExportOptions& options, const KeyAdapter& adapter);
+SafetensorsImportResult import_safetensors(torch::nn::Module& root, const std::string& path,
+                                           const SafetensorsImportOptions& options, const KeyAdapter& adapter);
+
+}  // namespace fsdp::checkpoint::detail
