@@ -6,7 +6,9 @@
 
 #include <fsdp/checkpoint/async_save.h>
 #include <fsdp/checkpoint/checkpoint.h>
+#include <fsdp/checkpoint/hf_llama.h>
 #include <fsdp/checkpoint/optimizer.h>
+#include <fsdp/nn/llama.h>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -51,7 +53,8 @@ at::Tensor unhex(const std::string& s) {
 class DistributedCheckpointer final : public Checkpointer {
  public:
   DistributedCheckpointer(const JobConfig& config, int rank, fsdp::ProcessGroupPtr group)
-      : cfg_(config.checkpoint), rank_(rank), world_(group ? group->size() : 1), job_group_(std::move(group)) {
+      : cfg_(config.checkpoint), base_lr_(config.optimizer.lr), rank_(rank), world_(group ? group->size() : 1),
+        job_group_(std::move(group)) {
     folder_ = (fs::path(config.job.dump_folder) / cfg_.folder).string();
     const ckpt::AsyncMode mode = ckpt::parse_async_mode(cfg_.async_mode);
     // Background saves talk on their own group so that they never interleave with the training collectives.
@@ -82,8 +85,8 @@ class DistributedCheckpointer final : public Checkpointer {
     bool from_initial = false;
     if (cfg_.load_step >= 0) {
       dir = ckpt::step_path(folder_, cfg_.load_step);
-      TORCH_CHECK(fs::exists(fs::path(dir) / "metadata.json"), "checkpoint.load_step = ", cfg_.load_step, ": ", dir,
-                  " is not a complete checkpoint");
+      TORCH_CHECK(fs::exists(fs::path(dir) / "metadata.json") || fs::exists(fs::path(dir) / ".metadata"),
+                  "checkpoint.load_step = ", cfg_.load_step, ": ", dir, " is not a complete checkpoint");
     } else if (auto latest = ckpt::latest_step(folder_)) {
       // Resume from the newest checkpoint that holds the training state. The last save is model-only by
       // default (last_save_model_only): restarting from it would reset step, optimizer and data order, and
@@ -103,6 +106,7 @@ class DistributedCheckpointer final : public Checkpointer {
     } else if (!cfg_.initial_load_path.empty()) {
       dir = cfg_.initial_load_path;
       from_initial = true;
+      if (cfg_.initial_load_in_hf) return load_hf(s, dir);
     } else {
       return false;
     }
@@ -112,11 +116,22 @@ class DistributedCheckpointer final : public Checkpointer {
     const bool has_train_state = summary.values.count("train_state.step") > 0;
     const bool model_only = !has_train_state || (from_initial && cfg_.initial_load_model_only);
     std::vector<std::string> exclude;
+    // A TorchTitan (PyTorch DCP) checkpoint has no rng.cpu, and its data loader state is pickled Python
+    // (never loaded): those parts start fresh.
+    for (const char* part : {"rng.cpu", "dataloader.dp_rank_0"}) {
+      if (model_only || summary.values.count(part)) continue;
+      const std::string prefix = std::string(part).substr(0, std::string(part).find('.') + 1);
+      exclude.push_back(prefix);
+      if (rank_ == 0) {
+        std::printf("checkpoint: %s has no readable %s%s; that state starts fresh\n", dir.c_str(), part,
+                    summary.unreadable_values.count(part) ? " (pickled Python data)" : "");
+      }
+    }
     for (const auto& e : cfg_.exclude_from_loading) {
       TORCH_CHECK(e == "optimizer" || e == "lr_scheduler" || e == "dataloader" || e == "train_state" || e == "rng",
                   "checkpoint.exclude_from_loading: unknown state '", e,
                   "' (optimizer, lr_scheduler, dataloader, train_state or rng; the model is always loaded)");
-      exclude.push_back(e + ".");
+      if (std::find(exclude.begin(), exclude.end(), e + ".") == exclude.end()) exclude.push_back(e + ".");
     }
     ckpt::StateDict sd = state_dict(s, model_only, /*for_save=*/false);
     ckpt::LoadOptions lo;
@@ -154,11 +169,16 @@ class DistributedCheckpointer final : public Checkpointer {
     if (model_only && cfg_.export_dtype == "bfloat16") cast = at::kBFloat16;
     if (model_only && cfg_.export_dtype == "float16") cast = at::kHalf;
     const std::string dir = ckpt::step_path(folder_, s.step);
+    if (model_only && cfg_.last_save_in_hf) {
+      save_hf(s, dir, cast);
+      return;
+    }
     ckpt::StateDict sd = state_dict(s, model_only, /*for_save=*/true);
     ckpt::SaveOptions so;
     so.group = group_;
     so.local_only = !job_group_;
     so.saved_on = "fsdp-train step " + std::to_string(s.step);
+    so.format = cfg_.format == "dcp" ? ckpt::Format::PytorchDcp : ckpt::Format::Libfsdp;
     const auto t0 = Clock::now();
     if (saver_->mode() != ckpt::AsyncMode::Disabled && !last) {
       // Snapshot, save and purge on the saver's thread; the loop waits for the snapshot before the next step.
@@ -225,10 +245,50 @@ class DistributedCheckpointer final : public Checkpointer {
     std::fflush(stdout);
   }
 
+  static fsdp::nn::llama::TransformerImpl& llama_of(TrainState& s, const char* what) {
+    auto* m = dynamic_cast<fsdp::nn::llama::TransformerImpl*>(s.model);
+    TORCH_CHECK(m, "checkpoint.", what, ": the model is not a Llama 3 (the Hugging Face adapter is Llama's)");
+    return *m;
+  }
+
+  // initial_load_in_hf: Hugging Face Llama weights (model only), each rank reading only its rows.
+  bool load_hf(TrainState& s, const std::string& dir) {
+    const auto t0 = Clock::now();
+    const auto r = ckpt::hf::import_llama(llama_of(s, "initial_load_in_hf"), dir);
+    if (rank_ == 0) {
+      std::printf("checkpoint: loaded Hugging Face weights %s (model only) in %.3f s (%.1f MB read by rank 0)\n",
+                  dir.c_str(), since(t0), r.bytes_read / 1e6);
+      std::fflush(stdout);
+    }
+    return true;
+  }
+
+  // last_save_in_hf: the final model as Hugging Face Llama safetensors (+ index, config.json) in step-N.
+  void save_hf(TrainState& s, const std::string& dir, std::optional<at::ScalarType> cast) {
+    const auto t0 = Clock::now();
+    ckpt::SafetensorsExportOptions eo;
+    eo.dtype = cast;
+    const auto r = ckpt::hf::export_llama(llama_of(s, "last_save_in_hf"), dir, eo);
+    if (rank_ == 0) {
+      std::printf("checkpoint: last step Hugging Face save of %s done in %.3f s (%.1f MB, %zu files)\n", dir.c_str(),
+                  since(t0), r.total_bytes / 1e6, r.files.size());
+      std::fflush(stdout);
+    }
+  }
+
   ckpt::StateDict state_dict(TrainState& s, bool model_only, bool for_save) {
     ckpt::StateDict sd = ckpt::model_state_dict(*s.model);
     if (model_only) return sd;
     sd.merge(ckpt::optimizer_state_dict(*s.model, *s.optimizer));
+    if (for_save) {
+      // TorchTitan's LambdaLR adds initial_lr to every param group; its dcp.load needs the key (we ignore it).
+      std::vector<std::string> lr_keys;
+      for (const auto& [k, v] : sd.values) {
+        if (k.rfind("optimizer.param_groups.", 0) == 0 && k.size() > 3 && k.compare(k.size() - 3, 3, ".lr") == 0)
+          lr_keys.push_back(k);
+      }
+      for (const auto& k : lr_keys) sd.values[k.substr(0, k.size() - 2) + "initial_lr"] = nlohmann::json(base_lr_).dump();
+    }
     const auto& opt = s.data->options();
     sd.values["train_state.step"] = std::to_string(s.step);
     sd.values["train_state.ntokens_seen"] = std::to_string(s.ntokens_seen);
@@ -282,6 +342,7 @@ class DistributedCheckpointer final : public Checkpointer {
   }
 
   JobConfig::Checkpoint cfg_;
+  double base_lr_;
   int rank_;
   int world_;
   fsdp::ProcessGroupPtr job_group_, group_;

@@ -103,6 +103,12 @@ std::vector<Field> fields(JobConfig& c) {
       {"checkpoint", "load_step", &c.checkpoint.load_step, "-1 = latest"},
       {"checkpoint", "exclude_from_loading", &c.checkpoint.exclude_from_loading, "optimizer | lr_scheduler | dataloader | train_state | rng"},
       {"checkpoint", "enable_first_step_checkpoint", &c.checkpoint.enable_first_step_checkpoint, "also save after step 1"},
+      {"checkpoint", "format", &c.checkpoint.format,
+       "libfsdp | dcp: format of the saves (dcp = PyTorch DCP, loadable by dcp.load and TorchTitan); loading reads both"},
+      {"checkpoint", "initial_load_in_hf", &c.checkpoint.initial_load_in_hf,
+       "initial_load_path is a Hugging Face Llama directory (safetensors + index; model only)"},
+      {"checkpoint", "last_save_in_hf", &c.checkpoint.last_save_in_hf,
+       "write the last save as Hugging Face Llama safetensors + config.json (needs last_save_model_only)"},
       {"activation_checkpoint", "mode", &c.activation_checkpoint.mode,
        "none | full (every block) | selective (selective_ac_option), applied to each block before fully_shard"},
       {"activation_checkpoint", "selective_ac_option", &c.activation_checkpoint.selective_ac_option,
@@ -523,6 +529,9 @@ void validate(const JobConfig& c) {
                {"default", "always", "never"});
   check_choice("checkpoint.async_mode", c.checkpoint.async_mode, {"disabled", "async", "async_with_pinned_mem"});
   check_choice("checkpoint.export_dtype", c.checkpoint.export_dtype, {"float32", "bfloat16", "float16"});
+  check_choice("checkpoint.format", c.checkpoint.format, {"libfsdp", "dcp"});
+  check(!c.checkpoint.last_save_in_hf || c.checkpoint.last_save_model_only,
+        "checkpoint.last_save_in_hf needs checkpoint.last_save_model_only = true (as TorchTitan)");
   check(c.checkpoint.interval > 0, "checkpoint.interval: expected > 0");
   check(c.checkpoint.keep_latest_k != 1, "checkpoint.keep_latest_k: 1 is not allowed (the newest may still be in flight); use 0 or >= 2");
   check_choice("activation_checkpoint.mode", c.activation_checkpoint.mode, {"selective", "full", "none"});

@@ -87,6 +87,9 @@ struct JobConfig {
     int64_t load_step = -1;
     std::vector<std::string> exclude_from_loading;
     bool enable_first_step_checkpoint = false;
+    std::string format = "libfsdp";  // libfsdp | dcp (PyTorch DCP, readable by dcp.load / TorchTitan)
+    bool initial_load_in_hf = false;  // initial_load_path holds Hugging Face Llama safetensors (model only)
+    bool last_save_in_hf = false;     // the last (model-only) save is Hugging Face Llama safetensors
   } checkpoint;
   struct ActivationCheckpoint {
     std::string mode = "selective";  // selective | full | none
