@@ -98,6 +98,33 @@ void check_config(const std::string& path, const llama::LlamaArgs& a) {
     os << "rope_theta = " << *theta << " (the model has " << a.rope_theta << ")";
     bad.push_back(os.str());
   }
+  // Llama 3.1 RoPE scaling: rope_parameters (transformers >= 5) or rope_scaling, rope_type "llama3".
+  nlohmann::json scaling;
+  for (const char* field : {"rope_scaling", "rope_parameters"}) {
+    if (!c.contains(field) || !c[field].is_object()) continue;
+    const auto& r = c[field];
+    const std::string type = r.value("rope_type", r.value("type", std::string("default")));
+    if (type != "default") scaling = r;
+  }
+  if (!scaling.is_null()) {
+    const std::string type = scaling.value("rope_type", scaling.value("type", std::string()));
+    if (type != "llama3") {
+      bad.push_back("rope type '" + type + "' (only Llama 3.1's \"llama3\" scaling is supported)");
+    } else if (!a.rope_scaling) {
+      bad.push_back("Llama 3.1 RoPE scaling (the model has plain RoPE)");
+    } else {
+      const auto& r = *a.rope_scaling;
+      auto near = [](double x, double y) { return std::abs(x - y) <= 1e-9 * std::max(1.0, std::abs(y)); };
+      if (!near(number(scaling.value("factor", nlohmann::json(0.0))), r.factor) ||
+          !near(number(scaling.value("low_freq_factor", nlohmann::json(0.0))), r.low_freq_factor) ||
+          !near(number(scaling.value("high_freq_factor", nlohmann::json(0.0))), r.high_freq_factor) ||
+          scaling.value("original_max_position_embeddings", int64_t(0)) != r.original_max_position_embeddings) {
+        bad.push_back("RoPE scaling " + scaling.dump() + " (the model's differs)");
+      }
+    }
+  } else if (a.rope_scaling) {
+    bad.push_back("plain RoPE (the model has Llama 3.1 RoPE scaling)");
+  }
   const bool hf_tied = c.value("tie_word_embeddings", false);
   if (a.tie_embeddings && !hf_tied) bad.push_back("tie_word_embeddings = false (the model ties its embeddings)");
   std::ostringstream list;
@@ -163,9 +190,20 @@ std::string config_json(const llama::LlamaArgs& a, const std::string& dtype) {
   c["mlp_bias"] = false;
   c["tie_word_embeddings"] = a.tie_embeddings;
   c["torch_dtype"] = dtype;
-  // transformers >= 5 reads rope_parameters; older versions rope_theta.
+  // transformers >= 5 reads rope_parameters; older versions rope_theta and rope_scaling.
   c["rope_theta"] = a.rope_theta;
   c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", a.rope_theta}};
+  if (a.rope_scaling) {
+    const auto& r = *a.rope_scaling;
+    nlohmann::json scaling = {{"rope_type", "llama3"},
+                              {"factor", r.factor},
+                              {"low_freq_factor", r.low_freq_factor},
+                              {"high_freq_factor", r.high_freq_factor},
+                              {"original_max_position_embeddings", r.original_max_position_embeddings}};
+    c["rope_scaling"] = scaling;
+    scaling["rope_theta"] = a.rope_theta;
+    c["rope_parameters"] = scaling;
+  }
   return c.dump(2) + "\n";
 }
 

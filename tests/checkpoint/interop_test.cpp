@@ -241,7 +241,7 @@ TEST(DcpRead, WrittenMetadataReadsBack) {
 
 // ---- PyTorch FSDP2 <-> ours ---------------------------------------------------------------------------------
 
-fsdp::nn::llama::LlamaArgs small_llama(bool tied) {
+fsdp::nn::llama::LlamaArgs small_llama(bool tied, bool rope_scaling = false) {
   fsdp::nn::llama::LlamaArgs a;
   a.dim = 64;
   a.n_layers = 2;
@@ -251,6 +251,8 @@ fsdp::nn::llama::LlamaArgs small_llama(bool tied) {
   a.multiple_of = 32;
   a.rope_theta = 500000;
   a.tie_embeddings = tied;
+  // Llama 3.1-style scaling with a short original context, so that it changes the 16-token logits.
+  if (rope_scaling) a.rope_scaling = fsdp::nn::llama::RopeScaling{8.0, 1.0, 4.0, 16};
   return a;
 }
 
@@ -259,6 +261,13 @@ void write_args(const fsdp::nn::llama::LlamaArgs& a, const fs::path& p) {
                       {"vocab_size", a.vocab_size}, {"multiple_of", a.multiple_of}, {"ffn_hidden_dim", a.ffn_hidden_dim()},
                       {"norm_eps", a.norm_eps}, {"rope_theta", a.rope_theta}, {"tie_embeddings", a.tie_embeddings ? 1 : 0}};
   j["ffn_dim_multiplier"] = a.ffn_dim_multiplier ? nlohmann::json(*a.ffn_dim_multiplier) : nlohmann::json(nullptr);
+  j["rope_scaling"] = nullptr;
+  if (a.rope_scaling) {
+    j["rope_scaling"] = {{"factor", a.rope_scaling->factor},
+                         {"low_freq_factor", a.rope_scaling->low_freq_factor},
+                         {"high_freq_factor", a.rope_scaling->high_freq_factor},
+                         {"original_max_position_embeddings", a.rope_scaling->original_max_position_embeddings}};
+  }
   std::ofstream(p) << j.dump();
 }
 
@@ -370,8 +379,9 @@ TEST(HfInterop, LogitsMatchTransformersBothWays) {
   const fs::path d = fresh_dir("hf");
   write_tokens(d / "tokens.bin", 2 * 16, 256, 11);
   const std::string tok = " " + (d / "tokens.bin").string() + " 2 16 ";
-  // Hugging Face -> ours: save_pretrained (sharded + index), imported on 2 ranks (own rows only).
-  write_args(small_llama(false), d / "args.json");
+  // Hugging Face -> ours: save_pretrained (sharded + index) of a Llama 3.1-style config (RoPE scaling),
+  // imported on 2 ranks (own rows only).
+  write_args(small_llama(false, true), d / "args.json");
   ASSERT_EQ(run(python("hf-make --args " + (d / "args.json").string() + " --out " + (d / "hf_made").string() +
                        " --tokens " + (d / "tokens.bin").string() + " --logits " + (d / "hf_made_logits.st").string()),
                 d / "make.log"),
@@ -382,8 +392,9 @@ TEST(HfInterop, LogitsMatchTransformersBothWays) {
                 d / "import.log"),
             0);
   expect_logits_equal(d / "ours_import_logits.st", d / "hf_made_logits.st");
-  // Ours -> Hugging Face: a tied-embeddings model exported on 2 ranks, loaded by from_pretrained.
-  write_args(small_llama(true), d / "args_tied.json");
+  // Ours -> Hugging Face: a tied-embeddings Llama 3.1-style model exported on 2 ranks (config.json carries the
+  // scaling), loaded by from_pretrained.
+  write_args(small_llama(true, true), d / "args_tied.json");
   ASSERT_EQ(run(ours(2, "hf-export " + (d / "args_tied.json").string() + " 3 " + (d / "hf_ours").string() + tok +
                             (d / "ours_export_logits.st").string()),
                 d / "export.log"),

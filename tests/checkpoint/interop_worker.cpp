@@ -51,6 +51,12 @@ llama::LlamaArgs read_args(const std::string& path) {
   a.norm_eps = j.at("norm_eps");
   a.rope_theta = j.at("rope_theta");
   a.tie_embeddings = j.at("tie_embeddings").get<int>() != 0;
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
+    const auto& r = j["rope_scaling"];
+    a.rope_scaling = llama::RopeScaling{r.at("factor").get<double>(), r.at("low_freq_factor").get<double>(),
+                                        r.at("high_freq_factor").get<double>(),
+                                        r.at("original_max_position_embeddings").get<int64_t>()};
+  }
   TORCH_CHECK(a.ffn_hidden_dim() == j.at("ffn_hidden_dim").get<int64_t>(), "interop_worker: ffn_hidden_dim mismatch");
   return a;
 }

@@ -34,6 +34,7 @@ def load_args(path):
     a["tie_embeddings"] = int(a.get("tie_embeddings", 0))
     a["norm_eps"] = float(a["norm_eps"])
     a["rope_theta"] = float(a["rope_theta"])
+    a["rope_scaling"] = a.get("rope_scaling")  # None or a dict (Llama 3.1); the FSDP2 tests use None
     return a
 
 
@@ -276,8 +277,8 @@ def cmd_dcp_read(o):
 def hf_config(a, rope_scaling=None):
     from transformers import LlamaConfig
     rope = {"rope_type": "default", "rope_theta": a["rope_theta"]}
-    if rope_scaling:
-        rope = dict(rope_scaling, rope_theta=a["rope_theta"])
+    if rope_scaling:  # Llama 3.1
+        rope = dict(rope_scaling, rope_type="llama3", rope_theta=a["rope_theta"])
     return LlamaConfig(hidden_size=a["dim"], intermediate_size=a["ffn_hidden_dim"], num_hidden_layers=a["n_layers"],
                        num_attention_heads=a["n_heads"], num_key_value_heads=a["n_kv_heads"],
                        vocab_size=a["vocab_size"], rms_norm_eps=a["norm_eps"], rope_parameters=rope,
@@ -296,7 +297,7 @@ def cmd_hf_make(o):
     from transformers import LlamaForCausalLM
     a = load_args(o.args)
     torch.manual_seed(o.seed)
-    model = LlamaForCausalLM(hf_config(a, json.loads(o.rope_scaling) if o.rope_scaling else None)).float()
+    model = LlamaForCausalLM(hf_config(a, a.get("rope_scaling"))).float()
     with torch.no_grad():  # every tensor random (norms too), so a swapped mapping cannot go unnoticed
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -350,7 +351,6 @@ def main():
         s.add_argument("--batch", type=int, default=2)
         s.add_argument("--seq", type=int, default=16)
         s.add_argument("--logits", required=True)
-        s.add_argument("--rope-scaling", default="")
     o = p.parse_args()
     {"train-save": cmd_train_save, "load-check": cmd_load_check, "malicious": cmd_malicious,
      "run-pickle": cmd_run_pickle, "dcp-fixture": cmd_dcp_fixture, "dcp-read": cmd_dcp_read,
