@@ -4,9 +4,12 @@
 #include "checkpoint/model_safetensors_impl.h"
 #include "checkpoint/storage.h"
 
+#include <fsdp/checkpoint/safetensors.h>
+#include <fsdp/fully_shard.h>
 #include <fsdp/nn/llama.h>
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
@@ -207,9 +210,41 @@ std::string config_json(const llama::LlamaArgs& a, const std::string& dtype) {
   return c.dump(2) + "\n";
 }
 
+namespace {
+bool uses_fully_shard(torch::nn::Module& model) {
+  for (const auto& m : model.modules(/*include_self=*/true)) {
+    if (fsdp_module(*m).has_value()) return true;
+  }
+  return false;
+}
+}  // namespace
+
 SafetensorsExportResult export_llama(llama::TransformerImpl& model, const std::string& dir,
                                      const SafetensorsExportOptions& options) {
   const llama::LlamaArgs args = model.args();
+  if (!uses_fully_shard(model)) {
+    // One process holding the whole model (no fully_shard): one model.safetensors + config.json.
+    SafetensorsExportResult r;
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+      auto hf = to_hf_name(item.key());
+      TORCH_CHECK(hf, "export_llama: '", item.key(), "' is not a Llama 3 weight the Hugging Face adapter knows");
+      at::Tensor t = item.value().detach().to(at::kCPU);
+      if (const int64_t heads = permuted_heads(item.key(), args)) t = permute_to_hf(t, heads);
+      if (options.dtype && at::isFloatingType(t.scalar_type())) t = t.to(*options.dtype);
+      r.total_bytes += t.nbytes();
+      tensors.emplace_back(*hf, t);
+    }
+    fs::create_directories(dir);
+    std::map<std::string, std::string> md = options.metadata;
+    md.emplace("format", "pt");
+    const std::string file = (fs::path(dir) / "model.safetensors").string();
+    safetensors::save_file(file, tensors, md);
+    std::string dtype = options.dtype == c10::kBFloat16 ? "bfloat16" : options.dtype == c10::kHalf ? "float16" : "float32";
+    detail::write_file_atomic((fs::path(dir) / "config.json").string(), config_json(args, dtype));
+    r.files = {file, (fs::path(dir) / "config.json").string()};
+    return r;
+  }
   detail::KeyAdapter adapter;
   adapter.file_name = [](const std::string& key) {
     auto hf = to_hf_name(key);
@@ -247,6 +282,27 @@ SafetensorsImportResult import_llama(llama::TransformerImpl& model, const std::s
     for (int64_t r = begin; r < begin + count; ++r) rows.push_back(hf_row(r, args.head_dim()));
     return rows;
   };
+  if (!uses_fully_shard(model)) {
+    // One process holding the whole model: every tensor read whole.
+    SafetensorsImportResult r;
+    c10::NoGradGuard no_grad;
+    for (auto& item : model.named_parameters(/*recurse=*/true)) {
+      auto f = adapter.file_name(item.key());
+      auto w = where.find(*f);
+      if (w == where.end()) {
+        TORCH_CHECK(!options.strict, "import_llama from ", path, ": '", *f, "' (for '", item.key(), "') is missing");
+        r.missing.push_back(*f);
+        continue;
+      }
+      at::Tensor t = safetensors::Reader(w->second).read(*f);
+      if (const int64_t heads = permuted_heads(item.key(), args)) t = permute_from_hf(t, heads);
+      TORCH_CHECK(t.sizes() == item.value().sizes(), "import_llama: '", *f, "' has shape ", t.sizes(),
+                  " but the model's '", item.key(), "' is ", item.value().sizes());
+      item.value().copy_(t);
+      r.bytes_read += t.nbytes();
+    }
+    return r;
+  }
   const bool tied = args.tie_embeddings;
   adapter.ignorable = [tied](const std::string& name) {
     const std::string inv = "rotary_emb.inv_freq";
