@@ -43,6 +43,11 @@ class DeviceMesh {
 
   std::string to_string() const;
 
+  // The mesh over the dims of `meshes` (in order), all sub-meshes of one parent mesh (e.g. mesh["dp_shard"]
+  // and mesh["tp"] -> a 2-D mesh like mesh.slice({"dp_shard", "tp"})). No new communicators. Error if they
+  // come from different parents or share a dim. PyTorch's DeviceMesh._concatenate.
+  static DeviceMesh concatenate(const std::vector<DeviceMesh>& meshes);
+
  private:
   explicit DeviceMesh(std::shared_ptr<const Impl> impl);
   std::shared_ptr<const Impl> impl_;

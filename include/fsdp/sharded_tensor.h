@@ -7,6 +7,11 @@
 //                 1, 1, 1, 0). Several mesh dims sharding the same tensor dim nest left to right, as in DTensor.
 //   Replicate()   every rank of that mesh dim holds the same values.
 //   Partial(op)   every rank holds a partial value; the global value is op over the ranks of that mesh dim.
+//   _StridedShard(d, split_factor)   PyTorch's strided sharding: a Shard(d) that applies *after* the Shard(d)s
+//                 of the mesh dims to its right (which split the dim into split_factor pieces first). FSDP over
+//                 tensor parallel writes (_StridedShard(0, tp), Shard(0)) for a colwise weight: TP splits the
+//                 rows into tp chunks, then FSDP splits each rank's chunk across the data-parallel ranks, so
+//                 the data-parallel rank's rows are not contiguous in the global tensor order of "dp outer".
 // FSDP uses (Shard(0)) on a 1-D mesh and (Replicate(), Shard(0)) on a 2-D HSDP mesh.
 //
 // Nothing here communicates except full_tensor() and redistribute(), which are collective over the mesh
@@ -29,17 +34,20 @@ struct Placement {
   Kind kind = Kind::Replicate;
   int64_t dim = 0;               // tensor dim, for Shard
   ReduceOp op = ReduceOp::Sum;   // reduction, for Partial
+  int64_t split_factor = 1;      // > 1: a _StridedShard (see above)
 
   bool is_shard() const { return kind == Kind::Shard; }
   bool is_shard(int64_t d) const { return kind == Kind::Shard && dim == d; }
+  bool is_strided() const { return kind == Kind::Shard && split_factor > 1; }
   bool is_replicate() const { return kind == Kind::Replicate; }
   bool is_partial() const { return kind == Kind::Partial; }
-  std::string to_string() const;  // "Shard(0)", "Replicate()", "Partial(Sum)"
+  std::string to_string() const;  // "Shard(0)", "Replicate()", "Partial(Sum)", "_StridedShard(dim=0, sf=2)"
   bool operator==(const Placement& o) const;
   bool operator!=(const Placement& o) const { return !(*this == o); }
 };
 
 Placement Shard(int64_t dim);
+Placement StridedShard(int64_t dim, int64_t split_factor);
 Placement Replicate();
 Placement Partial(ReduceOp op = ReduceOp::Sum);
 
@@ -53,7 +61,11 @@ std::pair<int64_t, int64_t> shard_offset_and_size(int64_t dim_size, int64_t num_
 // ceil(dim_size / num_chunks): the padded chunk length every rank allocates for even collectives.
 int64_t padded_shard_size(int64_t dim_size, int64_t num_chunks);
 
-// Shape and global offset of the piece held at mesh coordinate `coordinate` (nesting Shards left to right).
+// The order in which the mesh dims' Shards split the tensor: left to right, except that a _StridedShard comes
+// after the plain Shards of the same tensor dim to its right.
+std::vector<size_t> shard_order(const Placements& placements);
+
+// Shape and global offset of the piece held at mesh coordinate `coordinate` (nesting Shards in shard_order).
 struct LocalChunk {
   std::vector<int64_t> shape;
   std::vector<int64_t> offset;

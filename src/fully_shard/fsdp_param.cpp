@@ -285,6 +285,28 @@ void FSDPParam::convert_dtype(c10::ScalarType dtype, const MixedPrecisionPolicy&
   if (grad.defined()) param_.mutable_grad() = grad;
 }
 
+void FSDPParam::set_tensor_parallel(const TensorParallelSpec& tp, const DeviceMesh& fsdp_mesh) {
+  TORCH_CHECK(tp.placements.size() == 1, "fully_shard: parameter '", fqn_, "' is tensor-parallel over a ",
+              tp.placements.size(), "-d mesh; only a 1-D TP mesh is supported");
+  TORCH_CHECK(tp.mesh.device_type() == fsdp_mesh.device_type(), "fully_shard: parameter '", fqn_,
+              "': TP mesh and FSDP mesh are on different device types");
+  GlobalLayout layout;
+  layout.mesh = DeviceMesh::concatenate({fsdp_mesh, tp.mesh});
+  layout.global_shape = tp.global_shape;
+  const Placement& tp_placement = tp.placements.front();
+  if (fsdp_mesh.ndim() == 2) layout.placements.push_back(Replicate());  // HSDP
+  if (geometry_.replicated) {
+    layout.placements.push_back(Replicate());
+  } else if (tp_placement.is_shard(geometry_.shard_dim)) {
+    // FSDP splits the rows TP already split: right to left, TP first.
+    layout.placements.push_back(StridedShard(geometry_.shard_dim, tp.mesh.size(0)));
+  } else {
+    layout.placements.push_back(Shard(geometry_.shard_dim));
+  }
+  layout.placements.push_back(tp_placement);
+  tp_layout_ = std::move(layout);
+}
+
 void FSDPParam::check_identity(const char* where) const {
   const bool shows_ours = param_.storage().is_alias_of(sharded_local_.storage()) ||
                           param_.storage().is_alias_of(unsharded_.storage());

@@ -11,11 +11,13 @@
 
 #include <fsdp/fully_shard.h>
 #include <fsdp/process_group.h>
+#include <fsdp/tensor_parallel.h>
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -74,6 +76,19 @@ class FSDPParam {
   int64_t shard_rank() const { return shard_rank_; }
 
   int64_t shard_dim() const { return geometry_.shard_dim; }
+
+  // 2-D (FSDP over tensor parallel): the parameter was TP-sharded before fully_shard, so what FSDP shards —
+  // and all-gathers over its own (data-parallel) group only — is this rank's TP piece. The global tensor is
+  // described over the concatenated [fsdp mesh dims..., tp] mesh with placements ([Replicate(),] dp, tp), the
+  // dp placement a _StridedShard when TP splits the same dim (PyTorch's _init_sharding_spec_tp), so state
+  // dicts and checkpoints reassemble and reshard the global tensor.
+  struct GlobalLayout {
+    DeviceMesh mesh;
+    Placements placements;
+    std::vector<int64_t> global_shape;
+  };
+  void set_tensor_parallel(const TensorParallelSpec& tp, const DeviceMesh& fsdp_mesh);
+  const std::optional<GlobalLayout>& tensor_parallel_layout() const { return tp_layout_; }
   // World-size-1 fast path: nothing is sharded (shard group of one rank), cast (param dtype = original dtype)
   // or moved (no offload), so the unsharded parameter *is* the shard: unsharded() aliases sharded_local(),
   // alloc/free_unsharded are no-ops and an unshard needs no copy and no collective. Decided whenever the
@@ -147,6 +162,7 @@ class FSDPParam {
                         c10::Device compute_device, bool copy_from_param);
 
   at::Tensor param_;
+  std::optional<GlobalLayout> tp_layout_;
   bool aliases_shard_ = false;
   std::string fqn_;
   std::vector<int64_t> unsharded_sizes_;

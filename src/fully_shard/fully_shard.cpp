@@ -3,6 +3,7 @@
 
 #include "fully_shard/fsdp_state.h"
 #include "fully_shard/mesh_cache.h"
+#include "tensor_parallel/param_spec.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -167,11 +168,16 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
       }
     }
   }
+  // Tensor-parallel parameters (parallelize_module ran first): FSDP shards their local TP piece.
+  std::unordered_map<const c10::TensorImpl*, TensorParallelSpec> tp_specs;
+  for (const auto& m : modules) tp_specs.merge(tp::collect_specs(*m));
   std::vector<std::unique_ptr<detail::FSDPParam>> params;
   for (size_t i = 0; i < to_shard.size(); ++i) {
     params.push_back(std::make_unique<detail::FSDPParam>(to_shard[i].second, to_shard[i].first, mesh_info.shard_rank,
                                                          mesh_info.shard_size, mesh_info.device, opts.mp_policy,
                                                          opts.offload_policy, shard_dims[i]));
+    auto tp = tp_specs.find(to_shard[i].second.unsafeGetTensorImpl());
+    if (tp != tp_specs.end()) params.back()->set_tensor_parallel(tp->second, opts.mesh);
   }
   // Buffers are not sharded; like PyTorch, FSDP moves them to the mesh's device (and, with buffer_dtype,
   // keeps the floating-point ones of this call in that dtype).

@@ -1,11 +1,14 @@
 // Sharded and full state dicts of fully_shard models.
 #include <fsdp/state_dict.h>
+#include <fsdp/tensor_parallel.h>
 
 #include "fully_shard/fsdp_state.h"
+#include "tensor_parallel/param_spec.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -20,6 +23,8 @@ struct ModelIndex {
   // Buffers kept in MixedPrecisionPolicy::buffer_dtype: state dicts report them in their original dtype.
   std::unordered_map<const c10::TensorImpl*, c10::ScalarType> buffer_orig_dtype;
   DeviceMesh any_mesh;
+  // Tensor-parallel parameters (managed ones also carry their layout in their FSDPParam).
+  std::unordered_map<const c10::TensorImpl*, TensorParallelSpec> tp_specs;
   at::Tensor unmanaged_value(const at::Tensor& t) const {
     auto it = buffer_orig_dtype.find(t.unsafeGetTensorImpl());
     return it == buffer_orig_dtype.end() ? t.detach() : t.detach().to(it->second);
@@ -47,6 +52,7 @@ ModelIndex index_model(torch::nn::Module& root, const char* what) {
     index.groups.push_back(g);
     for (auto* p : g->params()) index.managed[p->param().unsafeGetTensorImpl()] = {p, &g->mesh_info()};
   }
+  index.tp_specs = tp::collect_specs(root);
   TORCH_CHECK(index.any_mesh.valid(), "fsdp::", what, ": no fully_shard module with parameters under ", root.name());
   return index;
 }
@@ -59,6 +65,28 @@ Placements fsdp_placements(const detail::FSDPParam& param, const detail::MeshInf
   if (param.is_replicated()) return replicated(info.mesh);
   if (info.mesh.ndim() == 2) return {Replicate(), Shard(param.shard_dim())};
   return {Shard(param.shard_dim())};
+}
+
+// This rank's shard of a managed parameter with its global description: over the FSDP mesh, or for a
+// tensor-parallel parameter over the concatenated [fsdp..., tp] mesh with its TP global shape.
+ShardedTensor managed_shard(const detail::FSDPParam& param, const detail::MeshInfo& info, const at::Tensor& local) {
+  if (const auto& tp = param.tensor_parallel_layout()) {
+    return ShardedTensor::from_local(local, tp->mesh, tp->placements, tp->global_shape);
+  }
+  return ShardedTensor::from_local(local, info.mesh, fsdp_placements(param, info), param.unsharded_sizes());
+}
+
+std::vector<int64_t> managed_global_sizes(const detail::FSDPParam& param) {
+  if (const auto& tp = param.tensor_parallel_layout()) return tp->global_shape;
+  return param.unsharded_sizes();
+}
+
+// A parameter not managed by FSDP but tensor-parallel (TP without fully_shard on its module): its TP spec.
+std::optional<ShardedTensor> unmanaged_tp_shard(const ModelIndex& index, const at::Tensor& t) {
+  auto spec = index.tp_specs.find(t.unsafeGetTensorImpl());
+  if (spec == index.tp_specs.end()) return std::nullopt;
+  const auto& s = spec->second;
+  return ShardedTensor::from_local(t.detach(), s.mesh, s.placements, s.global_shape);
 }
 
 // Every parameter (deduplicated: a tied parameter is listed under its first FQN) and buffer of the root.
@@ -79,13 +107,16 @@ ShardedStateDict sharded_state_dict(torch::nn::Module& root) {
   for_each_entry(root, [&](const std::string& fqn, const at::Tensor& t) {
     auto it = index.managed.find(t.unsafeGetTensorImpl());
     if (it == index.managed.end()) {
+      if (auto tp = unmanaged_tp_shard(index, t)) {
+        out.emplace(fqn, std::move(*tp));
+        return;
+      }
       out.emplace(fqn, ShardedTensor::from_local(index.unmanaged_value(t), index.any_mesh, replicated(index.any_mesh),
                                                  t.sizes().vec()));
       return;
     }
     const auto& [param, info] = it->second;
-    out.emplace(fqn, ShardedTensor::from_local(param->sharded_local().detach(), info->mesh, fsdp_placements(*param, *info),
-                                               param->unsharded_sizes()));
+    out.emplace(fqn, managed_shard(*param, *info, param->sharded_local().detach()));
   });
   return out;
 }
@@ -101,8 +132,10 @@ void load_sharded_state_dict(torch::nn::Module& root, const ShardedStateDict& st
     const ShardedTensor& src = found->second;
     auto it = index.managed.find(t.unsafeGetTensorImpl());
     const at::Tensor dst = it == index.managed.end() ? t : it->second.first->sharded_local();
-    const std::vector<int64_t> global =
-        it == index.managed.end() ? t.sizes().vec() : it->second.first->unsharded_sizes();
+    std::vector<int64_t> global = it == index.managed.end() ? t.sizes().vec() : managed_global_sizes(*it->second.first);
+    if (it == index.managed.end()) {
+      if (auto tp = unmanaged_tp_shard(index, t)) global = tp->sizes();
+    }
     TORCH_CHECK(src.sizes() == global, "fsdp::load_sharded_state_dict: '", fqn, "' has global shape ",
                 c10::IntArrayRef(src.sizes()), " in the state dict but ", c10::IntArrayRef(global), " in the model");
     TORCH_CHECK(src.local().sizes() == dst.sizes(), "fsdp::load_sharded_state_dict: '", fqn, "' local shard ",
@@ -124,13 +157,12 @@ FullStateDict full_state_dict(torch::nn::Module& root, const FullStateDictOption
     auto it = index.managed.find(t.unsafeGetTensorImpl());
     at::Tensor full;
     if (it == index.managed.end()) {
-      full = index.unmanaged_value(t);
+      auto tp = unmanaged_tp_shard(index, t);
+      full = tp ? tp->full_tensor() : index.unmanaged_value(t);
     } else {
       const auto& [param, info] = it->second;
       // One parameter at a time: gather, move off the device, drop — the peak is one full parameter.
-      full = ShardedTensor::from_local(param->sharded_local().detach().contiguous(), info->mesh, fsdp_placements(*param, *info),
-                                       param->unsharded_sizes())
-                 .full_tensor();
+      full = managed_shard(*param, *info, param->sharded_local().detach().contiguous()).full_tensor();
     }
     if (!keep) return;
     if (options.cpu_offload) full = full.to(c10::kCPU);
@@ -146,8 +178,9 @@ void load_full_state_dict(torch::nn::Module& root, const FullStateDict& state, b
   std::unordered_set<std::string> used;
   for_each_entry(root, [&](const std::string& fqn, const at::Tensor& t) {
     auto it = index.managed.find(t.unsafeGetTensorImpl());
-    const std::vector<int64_t> global =
-        it == index.managed.end() ? t.sizes().vec() : it->second.first->unsharded_sizes();
+    std::optional<ShardedTensor> unmanaged_tp = it == index.managed.end() ? unmanaged_tp_shard(index, t) : std::nullopt;
+    std::vector<int64_t> global = it == index.managed.end() ? t.sizes().vec() : managed_global_sizes(*it->second.first);
+    if (unmanaged_tp) global = unmanaged_tp->sizes();
     at::Tensor full;
     if (reader) {
       auto found = state.find(fqn);
@@ -164,11 +197,27 @@ void load_full_state_dict(torch::nn::Module& root, const FullStateDict& state, b
       world()->broadcast(buf, 0).wait();
       full = buf;
     }
+    // This rank's piece of a tensor-parallel parameter: the chunk its layout assigns to this mesh coordinate.
+    auto copy_chunk = [&](const ShardedTensor& layout) {
+      const auto chunk = compute_local_chunk(layout.sizes(), layout.mesh().shape(), layout.placements(),
+                                             layout.mesh().coordinate());
+      at::Tensor piece = full;
+      for (size_t d = 0; d < chunk.shape.size(); ++d) piece = piece.narrow(d, chunk.offset[d], chunk.shape[d]);
+      if (dst.numel() > 0) dst.copy_(piece);
+    };
     if (it == index.managed.end()) {
-      dst.copy_(full);
+      if (unmanaged_tp) {
+        copy_chunk(*unmanaged_tp);
+      } else {
+        dst.copy_(full);
+      }
       return;
     }
     const detail::FSDPParam& p = *it->second.first;
+    if (p.tensor_parallel_layout()) {
+      copy_chunk(managed_shard(p, *it->second.second, dst));
+      return;
+    }
     if (dst.numel() > 0) dst.copy_(p.local_part_of(full));
   });
   index.invalidate_caches();

@@ -23,6 +23,8 @@ struct DeviceMesh::Impl {
   std::vector<int> ranks;  // row-major
   std::vector<int64_t> coordinate;
   std::vector<ProcessGroupPtr> groups;  // per dim: the slice containing this rank
+  // The mesh this one was sliced from (null for a mesh built by the constructor), for concatenate().
+  std::shared_ptr<const Impl> root;
 };
 
 namespace {
@@ -182,6 +184,7 @@ DeviceMesh DeviceMesh::slice(const std::vector<std::string>& names) const {
   const auto strides = row_major_strides(p.shape);
   auto impl = std::make_shared<Impl>();
   impl->device_type = p.device_type;
+  impl->root = p.root ? p.root : impl_;
   // Offset of this rank's sub-mesh: its coordinates on the dims not kept.
   int64_t base = 0;
   for (int64_t e = 0; e < static_cast<int64_t>(p.shape.size()); ++e) {
@@ -204,6 +207,21 @@ DeviceMesh DeviceMesh::slice(const std::vector<std::string>& names) const {
     impl->ranks.push_back(p.ranks[off]);
   }
   return DeviceMesh(std::shared_ptr<const Impl>(std::move(impl)));
+}
+
+DeviceMesh DeviceMesh::concatenate(const std::vector<DeviceMesh>& meshes) {
+  TORCH_CHECK(!meshes.empty(), "fsdp: DeviceMesh::concatenate needs at least one mesh");
+  std::shared_ptr<const Impl> root;
+  std::vector<std::string> names;
+  for (const auto& m : meshes) {
+    TORCH_CHECK(m.valid(), "fsdp: DeviceMesh::concatenate: an empty mesh");
+    auto r = m.impl_->root ? m.impl_->root : m.impl_;
+    TORCH_CHECK(!root || root == r, "fsdp: DeviceMesh::concatenate: ", meshes.front().to_string(), " and ",
+                m.to_string(), " are not sub-meshes of one mesh");
+    root = r;
+    for (const auto& n : m.dim_names()) names.push_back(n);
+  }
+  return DeviceMesh(root).slice(names);  // slice() rejects a dim named twice
 }
 
 std::string DeviceMesh::to_string() const {

@@ -187,19 +187,21 @@ AttentionImpl::AttentionImpl(const LlamaArgs& a)
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin) {
   const int64_t bs = x.size(0), seq = x.size(1);
-  auto xq = wq(x).view({bs, seq, n_heads, head_dim});
-  auto xk = wk(x).view({bs, seq, n_kv_heads, head_dim});
-  auto xv = wv(x).view({bs, seq, n_kv_heads, head_dim});
+  // Head counts come from the projections' outputs (-1), as in TorchTitan: a tensor-parallel wrapper may give
+  // each rank a slice of the heads.
+  auto xq = fsdp::nn::call(wq, x).view({bs, seq, -1, head_dim});
+  auto xk = fsdp::nn::call(wk, x).view({bs, seq, -1, head_dim});
+  auto xv = fsdp::nn::call(wv, x).view({bs, seq, -1, head_dim});
   xq = apply_rope(xq, rope_cos, rope_sin);
   xk = apply_rope(xk, rope_cos, rope_sin);
-  const int64_t n_rep = n_heads / n_kv_heads;
+  const int64_t n_rep = xq.size(2) / xk.size(2);
   if (n_rep > 1) {  // grouped-query attention: each kv head serves n_rep query heads (TorchTitan's repeat_kv)
     xk = xk.repeat_interleave(n_rep, /*dim=*/2);
     xv = xv.repeat_interleave(n_rep, /*dim=*/2);
   }
   auto q = xq.transpose(1, 2), k = xk.transpose(1, 2), v = xv.transpose(1, 2);  // [B, H, S, D]
   auto out = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
-  return wo(out.transpose(1, 2).reshape({bs, seq, n_heads * head_dim}));
+  return fsdp::nn::call(wo, out.transpose(1, 2).reshape({bs, seq, -1}));
 }
 
 at::Tensor AttentionImpl::forward_cached(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin,
@@ -239,7 +241,9 @@ FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t hidden, const at::TensorOp
   w3 = register_module("w3", Linear(dim, hidden, opts));
 }
 
-at::Tensor FeedForwardImpl::forward(const at::Tensor& x) { return w2(at::silu(w1(x)) * w3(x)); }
+at::Tensor FeedForwardImpl::forward(const at::Tensor& x) {
+  return fsdp::nn::call(w2, at::silu(fsdp::nn::call(w1, x)) * fsdp::nn::call(w3, x));
+}
 
 void FeedForwardImpl::init_weights(double init_std, at::Generator& gen) {
   trunc_normal_(w1->weight(), 0.02, -2.0, 2.0, gen);
@@ -258,8 +262,8 @@ TransformerBlockImpl::TransformerBlockImpl(int64_t id, const LlamaArgs& a) : lay
 }
 
 at::Tensor TransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin) {
-  auto h = x + attention(attention_norm(x), rope_cos, rope_sin);
-  return h + feed_forward(ffn_norm(h));
+  auto h = x + fsdp::nn::call(attention, fsdp::nn::call(attention_norm, x), rope_cos, rope_sin);
+  return h + fsdp::nn::call(feed_forward, fsdp::nn::call(ffn_norm, h));
 }
 
 at::Tensor TransformerBlockImpl::forward_cached(const at::Tensor& x, const at::Tensor& rope_cos,
@@ -304,12 +308,12 @@ std::pair<at::Tensor, at::Tensor> TransformerImpl::rope_tables(int64_t seq_len, 
 
 at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
   TORCH_CHECK(tokens.dim() == 2, "llama: tokens must be [batch, seq], got ", tokens.sizes());
-  auto h = tok_embeddings(tokens);
+  auto h = fsdp::nn::call(tok_embeddings, tokens);
   auto [cos, sin] = rope_tables(tokens.size(1), h.device());
   for (auto& block : blocks_) h = fsdp::nn::call(block, h, cos, sin);
-  h = norm(h);
+  h = fsdp::nn::call(norm, h);
   if (args_.tie_embeddings) return at::linear(h, tok_embeddings->weight());
-  return output(h);
+  return fsdp::nn::call(output, h);
 }
 
 KVCache TransformerImpl::make_kv_cache(int64_t batch, int64_t capacity) const {

@@ -4,6 +4,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <sstream>
 
 namespace fsdp {
@@ -12,6 +13,13 @@ Placement Shard(int64_t dim) {
   Placement p;
   p.kind = Placement::Kind::Shard;
   p.dim = dim;
+  return p;
+}
+
+Placement StridedShard(int64_t dim, int64_t split_factor) {
+  TORCH_CHECK(split_factor >= 1, "fsdp: StridedShard split factor must be positive, got ", split_factor);
+  Placement p = Shard(dim);
+  p.split_factor = split_factor;
   return p;
 }
 
@@ -26,14 +34,16 @@ Placement Partial(ReduceOp op) {
 
 bool Placement::operator==(const Placement& o) const {
   if (kind != o.kind) return false;
-  if (kind == Kind::Shard) return dim == o.dim;
+  if (kind == Kind::Shard) return dim == o.dim && split_factor == o.split_factor;
   if (kind == Kind::Partial) return op == o.op;
   return true;
 }
 
 std::string Placement::to_string() const {
   switch (kind) {
-    case Kind::Shard: return c10::str("Shard(", dim, ")");
+    case Kind::Shard:
+      return split_factor > 1 ? c10::str("_StridedShard(dim=", dim, ", sf=", split_factor, ")")
+                              : c10::str("Shard(", dim, ")");
     case Kind::Replicate: return "Replicate()";
     case Kind::Partial: return c10::str("Partial(", fsdp::to_string(op), ")");
   }
@@ -63,6 +73,25 @@ std::pair<int64_t, int64_t> shard_offset_and_size(int64_t dim_size, int64_t num_
   return {begin, end - begin};
 }
 
+std::vector<size_t> shard_order(const Placements& placements) {
+  // Sort key: the mesh dim itself, or for a _StridedShard just after the last plain Shard of its tensor dim
+  // to its right (it splits what those leave).
+  std::vector<std::pair<double, size_t>> keyed;
+  for (size_t i = 0; i < placements.size(); ++i) {
+    double key = static_cast<double>(i);
+    if (placements[i].is_strided()) {
+      for (size_t j = i + 1; j < placements.size(); ++j) {
+        if (placements[j].is_shard(placements[i].dim) && !placements[j].is_strided()) key = j + 0.5;
+      }
+    }
+    keyed.emplace_back(key, i);
+  }
+  std::stable_sort(keyed.begin(), keyed.end());
+  std::vector<size_t> order;
+  for (const auto& k : keyed) order.push_back(k.second);
+  return order;
+}
+
 LocalChunk compute_local_chunk(const std::vector<int64_t>& global_shape, const std::vector<int64_t>& mesh_shape,
                                const Placements& placements, const std::vector<int64_t>& coordinate) {
   TORCH_CHECK(placements.size() == mesh_shape.size() && coordinate.size() == mesh_shape.size(),
@@ -71,7 +100,7 @@ LocalChunk compute_local_chunk(const std::vector<int64_t>& global_shape, const s
   LocalChunk c;
   c.shape = global_shape;
   c.offset.assign(global_shape.size(), 0);
-  for (size_t i = 0; i < placements.size(); ++i) {
+  for (size_t i : shard_order(placements)) {
     if (!placements[i].is_shard()) continue;
     const int64_t d = placements[i].dim;
     TORCH_CHECK(d >= 0 && d < static_cast<int64_t>(global_shape.size()), "fsdp: ", placements[i].to_string(),

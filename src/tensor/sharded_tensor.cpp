@@ -1,10 +1,11 @@
 // ShardedTensor: construction, metadata, and redistribution between placements.
 //
 // redistribute() works one mesh dim at a time in two phases, so nested shards of one tensor dim stay
-// consistent (mesh dims shard left to right, so they must be undone right to left):
-//   1. right to left: all-gather every Shard that changes — and every Shard of a tensor dim that some
+// consistent (mesh dims shard in shard_order — left to right, a _StridedShard after the Shards it nests
+// around — so they are undone in reverse):
+//   1. in reverse shard order: all-gather every Shard that changes — and every Shard of a tensor dim that some
 //      changing mesh dim touches — back to Replicate;
-//   2. left to right: Replicate -> Shard (local chunk), Replicate -> Partial (local), Partial -> Replicate
+//   2. in the target's shard order: Replicate -> Shard (local chunk), Replicate -> Partial (local), Partial -> Replicate
 //      (all-reduce), Partial -> Shard (reduce-scatter).
 // Uneven chunks are zero-padded to ceil(n / k) for the collectives and trimmed afterwards.
 
@@ -36,11 +37,12 @@ Placements normalize(const Placements& placements, const DeviceMesh& mesh, int64
 }
 
 // Length along tensor dim `d` of the piece mesh dim `i` splits: the global size narrowed by the Shard(d)s of
-// mesh dims before `i`.
+// the mesh dims before `i` in `order` (shard_order).
 int64_t parent_size(const std::vector<int64_t>& global_shape, const DeviceMesh& mesh, const Placements& cur,
-                    const std::vector<int64_t>& coord, size_t i, int64_t d) {
+                    const std::vector<size_t>& order, const std::vector<int64_t>& coord, size_t i, int64_t d) {
   int64_t n = global_shape[d];
-  for (size_t j = 0; j < i; ++j) {
+  for (size_t j : order) {
+    if (j == i) break;
     if (cur[j].is_shard(d)) n = shard_offset_and_size(n, mesh.size(j), coord[j]).second;
   }
   return n;
@@ -154,15 +156,18 @@ ShardedTensor ShardedTensor::redistribute(const Placements& placements) const {
                 target[i].to_string());
   }
 
-  // Phase 1, right to left: undo shards.
-  for (size_t ii = nd; ii-- > 0;) {
+  // Phase 1, in reverse shard order: undo shards.
+  const std::vector<size_t> cur_order = shard_order(cur);
+  for (auto it = cur_order.rbegin(); it != cur_order.rend(); ++it) {
+    const size_t ii = *it;
     if (!cur[ii].is_shard() || (cur[ii] == target[ii] && touched.count(cur[ii].dim) == 0)) continue;
     const int64_t d = cur[ii].dim;
-    x = gather_dim(x, mesh_.group(ii), d, parent_size(global_shape_, mesh_, cur, coord, ii, d));
+    x = gather_dim(x, mesh_.group(ii), d, parent_size(global_shape_, mesh_, cur, cur_order, coord, ii, d));
     cur[ii] = Replicate();
   }
-  // Phase 2, left to right: apply the target placements.
-  for (size_t i = 0; i < nd; ++i) {
+  // Phase 2, in the target's shard order: apply the target placements.
+  const std::vector<size_t> target_order = shard_order(target);
+  for (size_t i : target_order) {
     if (cur[i] == target[i]) continue;
     const auto& t = target[i];
     if (cur[i].is_partial()) {
@@ -170,12 +175,12 @@ ShardedTensor ShardedTensor::redistribute(const Placements& placements) const {
         x = x.clone(at::MemoryFormat::Contiguous);
         mesh_.group(i)->all_reduce(x, cur[i].op).wait();
       } else {
-        const int64_t n = parent_size(global_shape_, mesh_, cur, coord, i, t.dim);
+        const int64_t n = parent_size(global_shape_, mesh_, cur, target_order, coord, i, t.dim);
         x = reduce_scatter_dim(x, mesh_.group(i), t.dim, n, coord[i], cur[i].op);
       }
     } else {  // Replicate
       if (t.is_shard()) {
-        const int64_t n = parent_size(global_shape_, mesh_, cur, coord, i, t.dim);
+        const int64_t n = parent_size(global_shape_, mesh_, cur, target_order, coord, i, t.dim);
         x = chunk_dim(x, t.dim, n, mesh_.size(i), coord[i]);
       } else {  // Partial: a split whose reduction gives back the value, exactly
         const bool keep = t.op != ReduceOp::Sum || coord[i] == 0;

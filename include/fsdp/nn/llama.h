@@ -1,9 +1,10 @@
 #pragma once
 // Llama 3 in libtorch: a small model zoo entry, the C++ counterpart of torchtitan.models.llama3.
 //
-// The model knows nothing of FSDP. It only follows the hook rule of <fsdp/nn/module_call.h>: every transformer
-// block is invoked as fsdp::nn::call(block, ...), so whatever wraps a block (fully_shard, activation
-// checkpointing) sees its forward. Module names and parameter FQNs are TorchTitan's:
+// The model knows nothing of FSDP or tensor parallelism. It only follows the hook rule of
+// <fsdp/nn/module_call.h>: every submodule (blocks, attention, projections, norms, embeddings) is invoked as
+// fsdp::nn::call(module, ...), so whatever wraps it (fully_shard, activation checkpointing, tensor-parallel
+// styles) sees its forward; head counts are read from the projections' outputs. Module names and parameter FQNs are TorchTitan's:
 //   tok_embeddings.weight, layers.<i>.attention.{wq,wk,wv,wo}.weight, layers.<i>.feed_forward.{w1,w2,w3}.weight,
 //   layers.<i>.attention_norm.weight, layers.<i>.ffn_norm.weight, norm.weight, output.weight   (no biases)
 //
