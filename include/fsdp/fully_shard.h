@@ -133,8 +133,10 @@ class FSDPModule {
   // waits for the collectives this rank issued, frees unsharded parameters, drops the gradients FSDP holds
   // internally (unreduced, no-sync accumulated, HSDP partial), keeps sharded .grad as they are (call the
   // optimizer's zero_grad() to skip the step). The next root forward does this by itself when it finds the
-  // previous forward or backward abandoned; call it to release memory at once. If a collective cannot
-  // complete (the ranks stopped at different points), throws an error saying the process group is unusable.
+  // previous forward or backward abandoned; call it to release memory at once. The ranks then check through
+  // the rendezvous store that every one of them abandoned the step at the same point; if not (only some ranks
+  // raised, or in different modules), throws an error saying the process group is unusable and why, and every
+  // later use of the model repeats it without issuing a collective: restart the job and resume.
   void reset();
 
  private:

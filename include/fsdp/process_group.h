@@ -36,6 +36,18 @@ struct CommStats {
   int64_t bytes_sent = 0;
 };
 
+// When one collective ran (ProcessGroup::record_timeline; for tests and benchmarks that measure overlap).
+struct CollectiveSpan {
+  using Clock = std::chrono::steady_clock;
+  std::string collective;       // "all_gather_into_tensor", "reduce_scatter_tensor", ...
+  int64_t bytes = 0;            // this rank's input bytes
+  Clock::time_point issued;     // the call returned its Work
+  Clock::time_point completed;  // the transfers (and any local reduction) finished; {} while running
+  // The caller inside Work::wait(): wait_end - wait_begin is the time the collective kept it waiting
+  // (exposed communication). Both {} until waited.
+  Clock::time_point wait_begin, wait_end;
+};
+
 // A pending collective. wait() blocks until the result is in the output tensors (running any local
 // post-processing such as the reduce-scatter's local sum) and rethrows failures with context.
 // Default-constructed Work is already complete. Copyable; waiting twice is a no-op.
@@ -83,6 +95,24 @@ class ProcessGroup {
 
   // Collective timeout for later calls.
   void set_timeout(std::chrono::milliseconds timeout);
+  std::chrono::milliseconds timeout() const;
+
+  // Records a CollectiveSpan for every later collective that communicates (not the local fast paths).
+  // Completion is stamped by an observer thread that waits on the transfers, so it is when they finished,
+  // not when the caller came to wait. Off by default; record_timeline(false) drops what was recorded.
+  void record_timeline(bool enable);
+  std::vector<CollectiveSpan> timeline() const;
+
+  // Collectives issued on this group so far that communicate (not the local fast paths; reset_stats() leaves
+  // it alone). Ranks running the same program in step agree on it: a cheap check that they stopped at the
+  // same point.
+  int64_t collectives_called() const;
+  // Every rank of the group publishes `value` and receives every rank's value (indexed by group rank)
+  // through the rendezvous store, not through the backend: it works while a collective is stuck or the ranks
+  // are out of step. Calls pair up by their order on each rank (the n-th call of every rank meets the n-th);
+  // `what` names the purpose in errors. Throws naming the ranks that did not arrive within `timeout`.
+  std::vector<std::string> exchange_through_store(const std::string& what, const std::string& value,
+                                                  std::chrono::milliseconds timeout);
 
  private:
   std::unique_ptr<Impl> impl_;

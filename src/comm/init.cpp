@@ -57,6 +57,15 @@ int parse_int(const char* name, const char* value) {
   return static_cast<int>(v);
 }
 
+// "1" = on, unset/"0" = off; anything else is an error naming the variable.
+bool env_flag(const char* name) {
+  const char* v = getenv_or_null(name);
+  if (!v) return false;
+  const std::string value(v);
+  TORCH_CHECK(value == "0" || value == "1", "fsdp: environment variable ", name, "='", value, "' must be 0 or 1");
+  return value == "1";
+}
+
 int require_env_int(const char* name) {
   const char* v = getenv_or_null(name);
   TORCH_CHECK(v != nullptr, "fsdp: environment variable ", name,
@@ -104,6 +113,9 @@ ProcessGroupPtr make_group(Registry& r, const std::string& prefix, const std::st
   impl->backend_name = r.backend;
   impl->device = r.device;
   impl->timeout = r.timeout;
+  impl->native_collectives = r.backend == "nccl" || env_flag("FSDP_NATIVE_COLLECTIVES");
+  impl->native_avg = r.backend == "nccl";
+  impl->cpu_blocking_wait = r.backend != "nccl";
   if (impl->size > 1) {
     auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, r.store);
     impl->store = store;

@@ -96,6 +96,83 @@ void ProcessGroup::set_timeout(std::chrono::milliseconds timeout) {
   impl_->timeout = timeout;
   if (impl_->backend) impl_->backend->setTimeout(timeout);
 }
+std::chrono::milliseconds ProcessGroup::timeout() const { return impl_->timeout; }
+void ProcessGroup::record_timeline(bool enable) {
+  if (!enable) {
+    impl_->timeline.reset();  // joins the observer once the transfers it waits on are done
+  } else if (!impl_->timeline) {
+    impl_->timeline = std::make_unique<comm::Timeline>();
+  }
+}
+
+std::vector<CollectiveSpan> ProcessGroup::timeline() const {
+  std::vector<CollectiveSpan> out;
+  if (!impl_->timeline) return out;
+  comm::SpanLog& log = *impl_->timeline->log;
+  std::lock_guard<std::mutex> lock(log.mutex);
+  for (const auto& span : log.spans) out.push_back(*span);
+  return out;
+}
+
+namespace comm {
+void trace(ProcessGroup::Impl& g, Work::Impl& w, const char* collective, int64_t bytes, bool own_task) {
+  if (!g.timeline) return;
+  auto log = g.timeline->log;
+  auto span = std::make_shared<CollectiveSpan>();
+  span->collective = collective;
+  span->bytes = bytes;
+  span->issued = CollectiveSpan::Clock::now();
+  {
+    std::lock_guard<std::mutex> lock(log->mutex);
+    log->spans.push_back(span);
+  }
+  w.span_log = log;
+  w.span = span;
+  if (own_task || w.pending.empty()) return;
+  // The observer waits on the transfers (the same bound as Work::wait's backstop) and stamps completion.
+  auto pending = std::move(w.pending);
+  w.pending.clear();
+  const auto bound = w.timeout + std::max(std::chrono::milliseconds(1000), w.timeout / 10);
+  w.task = g.timeline->observer.submit([pending, log, span, bound] {
+    for (const auto& p : pending) TORCH_CHECK(p->wait(bound), "the collective was aborted");
+    log->stamp(*span, &CollectiveSpan::completed);
+  });
+}
+}  // namespace comm
+
+int64_t ProcessGroup::collectives_called() const { return static_cast<int64_t>(impl_->collectives_issued); }
+
+std::vector<std::string> ProcessGroup::exchange_through_store(const std::string& what, const std::string& value,
+                                                              std::chrono::milliseconds timeout) {
+  Impl& g = *impl_;
+  if (g.size == 1 || !g.store) return {value};
+  const std::string base = c10::str("exchange/", g.store_exchanges++, "/");
+  auto key = [&](int r) { return c10::str(base, r); };
+  g.store->set(key(g.rank), std::vector<uint8_t>(value.begin(), value.end()));
+  std::vector<std::string> keys;
+  for (int r = 0; r < g.size; ++r) keys.push_back(key(r));
+  try {
+    g.store->wait(keys, timeout);
+  } catch (const std::exception& e) {
+    std::string missing;
+    for (int r = 0; r < g.size; ++r) {
+      bool present = false;
+      try {
+        present = g.store->check({key(r)});
+      } catch (const std::exception&) {  // the store itself is gone: report every peer as missing
+      }
+      if (!present) missing += c10::str(missing.empty() ? "" : ", ", r, " (world rank ", g.global_ranks[r], ")");
+    }
+    TORCH_CHECK(false, "fsdp: ", what, " on ", g.describe(), ": ranks [", missing, "] did not arrive within ",
+                timeout.count(), " ms (", message_of(e), ")");
+  }
+  std::vector<std::string> out;
+  for (int r = 0; r < g.size; ++r) {
+    const std::vector<uint8_t> bytes = g.store->get(key(r));
+    out.emplace_back(bytes.begin(), bytes.end());
+  }
+  return out;
+}
 
 namespace {
 
@@ -103,14 +180,16 @@ std::string label(const ProcessGroup::Impl& g, const char* coll, const std::stri
   return c10::str(coll, "(", detail, ") on ", g.describe());
 }
 
-Work make_work(const ProcessGroup::Impl& g, std::string what, c10::intrusive_ptr<c10d::Work> w,
-               std::function<void()> on_complete = nullptr) {
+Work make_work(ProcessGroup::Impl& g, const char* collective, int64_t bytes, std::string what,
+               c10::intrusive_ptr<c10d::Work> w, std::function<void()> on_complete = nullptr) {
   auto impl = std::make_shared<Work::Impl>();
   impl->what = std::move(what);
   impl->pending.push_back(std::move(w));
   impl->on_complete = std::move(on_complete);
   impl->timeout = g.timeout;
   comm::stamp(*impl, g);
+  impl->cpu_blocking_wait = g.cpu_blocking_wait;
+  comm::trace(g, *impl, collective, bytes);
   return Work(std::move(impl));
 }
 
@@ -136,6 +215,13 @@ Work ProcessGroup::all_gather_into_tensor(at::Tensor output, at::Tensor input) {
   at::Tensor in_flat = input.view({-1});
   const int64_t n = in_flat.numel();
   at::Tensor own_slot = out_flat.narrow(0, g.rank * n, n);
+  if (g.native_collectives) {
+    // NCCL: one collective kernel on the backend's stream (in place when `input` is `output`'s own slot).
+    c10d::AllgatherOptions opts;
+    opts.timeout = g.timeout;
+    auto w = launch(what, [&] { return g.backend->_allgather_base(out_flat, in_flat, opts); });
+    return make_work(g, coll, nbytes(input), what, std::move(w), [output, input] {});
+  }
   if (own_slot.data_ptr() != in_flat.data_ptr()) own_slot.copy_(in_flat);
   // Direct exchange: this rank's input goes to every peer and every peer's input lands straight in its
   // slot of `output`. c10d Gloo's _allgather_base would gather into a temporary flat buffer as large as
@@ -157,6 +243,7 @@ Work ProcessGroup::all_gather_into_tensor(at::Tensor output, at::Tensor input) {
   }
   // The exchange reads `input` and writes `output` until it completes: keep both alive with the work.
   impl->on_complete = [output, input] {};
+  comm::trace(g, *impl, coll, nbytes(input));
   return Work(std::move(impl));
 }
 
@@ -177,10 +264,26 @@ Work ProcessGroup::reduce_scatter_tensor(at::Tensor output, at::Tensor input, Re
     return completed();
   }
   g.stats.bytes_sent += comm::reduce_scatter_bytes(nbytes(input), g.size);
+  const auto what = label(g, coll, c10::str(to_string(op), ", ", input.numel(), " x ", input.scalar_type()));
+  // Gloo's _reduce_scatter_base drops the op (always a sum; PyTorch issue 162338): Max/Min keep the exchange.
+  const bool native = g.native_collectives && (g.native_avg || op == ReduceOp::Sum || op == ReduceOp::Avg);
+  if (native) {
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = op == ReduceOp::Avg && g.native_avg ? c10d::ReduceOp(c10d::ReduceOp::AVG) : to_c10d(op);
+    opts.timeout = g.timeout;
+    at::Tensor out_flat = output.view({-1});
+    at::Tensor in_flat = input.view({-1});
+    auto w = launch(what, [&] { return g.backend->_reduce_scatter_base(out_flat, in_flat, opts); });
+    std::function<void()> post = [output, input] {};
+    if (op == ReduceOp::Avg && !g.native_avg) {
+      const int64_t s = g.size;
+      post = [output, input, s]() mutable { output.div_(s); };
+    }
+    return make_work(g, coll, nbytes(input), what, std::move(w), std::move(post));
+  }
   // Direct exchange reduced piece by piece as it arrives, on the group's progress thread
   // (comm/reduce_scatter.cpp).
-  return comm::pipelined_reduce_scatter(
-      g, label(g, coll, c10::str(to_string(op), ", ", input.numel(), " x ", input.scalar_type())), output, input, op);
+  return comm::pipelined_reduce_scatter(g, what, output, input, op);
 }
 
 Work ProcessGroup::all_reduce(at::Tensor tensor, ReduceOp op) {
@@ -194,15 +297,15 @@ Work ProcessGroup::all_reduce(at::Tensor tensor, ReduceOp op) {
   const auto what = label(g, coll, c10::str(to_string(op), ", ", tensor.numel(), " x ", tensor.scalar_type()));
   std::vector<at::Tensor> ts{tensor};
   c10d::AllreduceOptions opts;
-  opts.reduceOp = to_c10d(op);
+  opts.reduceOp = op == ReduceOp::Avg && g.native_avg ? c10d::ReduceOp(c10d::ReduceOp::AVG) : to_c10d(op);
   opts.timeout = g.timeout;
   auto w = launch(what, [&] { return g.backend->allreduce(ts, opts); });
   std::function<void()> post;
-  if (op == ReduceOp::Avg) {
+  if (op == ReduceOp::Avg && !g.native_avg) {
     const int64_t s = g.size;
     post = [tensor, s]() mutable { tensor.div_(s); };
   }
-  return make_work(g, what, std::move(w), std::move(post));
+  return make_work(g, coll, nbytes(tensor), what, std::move(w), std::move(post));
 }
 
 Work ProcessGroup::broadcast(at::Tensor tensor, int root) {
@@ -221,7 +324,7 @@ Work ProcessGroup::broadcast(at::Tensor tensor, int root) {
   opts.rootTensor = 0;
   opts.timeout = g.timeout;
   auto w = launch(what, [&] { return g.backend->broadcast(ts, opts); });
-  return make_work(g, what, std::move(w));
+  return make_work(g, coll, nbytes(tensor), what, std::move(w));
 }
 
 Work ProcessGroup::all_to_all(at::Tensor output, at::Tensor input) {
@@ -246,7 +349,7 @@ Work ProcessGroup::all_to_all(at::Tensor output, at::Tensor input) {
   c10d::AllToAllOptions opts;
   opts.timeout = g.timeout;
   auto w = launch(what, [&] { return g.backend->alltoall_base(out_flat, in_flat, equal_splits, equal_splits, opts); });
-  return make_work(g, what, std::move(w));
+  return make_work(g, coll, nbytes(input), what, std::move(w));
 }
 
 Work ProcessGroup::barrier() {
@@ -257,7 +360,7 @@ Work ProcessGroup::barrier() {
   c10d::BarrierOptions opts;
   opts.timeout = g.timeout;
   auto w = launch(what, [&] { return g.backend->barrier(opts); });
-  return make_work(g, what, std::move(w));
+  return make_work(g, "barrier", 0, what, std::move(w));
 }
 
 }  // namespace fsdp

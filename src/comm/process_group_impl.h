@@ -14,10 +14,32 @@
 
 #include <chrono>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 namespace fsdp {
+
+namespace comm {
+// The spans ProcessGroup::record_timeline asked for. Their time points are stamped from several threads
+// (caller, observer, progress thread), always under `mutex`.
+struct SpanLog {
+  std::mutex mutex;
+  std::vector<std::shared_ptr<CollectiveSpan>> spans;
+  void stamp(CollectiveSpan& span, CollectiveSpan::Clock::time_point CollectiveSpan::*field) {
+    const auto now = CollectiveSpan::Clock::now();
+    std::lock_guard<std::mutex> lock(mutex);
+    span.*field = now;
+  }
+};
+// A recording group's log and the thread that waits on transfers to stamp their completion. Tasks capture
+// only the log, never the timeline, so the observer is never destroyed from its own thread.
+struct Timeline {
+  std::shared_ptr<SpanLog> log = std::make_shared<SpanLog>();
+  ProgressThread observer{"fsdp-timeline"};
+};
+}  // namespace comm
 
 struct ProcessGroup::Impl {
   // Null for size-1 groups: every collective takes the local fast path, so no communicator is needed.
@@ -29,7 +51,18 @@ struct ProcessGroup::Impl {
   std::string backend_name;
   c10::Device device{c10::kCPU};
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  // Backend-native all-gather / reduce-scatter (_allgather_base, _reduce_scatter_base) instead of our
+  // point-to-point exchanges: always on NCCL (one fused kernel beats any per-peer loop); on Gloo only when
+  // FSDP_NATIVE_COLLECTIVES=1 (to test this dispatch on the CPU — Gloo's own reduce-scatter is an all-reduce
+  // with twice the bytes, so the exchange stays its default).
+  bool native_collectives = false;
+  // The backend averages natively (NCCL's ncclAvg); otherwise Avg = Sum, then divide locally.
+  bool native_avg = false;
+  // Work::wait blocks the CPU until done (Gloo). NCCL's wait only makes the current stream wait for the
+  // collective's stream (no CPU polling); its watchdog enforces the timeout.
+  bool cpu_blocking_wait = true;
   CommStats stats;
+  int64_t store_exchanges = 0;  // numbers exchange_through_store's calls: the n-th meets the n-th everywhere
   // Point-to-point tag of the next all-gather exchange. Advances identically on every rank of the group
   // because collectives are called in the same order everywhere.
   uint32_t next_p2p_tag = 1;
@@ -38,6 +71,7 @@ struct ProcessGroup::Impl {
   comm::BufferPool scratch;  // reduce-scatter receive slots and accumulators, reused across calls
   std::unique_ptr<comm::ProgressThread> progress;
   comm::ProgressThread& progress_thread();
+  std::unique_ptr<comm::Timeline> timeline;  // null unless recording
 
   // The group's key space in the rendezvous store (null for size-1 groups) and the number of collectives issued
   // so far (advances identically on every rank): when a collective fails, the ranks that never reached it are
@@ -72,6 +106,7 @@ struct Work::Impl {
   std::function<void()> on_complete;  // local post-processing once `pending` is done
   std::shared_ptr<comm::TaskState> task;  // work done on the group's progress thread (e.g. the local sums)
   std::chrono::milliseconds timeout{0};
+  bool cpu_blocking_wait = true;  // see ProcessGroup::Impl
   bool done = false;
   std::string error;  // non-empty once failed: later wait() calls rethrow the same failure
   // For the diagnosis of a failure (see comm::stamp): the group's store, members and this collective's number.
@@ -79,6 +114,9 @@ struct Work::Impl {
   std::vector<int> global_ranks;
   int rank = 0;
   uint64_t seq = 0;
+  // Recording (ProcessGroup::record_timeline): this collective's span and where it lives.
+  std::shared_ptr<comm::SpanLog> span_log;
+  std::shared_ptr<CollectiveSpan> span;
 };
 
 namespace comm {
@@ -95,6 +133,11 @@ std::string missing_ranks(const Work::Impl& w);
 // by ProcessGroup::reduce_scatter_tensor after its checks, for groups of more than one rank and non-empty input.
 Work pipelined_reduce_scatter(ProcessGroup::Impl& g, std::string what, const at::Tensor& output,
                               const at::Tensor& input, ReduceOp op);
+// Called by every collective that communicates, just before it returns its Work: when the group records a
+// timeline, opens the span and hands the waiting on `w.pending` to the timeline's observer thread (the
+// training thread's wait() then waits for the observer, so only one thread ever waits on a transfer). Work
+// that already runs a task (the reduce-scatter) stamps its own completion: pass `own_task`.
+void trace(ProcessGroup::Impl& g, Work::Impl& w, const char* collective, int64_t bytes, bool own_task = false);
 }  // namespace comm
 
 }  // namespace fsdp

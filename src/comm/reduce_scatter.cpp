@@ -164,7 +164,12 @@ Work pipelined_reduce_scatter(ProcessGroup::Impl& g, std::string what, const at:
     }
   }
   for (int64_t j = 0; j < ex->depth; ++j) ex->post_recvs(j);
-  impl->task = g.progress_thread().submit([ex] { ex->run(); });
+  comm::trace(g, *impl, "reduce_scatter_tensor", static_cast<int64_t>(input.numel() * input.element_size()),
+              /*own_task=*/true);
+  impl->task = g.progress_thread().submit([ex, log = impl->span_log, span = impl->span] {
+    ex->run();
+    if (span) log->stamp(*span, &CollectiveSpan::completed);
+  });
   // The sends read `input` and the task writes `output` until they complete: keep both alive with the work.
   impl->on_complete = [ex] {};
   return Work(std::move(impl));

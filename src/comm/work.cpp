@@ -25,12 +25,15 @@ void Work::wait() {
   Impl& w = *impl_;
   TORCH_CHECK(w.error.empty(), w.error);
   if (w.done) return;
+  if (w.span) w.span_log->stamp(*w.span, &CollectiveSpan::wait_begin);
   // Gloo enforces the timeout itself on every transfer; c10d's wait() timeout is a backstop for work that
   // never started (e.g. queued behind a stuck collective). The slack lets Gloo's more precise message win.
   const auto backstop = w.timeout + std::max(std::chrono::milliseconds(1000), w.timeout / 10);
   try {
     for (auto& p : w.pending) {
-      const bool ok = p->wait(backstop);
+      // NCCL: no timeout argument — with one, c10d's NCCL work busy-waits on the CPU; without, the current
+      // stream waits for the collective's stream and the NCCL watchdog enforces the group's timeout.
+      const bool ok = w.cpu_blocking_wait ? p->wait(backstop) : p->wait();
       TORCH_CHECK(ok, "the collective was aborted");
     }
     w.pending.clear();
@@ -52,6 +55,7 @@ void Work::wait() {
     TORCH_CHECK(false, w.error);
   }
   w.done = true;
+  if (w.span) w.span_log->stamp(*w.span, &CollectiveSpan::wait_end);
 }
 
 }  // namespace fsdp

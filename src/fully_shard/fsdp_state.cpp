@@ -193,6 +193,7 @@ bool FSDPState::needs_recovery() const {
 }
 
 void FSDPState::root_pre_forward() {
+  TORCH_CHECK(!ctx_->unusable, *ctx_->unusable);
   if (needs_recovery()) reset();
   wait_for_post_optim_event();
   ctx_->forward_order.clear();
@@ -467,7 +468,12 @@ void FSDPState::root_final_callback() {
 // Recovery, explicit unshard / reshard, conversion
 
 void FSDPState::reset() {
+  TORCH_CHECK(!ctx_ || !ctx_->unusable, *ctx_->unusable);
   std::vector<std::shared_ptr<FSDPState>> states = ctx_ ? context_states() : subtree_states();
+  // Something was abandoned (not a reset of a tree already idle): the ranks must agree they stopped at the
+  // same point before any of them issues another collective.
+  bool abandoned = ctx_ && ctx_->backward_graph_task != -1;
+  for (auto& s : states) abandoned = abandoned || s->training_state_ != TrainingState::Idle;
   std::exception_ptr failure;
   for (auto& s : states) {
     try {
@@ -487,7 +493,68 @@ void FSDPState::reset() {
     ctx_->group_with_pending_reduce = nullptr;
     ctx_->backward_graph_task = -1;
   }
-  if (failure) std::rethrow_exception(failure);
+  if (failure) {
+    try {
+      std::rethrow_exception(failure);
+    } catch (const c10::Error& e) {
+      if (ctx_) ctx_->unusable = e.what_without_backtrace();
+      throw;
+    }
+  }
+  if (abandoned) check_ranks_in_step(states);
+}
+
+namespace {
+const char* message_without_backtrace(const std::exception& e) {
+  const auto* ce = dynamic_cast<const c10::Error*>(&e);
+  return ce ? ce->what_without_backtrace() : e.what();
+}
+}  // namespace
+
+// After an abandoned step every rank's issued collectives are complete (the drain above), but that only
+// means the peers issued them too — not that they stopped here. A rank that did not raise goes on issuing
+// the step's remaining collectives, which the others would pair with their next step's (Gloo matches
+// collectives by order: wrong sums, or a hang). So the ranks compare, through the rendezvous store rather
+// than the backend, how many collectives each issued on every group: equal counts everywhere means they all
+// abandoned the step at the same point (the same exception on every rank: bad input, a shared OOM retry) and
+// training can go on; a rank missing or a different count means the group is out of step for good.
+void FSDPState::check_ranks_in_step(const std::vector<std::shared_ptr<FSDPState>>& states) {
+  std::vector<ProcessGroupPtr> groups;
+  for (auto& s : states) {
+    if (!s->param_group_) continue;
+    for (const auto& g : {s->param_group_->mesh_info().shard_group, s->param_group_->mesh_info().replicate_group}) {
+      if (g && g->size() > 1 && std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
+    }
+  }
+  try {
+    for (const auto& g : groups) check_group_in_step(*g);
+  } catch (const c10::Error& e) {
+    if (ctx_) ctx_->unusable = e.what_without_backtrace();
+    throw;
+  }
+}
+
+void FSDPState::check_group_in_step(ProcessGroup& group) {
+  std::vector<std::string> counts;
+  try {
+    counts = group.exchange_through_store("FSDP recovery after an exception", std::to_string(group.collectives_called()),
+                                          group.timeout());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "fsdp: the process group of ", name(), " is unusable after an exception: not every rank "
+                "abandoned the step (only some ranks raised, so the others are still inside it and will issue "
+                "collectives this rank never joins). Restart the job (fsdprun --max-restarts) and resume from a "
+                "checkpoint. Cause: ", message_without_backtrace(e));
+  }
+  std::string listing;
+  bool equal = true;
+  for (size_t r = 0; r < counts.size(); ++r) {
+    listing += c10::str(r ? ", " : "", "rank ", r, ": ", counts[r]);
+    equal = equal && counts[r] == counts[0];
+  }
+  TORCH_CHECK(equal, "fsdp: the process group of ", name(), " is unusable after an exception: the ranks "
+              "abandoned the step at different points (collectives issued on group '", group.name(), "': ", listing,
+              "), e.g. they raised in different modules or only some of them raised. Restart the job (fsdprun "
+              "--max-restarts) and resume from a checkpoint.");
 }
 
 void FSDPState::set_post_optim_event(c10::Event event) {

@@ -44,6 +44,9 @@ struct RootContext {
   // FSDPModule::set_post_optim_event: waited on (once) by the next root forward's all-gathers.
   std::optional<c10::Event> post_optim_event;
   int64_t post_optim_events_waited = 0;  // for tests
+  // Set when recovery found the ranks out of step (FSDPState::check_ranks_in_step): every later use of the
+  // tree repeats this error instead of issuing collectives that would pair with the wrong ones.
+  std::optional<std::string> unusable;
 };
 
 // Internal access to an FSDPModule's state (the public header exposes no internals).
@@ -94,6 +97,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::vector<std::pair<at::Tensor, c10::ScalarType>> cast_buffers;
 
  private:
+  // Throws "process group unusable" unless every rank abandoned the step after the same collectives.
+  void check_ranks_in_step(const std::vector<std::shared_ptr<FSDPState>>& states);
+  void check_group_in_step(ProcessGroup& group);
   void lazy_init();
   void root_pre_forward();
   void root_post_forward();
