@@ -13,6 +13,7 @@
 // before this node's backward reads them.
 #include <fsdp/activation_checkpoint.h>
 
+#include "autograd/make_node.h"
 #include "activation_checkpoint/rng_state.h"
 #include "activation_checkpoint/selective_op.h"
 #include "activation_checkpoint/stats.h"
@@ -153,7 +154,7 @@ nn::TensorList checkpoint_forward(torch::nn::Module& module, const nn::TensorLis
   }
   if (!needs_grad) return forward(inputs);
 
-  auto node = c10::make_intrusive<CheckpointNode>();
+  auto node = detail::make_autograd_node<CheckpointNode>();
   node->module_name = module.name();
   node->device = region_device(inputs, params);
   if (options.preserve_rng_state) node->rng = detail::RngStash::capture(node->device);

@@ -1,4 +1,5 @@
 #include "fully_shard/fsdp_state.h"
+#include "autograd/make_node.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -365,7 +366,7 @@ bool FSDPState::register_post_backward(nn::TensorList& inputs) {
     }
   }
   if (grad_inputs.empty()) return false;  // this use completes at the end of backward (root's final callback)
-  auto node = c10::make_intrusive<detail::PostBackwardNode>();
+  auto node = detail::make_autograd_node<detail::PostBackwardNode>();
   node->state = weak_from_this();
   node->set_next_edges(torch::autograd::collect_next_edges(grad_inputs));
   for (size_t k = 0; k < indices.size(); ++k) {
