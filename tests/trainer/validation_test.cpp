@@ -20,14 +20,25 @@ namespace fs = std::filesystem;
 
 namespace {
 
+constexpr const char* kHeldOutLine = "Licensed under the Apache License, Version 2.0 (the License). ";
+constexpr int kHeldOutRepeats = 41;  // 62 samples of 41 tokens: the last batch is padded on 1 and 2 ranks
+
 // A held-out text of known length: the validation stream is BOS + its bytes + EOS (byte-level tokenizer).
 std::string held_out_file() {
   const std::string path = ::testing::TempDir() + "/fsdp_train_validation_heldout.txt";
   std::string text;
-  for (int i = 0; i < 41; ++i) text +=  // 62 samples of 41 tokens: the last batch is padded on 1 and 2 ranks
-        "Licensed under the Apache License, Version 2.0 (the License). ";
-  std::ofstream(path) << text;  // every rank writes the same bytes
+  for (int i = 0; i < kHeldOutRepeats; ++i) text += kHeldOutLine;
+  // Every rank writes the same bytes to a file of its own and renames it into place: rename is atomic, so no rank
+  // ever sees the file truncated by another rank's write (a plain shared ofstream did, and read a size of 0).
+  const std::string tmp = path + ".rank" + std::to_string(fsdp::world()->rank()) + ".tmp";
+  std::ofstream(tmp) << text;
+  fs::rename(tmp, path);
   return path;
+}
+
+// The held-out stream's length in tokens, from the text itself rather than from the shared file.
+int64_t held_out_stream_tokens() {
+  return kHeldOutRepeats * static_cast<int64_t>(std::string(kHeldOutLine).size()) + 2;  // BOS ... EOS
 }
 
 JobConfig config(const std::string& name, bool validate, int64_t val_batch, const fs::path& held_out) {
@@ -69,7 +80,8 @@ TrainEnv distributed() {
 
 TEST(Validation, SameLossOnOneAndTwoRanksForAnyBatchSize) {
   const std::string held_out = held_out_file();
-  const int64_t stream_tokens = static_cast<int64_t>(fs::file_size(held_out)) + 2;  // BOS ... EOS
+  const int64_t stream_tokens = held_out_stream_tokens();
+  ASSERT_EQ(static_cast<int64_t>(fs::file_size(held_out)) + 2, stream_tokens);
   const TrainSummary ref = run_training(config("ref", true, 3, held_out), single(), false);  // 1 rank, batches of 3
   const TrainSummary got = run_training(config("dist", true, 2, held_out), distributed(), false);
   // Validated at step 1 (TorchTitan validates at the first step) and every 3 steps.
