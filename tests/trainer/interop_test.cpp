@@ -1,0 +1,196 @@
+// Checkpoint interop through fsdp-train's own options (run under fsdprun with 2 ranks), each against a reference
+// the trainer does not produce:
+//   checkpoint.format = "dcp"   the saves are PyTorch DCP: torch's dcp_to_torch_save reads the step-3 save and
+//                               every tensor equals the libfsdp-format save of the same run; resuming from it
+//                               equals the uninterrupted run bit for bit
+//   initial_load_path (DCP)     a new job started from that DCP step (full state) continues the uninterrupted run
+//                               bit for bit; model only, it trains exactly as one started from the libfsdp save
+//   last_save_in_hf             the last save is Hugging Face safetensors + config.json that transformers'
+//                               LlamaForCausalLM.from_pretrained loads
+//   initial_load_in_hf          a job started from that export trains exactly as one started from the libfsdp
+//                               model-only last save of the same run
+// Every "started from" run also differs from a fresh start, so the load is what made them equal.
+#include "config.h"
+#include "trainer.h"
+
+#include <fsdp/checkpoint/checkpoint.h>
+#include <fsdp/checkpoint/safetensors.h>
+#include <fsdp/process_group.h>
+
+#include "comm/dist_env.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+using namespace fsdp_train;
+namespace fs = std::filesystem;
+namespace ckpt = fsdp::checkpoint;
+
+namespace {
+
+const std::string kPython = FSDP_TEST_PYTHON;
+const std::string kTorchSide = std::string(FSDP_SOURCE_DIR) + "/tests/checkpoint/interop/torch_side.py";
+
+// The same folder on every rank (fsdprun is every rank's parent); rank 0 clears it.
+std::string shared_dir(const std::string& name) {
+  const std::string d = ::testing::TempDir() + "/fsdp_train_interop_" + name + "_" + std::to_string(::getppid());
+  if (fsdp::world()->rank() == 0) fs::remove_all(d);
+  fsdp::world()->barrier().wait();
+  return d;
+}
+
+JobConfig base(const std::string& folder) {
+  JobConfig c = load_config({"--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
+                             "--training.global_batch_size", "8", "--training.steps", "6", "--lr_scheduler.warmup_steps",
+                             "2", "--metrics.peak_tflops", "1", "--training.mixed_precision_param", "float32"});
+  c.job.dump_folder = folder;
+  c.checkpoint.enable = true;
+  c.checkpoint.interval = 3;
+  c.checkpoint.keep_latest_k = 0;
+  return c;
+}
+
+TrainEnv dist_env(int64_t stop_after = -1) {
+  auto world = fsdp::world();
+  TrainEnv env;
+  env.rank = world->rank();
+  env.world_size = world->size();
+  env.group = world;
+  env.verbose = world->rank() == 0;
+  env.stop_after_step = stop_after;
+  return env;
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream f(p);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Rank 0 runs a PyTorch-side command; every rank gets its exit status (0 = PyTorch agreed).
+int python_on_rank0(const std::string& args, const fs::path& log) {
+  int rc = 0;
+  if (fsdp::world()->rank() == 0) {
+    const std::string cmd = "OMP_NUM_THREADS=1 " + kPython + " " + kTorchSide + " " + args + " > " + log.string() + " 2>&1";
+    rc = std::system(cmd.c_str());
+    std::cout << "---- " << cmd << " (status " << rc << ")\n" << slurp(log) << std::flush;
+  }
+  fsdp::world()->barrier().wait();
+  return rc;
+}
+
+void expect_same_losses(const TrainSummary& got, const std::vector<double>& want, const std::string& what) {
+  ASSERT_EQ(got.losses.size(), want.size()) << what;
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got.losses[i], want[i]) << what << ", loss " << i;  // bit for bit
+}
+
+}  // namespace
+
+TEST(TrainerInterop, DcpFormatSavesResumesAndStartsNewJobs) {
+  // The uninterrupted run, saving in the libfsdp format (steps 3 and 6; step 6 is model-only).
+  const std::string ours = shared_dir("libfsdp");
+  const TrainSummary full = run_training(base(ours), dist_env(), false);
+  ASSERT_EQ(full.losses.size(), 6u);
+  ASSERT_NE(full.losses[3], full.losses[0]);  // it trains
+
+  // The same run saving PyTorch DCP, stopped right after its step-3 save.
+  const std::string dcp_run = shared_dir("dcp");
+  JobConfig dcp_cfg = base(dcp_run);
+  dcp_cfg.checkpoint.format = "dcp";
+  ASSERT_EQ(run_training(dcp_cfg, dist_env(/*stop_after=*/3), false).losses.size(), 3u);
+  fsdp::world()->barrier().wait();
+  const std::string dcp_step3 = dcp_run + "/checkpoint/step-3";
+  ASSERT_TRUE(fs::exists(dcp_step3 + "/.metadata")) << "not a DCP layout: " << dcp_step3;
+  EXPECT_FALSE(fs::exists(dcp_step3 + "/metadata.json"));
+  EXPECT_EQ(ckpt::detect_format(dcp_step3), ckpt::Format::PytorchDcp);
+
+  // PyTorch reads it: every tensor of the libfsdp step-3 save (model and optimizer, TorchTitan keys) equals what
+  // dcp_to_torch_save returns for the DCP step-3 save.
+  const std::string ref = ours + "/step3_tensors.safetensors";
+  if (fsdp::world()->rank() == 0) {
+    const std::string lib_step3 = ours + "/checkpoint/step-3";
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (const auto& t : ckpt::inspect(lib_step3).tensors) tensors.emplace_back(t.name, ckpt::read_tensor(lib_step3, t.name));
+    ASSERT_GT(tensors.size(), 10u);
+    bool has_optimizer = false;
+    for (const auto& [name, t] : tensors) has_optimizer |= name.rfind("optimizer.state.", 0) == 0;
+    EXPECT_TRUE(has_optimizer);
+    fsdp::checkpoint::safetensors::save_file(ref, tensors);
+  }
+  EXPECT_EQ(python_on_rank0("dcp-read --dir " + dcp_step3 + " --ref " + ref, dcp_run + "_read.log"), 0)
+      << "torch's dcp_to_torch_save disagrees with the libfsdp save of the same run";
+
+  // Resumed from the DCP step: the uninterrupted run's steps 4..6, bit for bit.
+  const TrainSummary resumed = run_training(dcp_cfg, dist_env(), false);
+  expect_same_losses(resumed, {full.losses.begin() + 3, full.losses.end()}, "resumed from the DCP save");
+  fsdp::world()->barrier().wait();
+  EXPECT_EQ(ckpt::detect_format(dcp_run + "/checkpoint/step-6"), ckpt::Format::PytorchDcp);
+
+  // A new job (empty checkpoint folder) started from the DCP step with its whole state continues the run.
+  JobConfig from_dcp = base(shared_dir("from_dcp_full"));
+  from_dcp.checkpoint.initial_load_path = dcp_step3;
+  from_dcp.checkpoint.initial_load_model_only = false;
+  expect_same_losses(run_training(from_dcp, dist_env(), false), {full.losses.begin() + 3, full.losses.end()},
+                     "initial_load_path = the DCP save, whole state");
+
+  // Model only (TorchTitan's default): step 1 again with the step-3 weights and a fresh optimizer; the same as
+  // starting from the libfsdp save, and not the same as a fresh start.
+  JobConfig model_from_dcp = base(shared_dir("from_dcp_model"));
+  model_from_dcp.checkpoint.initial_load_path = dcp_step3;
+  JobConfig model_from_ours = base(shared_dir("from_ours_model"));
+  model_from_ours.checkpoint.initial_load_path = ours + "/checkpoint/step-3";
+  const TrainSummary a = run_training(model_from_dcp, dist_env(), false);
+  const TrainSummary b = run_training(model_from_ours, dist_env(), false);
+  ASSERT_EQ(a.losses.size(), 6u);
+  expect_same_losses(a, b.losses, "model-only initial load: DCP vs libfsdp");
+  EXPECT_NE(a.losses[0], full.losses[0]);  // the weights were loaded
+  EXPECT_LT(a.losses[0], full.losses[0]);
+}
+
+TEST(TrainerInterop, HuggingFaceLastSaveAndInitialLoad) {
+  // The same run twice: last save in the libfsdp format (model only) and as Hugging Face safetensors.
+  const std::string ours = shared_dir("hf_ours");
+  const TrainSummary full = run_training(base(ours), dist_env(), false);
+  const std::string hf_run = shared_dir("hf_export");
+  JobConfig hf_cfg = base(hf_run);
+  hf_cfg.checkpoint.last_save_in_hf = true;
+  const TrainSummary exported = run_training(hf_cfg, dist_env(), false);
+  expect_same_losses(exported, full.losses, "the exporting run");
+  fsdp::world()->barrier().wait();
+  const std::string hf_dir = hf_run + "/checkpoint/step-6";
+  ASSERT_TRUE(fs::exists(hf_dir + "/config.json")) << hf_dir;
+  ASSERT_TRUE(fs::exists(hf_dir + "/model.safetensors") || fs::exists(hf_dir + "/model.safetensors.index.json"));
+  // The step-3 save is still a libfsdp checkpoint; only the last save is Hugging Face.
+  EXPECT_EQ(ckpt::detect_format(hf_run + "/checkpoint/step-3"), ckpt::Format::Libfsdp);
+
+  // transformers loads the export and runs it (logits of a few token ids).
+  const std::string tokens = hf_run + "_tokens.bin";
+  if (fsdp::world()->rank() == 0) {
+    std::ofstream f(tokens, std::ios::binary);
+    for (int64_t i = 0; i < 2 * 16; ++i) {
+      const int64_t id = (i * 37 + 11) % 256;
+      f.write(reinterpret_cast<const char*>(&id), sizeof id);
+    }
+  }
+  EXPECT_EQ(python_on_rank0("hf-logits --dir " + hf_dir + " --tokens " + tokens + " --logits " + hf_run + "_logits.st",
+                            hf_run + "_logits.log"),
+            0)
+      << "LlamaForCausalLM.from_pretrained could not load the trainer's Hugging Face export";
+
+  // Started from the export (initial_load_in_hf) = started from the libfsdp model-only last save, bit for bit.
+  JobConfig from_hf = base(shared_dir("from_hf"));
+  from_hf.checkpoint.initial_load_path = hf_dir;
+  from_hf.checkpoint.initial_load_in_hf = true;
+  JobConfig from_ours = base(shared_dir("from_ours_last"));
+  from_ours.checkpoint.initial_load_path = ours + "/checkpoint/step-6";
+  const TrainSummary a = run_training(from_hf, dist_env(), false);
+  const TrainSummary b = run_training(from_ours, dist_env(), false);
+  ASSERT_EQ(a.losses.size(), 6u);
+  expect_same_losses(a, b.losses, "initial load: Hugging Face export vs libfsdp model-only save");
+  EXPECT_LT(a.losses[0], full.losses[0]);  // the trained weights were loaded, not a fresh start
+}
