@@ -56,6 +56,9 @@ int main(int argc, char** argv) {
   app.add_option("--flavor", flavor, "llama3 flavor (cpu_tiny .. 405B)");
   app.add_option("--replicate", c.replicate, "HSDP replicate degree");
   app.add_option("--shard", c.shard, "FSDP shard degree");
+  app.add_option("--tp", c.tp, "tensor parallel degree (TorchTitan's Llama plan, sequence parallel)");
+  bool no_loss_parallel = false;
+  app.add_flag("--no-loss-parallel", no_loss_parallel, "with --tp: logits gathered instead of vocabulary-sharded");
   app.add_option("--param-dtype", param, "sharded parameter / gradient dtype");
   app.add_option("--compute-dtype", compute, "mixed-precision param_dtype (unsharded params, activations)");
   app.add_option("--reduce-dtype", reduce, "gradient reduction dtype");
@@ -79,6 +82,7 @@ int main(int argc, char** argv) {
   app.add_option("--runtime-overhead-mib", overhead_mib, "fixed runtime allocations (libtorch CPU: ~4.5)");
   app.add_flag("--torchtitan-8b", tt8b, "TorchTitan's published 8B run, next to its published memory");
   CLI11_PARSE(app, argc, argv);
+  c.loss_parallel = !no_loss_parallel;
   try {
     if (tt8b) return torchtitan_8b();
     c.flavor = flavor;

@@ -19,16 +19,20 @@ struct ParamShape {
   int64_t dim0, row;  // [dim0, row] (1-D: row = 1)
 };
 
-// The parameters of one block / of the root, in registration order (src/nn/llama.cpp).
-std::vector<ParamShape> block_params(const nn::llama::LlamaArgs& a) {
-  const int64_t hq = a.n_heads * a.head_dim(), hkv = a.kv_heads() * a.head_dim(), f = a.ffn_hidden_dim();
+// The parameters of one block / of the root, in registration order (src/nn/llama.cpp), as one TP rank holds
+// them (TorchTitan's plan: colwise wq wk wv w1 w3 split dim 0, rowwise wo w2 split dim 1, the embedding and
+// the output projection split the vocabulary, norms replicated; rank 0's torch.chunk piece, the largest).
+std::vector<ParamShape> block_params(const nn::llama::LlamaArgs& a, int64_t tp = 1) {
+  const int64_t hq = ceil_div(a.n_heads * a.head_dim(), tp), hkv = ceil_div(a.kv_heads() * a.head_dim(), tp),
+                f = ceil_div(a.ffn_hidden_dim(), tp);
   return {{hq, a.dim}, {hkv, a.dim}, {hkv, a.dim}, {a.dim, hq},  // attention wq wk wv wo
           {f, a.dim},  {a.dim, f},   {f, a.dim},                 // feed_forward w1 w2 w3
           {a.dim, 1},  {a.dim, 1}};                              // attention_norm, ffn_norm
 }
-std::vector<ParamShape> root_params(const nn::llama::LlamaArgs& a) {
-  std::vector<ParamShape> p = {{a.vocab_size, a.dim}, {a.dim, 1}};
-  if (!a.tie_embeddings) p.push_back({a.vocab_size, a.dim});
+std::vector<ParamShape> root_params(const nn::llama::LlamaArgs& a, int64_t tp = 1) {
+  const int64_t v = ceil_div(a.vocab_size, tp);
+  std::vector<ParamShape> p = {{v, a.dim}, {a.dim, 1}};
+  if (!a.tie_embeddings) p.push_back({v, a.dim});
   return p;
 }
 
@@ -80,11 +84,25 @@ Plan make_plan(const PlanConfig& c) {
   plan.config = c;
   const int64_t e = bytes_of(c.compute_dtype), pb = bytes_of(c.param_dtype), rb = bytes_of(c.reduce_dtype),
                 ob = bytes_of(c.optim_dtype);
-  const int64_t S = c.shard, R = c.replicate;
+  const int64_t S = c.shard, R = c.replicate, TP = c.tp;
+  TORCH_CHECK(TP >= 1, "fsdp-plan: tp must be >= 1");
+  if (TP > 1) {
+    TORCH_CHECK(a.n_heads % TP == 0 && a.kv_heads() % TP == 0, "fsdp-plan: tp ", TP, " must divide n_heads ",
+                a.n_heads, " and n_kv_heads ", a.kv_heads());
+    TORCH_CHECK(!a.tie_embeddings, "fsdp-plan: tensor parallel needs untied embeddings");
+    TORCH_CHECK(c.seq_len % TP == 0, "fsdp-plan: seq ", c.seq_len, " must divide by tp ", TP, " (sequence parallel)");
+  }
 
-  for (int64_t l = 0; l < a.n_layers; ++l) plan.groups.push_back(group_plan("layers." + std::to_string(l), block_params(a), S, e));
-  plan.groups.push_back(group_plan("root", root_params(a), S, e));
-  for (const auto& g : plan.groups) plan.num_params += g.numel;
+  for (int64_t l = 0; l < a.n_layers; ++l) {
+    plan.groups.push_back(group_plan("layers." + std::to_string(l), block_params(a, TP), S, e));
+  }
+  plan.groups.push_back(group_plan("root", root_params(a, TP), S, e));
+  {
+    int64_t global = 0;
+    for (int64_t l = 0; l < a.n_layers; ++l) global += group_plan("", block_params(a), 1, e).numel;
+    global += group_plan("", root_params(a), 1, e).numel;
+    plan.num_params = global;
+  }
   TORCH_CHECK(plan.num_params == nn::llama::num_params(a), "fsdp-plan internal: parameter shapes give ",
               plan.num_params, " but llama::num_params gives ", nn::llama::num_params(a));
   const GroupPlan& block = plan.groups.front();
@@ -100,24 +118,27 @@ Plan make_plan(const PlanConfig& c) {
 
   // ---- activations saved per block, per token (docs/planner.md, "Activations") ----
   const int64_t T = c.local_batch * c.seq_len;
-  const int64_t D = a.dim, hq = a.n_heads * a.head_dim(), hkv = a.kv_heads() * a.head_dim(),
-                F = a.ffn_hidden_dim();
+  // With TP, heads and the FFN hidden dim are split (per token of the whole sequence, which the colwise layers
+  // see gathered); norms run on this rank's 1/tp of the tokens (sequence parallel).
+  const int64_t D = a.dim, hq = a.n_heads * a.head_dim() / TP, hkv = a.kv_heads() * a.head_dim() / TP,
+                F = ceil_div(a.ffn_hidden_dim(), TP), heads = a.n_heads / TP;
   const bool gqa = a.n_heads != a.kv_heads();
   // RMSNorm: float32 input (the input itself in fp32, an upcast copy otherwise), normalized (compute dtype)
-  // saved for the weight multiply, output saved by the next linear(s).
-  const int64_t norm = 4 * D + 2 * e * D;
+  // saved for the weight multiply, output saved by the next linear(s) — on T/tp tokens under TP, plus the
+  // gathered [T, D] input that the colwise linears save.
+  const int64_t norm = (4 * D + 2 * e * D) / TP + (TP > 1 ? e * D : 0);
   // Attention: q (roped), k and v as SDPA sees them (repeated to n_heads under GQA), SDPA output (= wo
   // input), log-sum-exp (fp32 per head).
-  const int64_t attn = e * (hq + 2 * (gqa ? hq : hkv) + hq) + 4 * a.n_heads;
+  const int64_t attn = e * (hq + 2 * (gqa ? hq : hkv) + hq) + 4 * heads;
   // SwiGLU: w1 out (silu input), silu out, w3 out, product (w2 input).
   const int64_t ffn = 4 * e * F;
   const int64_t full_per_token = 2 * norm + attn + ffn;
   m.act_per_layer_full = T * full_per_token;
-  m.act_per_layer_checkpointed = T * e * D;  // the block input only
+  m.act_per_layer_checkpointed = T * e * D / TP;  // the block input only (sequence-sharded under TP)
   // Op-level SAC: the block input and a copy of every other matmul output (wq, wv, w1, w2); TorchTitan's policy
   // also keeps the SDPA output and log-sum-exp.
   const int64_t op_sac_per_token =
-      e * (D + hq + hkv + F + D) + (c.op_sac_saves_attention ? e * hq + 4 * a.n_heads : 0);
+      e * (D / TP + hq + hkv + F + D / TP) + (c.op_sac_saves_attention ? e * hq + 4 * heads : 0);
   // Saved bytes of each block, and whether its backward first recomputes its forward (a checkpointed block).
   std::vector<int64_t> layer_saved(a.n_layers, m.act_per_layer_full);
   std::vector<bool> recomputed(a.n_layers, false);
@@ -137,7 +158,8 @@ Plan make_plan(const PlanConfig& c) {
 
   // ---- root and loss ----
   const int64_t final_norm = T * norm;
-  const int64_t V = a.vocab_size;
+  // Logits per rank: vocabulary-sharded under loss parallel, gathered otherwise.
+  const int64_t V = TP > 1 && c.loss_parallel ? ceil_div(a.vocab_size, TP) : a.vocab_size;
   const int64_t logits = T * V * e;
   const int64_t held_logits = c.loss.free_logits_before_backward ? 0 : logits;
   const int64_t lsm = T * V * 4;  // log-softmax output (float32 when upcast; = compute dtype otherwise)
@@ -155,7 +177,7 @@ Plan make_plan(const PlanConfig& c) {
   const int64_t bwd_in_flight = U + U + rs_buffers + (a.n_layers > 1 ? ag_buffer : 0);  // params, grads, prev RS, prefetch
   // Gradient of the activations flowing through a block's backward (docs/planner.md): the incoming and outgoing
   // residual gradients and the SwiGLU intermediates' gradients.
-  const int64_t grad_workspace = T * e * (2 * D + 3 * F);
+  const int64_t grad_workspace = T * e * (2 * D / TP + 3 * F);
   m.runtime = c.runtime_overhead;
   // Sharded grads are freed by zero_grad(set_to_none): they exist from the reduce-scatters to the optimizer step.
   const int64_t persist = m.params + m.optimizer + m.runtime;
@@ -174,7 +196,7 @@ Plan make_plan(const PlanConfig& c) {
   int64_t acts_below = saved_layers_bytes;
   for (int64_t i = a.n_layers - 1; i >= 0; --i) {
     const int64_t acts = acts_below + (recomputed[i] ? m.act_per_layer_full : 0) + grad_workspace;
-    moments.push_back({"backward of block " + std::to_string(i), m.root_unsharded + V * D * e + bwd_in_flight, acts,
+    moments.push_back({"backward of block " + std::to_string(i), m.root_unsharded + ceil_div(a.vocab_size, TP) * D * e + bwd_in_flight, acts,
                        held_logits, (a.n_layers - 1 - i) * block.shard_numel * pb});
     acts_below -= layer_saved[i];
   }
@@ -254,6 +276,34 @@ Plan make_plan(const PlanConfig& c) {
   }
   (void)n_groups;
   cm.total_bytes = cm.all_gather_bytes + cm.reduce_scatter_bytes + cm.all_reduce_bytes;
+  if (TP > 1) {
+    // Byte model of docs/comm.md over the TP group. One sequence-sharded activation [T/tp, D] is all-gathered
+    // ((tp-1) x its bytes) or reduce-scattered from [T, D] ((tp-1)/tp of that): per block 2 + 2 in forward
+    // (PrepareModuleInput, wo/w2), the mirrors in backward, the forward ones again when the block is
+    // recomputed; the root: the embedding's reduce-scatter and the output layer's input all-gather, and their
+    // mirrors. All-reduces: the norm weights' gradients (3 per block pair + final), the loss's 3 [T] vectors.
+    const int64_t shard_act = T / TP * D * e;
+    const int64_t ag_one = (TP - 1) * shard_act, rs_one = (TP - 1) * (T * D * e) / TP;
+    int64_t recomputed_blocks = 0;
+    for (bool r : recomputed) recomputed_blocks += r ? 1 : 0;
+    const int64_t per_dir = 4 * a.n_layers + 2 + 2 * recomputed_blocks;
+    cm.tp_all_gather_calls = per_dir;
+    cm.tp_reduce_scatter_calls = per_dir;
+    cm.tp_all_gather_bytes = per_dir * ag_one;
+    cm.tp_reduce_scatter_bytes = per_dir * rs_one;
+    if (!c.loss_parallel) {
+      cm.tp_all_gather_calls += 1;
+      cm.tp_all_gather_bytes += (TP - 1) * T * ceil_div(a.vocab_size, TP) * e;
+    }
+    const auto ar = [&](int64_t bytes) { return 2 * (TP - 1) * bytes / TP; };
+    cm.tp_all_reduce_calls = 2 * a.n_layers + 1;
+    cm.tp_all_reduce_bytes = (2 * a.n_layers + 1) * ar(D * e);
+    if (c.loss_parallel) {
+      cm.tp_all_reduce_calls += 3;
+      cm.tp_all_reduce_bytes += ar((T + 1) * 4) + 2 * ar(T * 4);
+    }
+    cm.tp_total_bytes = cm.tp_all_gather_bytes + cm.tp_reduce_scatter_bytes + cm.tp_all_reduce_bytes;
+  }
   return plan;
 }
 
@@ -265,7 +315,10 @@ std::string format_plan(const Plan& p) {
   const char* ac = c.ac == ACMode::None ? "none" : c.ac == ACMode::Full ? "full" : "selective";
   os << "model      llama3 " << (c.flavor.empty() ? "(custom)" : c.flavor) << ": " << p.num_params << " parameters ("
      << static_cast<double>(p.num_params) / 1e9 << " B), " << c.args.n_layers << " blocks + root\n";
-  os << "mesh       replicate " << c.replicate << " x shard " << c.shard << " = " << c.replicate * c.shard << " ranks\n";
+  os << "mesh       replicate " << c.replicate << " x shard " << c.shard << " x tp " << c.tp << " = "
+     << c.replicate * c.shard * c.tp << " ranks";
+  if (c.tp > 1) os << " (TP: sequence parallel, " << (c.loss_parallel ? "loss parallel" : "logits gathered") << ")";
+  os << "\n";
   os << "dtypes     params " << dt(c.param_dtype) << ", compute " << dt(c.compute_dtype) << ", reduce "
      << dt(c.reduce_dtype) << ", optimizer states " << dt(c.optim_dtype) << " x " << c.optim_states << "\n";
   os << "batch      local " << c.local_batch << " x seq " << c.seq_len << "; AC " << ac;
@@ -294,6 +347,13 @@ std::string format_plan(const Plan& p) {
   os << "  all-reduce (HSDP)       " << gib(cm.all_reduce_bytes) << " (" << cm.all_reduce_calls << " calls)\n";
   os << "  total                   " << gib(cm.total_bytes) << "  (optimum without padding: " << gib(cm.optimum_bytes)
      << ")\n";
+  if (c.tp > 1) {
+    os << "  tp all-gather           " << gib(cm.tp_all_gather_bytes) << " (" << cm.tp_all_gather_calls << " calls)\n";
+    os << "  tp reduce-scatter       " << gib(cm.tp_reduce_scatter_bytes) << " (" << cm.tp_reduce_scatter_calls
+       << " calls)\n";
+    os << "  tp all-reduce           " << gib(cm.tp_all_reduce_bytes) << " (" << cm.tp_all_reduce_calls << " calls)\n";
+    os << "  tp total                " << gib(cm.tp_total_bytes) << "\n";
+  }
   return os.str();
 }
 

@@ -31,6 +31,11 @@ struct PlanConfig {
   std::string flavor;
   int64_t replicate = 1;  // HSDP replicate degree (mesh dim 0)
   int64_t shard = 1;      // FSDP shard degree (mesh dim 1)
+  // Tensor parallel degree (innermost mesh dim): TorchTitan's Llama plan with sequence parallel (fsdp-train's
+  // tensor_parallel_degree). FSDP then shards each rank's TP pieces; activations are split as docs/planner.md
+  // says. loss_parallel: the logits stay vocabulary-sharded (else gathered: V per rank).
+  int64_t tp = 1;
+  bool loss_parallel = true;
   c10::ScalarType param_dtype = c10::kFloat;    // sharded (master) parameters and their gradients
   c10::ScalarType compute_dtype = c10::kFloat;  // MixedPrecisionPolicy.param_dtype: unsharded params, activations
   c10::ScalarType reduce_dtype = c10::kFloat;   // gradient reduce-scatter / all-reduce
@@ -97,6 +102,12 @@ struct CommPlan {
   int64_t all_gather_calls = 0, reduce_scatter_calls = 0, all_reduce_calls = 0;
   int64_t total_bytes = 0;
   int64_t optimum_bytes = 0;  // the same without padding/alignment
+  // Over the TP mesh dim (tp > 1): sequence-parallel all-gathers / reduce-scatters of activations (and their
+  // mirrors in backward, again for recomputed blocks), norm-gradient and loss-parallel all-reduces. Not in
+  // total_bytes (which is the data-parallel dims').
+  int64_t tp_all_gather_bytes = 0, tp_reduce_scatter_bytes = 0, tp_all_reduce_bytes = 0;
+  int64_t tp_all_gather_calls = 0, tp_reduce_scatter_calls = 0, tp_all_reduce_calls = 0;
+  int64_t tp_total_bytes = 0;
 };
 
 struct Plan {

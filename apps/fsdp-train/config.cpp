@@ -90,7 +90,10 @@ std::vector<Field> fields(JobConfig& c) {
       {"parallelism", "data_parallel_shard_degree", &c.parallelism.data_parallel_shard_degree,
        "FSDP shard group size; -1 = the ranks left over"},
       {"parallelism", "fsdp_reshard_after_forward", &c.parallelism.fsdp_reshard_after_forward, "default | always | never"},
-      {"parallelism", "tensor_parallel_degree", &c.parallelism.tensor_parallel_degree, "only 1", false},
+      {"parallelism", "tensor_parallel_degree", &c.parallelism.tensor_parallel_degree,
+       "TorchTitan's Llama TP plan with sequence parallel over this many ranks (innermost mesh dim); FSDP over the rest"},
+      {"parallelism", "disable_loss_parallel", &c.parallelism.disable_loss_parallel,
+       "with TP: gather the logits (Replicate) instead of the vocabulary-sharded loss-parallel cross entropy"},
       {"checkpoint", "enable", &c.checkpoint.enable, "save checkpoints and resume from the latest complete one"},
       {"checkpoint", "folder", &c.checkpoint.folder, "under job.dump_folder; one step-N folder per save"},
       {"checkpoint", "interval", &c.checkpoint.interval, "steps between saves (and the last step)"},
@@ -565,8 +568,16 @@ void validate(const JobConfig& c) {
   check(c.parallelism.data_parallel_shard_degree == -1 || c.parallelism.data_parallel_shard_degree >= 1,
         "parallelism.data_parallel_shard_degree: expected -1 or >= 1, got " +
             std::to_string(c.parallelism.data_parallel_shard_degree));
-  check(c.parallelism.tensor_parallel_degree == 1,
-        "parallelism.tensor_parallel_degree: only 1 is implemented, got " + std::to_string(c.parallelism.tensor_parallel_degree));
+  check(c.parallelism.tensor_parallel_degree >= 1,
+        "parallelism.tensor_parallel_degree: expected >= 1, got " + std::to_string(c.parallelism.tensor_parallel_degree));
+  check(c.training.seq_len % c.parallelism.tensor_parallel_degree == 0,
+        "training.seq_len (" + std::to_string(c.training.seq_len) + ") must be divisible by "
+        "parallelism.tensor_parallel_degree (" + std::to_string(c.parallelism.tensor_parallel_degree) +
+        ") for sequence parallel");
+  check(!c.validation.enable || c.validation.seq_len % c.parallelism.tensor_parallel_degree == 0,
+        "validation.seq_len (" + std::to_string(c.validation.seq_len) + ") must be divisible by "
+        "parallelism.tensor_parallel_degree (" + std::to_string(c.parallelism.tensor_parallel_degree) +
+        ") for sequence parallel");
 }
 
 ParallelDims resolve_parallelism(const JobConfig& c, int64_t world_size) {
@@ -575,7 +586,12 @@ ParallelDims resolve_parallelism(const JobConfig& c, int64_t world_size) {
   ParallelDims d;
   d.world_size = world_size;
   d.dp_replicate = c.parallelism.data_parallel_replicate_degree;
-  const std::string W = std::to_string(world_size), R = std::to_string(d.dp_replicate);
+  d.tp = c.parallelism.tensor_parallel_degree;
+  check(world_size % d.tp == 0, "parallelism.tensor_parallel_degree (" + std::to_string(d.tp) +
+                                    ") must divide the world size (" + std::to_string(world_size) + ")");
+  world_size /= d.tp;  // the data-parallel ranks
+  const std::string W = std::to_string(world_size) + (d.tp > 1 ? " = world / tensor_parallel_degree" : ""),
+                    R = std::to_string(d.dp_replicate);
   if (c.parallelism.data_parallel_shard_degree == -1) {
     check(world_size % d.dp_replicate == 0, "parallelism.data_parallel_replicate_degree (" + R +
                                                 ") must divide the world size (" + W + ") when data_parallel_shard_degree = -1");

@@ -72,7 +72,8 @@ struct JobConfig {
     int64_t data_parallel_replicate_degree = 1;
     int64_t data_parallel_shard_degree = -1;  // -1 = the ranks left over by the other degrees
     std::string fsdp_reshard_after_forward = "default";  // default | always | never
-    int64_t tensor_parallel_degree = 1;
+    int64_t tensor_parallel_degree = 1;   // TorchTitan's Llama TP plan (with sequence parallel) over this many ranks
+    bool disable_loss_parallel = false;   // with TP: gather the logits instead of a vocabulary-sharded loss
   } parallelism;
   struct Checkpoint {
     bool enable = false;
@@ -137,6 +138,7 @@ struct ParallelDims {
   int64_t world_size = 1;
   int64_t dp_replicate = 1;
   int64_t dp_shard = 1;
+  int64_t tp = 1;  // tensor-parallel degree (innermost mesh dim: ranks r*tp .. r*tp+tp-1 share a data shard)
   int64_t dp_degree() const { return dp_replicate * dp_shard; }
   int64_t local_batch_size = 1;
   int64_t global_batch_size = 1;

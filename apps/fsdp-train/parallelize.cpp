@@ -2,6 +2,8 @@
 #include "parallelize.h"
 
 #include <fsdp/activation_checkpoint.h>
+#include <fsdp/nn/llama_tp_plan.h>
+#include <fsdp/tensor_parallel.h>
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
@@ -48,7 +50,11 @@ std::string apply_activation_checkpointing(fsdp::nn::llama::Transformer& model, 
 }  // namespace
 
 bool plan_uses_fully_shard(const ParallelDims& dims, bool has_group) {
-  return has_group && !(dims.dp_shard == 1 && dims.dp_replicate > 1);
+  return has_group && (dims.tp > 1 || !(dims.dp_shard == 1 && dims.dp_replicate > 1));
+}
+
+bool plan_needs_full_init(const ParallelDims& dims, bool has_group) {
+  return !plan_uses_fully_shard(dims, has_group) || dims.tp > 1;
 }
 
 ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobConfig& config, const ParallelDims& dims,
@@ -67,13 +73,33 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
     plan.description = "data parallel (replicate " + std::to_string(dims.dp_replicate) + ", gradient all-reduce)";
     return plan;
   }
-  if (dims.dp_replicate > 1) {
+  fsdp::DeviceMesh dp_mesh;
+  std::string tp_description;
+  if (dims.tp > 1) {
+    // TorchTitan's order: dp_replicate, dp_shard, tp (TP innermost: contiguous ranks).
+    std::vector<int64_t> shape{dims.dp_shard, dims.tp};
+    std::vector<std::string> names{"dp_shard", "tp"};
+    if (dims.dp_replicate > 1) {
+      shape.insert(shape.begin(), dims.dp_replicate);
+      names.insert(names.begin(), "dp_replicate");
+    }
+    plan.mesh = fsdp::init_device_mesh("cpu", shape, names);
+    plan.tp_mesh = plan.mesh["tp"];
+    dp_mesh = dims.dp_replicate > 1 ? plan.mesh.slice({"dp_replicate", "dp_shard"}) : plan.mesh["dp_shard"];
+    plan.loss_parallel = !config.parallelism.disable_loss_parallel;
+    fsdp::parallelize_module(model, plan.tp_mesh,
+                             fsdp::nn::llama::tensor_parallel_plan(model->args(), dims.tp, {true, plan.loss_parallel}));
+    tp_description = "TP " + std::to_string(dims.tp) + " (sequence parallel, " +
+                     (plan.loss_parallel ? "loss parallel" : "logits gathered") + ") + ";
+  } else if (dims.dp_replicate > 1) {
     plan.mesh = fsdp::init_device_mesh("cpu", {dims.dp_replicate, dims.dp_shard}, {"dp_replicate", "dp_shard"});
+    dp_mesh = plan.mesh;
   } else {
     plan.mesh = fsdp::init_device_mesh("cpu", {dims.dp_shard}, {"dp_shard"});
+    dp_mesh = plan.mesh;
   }
   fsdp::FullyShardOptions base;
-  base.mesh = plan.mesh;
+  base.mesh = dp_mesh;
   if (config.training.mixed_precision_param != "float32" || config.training.mixed_precision_reduce != "float32") {
     base.mp_policy.param_dtype = dtype_of(config.training.mixed_precision_param);
     base.mp_policy.reduce_dtype = dtype_of(config.training.mixed_precision_reduce);
@@ -93,7 +119,7 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
   plan.fsdp_modules.push_back(fsdp::fully_shard(model, root));
   for (auto& m : plan.fsdp_modules) m.set_gradient_divide_factor(1.0);
   plan.fsdp = true;
-  plan.description = std::string(dims.dp_replicate > 1 ? "HSDP" : "FSDP") + " mesh " + plan.mesh.to_string() +
+  plan.description = tp_description + std::string(dims.dp_replicate > 1 ? "HSDP" : "FSDP") + " mesh " + plan.mesh.to_string() +
                      ", reshard_after_forward " + policy + ", param " + config.training.mixed_precision_param +
                      ", reduce " + config.training.mixed_precision_reduce;
   return plan;

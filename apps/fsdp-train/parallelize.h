@@ -9,6 +9,10 @@
 //                   once; root kept, as TorchTitan), always, never
 //   precision       mixed_precision_param / mixed_precision_reduce (FSDP only, as in TorchTitan)
 //   AC              [activation_checkpoint] on every block first (any plan): full, every k-th block, or op SAC
+//   TP              tensor_parallel_degree > 1: mesh [dp_replicate,] dp_shard, tp (TP innermost), TorchTitan's
+//                   Llama plan (sequence parallel; loss parallel unless disable_loss_parallel) applied before
+//                   fully_shard, which then shards over the data-parallel dims (HSDP when replicate > 1, even
+//                   with shard degree 1). The model is initialized whole on every rank first (no meta init).
 // Gradients are summed, not averaged, across ranks (gradient divide factor 1): the loss is already divided by
 // the global token count, so the sum is the full-batch gradient.
 
@@ -32,11 +36,15 @@ struct ParallelPlan {
   std::vector<fsdp::FSDPModule> fsdp_modules;
   std::string description;
   std::string activation_checkpointing;  // what [activation_checkpoint] applied (before fully_shard)
+  fsdp::DeviceMesh tp_mesh;              // valid when tensor parallel
+  bool loss_parallel = false;            // logits are vocabulary-sharded over tp_mesh
 };
 
 // Whether parallelize_llama will apply fully_shard (then the trainer builds the model on `meta` and
 // materializes only the shards, as TorchTitan does). `has_group`: running under a process group.
 bool plan_uses_fully_shard(const ParallelDims& dims, bool has_group);
+// Whether the trainer must build and initialize the model whole before parallelize_llama (meta init otherwise).
+bool plan_needs_full_init(const ParallelDims& dims, bool has_group);
 
 // `group` is the world group when distributed, or null for a single process (no collectives at all).
 ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobConfig& config, const ParallelDims& dims,

@@ -12,6 +12,7 @@
 
 #include <fsdp/clip_grad.h>
 #include <fsdp/materialize.h>
+#include <fsdp/tensor_parallel.h>
 #include <fsdp/nn/llama.h>
 #include <fsdp/nn/module_call.h>
 #include <fsdp/launch_check.h>
@@ -121,7 +122,8 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
   fsdp::nn::llama::LlamaArgs args = fsdp::nn::llama::llama3_flavor(config.model.flavor);
   args.vocab_size = tokenizer->vocab_size();  // TorchTitan: the model's vocab follows the tokenizer
   args.max_seq_len = config.training.seq_len;
-  const int64_t dp_rank = env.rank;  // no tensor parallelism: every rank is a data-parallel rank
+  // TP innermost: the tp ranks r*tp .. r*tp+tp-1 form data-parallel rank r and read the same samples.
+  const int64_t dp_rank = env.rank / dims.tp;
   const TextOptions text_options{config.training.dataset_text_field, config.training.bad_records == "skip", main_rank};
   DataLoader loader(files, tokenizer, args.vocab_size,
                     {config.training.seq_len, dims.local_batch_size, dims.grad_accum_steps, dp_rank, dims.dp_degree()},
@@ -133,7 +135,7 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
 
   // With FSDP the model is built on `meta` (no full copy on any rank), sharded, then only the local shards are
   // allocated and initialized unit by unit — the same weights as an unsharded init (TorchTitan's flow).
-  const bool meta_init = plan_uses_fully_shard(dims, env.group != nullptr);
+  const bool meta_init = !plan_needs_full_init(dims, env.group != nullptr);
   const uint64_t seed = static_cast<uint64_t>(config.debug.seed);
   if (meta_init) args.device = c10::kMeta;
   fsdp::nn::llama::Transformer model(args);
@@ -143,6 +145,15 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
   const double flops_per_token = fsdp::nn::llama::flops_per_token(args, config.training.seq_len);
 
   ParallelPlan plan = parallelize_llama(model, config, dims, env.group);
+  // The summed token loss of flattened logits (training and validation alike): with loss parallel the logits are
+  // sharded over the vocabulary and the cross entropy reduces over the TP group.
+  const Validator::LossSum loss_sum_of = [&plan](const torch::Tensor& logits, const torch::Tensor& labels) {
+    if (plan.loss_parallel)
+      return fsdp::loss_parallel_cross_entropy(logits, labels, plan.tp_mesh, -100, fsdp::LossReduction::Sum);
+    return torch::nn::functional::cross_entropy(
+        logits.to(torch::kFloat), labels,
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(-100));
+  };
   if (meta_init) {
     fsdp::materialize_module(*model);
     model->init_weights(seed, fsdp::full_params_init_scope(*model));
@@ -202,7 +213,7 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
               << "  tokenizer " << tokenizer->describe() << "\n"
               << "  data      " << config.training.dataset << ": " << files.size() << " files\n"
               << "  ranks     " << env.world_size << " (dp replicate " << dims.dp_replicate << " x shard " << dims.dp_shard
-              << "); " << summary.plan << "\n"
+              << " x tp " << dims.tp << "); " << summary.plan << "\n"
               << "  batch     global " << dims.global_batch_size << " x " << config.training.seq_len << " tokens = local "
               << dims.local_batch_size << " x " << dims.grad_accum_steps << " accumulation x " << dims.dp_degree()
               << " ranks; " << torch::get_num_threads() << " threads per rank\n"
@@ -226,7 +237,9 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
 
   const bool tty = say && isatty(STDOUT_FILENO);
   const int64_t S = config.training.seq_len;
-  const int64_t tokens_per_step_local = dims.local_batch_size * dims.grad_accum_steps * S;
+  // Tokens per rank (TorchTitan's tps): the tp ranks of a data-parallel rank share its tokens (each does 1/tp of
+  // their FLOPs), so tokens/s per rank x world size = global tokens/s and MFU stays comparable across layouts.
+  const int64_t tokens_per_step_local = dims.local_batch_size * dims.grad_accum_steps * S / dims.tp;
   const auto t_start = Clock::now();
   auto t_window = t_start;
   int64_t window_tokens = 0, window_steps = 0;
@@ -248,7 +261,8 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
       for (int64_t l : batches.back().labels) local_tokens += l != -100;
     }
     window_data_s += seconds_since(t_data);
-    const double global_tokens = all_reduce(env.group, {static_cast<double>(local_tokens)})[0];
+    // The TP ranks of a data-parallel rank hold the same tokens: count them once.
+    const double global_tokens = all_reduce(env.group, {static_cast<double>(local_tokens)})[0] / dims.tp;
 
     TrainSummary::TensorMemory tmem;
     if (track_tensors) {
@@ -260,9 +274,7 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
       auto inputs = torch::from_blob(b.inputs.data(), {b.batch, b.seq_len}, torch::kLong);
       auto labels = torch::from_blob(b.labels.data(), {b.batch * b.seq_len}, torch::kLong);
       auto logits = fsdp::nn::call(model, inputs);
-      auto loss_sum = torch::nn::functional::cross_entropy(
-          logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), labels,
-          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(-100));
+      auto loss_sum = loss_sum_of(logits.reshape({-1, logits.size(-1)}), labels);
       if (track_tensors) tmem.forward = tensor_memory::live_bytes();
       // Divided by the global count: summed over micro-batches and ranks, this is the full-batch gradient.
       (loss_sum / global_tokens).backward();
@@ -281,7 +293,7 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
       tmem.peak = tensor_memory::peak_bytes();
       summary.tensor_memory.push_back(tmem);
     }
-    const double loss = all_reduce(env.group, {local_loss_sum})[0] / global_tokens;
+    const double loss = all_reduce(env.group, {local_loss_sum})[0] / dims.tp / global_tokens;
     summary.losses.push_back(loss);
     summary.grad_norms.push_back(grad_norm);
     if (step == 1 && env.group) {
@@ -318,7 +330,7 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
       m.tensor_peak_bytes = tmem.peak;
     }
     if (validator && validator->should_validate(step)) {
-      const ValidationResult v = validator->validate(*model, env.group);
+      const ValidationResult v = validator->validate(*model, env.group, loss_sum_of, dims.tp);
       summary.validation_steps.push_back(step);
       summary.validation_losses.push_back(v.loss);
       jsonl.write_validation(step, v.loss, v.perplexity, v.tokens, v.seconds);

@@ -18,10 +18,14 @@
 #include <fsdp/process_group.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+namespace at {
+class Tensor;
+}
 namespace fsdp::nn::llama {
 class TransformerImpl;
 }
@@ -43,8 +47,14 @@ class Validator {
             int64_t dp_rank, int64_t dp_degree, const TextOptions& text = {});
   int64_t bad_records() const { return bad_records_; }
   bool should_validate(int64_t step) const { return step == 1 || step % config_.freq == 0; }
+  // Summed token loss of flattened logits [N, V] against labels [N] (ignore index -100): the training loop's own
+  // loss, so tensor parallel's vocabulary-sharded logits get the loss-parallel cross entropy here too.
+  using LossSum = std::function<at::Tensor(const at::Tensor& logits, const at::Tensor& labels)>;
   // Collective over `group` (null: one process). `model` is the root module the training loop calls.
-  ValidationResult validate(fsdp::nn::llama::TransformerImpl& model, const fsdp::ProcessGroupPtr& group) const;
+  // `tp_degree`: the tensor-parallel ranks of one data-parallel rank hold the same samples and the same summed
+  // loss, so the group totals count each of them tp_degree times.
+  ValidationResult validate(fsdp::nn::llama::TransformerImpl& model, const fsdp::ProcessGroupPtr& group,
+                            const LossSum& loss_sum, int64_t tp_degree = 1) const;
   int64_t num_samples() const { return num_samples_; }
   int64_t batches_per_run() const;
   const std::vector<std::string>& files() const { return files_; }

@@ -32,15 +32,16 @@ struct Mode {
 };
 constexpr Mode kModes[] = {{"none", "2"}, {"full", "2"}, {"selective", "2"}, {"selective", "op"}};
 
-TrainSummary::TensorMemory measure(const std::string& flavor, int64_t seq, const Mode& m) {
+TrainSummary::TensorMemory measure(const std::string& flavor, int64_t seq, const Mode& m, int64_t tp) {
   JobConfig c = load_config({"--model.flavor", flavor, "--training.seq_len", std::to_string(seq),
                              "--training.local_batch_size", "1", "--training.global_batch_size", "2",
                              "--training.steps", "2", "--lr_scheduler.warmup_steps", "1", "--metrics.peak_tflops",
                              "1", "--metrics.tensor_memory", "true", "--activation_checkpoint.mode", m.mode,
-                             "--activation_checkpoint.selective_ac_option", m.option});
+                             "--activation_checkpoint.selective_ac_option", m.option,
+                             "--parallelism.tensor_parallel_degree", std::to_string(tp)});
   auto world = fsdp::world();
   // One folder for all ranks: the launch check requires the same effective configuration on every rank.
-  c.job.dump_folder = ::testing::TempDir() + "/fsdp_plan_ac_" + flavor + m.mode + m.option;
+  c.job.dump_folder = ::testing::TempDir() + "/fsdp_plan_ac_" + flavor + m.mode + m.option + "_tp" + std::to_string(tp);
   if (world->rank() == 0) std::filesystem::remove_all(c.job.dump_folder);  // one remover
   world->barrier().wait();
   TrainEnv env;
@@ -55,12 +56,13 @@ TrainSummary::TensorMemory measure(const std::string& flavor, int64_t seq, const
   return s.tensor_memory.back();  // step 2: the optimizer states exist at its start
 }
 
-Plan plan_for(const std::string& flavor, int64_t seq, const Mode& m, int64_t world) {
+Plan plan_for(const std::string& flavor, int64_t seq, const Mode& m, int64_t world, int64_t tp) {
   PlanConfig c;
   c.flavor = flavor;
   c.args = fsdp::nn::llama::llama3_flavor(flavor);
   c.args.vocab_size = 258;  // fsdp-train's byte-level tokenizer
-  c.shard = world;
+  c.shard = world / tp;
+  c.tp = tp;  // TorchTitan's Llama plan with sequence and loss parallel, as fsdp-train applies it
   c.local_batch = 1;
   c.seq_len = seq;
   c.keep_last_block_unsharded = true;  // fsdp_reshard_after_forward = "default"
@@ -70,20 +72,23 @@ Plan plan_for(const std::string& flavor, int64_t seq, const Mode& m, int64_t wor
   return make_plan(c);
 }
 
-void check(const std::string& flavor, int64_t seq) {
+void check(const std::string& flavor, int64_t seq, int64_t tp = 1) {
   const int64_t world = fsdp::world()->size();
   double none_fwd = 0;
   for (const Mode& m : kModes) {
-    SCOPED_TRACE(std::string(m.mode) + " " + m.option);
-    const auto got = measure(flavor, seq, m);
-    const Plan p = plan_for(flavor, seq, m, world);
+    // Under TP the planner's AC terms are not right yet (docs/planner.md, "Tensor parallel": a checkpointed block
+    // keeps about two more sequence-sharded [T/tp, D] tensors than it counts): only AC none is held to it.
+    if (tp > 1 && std::string(m.mode) != "none") continue;
+    SCOPED_TRACE(std::string(m.mode) + " " + m.option + " tp " + std::to_string(tp));
+    const auto got = measure(flavor, seq, m, tp);
+    const Plan p = plan_for(flavor, seq, m, world, tp);
     const double fwd = static_cast<double>(got.forward - got.start), peak = static_cast<double>(got.peak - got.start);
     const double pf = static_cast<double>(p.memory.end_of_forward), pp = static_cast<double>(p.memory.step_peak);
     if (std::string(m.mode) == "none") none_fwd = fwd;
     if (fsdp::world()->rank() == 0) {
-      std::printf("[plan-ac] %s seq %lld AC %s %s: end of forward %.2f MiB (planned %.2f, %+.1f%%; %.0f%% of no AC), "
+      std::printf("[plan-ac] %s seq %lld tp %lld AC %s %s: end of forward %.2f MiB (planned %.2f, %+.1f%%; %.0f%% of no AC), "
                   "step peak %.2f MiB (planned %.2f, %+.1f%%); planned saved activations %.2f MiB\n",
-                  flavor.c_str(), static_cast<long long>(seq), m.mode, m.option, fwd / (1 << 20), pf / (1 << 20),
+                  flavor.c_str(), static_cast<long long>(seq), static_cast<long long>(tp), m.mode, m.option, fwd / (1 << 20), pf / (1 << 20),
                   100 * (fwd / pf - 1), 100 * fwd / none_fwd, peak / (1 << 20), pp / (1 << 20), 100 * (peak / pp - 1),
                   static_cast<double>(p.memory.saved_activations) / (1 << 20));
     }
@@ -96,6 +101,8 @@ void check(const std::string& flavor, int64_t seq) {
 }  // namespace
 
 TEST(PlanAcVsMeasured, CpuSmallSeq512) { check("cpu_small", 512); }
+// Tensor parallel 2 (sequence + loss parallel) on the 2 ranks: the planner's TP activation split.
+TEST(PlanAcVsMeasured, TensorParallel2CpuSmallSeq512) { check("cpu_small", 512, 2); }
 // The bench/RESULTS.md numbers: long sequences on the must-show flavors.
 TEST(PlanAcVsMeasured, SlowCpuMediumSeq1024) { check("cpu_medium", 1024); }
 TEST(PlanAcVsMeasured, SlowDebugmodelSeq2048) { check("debugmodel", 2048); }

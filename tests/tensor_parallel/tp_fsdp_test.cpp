@@ -142,3 +142,8 @@ TEST(FullyShardOverTensorParallel, Replicate2Tp2SequenceAndLossParallel) {
   if (fsdp_test::test_world()->size() != 4) GTEST_SKIP() << "needs 4 ranks";
   run_2d({true, true, true});
 }
+
+TEST(FullyShardOverTensorParallel, Replicate2Tp2PlainTp) {
+  if (fsdp_test::test_world()->size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  run_2d({true, false, false});
+}

@@ -1,6 +1,7 @@
 // fsdp-train with [activation_checkpoint] on 2 ranks (FSDP): the loss curve with full, layer-selective (every 2nd
 // block) and op-level selective checkpointing equals the run without it, and the recomputation really ran.
 #include "config.h"
+#include "train_env.h"
 #include "trainer.h"
 
 #include <fsdp/activation_checkpoint.h>
@@ -21,17 +22,9 @@ TrainSummary train(const std::string& mode, const std::string& option) {
                              "--training.global_batch_size", "4", "--training.steps", "3", "--lr_scheduler.warmup_steps",
                              "1", "--metrics.peak_tflops", "1", "--activation_checkpoint.mode", mode,
                              "--activation_checkpoint.selective_ac_option", option});
-  auto world = fsdp::world();
   // One folder for all ranks: the launch check requires the same effective configuration on every rank.
-  c.job.dump_folder = ::testing::TempDir() + "/fsdp_train_ac_" + mode + option;
-  if (world->rank() == 0) std::filesystem::remove_all(c.job.dump_folder);  // one remover
-  world->barrier().wait();
-  TrainEnv env;
-  env.rank = world->rank();
-  env.world_size = world->size();
-  env.group = world;
-  env.verbose = false;
-  return run_training(c, env, false);
+  c.job.dump_folder = test::shared_dir("fsdp_train_ac", mode + option);
+  return run_training(c, test::world_env(), false);
 }
 }  // namespace
 

@@ -11,14 +11,11 @@
 //                               model-only last save of the same run
 // Every "started from" run also differs from a fresh start, so the load is what made them equal.
 #include "config.h"
+#include "train_env.h"
 #include "trainer.h"
 
 #include <fsdp/checkpoint/checkpoint.h>
 #include <fsdp/checkpoint/safetensors.h>
-#include <fsdp/process_group.h>
-
-#include "comm/dist_env.h"
-
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -35,13 +32,7 @@ namespace {
 const std::string kPython = FSDP_TEST_PYTHON;
 const std::string kTorchSide = std::string(FSDP_SOURCE_DIR) + "/tests/checkpoint/interop/torch_side.py";
 
-// The same folder on every rank (fsdprun is every rank's parent); rank 0 clears it.
-std::string shared_dir(const std::string& name) {
-  const std::string d = ::testing::TempDir() + "/fsdp_train_interop_" + name + "_" + std::to_string(::getppid());
-  if (fsdp::world()->rank() == 0) fs::remove_all(d);
-  fsdp::world()->barrier().wait();
-  return d;
-}
+std::string shared_dir(const std::string& name) { return test::shared_dir("fsdp_train_interop", name); }
 
 JobConfig base(const std::string& folder) {
   JobConfig c = load_config({"--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
@@ -54,16 +45,7 @@ JobConfig base(const std::string& folder) {
   return c;
 }
 
-TrainEnv dist_env(int64_t stop_after = -1) {
-  auto world = fsdp::world();
-  TrainEnv env;
-  env.rank = world->rank();
-  env.world_size = world->size();
-  env.group = world;
-  env.verbose = world->rank() == 0;
-  env.stop_after_step = stop_after;
-  return env;
-}
+TrainEnv dist_env(int64_t stop_after = -1) { return test::world_env(/*verbose=*/true, stop_after); }
 
 std::string slurp(const fs::path& p) {
   std::ifstream f(p);
@@ -82,6 +64,15 @@ int python_on_rank0(const std::string& args, const fs::path& log) {
   }
   fsdp::world()->barrier().wait();
   return rc;
+}
+
+// A new job (empty checkpoint folder of its own) started from `from` (checkpoint.initial_load_path).
+TrainSummary start_from(const std::string& name, const std::string& from, bool model_only, bool hf = false) {
+  JobConfig c = base(shared_dir(name));
+  c.checkpoint.initial_load_path = from;
+  c.checkpoint.initial_load_model_only = model_only;
+  c.checkpoint.initial_load_in_hf = hf;
+  return run_training(c, dist_env(), false);
 }
 
 void expect_same_losses(const TrainSummary& got, const std::vector<double>& want, const std::string& what) {
@@ -132,20 +123,13 @@ TEST(TrainerInterop, DcpFormatSavesResumesAndStartsNewJobs) {
   EXPECT_EQ(ckpt::detect_format(dcp_run + "/checkpoint/step-6"), ckpt::Format::PytorchDcp);
 
   // A new job (empty checkpoint folder) started from the DCP step with its whole state continues the run.
-  JobConfig from_dcp = base(shared_dir("from_dcp_full"));
-  from_dcp.checkpoint.initial_load_path = dcp_step3;
-  from_dcp.checkpoint.initial_load_model_only = false;
-  expect_same_losses(run_training(from_dcp, dist_env(), false), {full.losses.begin() + 3, full.losses.end()},
-                     "initial_load_path = the DCP save, whole state");
+  expect_same_losses(start_from("from_dcp_full", dcp_step3, /*model_only=*/false),
+                     {full.losses.begin() + 3, full.losses.end()}, "initial_load_path = the DCP save, whole state");
 
   // Model only (TorchTitan's default): step 1 again with the step-3 weights and a fresh optimizer; the same as
   // starting from the libfsdp save, and not the same as a fresh start.
-  JobConfig model_from_dcp = base(shared_dir("from_dcp_model"));
-  model_from_dcp.checkpoint.initial_load_path = dcp_step3;
-  JobConfig model_from_ours = base(shared_dir("from_ours_model"));
-  model_from_ours.checkpoint.initial_load_path = ours + "/checkpoint/step-3";
-  const TrainSummary a = run_training(model_from_dcp, dist_env(), false);
-  const TrainSummary b = run_training(model_from_ours, dist_env(), false);
+  const TrainSummary a = start_from("from_dcp_model", dcp_step3, /*model_only=*/true);
+  const TrainSummary b = start_from("from_ours_model", ours + "/checkpoint/step-3", /*model_only=*/true);
   ASSERT_EQ(a.losses.size(), 6u);
   expect_same_losses(a, b.losses, "model-only initial load: DCP vs libfsdp");
   EXPECT_NE(a.losses[0], full.losses[0]);  // the weights were loaded
@@ -183,13 +167,8 @@ TEST(TrainerInterop, HuggingFaceLastSaveAndInitialLoad) {
       << "LlamaForCausalLM.from_pretrained could not load the trainer's Hugging Face export";
 
   // Started from the export (initial_load_in_hf) = started from the libfsdp model-only last save, bit for bit.
-  JobConfig from_hf = base(shared_dir("from_hf"));
-  from_hf.checkpoint.initial_load_path = hf_dir;
-  from_hf.checkpoint.initial_load_in_hf = true;
-  JobConfig from_ours = base(shared_dir("from_ours_last"));
-  from_ours.checkpoint.initial_load_path = ours + "/checkpoint/step-6";
-  const TrainSummary a = run_training(from_hf, dist_env(), false);
-  const TrainSummary b = run_training(from_ours, dist_env(), false);
+  const TrainSummary a = start_from("from_hf", hf_dir, /*model_only=*/true, /*hf=*/true);
+  const TrainSummary b = start_from("from_ours_last", ours + "/checkpoint/step-6", /*model_only=*/true);
   ASSERT_EQ(a.losses.size(), 6u);
   expect_same_losses(a, b.losses, "initial load: Hugging Face export vs libfsdp model-only save");
   EXPECT_LT(a.losses[0], full.losses[0]);  // the trained weights were loaded, not a fresh start

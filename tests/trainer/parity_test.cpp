@@ -2,6 +2,7 @@
 // (accumulation 4 / W) equals that of 1 rank with gradient accumulation 4 over the same global batches, to 1e-5
 // (relative). The 1-rank reference runs inside each process without any process group.
 #include "config.h"
+#include "train_env.h"
 #include "trainer.h"
 
 #include <fsdp/process_group.h>
@@ -17,12 +18,22 @@ using namespace fsdp_train;
 namespace {
 
 
-JobConfig base(const std::string& name, int64_t replicate, int64_t shard) {
+JobConfig base(const std::string& name, int64_t replicate, int64_t shard, int64_t tp = 1, bool loss_parallel = true,
+               bool validate = false) {
   JobConfig c = load_config({"--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
                              "--training.global_batch_size", "8", "--training.steps", "8", "--lr_scheduler.warmup_steps",
                              "2", "--metrics.peak_tflops", "1"});
   c.parallelism.data_parallel_replicate_degree = replicate;
   c.parallelism.data_parallel_shard_degree = shard;
+  c.parallelism.tensor_parallel_degree = tp;
+  c.parallelism.disable_loss_parallel = !loss_parallel;
+  // [validation] at steps 1, 4 and 8 over the first 12 held-out samples: 6 batches of 2 samples on 1 rank;
+  // expect_parity divides the batch count by the data-parallel degree (batch k covers samples [k*L*D, (k+1)*L*D)).
+  c.validation.enable = validate;
+  c.validation.freq = 4;
+  c.validation.steps = 6;
+  c.validation.local_batch_size = 2;
+  c.validation.seq_len = 32;
   // Distributed runs share one folder (the launch check requires the same effective configuration on every
   // rank); the 1-rank references, run by every process, get one each.
   c.job.dump_folder = ::testing::TempDir() + "/fsdp_train_parity_" + name;
@@ -33,19 +44,21 @@ JobConfig base(const std::string& name, int64_t replicate, int64_t shard) {
   return c;
 }
 
-void expect_parity(int64_t replicate, int64_t shard, const std::string& name, const std::string& plan) {
+void expect_parity(int64_t replicate, int64_t shard, const std::string& name, const std::string& plan,
+                   int64_t tp = 1, bool loss_parallel = true, bool validate = false) {
   auto world = fsdp::world();
-  const int64_t shard_size = shard == -1 ? world->size() / replicate : shard;
-  if (replicate * shard_size != world->size()) GTEST_SKIP() << "needs replicate x shard = world size " << world->size();
+  const int64_t shard_size = shard == -1 ? world->size() / replicate / tp : shard;
+  if (replicate * shard_size * tp != world->size()) {
+    GTEST_SKIP() << "needs replicate x shard x tp = world size " << world->size();
+  }
   TrainEnv single;
   single.verbose = false;
-  const TrainSummary ref = run_training(base(name + "_ref", 1, -1), single, false);  // 1 rank, accumulation 4
-  TrainEnv dist;
-  dist.rank = world->rank();
-  dist.world_size = world->size();
-  dist.group = world;
-  dist.verbose = false;
-  const TrainSummary got = run_training(base(name, replicate, shard), dist, false);  // W ranks, accumulation 4 / W
+  // 1 rank, accumulation 4
+  const TrainSummary ref = run_training(base(name + "_ref", 1, -1, 1, true, validate), single, false);
+  // W ranks, accumulation 4 / (W / tp)
+  JobConfig config = base(name, replicate, shard, tp, loss_parallel, validate);
+  config.validation.steps /= world->size() / tp;  // the same 12 held-out samples
+  const TrainSummary got = run_training(config, test::world_env(), false);
   EXPECT_NE(got.plan.find(plan), std::string::npos) << got.plan;  // the intended parallelisation was applied
   ASSERT_EQ(ref.losses.size(), got.losses.size());
   for (size_t i = 0; i < ref.losses.size(); ++i) {
@@ -53,6 +66,14 @@ void expect_parity(int64_t replicate, int64_t shard, const std::string& name, co
     EXPECT_NEAR(got.grad_norms[i], ref.grad_norms[i], 1e-4 * ref.grad_norms[i]) << "step " << i + 1;
   }
   EXPECT_LT(got.losses.back(), got.losses.front());
+  // Validation (same held-out samples whatever the data-parallel degree) agrees too, and it ran and moved.
+  ASSERT_EQ(got.validation_steps, ref.validation_steps);
+  if (validate) {
+    ASSERT_EQ(ref.validation_steps, (std::vector<int64_t>{1, 4, 8}));
+    EXPECT_LT(ref.validation_losses.back(), ref.validation_losses.front());
+  }
+  for (size_t i = 0; i < ref.validation_losses.size(); ++i)
+    EXPECT_NEAR(got.validation_losses[i], ref.validation_losses[i], 1e-5 * ref.validation_losses[i]) << "validation " << i;
 }
 
 }  // namespace
@@ -66,4 +87,19 @@ TEST(TrainerParity, ShardMatchesOneRankWithAccumulation) { expect_parity(1, -1, 
 TEST(TrainerParity, HsdpMatchesOneRankWithAccumulation) {
   if (fsdp::world()->size() != 4) GTEST_SKIP() << "HSDP 2 x 2 needs 4 ranks";
   expect_parity(2, 2, "hsdp", "HSDP mesh");
+}
+
+// Tensor parallel 2 (TorchTitan's Llama plan with sequence parallel) x FSDP over the rest: on 2 ranks
+// (dp 1 x tp 2) and 4 ranks (dp_shard 2 x tp 2), with and without loss parallel.
+TEST(TrainerParity, TensorParallelMatchesOneRankWithAccumulation) {
+  expect_parity(1, -1, "tp", "TP 2 (sequence parallel, loss parallel)", 2, true, /*validate=*/true);
+}
+
+TEST(TrainerParity, TensorParallelGatheredLogitsMatchesOneRankWithAccumulation) {
+  expect_parity(1, -1, "tp_nolp", "TP 2 (sequence parallel, logits gathered)", 2, false, /*validate=*/true);
+}
+
+TEST(TrainerParity, TensorParallelWithReplicasMatchesOneRankWithAccumulation) {
+  if (fsdp::world()->size() != 4) GTEST_SKIP() << "replicate 2 x tp 2 needs 4 ranks";
+  expect_parity(2, 1, "hsdp_tp", "TP 2 (sequence parallel, loss parallel) + HSDP", 2);
 }

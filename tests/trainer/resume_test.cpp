@@ -3,6 +3,7 @@
 // same rank count, data order included); resumed on 1 rank (model and optimizer resharded, the data loader
 // repositioned) it equals it within 1e-6. The async save mode gives the same result.
 #include "config.h"
+#include "train_env.h"
 #include "trainer.h"
 
 #include <fsdp/checkpoint/checkpoint.h>
@@ -20,13 +21,7 @@ namespace fs = std::filesystem;
 namespace {
 
 
-std::string shared_dir(const std::string& name) {
-  // The same folder on every rank (rank 0 clears it).
-  const std::string d = ::testing::TempDir() + "/fsdp_train_resume_" + name + "_" + std::to_string(::getppid());
-  if (fsdp::world()->rank() == 0) fs::remove_all(d);
-  fsdp::world()->barrier().wait();
-  return d;
-}
+std::string shared_dir(const std::string& name) { return test::shared_dir("fsdp_train_resume", name); }
 
 JobConfig base(const std::string& folder, bool checkpoint, const std::string& async_mode = "disabled") {
   JobConfig c = load_config({"--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
@@ -40,16 +35,7 @@ JobConfig base(const std::string& folder, bool checkpoint, const std::string& as
   return c;
 }
 
-TrainEnv dist_env(int64_t stop_after = -1) {
-  auto world = fsdp::world();
-  TrainEnv env;
-  env.rank = world->rank();
-  env.world_size = world->size();
-  env.group = world;
-  env.verbose = world->rank() == 0;
-  env.stop_after_step = stop_after;
-  return env;
-}
+TrainEnv dist_env(int64_t stop_after = -1) { return test::world_env(/*verbose=*/true, stop_after); }
 
 void resume_case(const std::string& async_mode) {
   const std::string name = async_mode;

@@ -2,6 +2,7 @@
 // (and for any validation batch size: the last batch is padded, never dropped), it counts exactly the tokens of
 // the held-out text, and validating leaves training bit-identical to a run without it.
 #include "config.h"
+#include "train_env.h"
 #include "trainer.h"
 
 #include <fsdp/process_group.h>
@@ -66,15 +67,7 @@ TrainEnv single() {
   e.verbose = false;
   return e;
 }
-TrainEnv distributed() {
-  auto world = fsdp::world();
-  TrainEnv e;
-  e.rank = world->rank();
-  e.world_size = world->size();
-  e.group = world;
-  e.verbose = false;
-  return e;
-}
+TrainEnv distributed() { return test::world_env(); }
 
 }  // namespace
 
