@@ -4,6 +4,7 @@
 
 #include "comm/buffer_pool.h"
 #include "comm/progress_thread.h"
+#include "util/exception_message.h"
 
 #include <fsdp/process_group.h>
 
@@ -83,11 +84,7 @@ struct ProcessGroup::Impl {
   std::string describe() const;
 };
 
-// The message of a caught exception without c10::Error's backtrace (we wrap it in our own context).
-inline const char* message_of(const std::exception& e) {
-  const auto* ce = dynamic_cast<const c10::Error*>(&e);
-  return ce ? ce->what_without_backtrace() : e.what();
-}
+using detail::message_of;  // util/exception_message.h: errors of comm wrap the backend's message in context
 
 // Starts a backend call; launch failures (e.g. the backend rejects the dtype) get the same context as wait()
 // failures.

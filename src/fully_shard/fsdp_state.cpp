@@ -1,5 +1,6 @@
 #include "fully_shard/fsdp_state.h"
 #include "autograd/make_node.h"
+#include "util/exception_message.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -505,13 +506,6 @@ void FSDPState::reset() {
   if (abandoned) check_ranks_in_step(states);
 }
 
-namespace {
-const char* message_without_backtrace(const std::exception& e) {
-  const auto* ce = dynamic_cast<const c10::Error*>(&e);
-  return ce ? ce->what_without_backtrace() : e.what();
-}
-}  // namespace
-
 // After an abandoned step every rank's issued collectives are complete (the drain above), but that only
 // means the peers issued them too — not that they stopped here. A rank that did not raise goes on issuing
 // the step's remaining collectives, which the others would pair with their next step's (Gloo matches
@@ -544,7 +538,7 @@ void FSDPState::check_group_in_step(ProcessGroup& group) {
     TORCH_CHECK(false, "fsdp: the process group of ", name(), " is unusable after an exception: not every rank "
                 "abandoned the step (only some ranks raised, so the others are still inside it and will issue "
                 "collectives this rank never joins). Restart the job (fsdprun --max-restarts) and resume from a "
-                "checkpoint. Cause: ", message_without_backtrace(e));
+                "checkpoint. Cause: ", detail::message_of(e));
   }
   std::string listing;
   bool equal = true;
