@@ -213,7 +213,7 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
               << "  tokenizer " << tokenizer->describe() << "\n"
               << "  data      " << config.training.dataset << ": " << files.size() << " files\n"
               << "  ranks     " << env.world_size << " (dp replicate " << dims.dp_replicate << " x shard " << dims.dp_shard
-              << " x tp " << dims.tp << "); " << summary.plan << "\n"
+              << (dims.tp > 1 ? " x tp " + std::to_string(dims.tp) : std::string()) << "); " << summary.plan << "\n"
               << "  batch     global " << dims.global_batch_size << " x " << config.training.seq_len << " tokens = local "
               << dims.local_batch_size << " x " << dims.grad_accum_steps << " accumulation x " << dims.dp_degree()
               << " ranks; " << torch::get_num_threads() << " threads per rank\n"

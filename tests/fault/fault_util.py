@@ -2,9 +2,11 @@
 variable, read their output as it comes, inject faults, print what was injected and what was observed, and prove at
 the end that no process of the test is left (every process started by a test carries the marker in its
 environment, so one scan of /proc finds them all, whoever their parent is now)."""
+import argparse
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +14,25 @@ import time
 import uuid
 
 MARKER = "FSDP_FAULT_TEST_ID"
+
+
+def arg_parser(ckpt_tool=False):
+    """The arguments every fault test takes: the built binaries (CMake passes them) and a scratch folder."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fsdprun", required=True)
+    ap.add_argument("--train", required=True)
+    if ckpt_tool:
+        ap.add_argument("--ckpt-tool", required=True)
+    ap.add_argument("--workdir", required=True)
+    return ap
+
+
+def parse_args(ap):
+    """The test's arguments, with its scratch folder emptied."""
+    a = ap.parse_args()
+    shutil.rmtree(a.workdir, ignore_errors=True)
+    os.makedirs(a.workdir)
+    return a
 _test_id = uuid.uuid4().hex
 _failures = []
 

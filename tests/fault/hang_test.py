@@ -5,10 +5,8 @@ peers). The other rank must fail within the configured timeout (plus the diagnos
 error naming the collective, the group and the missing rank; fsdprun must then tear the group down (the stopped
 rank included) and nothing may be left running. Two cases: the stopped rank is rank 1, and rank 0 (which also
 serves the rendezvous store, so the survivor can only say that the store does not answer)."""
-import argparse
 import os
 import re
-import shutil
 import signal
 import sys
 import time
@@ -16,13 +14,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fault_util as fu  # noqa: E402
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--fsdprun", required=True)
-ap.add_argument("--train", required=True)
-ap.add_argument("--workdir", required=True)
-a = ap.parse_args()
-shutil.rmtree(a.workdir, ignore_errors=True)
-os.makedirs(a.workdir)
+ap = fu.arg_parser(ckpt_tool=False)
+a = fu.parse_args(ap)
 
 TIMEOUT = 4
 TRAIN_ARGS = ["--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",

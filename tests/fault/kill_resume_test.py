@@ -9,10 +9,8 @@ being written (the moment its step-N.partial folder appears, seen through inotif
 The uninterrupted run is the reference; its final weights are checked to differ from its step-2 weights (it trains).
 Final weights are compared tensor by tensor after `fsdp-ckpt convert --model-only` (safetensors read here with the
 standard library)."""
-import argparse
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -20,16 +18,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fault_util as fu  # noqa: E402
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--fsdprun", required=True)
-ap.add_argument("--train", required=True)
-ap.add_argument("--ckpt-tool", required=True)
-ap.add_argument("--workdir", required=True)
+ap = fu.arg_parser(ckpt_tool=True)
 ap.add_argument("--trials", type=int, default=5)
 ap.add_argument("--seed", type=int, default=None)
-a = ap.parse_args()
-shutil.rmtree(a.workdir, ignore_errors=True)
-os.makedirs(a.workdir)
+a = fu.parse_args(ap)
 seed = a.seed if a.seed is not None else random.randrange(1 << 30)
 rng = random.Random(seed)
 fu.log("info", f"random seed {seed} (rerun with --seed {seed})")
@@ -121,22 +113,30 @@ def trial(name, kill_at_step=None, kill_in_save=None):
     else:
         fu.check(any(f"step-{expected_resume}" in l for l in loaded),
                  f"{name}: resumed from step-{expected_resume}, the last complete checkpoint at the kill")
-    if kill_in_save:
-        fu.check(kill_in_save not in done_at_kill,
-                 f"{name}: the kill landed inside the step-{kill_in_save} save (not complete at the kill)")
+    landed = bool(kill_in_save) and kill_in_save not in done_at_kill
+    if kill_in_save and not landed:
+        # The save (milliseconds for cpu_tiny) committed before the signal arrived: a loaded machine scheduled this
+        # process too late. Still a valid kill-and-resume trial; the caller tries again for one inside a save.
+        fu.observed(f"{name}: step-{kill_in_save} was already complete when the kill landed (retrying)")
     fu.check(rc == 0, f"{name}: the restarted job finishes (exit {rc})")
     if rc != 0:
         print(job.text()[-4000:])
-        return
+        return landed
     got = final_weights(folder)
     same = got.keys() == reference.keys() and all(got[k] == reference[k] for k in reference)
     diff = [k for k in reference if k not in got or got[k] != reference[k]]
     fu.observed(f"{name}: final weights vs uninterrupted: {len(reference) - len(diff)}/{len(reference)} tensors "
                 f"bit-identical" + (f"; differ: {diff[:3]}" if diff else ""))
     fu.check(same, f"{name}: final weights bit-identical to the uninterrupted run")
+    return landed
 
 
 for i in range(a.trials):
     trial(f"kill{i}", kill_at_step=rng.randrange(1, STEPS))
-trial("kill_in_save", kill_in_save=rng.choice([4, 6]))
+landed_in_save = False
+for attempt in range(3):  # the kill must land inside a save at least once
+    landed_in_save = trial(f"kill_in_save{attempt}", kill_in_save=rng.choice([4, 6]))
+    if landed_in_save:
+        break
+fu.check(landed_in_save, "a kill landed inside a save (not complete at the kill) within 3 attempts")
 fu.finish_test("kill_resume_test")

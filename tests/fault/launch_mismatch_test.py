@@ -8,9 +8,7 @@
   * rank 0's store listens only on MASTER_ADDR (127.0.0.2 here): a connection to 127.0.0.1 on the same port is
     refused while the job runs.
 A matched launch of the same wrapper trains (the checks do not fire falsely)."""
-import argparse
 import os
-import shutil
 import socket
 import sys
 import time
@@ -18,13 +16,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fault_util as fu  # noqa: E402
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--fsdprun", required=True)
-ap.add_argument("--train", required=True)
-ap.add_argument("--workdir", required=True)
-a = ap.parse_args()
-shutil.rmtree(a.workdir, ignore_errors=True)
-os.makedirs(a.workdir)
+ap = fu.arg_parser(ckpt_tool=False)
+a = fu.parse_args(ap)
 
 TRAIN_ARGS = ["--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
               "--training.global_batch_size", "4", "--lr_scheduler.warmup_steps", "2", "--metrics.peak_tflops", "1",

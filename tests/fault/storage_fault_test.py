@@ -10,7 +10,6 @@ outlives the test); the rest of the job's output stays on the normal disk.
     either an error naming the folder, or the folder is recreated and the step-6/9 checkpoints are complete; the
     final weights still equal the uninterrupted run's.
 Skipped (exit 77, reason printed) where a mount namespace or a tmpfs mount is not allowed."""
-import argparse
 import ctypes
 import os
 import shutil
@@ -23,14 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fault_util as fu  # noqa: E402
 from fault_util import read_final_weights, complete_steps, Inotify  # noqa: E402
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--fsdprun", required=True)
-ap.add_argument("--train", required=True)
-ap.add_argument("--ckpt-tool", required=True)
-ap.add_argument("--workdir", required=True)
-a = ap.parse_args()
-shutil.rmtree(a.workdir, ignore_errors=True)
-os.makedirs(a.workdir)
+ap = fu.arg_parser(ckpt_tool=True)
+a = fu.parse_args(ap)
 
 # A private mount namespace for this process and its children: the tmpfs disappears with them.
 libc = ctypes.CDLL(None, use_errno=True)

@@ -5,24 +5,17 @@ addresses 10.213.<k>.1/.2 on a /30, nothing else in them). `fsdprun --nnodes 2 -
 fsdp-train uses HSDP with the replicate dim across the "hosts" (replicate 2 x shard 2). The loss curve must equal
 the same job on one host (4 ranks, same mesh) — bit for bit is not required across a different rank placement,
 1e-5 relative is. Skipped (exit 77, reason printed) where namespaces or veth pairs cannot be created."""
-import argparse
 import os
 import random
 import re
-import shutil
 import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fault_util as fu  # noqa: E402
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--fsdprun", required=True)
-ap.add_argument("--train", required=True)
-ap.add_argument("--workdir", required=True)
-a = ap.parse_args()
-shutil.rmtree(a.workdir, ignore_errors=True)
-os.makedirs(a.workdir)
+ap = fu.arg_parser(ckpt_tool=False)
+a = fu.parse_args(ap)
 
 k = random.randrange(1, 250)
 tag = f"{os.getpid() % 10000}"
