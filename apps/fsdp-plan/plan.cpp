@@ -124,9 +124,10 @@ Plan make_plan(const PlanConfig& c) {
                 F = ceil_div(a.ffn_hidden_dim(), TP), heads = a.n_heads / TP;
   const bool gqa = a.n_heads != a.kv_heads();
   // RMSNorm: float32 input (the input itself in fp32, an upcast copy otherwise), normalized (compute dtype)
-  // saved for the weight multiply, output saved by the next linear(s) — on T/tp tokens under TP, plus the
-  // gathered [T, D] input that the colwise linears save.
-  const int64_t norm = (4 * D + 2 * e * D) / TP + (TP > 1 ? e * D : 0);
+  // saved for the weight multiply, output saved by the next linear(s). Under TP (sequence parallel) the norm
+  // runs on T/tp tokens and its output is not saved: it is all-gathered (whose backward needs nothing) and the
+  // colwise linears save the gathered [T, D] copy instead.
+  const int64_t norm = TP > 1 ? (4 * D + e * D) / TP + e * D : 4 * D + 2 * e * D;
   // Attention: q (roped), k and v as SDPA sees them (repeated to n_heads under GQA), SDPA output (= wo
   // input), log-sum-exp (fp32 per head).
   const int64_t attn = e * (hq + 2 * (gqa ? hq : hkv) + hq) + 4 * heads;
@@ -136,9 +137,10 @@ Plan make_plan(const PlanConfig& c) {
   m.act_per_layer_full = T * full_per_token;
   m.act_per_layer_checkpointed = T * e * D / TP;  // the block input only (sequence-sharded under TP)
   // Op-level SAC: the block input and a copy of every other matmul output (wq, wv, w1, w2); TorchTitan's policy
-  // also keeps the SDPA output and log-sum-exp.
+  // also keeps the SDPA output and log-sum-exp. Under TP the rowwise w2's matmul output is the full-sequence
+  // partial sum [T, D], saved before its reduce-scatter.
   const int64_t op_sac_per_token =
-      e * (D / TP + hq + hkv + F + D / TP) + (c.op_sac_saves_attention ? e * hq + 4 * heads : 0);
+      e * (D / TP + hq + hkv + F + D) + (c.op_sac_saves_attention ? e * hq + 4 * heads : 0);
   // Saved bytes of each block, and whether its backward first recomputes its forward (a checkpointed block).
   std::vector<int64_t> layer_saved(a.n_layers, m.act_per_layer_full);
   std::vector<bool> recomputed(a.n_layers, false);
@@ -167,14 +169,18 @@ Plan make_plan(const PlanConfig& c) {
   // log-softmax backward: its saved output, the incoming gradient (nll backward, dense) and its result.
   const int64_t loss_bwd = held_logits + 3 * lsm_bytes;
   const int64_t loss_fwd = logits + lsm_bytes + (c.loss.upcast_logits ? lsm : 0);
-  m.root_unsharded = root.numel * e;
+  // A shard group of one rank with nothing cast (a TP-only mesh, replicate x shard 1): the unsharded parameters
+  // alias the sharded ones and no all-gather or reduce-scatter buffer exists (fully_shard's size-1 fast path).
+  const bool alias = S == 1 && e == pb && rb == pb;
+  m.root_unsharded = alias ? 0 : root.numel * e;
 
   // ---- block groups in flight ----
   const int64_t U = block.numel * e;                    // one block's unsharded params (or grads)
-  const int64_t ag_buffer = S * block.all_gather_bytes;  // flat all-gather output (before copy-out)
-  const int64_t rs_buffers = 2 * S * block.shard_numel * rb + block.shard_numel * rb;  // input, received, output
-  const int64_t fwd_in_flight = U + (a.n_layers > 1 ? ag_buffer : 0);       // current + prefetched next
-  const int64_t bwd_in_flight = U + U + rs_buffers + (a.n_layers > 1 ? ag_buffer : 0);  // params, grads, prev RS, prefetch
+  const int64_t U_params = alias ? 0 : U;               // beyond the sharded params
+  const int64_t ag_buffer = alias ? 0 : S * block.all_gather_bytes;  // flat all-gather output (before copy-out)
+  const int64_t rs_buffers = alias ? 0 : 2 * S * block.shard_numel * rb + block.shard_numel * rb;  // input, received, output
+  const int64_t fwd_in_flight = U_params + (a.n_layers > 1 ? ag_buffer : 0);  // current + prefetched next
+  const int64_t bwd_in_flight = U_params + U + rs_buffers + (a.n_layers > 1 ? ag_buffer : 0);  // params, grads, prev RS, prefetch
   // Gradient of the activations flowing through a block's backward (docs/planner.md): the incoming and outgoing
   // residual gradients and the SwiGLU intermediates' gradients.
   const int64_t grad_workspace = T * e * (2 * D / TP + 3 * F);
@@ -241,7 +247,8 @@ Plan make_plan(const PlanConfig& c) {
   m.saved_activations = saved_layers_bytes + final_norm;
   const int64_t blocks_unsharded_after_forward =
       c.block_reshard == 0 ? a.n_layers : (c.keep_last_block_unsharded && a.n_layers > 0 ? 1 : 0);
-  m.end_of_forward = root.numel * e + blocks_unsharded_after_forward * U + m.saved_activations + loss_fwd;
+  m.end_of_forward = (alias ? 0 : root.numel * e) + blocks_unsharded_after_forward * U_params + m.saved_activations +
+                     loss_fwd;
   m.step_peak = best - persist;
 
   // ---- communication per step ----

@@ -34,7 +34,8 @@ constexpr Mode kModes[] = {{"none", "2"}, {"full", "2"}, {"selective", "2"}, {"s
 
 TrainSummary::TensorMemory measure(const std::string& flavor, int64_t seq, const Mode& m, int64_t tp) {
   JobConfig c = load_config({"--model.flavor", flavor, "--training.seq_len", std::to_string(seq),
-                             "--training.local_batch_size", "1", "--training.global_batch_size", "2",
+                             "--training.local_batch_size", "1", "--training.global_batch_size",
+                             std::to_string(fsdp::world()->size() / tp),  // one sample per data-parallel rank
                              "--training.steps", "2", "--lr_scheduler.warmup_steps", "1", "--metrics.peak_tflops",
                              "1", "--metrics.tensor_memory", "true", "--activation_checkpoint.mode", m.mode,
                              "--activation_checkpoint.selective_ac_option", m.option,
@@ -76,9 +77,6 @@ void check(const std::string& flavor, int64_t seq, int64_t tp = 1) {
   const int64_t world = fsdp::world()->size();
   double none_fwd = 0;
   for (const Mode& m : kModes) {
-    // Under TP the planner's AC terms are not right yet (docs/planner.md, "Tensor parallel": a checkpointed block
-    // keeps about two more sequence-sharded [T/tp, D] tensors than it counts): only AC none is held to it.
-    if (tp > 1 && std::string(m.mode) != "none") continue;
     SCOPED_TRACE(std::string(m.mode) + " " + m.option + " tp " + std::to_string(tp));
     const auto got = measure(flavor, seq, m, tp);
     const Plan p = plan_for(flavor, seq, m, world, tp);
