@@ -34,16 +34,7 @@ const std::string kTorchSide = std::string(FSDP_SOURCE_DIR) + "/tests/checkpoint
 
 std::string shared_dir(const std::string& name) { return test::shared_dir("fsdp_train_interop", name); }
 
-JobConfig base(const std::string& folder) {
-  JobConfig c = load_config({"--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-                             "--training.global_batch_size", "8", "--training.steps", "6", "--lr_scheduler.warmup_steps",
-                             "2", "--metrics.peak_tflops", "1", "--training.mixed_precision_param", "float32"});
-  c.job.dump_folder = folder;
-  c.checkpoint.enable = true;
-  c.checkpoint.interval = 3;
-  c.checkpoint.keep_latest_k = 0;
-  return c;
-}
+JobConfig base(const std::string& folder) { return test::checkpointed_job(folder); }
 
 TrainEnv dist_env(int64_t stop_after = -1) { return test::world_env(/*verbose=*/true, stop_after); }
 

@@ -24,14 +24,9 @@ namespace {
 std::string shared_dir(const std::string& name) { return test::shared_dir("fsdp_train_resume", name); }
 
 JobConfig base(const std::string& folder, bool checkpoint, const std::string& async_mode = "disabled") {
-  JobConfig c = load_config({"--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-                             "--training.global_batch_size", "8", "--training.steps", "6", "--lr_scheduler.warmup_steps",
-                             "2", "--metrics.peak_tflops", "1", "--training.mixed_precision_param", "float32"});
-  c.job.dump_folder = folder;
+  JobConfig c = test::checkpointed_job(folder);
   c.checkpoint.enable = checkpoint;
-  c.checkpoint.interval = 3;
   c.checkpoint.async_mode = async_mode;
-  c.checkpoint.keep_latest_k = 0;
   return c;
 }
 

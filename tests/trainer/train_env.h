@@ -1,6 +1,7 @@
 #pragma once
 // What the multi-rank trainer tests share: the TrainEnv of this rank of the fsdprun world, and one scratch
 // folder per job that every rank names the same.
+#include "config.h"
 #include "trainer.h"
 
 #include <fsdp/process_group.h>
@@ -34,6 +35,19 @@ inline std::string shared_dir(const std::string& prefix, const std::string& name
   if (fsdp::world()->rank() == 0) std::filesystem::remove_all(d);
   fsdp::world()->barrier().wait();
   return d;
+}
+
+// The checkpoint tests' job: cpu_tiny, 6 steps of a global batch of 8 in fp32 (bit-for-bit comparable), saving
+// every 3 steps into `folder` and keeping every checkpoint.
+inline JobConfig checkpointed_job(const std::string& folder) {
+  JobConfig c = load_config({"--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
+                             "--training.global_batch_size", "8", "--training.steps", "6", "--lr_scheduler.warmup_steps",
+                             "2", "--metrics.peak_tflops", "1", "--training.mixed_precision_param", "float32"});
+  c.job.dump_folder = folder;
+  c.checkpoint.enable = true;
+  c.checkpoint.interval = 3;
+  c.checkpoint.keep_latest_k = 0;
+  return c;
 }
 
 }  // namespace fsdp_train::test
