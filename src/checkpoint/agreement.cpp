@@ -1,6 +1,8 @@
 // Cross-rank agreement for the checkpoint layers (see agreement.h).
 #include "checkpoint/agreement.h"
 
+#include "checkpoint/storage.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -80,6 +82,26 @@ std::string first_error(const ProcessGroupPtr& group, const std::string& mine) {
     if (!e.empty()) return e;
   }
   return {};
+}
+
+int64_t commit_on_coordinator(const ProcessGroupPtr& group, bool coordinator, const std::string& tmp,
+                              const std::string& what, const std::string& final_dir,
+                              const std::function<int64_t()>& commit) {
+  std::string status;
+  if (coordinator) {
+    try {
+      status = "ok " + std::to_string(commit());
+    } catch (const std::exception& e) {
+      status = error_text(e);
+      try {
+        remove_tree(tmp);
+      } catch (...) {
+      }
+    }
+  }
+  status = broadcast_string(group, status);
+  TORCH_CHECK(status.compare(0, 3, "ok ") == 0, what, " to ", final_dir, " failed: ", status);
+  return std::stoll(status.substr(3));
 }
 
 }  // namespace fsdp::checkpoint::detail

@@ -5,7 +5,9 @@
 
 #include <fsdp/process_group.h>
 
+#include <cstdint>
 #include <exception>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -25,5 +27,11 @@ std::string broadcast_string(const ProcessGroupPtr& group, const std::string& s)
 bool any_rank(const ProcessGroupPtr& group, bool mine);
 // The first non-empty string of any rank (lowest rank first), on every rank; empty when all are empty.
 std::string first_error(const ProcessGroupPtr& group, const std::string& mine);
+// The end of a collective save (every format): the coordinator runs `commit`, which writes the metadata, commits
+// `tmp` and returns the checkpoint's total bytes; if it throws, `tmp` is removed and the error becomes the outcome.
+// Every rank then learns the outcome: the total bytes, or the same "<what> to <final_dir> failed: ..." error.
+int64_t commit_on_coordinator(const ProcessGroupPtr& group, bool coordinator, const std::string& tmp,
+                              const std::string& what, const std::string& final_dir,
+                              const std::function<int64_t()>& commit);
 
 }  // namespace fsdp::checkpoint::detail

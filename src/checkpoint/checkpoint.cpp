@@ -169,65 +169,56 @@ SaveResult save(const StateDict& state, const std::string& path, const SaveOptio
 
   // 3. The coordinator collects every rank's chunk list, writes the metadata last and commits with one rename.
   const std::vector<std::string> all = all_gather_strings(group, mine.dump());
-  int64_t total_bytes = 0;
-  std::string status;
-  if (rank == 0) {
-    try {
-      std::vector<nlohmann::json> reports;
-      for (const auto& s : all) reports.push_back(nlohmann::json::parse(s));
-      for (const auto& r : reports) {
-        TORCH_CHECK(r["error"].get<std::string>().empty(), r["error"].get<std::string>());
-      }
-      Metadata md;
-      md.block_bytes = options.block_bytes;
-      md.world_size = world_size;
-      md.saved_on = options.saved_on;
-      auto declare = [&](const nlohmann::json& d) -> TensorMeta& {
-        const std::string fqn = d["fqn"].get<std::string>();
-        const auto dtype = safetensors::dtype_from_name(d["dtype"].get<std::string>());
-        const auto shape = d["shape"].get<std::vector<int64_t>>();
-        auto [it, fresh] = md.tensors.try_emplace(fqn);
-        if (fresh) {
-          it->second.dtype = dtype;
-          it->second.shape = shape;
-        }
-        TORCH_CHECK(it->second.dtype == dtype && it->second.shape == shape, "checkpoint: ranks disagree on tensor '",
-                    fqn, "': ", safetensors::dtype_name(it->second.dtype), c10::IntArrayRef(it->second.shape), " vs ",
-                    d["dtype"].get<std::string>(), c10::IntArrayRef(shape));
-        return it->second;
-      };
-      for (const auto& r : reports) {
-        for (const auto& d : r["decls"]) declare(d);
-      }
-      for (const auto& r : reports) {
-        for (const auto& c : r["chunks"]) declare(c).chunks.push_back(chunk_from_json(c["chunk"]));
-        for (auto f = r["files"].begin(); f != r["files"].end(); ++f) {
-          md.files[f.key()] = f.value().get<int64_t>();
-          total_bytes += f.value().get<int64_t>();
-        }
-        for (auto v = r["values"].begin(); v != r["values"].end(); ++v) md.values.try_emplace(v.key(), v.value().dump());
-      }
-      for (const auto& [fqn, t] : md.tensors) {
-        TORCH_CHECK(!md.values.count(fqn), "checkpoint: key '", fqn, "' is both a tensor and a value");
-      }
-      validate(md, final_dir);
-      write_file_atomic((fs::path(tmp) / kMetadataFile).string(), to_json_text(md));
-      commit_dir(tmp, final_dir);
-    } catch (const std::exception& e) {
-      status = error_text(e);
-      try {
-        remove_tree(tmp);
-      } catch (...) {
-      }
+  auto write_metadata_and_commit = [&]() -> int64_t {
+    int64_t bytes = 0;
+    std::vector<nlohmann::json> reports;
+    for (const auto& s : all) reports.push_back(nlohmann::json::parse(s));
+    for (const auto& r : reports) {
+      TORCH_CHECK(r["error"].get<std::string>().empty(), r["error"].get<std::string>());
     }
-    status = status.empty() ? "ok " + std::to_string(total_bytes) : status;
-  }
-  status = broadcast_string(group, status);
-  TORCH_CHECK(status.compare(0, 3, "ok ") == 0, "checkpoint::save to ", final_dir, " failed: ", status);
+    Metadata md;
+    md.block_bytes = options.block_bytes;
+    md.world_size = world_size;
+    md.saved_on = options.saved_on;
+    auto declare = [&](const nlohmann::json& d) -> TensorMeta& {
+      const std::string fqn = d["fqn"].get<std::string>();
+      const auto dtype = safetensors::dtype_from_name(d["dtype"].get<std::string>());
+      const auto shape = d["shape"].get<std::vector<int64_t>>();
+      auto [it, fresh] = md.tensors.try_emplace(fqn);
+      if (fresh) {
+        it->second.dtype = dtype;
+        it->second.shape = shape;
+      }
+      TORCH_CHECK(it->second.dtype == dtype && it->second.shape == shape, "checkpoint: ranks disagree on tensor '",
+                  fqn, "': ", safetensors::dtype_name(it->second.dtype), c10::IntArrayRef(it->second.shape), " vs ",
+                  d["dtype"].get<std::string>(), c10::IntArrayRef(shape));
+      return it->second;
+    };
+    for (const auto& r : reports) {
+      for (const auto& d : r["decls"]) declare(d);
+    }
+    for (const auto& r : reports) {
+      for (const auto& c : r["chunks"]) declare(c).chunks.push_back(chunk_from_json(c["chunk"]));
+      for (auto f = r["files"].begin(); f != r["files"].end(); ++f) {
+        md.files[f.key()] = f.value().get<int64_t>();
+        bytes += f.value().get<int64_t>();
+      }
+      for (auto v = r["values"].begin(); v != r["values"].end(); ++v) md.values.try_emplace(v.key(), v.value().dump());
+    }
+    for (const auto& [fqn, t] : md.tensors) {
+      TORCH_CHECK(!md.values.count(fqn), "checkpoint: key '", fqn, "' is both a tensor and a value");
+    }
+    validate(md, final_dir);
+    write_file_atomic((fs::path(tmp) / kMetadataFile).string(), to_json_text(md));
+    commit_dir(tmp, final_dir);
+    return bytes;
+  };
+  const int64_t total_bytes =
+      commit_on_coordinator(group, rank == 0, tmp, "checkpoint::save", final_dir, write_metadata_and_commit);
   SaveResult res;
   res.path = final_dir;
   res.local_bytes = local_bytes;
-  res.total_bytes = std::stoll(status.substr(3));
+  res.total_bytes = total_bytes;
   res.seconds = since(t0);
   return res;
 }

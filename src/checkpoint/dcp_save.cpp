@@ -144,79 +144,70 @@ SaveResult save_dcp(const StateDict& state, const std::string& path, const SaveO
 
   // Rank 0 gathers the chunk lists and values, appends the values, writes .metadata and commits.
   const std::vector<std::string> all = all_gather_strings(group, mine.dump());
-  std::string status;
-  int64_t total_bytes = 0;
-  if (rank == 0) {
-    try {
-      std::vector<nlohmann::json> reports;
-      for (const auto& s : all) reports.push_back(nlohmann::json::parse(s));
-      for (const auto& r : reports) TORCH_CHECK(r["error"].get<std::string>().empty(), r["error"].get<std::string>());
-      dcp::Metadata md;
-      md.version = dcp::kVersion;
-      auto declare = [&](const nlohmann::json& d) -> dcp::TensorEntry& {
-        const std::string fqn = d["fqn"].get<std::string>();
-        const auto dtype = safetensors::dtype_from_name(d["dtype"].get<std::string>());
-        const auto shape = d["shape"].get<std::vector<int64_t>>();
-        auto [it, fresh] = md.tensors.try_emplace(fqn);
-        if (fresh) {
-          it->second.dtype = dtype;
-          it->second.size = shape;
-        }
-        TORCH_CHECK(it->second.dtype == dtype && it->second.size == shape, "checkpoint: ranks disagree on tensor '",
-                    fqn, "'");
-        return it->second;
-      };
-      for (const auto& r : reports) {
-        for (const auto& d : r["decls"]) declare(d);
+  auto write_metadata_and_commit = [&]() -> int64_t {
+    int64_t bytes = 0;
+    std::vector<nlohmann::json> reports;
+    for (const auto& s : all) reports.push_back(nlohmann::json::parse(s));
+    for (const auto& r : reports) TORCH_CHECK(r["error"].get<std::string>().empty(), r["error"].get<std::string>());
+    dcp::Metadata md;
+    md.version = dcp::kVersion;
+    auto declare = [&](const nlohmann::json& d) -> dcp::TensorEntry& {
+      const std::string fqn = d["fqn"].get<std::string>();
+      const auto dtype = safetensors::dtype_from_name(d["dtype"].get<std::string>());
+      const auto shape = d["shape"].get<std::vector<int64_t>>();
+      auto [it, fresh] = md.tensors.try_emplace(fqn);
+      if (fresh) {
+        it->second.dtype = dtype;
+        it->second.size = shape;
       }
-      std::map<std::string, int64_t> files;
-      for (size_t rk = 0; rk < reports.size(); ++rk) {
-        const auto& r = reports[rk];
-        for (const auto& c : r["chunks"]) {
-          dcp::Chunk ch;
-          ch.offsets = c["offsets"].get<std::vector<int64_t>>();
-          ch.sizes = c["sizes"].get<std::vector<int64_t>>();
-          ch.item = {dcp_file_name(static_cast<int>(rk), 0), c["offset"].get<int64_t>(), c["length"].get<int64_t>()};
-          declare(c).chunks.push_back(std::move(ch));
-        }
-        for (auto f = r["files"].begin(); f != r["files"].end(); ++f) files[f.key()] = f.value().get<int64_t>();
-      }
-      std::map<std::string, std::string> values;  // the lowest rank's value of each key
-      for (const auto& r : reports) {
-        for (auto v = r["values"].begin(); v != r["values"].end(); ++v) values.try_emplace(v.key(), v.value().dump());
-      }
-      for (const auto& [key, text] : values) {
-        TORCH_CHECK(!md.tensors.count(key), "checkpoint: key '", key, "' is both a tensor and a value");
-        const std::string item = dcp::value_item(text);
-        const int64_t off = writer().append(item.data(), static_cast<int64_t>(item.size()));
-        md.values[key] = {file, off, static_cast<int64_t>(item.size())};
-      }
-      if (w) {
-        w->fsync();
-        w->close();
-        local_bytes = w->size();
-        files[file] = w->size();
-      }
-      for (const auto& [f, size] : files) total_bytes += size;
-      validate_dcp(md, files, final_dir);
-      write_file_atomic((fs::path(tmp) / dcp::kMetadataFile).string(),
-                        dcp::metadata_pickle(md, fs::absolute(final_dir).lexically_normal().string()));
-      commit_dir(tmp, final_dir);
-    } catch (const std::exception& e) {
-      status = error_text(e);
-      try {
-        remove_tree(tmp);
-      } catch (...) {
-      }
+      TORCH_CHECK(it->second.dtype == dtype && it->second.size == shape, "checkpoint: ranks disagree on tensor '",
+                  fqn, "'");
+      return it->second;
+    };
+    for (const auto& r : reports) {
+      for (const auto& d : r["decls"]) declare(d);
     }
-    status = status.empty() ? "ok " + std::to_string(total_bytes) : status;
-  }
-  status = broadcast_string(group, status);
-  TORCH_CHECK(status.compare(0, 3, "ok ") == 0, "checkpoint::save (DCP) to ", final_dir, " failed: ", status);
+    std::map<std::string, int64_t> files;
+    for (size_t rk = 0; rk < reports.size(); ++rk) {
+      const auto& r = reports[rk];
+      for (const auto& c : r["chunks"]) {
+        dcp::Chunk ch;
+        ch.offsets = c["offsets"].get<std::vector<int64_t>>();
+        ch.sizes = c["sizes"].get<std::vector<int64_t>>();
+        ch.item = {dcp_file_name(static_cast<int>(rk), 0), c["offset"].get<int64_t>(), c["length"].get<int64_t>()};
+        declare(c).chunks.push_back(std::move(ch));
+      }
+      for (auto f = r["files"].begin(); f != r["files"].end(); ++f) files[f.key()] = f.value().get<int64_t>();
+    }
+    std::map<std::string, std::string> values;  // the lowest rank's value of each key
+    for (const auto& r : reports) {
+      for (auto v = r["values"].begin(); v != r["values"].end(); ++v) values.try_emplace(v.key(), v.value().dump());
+    }
+    for (const auto& [key, text] : values) {
+      TORCH_CHECK(!md.tensors.count(key), "checkpoint: key '", key, "' is both a tensor and a value");
+      const std::string item = dcp::value_item(text);
+      const int64_t off = writer().append(item.data(), static_cast<int64_t>(item.size()));
+      md.values[key] = {file, off, static_cast<int64_t>(item.size())};
+    }
+    if (w) {
+      w->fsync();
+      w->close();
+      local_bytes = w->size();
+      files[file] = w->size();
+    }
+    for (const auto& [f, size] : files) bytes += size;
+    validate_dcp(md, files, final_dir);
+    write_file_atomic((fs::path(tmp) / dcp::kMetadataFile).string(),
+                      dcp::metadata_pickle(md, fs::absolute(final_dir).lexically_normal().string()));
+    commit_dir(tmp, final_dir);
+    return bytes;
+  };
+  const int64_t total_bytes =
+      commit_on_coordinator(group, rank == 0, tmp, "checkpoint::save (DCP)", final_dir, write_metadata_and_commit);
   SaveResult res;
   res.path = final_dir;
   res.local_bytes = local_bytes;
-  res.total_bytes = std::stoll(status.substr(3));
+  res.total_bytes = total_bytes;
   res.seconds = since(t0);
   return res;
 }
