@@ -28,6 +28,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <string>
 #include <vector>
 #include <algorithm>
@@ -49,29 +50,88 @@ void drop_cache(const fs::path& dir) {
     ::close(fd);
   }
 }
+
+// The bench's data, a formula both sides compute the same way (float32 ops), so a load can be checked
+// without the saving processes: full[r][c] = (r % 1000) + 0.25 * key_index + 1e-4 * c.
+at::Tensor rows_of_key(int64_t key_index, int64_t row0, int64_t rows, int64_t cols) {
+  const at::Tensor r = at::arange(row0, row0 + rows, at::kLong).remainder(1000).to(at::kFloat) + 0.25 * key_index;
+  const at::Tensor c = at::arange(cols, at::kFloat) * 1e-4;
+  return r.unsqueeze(1) + c.unsqueeze(0);
+}
+
+// Resharding load (run on M ranks): loads a checkpoint saved on 2 ranks into Shard(0) over this world, page
+// cache dropped first, each rank's rows checked against the formula. Prints one JSON line on rank 0.
+int reshard_load(const std::string& path) {
+  auto world = fsdp::init_process_group();
+  const int rank = world->rank(), n = world->size();
+  auto mesh = fsdp::init_device_mesh("cpu", {n}, {"shard"});
+  const ckpt::CheckpointSummary summary = ckpt::inspect(path);
+  ckpt::StateDict dst;
+  int64_t key_index = 0;  // the summary lists the tensors sorted by name, as the saving side numbered them
+  std::map<std::string, int64_t> index;
+  for (const auto& t : summary.tensors) {
+    const int64_t rows = t.shape[0], cols = t.shape[1];
+    TORCH_CHECK(rows % n == 0, "bench: ", rows, " rows do not split over ", n, " ranks");
+    dst.tensors[t.name] = fsdp::ShardedTensor::from_local(at::empty({rows / n, cols}), mesh, {fsdp::Shard(0)}, {rows, cols});
+    index[t.name] = key_index++;
+  }
+  if (rank == 0) drop_cache(path);
+  world->barrier().wait();
+  const auto t0 = Clock::now();
+  const auto res = ckpt::load(dst, path);
+  world->barrier().wait();
+  const double load_s = since(t0);
+  bool equal = true;
+  for (const auto& [k, v] : dst.tensors) {
+    equal = equal && at::equal(v.local(), rows_of_key(index.at(k), v.local_offset()[0], v.local().size(0), v.local().size(1)));
+  }
+  at::Tensor stats = at::tensor({static_cast<double>(res.bytes_read), equal ? 0.0 : 1.0});
+  world->all_reduce(stats).wait();
+  if (rank == 0) {
+    std::printf("{\"side\": \"libfsdp\", \"reshard_load_ranks\": %d, \"saved_on\": %lld, \"load_s\": %.3f, "
+                "\"bytes_read\": %.0f, \"state_bytes\": %lld, \"equal\": %s}\n",
+                n, static_cast<long long>(summary.world_size), load_s, stats[0].item<double>(),
+                static_cast<long long>(summary.total_bytes), stats[1].item<double>() == 0 ? "true" : "false");
+    std::fflush(stdout);
+  }
+  world->barrier().wait();
+  fsdp::destroy_process_group();
+  return equal ? 0 : 1;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
   double gb = 0.5;
-  std::string dir = "/tmp/fsdp_ckpt_bench";
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (std::string(argv[i]) == "--gb") gb = std::stod(argv[i + 1]);
-    if (std::string(argv[i]) == "--dir") dir = argv[i + 1];
+  std::string dir = "/tmp/fsdp_ckpt_bench", reshard_from;
+  bool keep = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--keep") keep = true;
+    else if (i + 1 < argc && a == "--gb") gb = std::stod(argv[++i]);
+    else if (i + 1 < argc && a == "--dir") dir = argv[++i];
+    else if (i + 1 < argc && a == "--reshard-from") reshard_from = argv[++i];
   }
+  if (!reshard_from.empty()) return reshard_load(reshard_from);
   auto world = fsdp::init_process_group();
   const int rank = world->rank(), n = world->size();
   auto mesh = fsdp::init_device_mesh("cpu", {n}, {"shard"});
   const int64_t cols = 4096, tensors = 16;
-  const int64_t rows = static_cast<int64_t>(gb * 1e9 / 4 / cols / tensors) / n * n;
-  ckpt::StateDict sd;
-  int64_t local_bytes = 0;
+  // Divisible by 12: the resharding loads split the rows evenly over 3 and 4 ranks.
+  const int64_t rows = static_cast<int64_t>(gb * 1e9 / 4 / cols / tensors) / 12 * 12;
+  std::map<std::string, int64_t> keys;  // name -> its index in sorted order (the data formula's key_index)
   for (int64_t i = 0; i < tensors; ++i) {
     const std::string fqn = "layers." + std::to_string(i) + ".weight";
-    for (const std::string& key : {fqn, "optimizer.state." + fqn + ".exp_avg", "optimizer.state." + fqn + ".exp_avg_sq"}) {
-      at::Tensor local = at::randn({rows / n, cols});
-      local_bytes += local.numel() * 4;
-      sd.tensors[key] = fsdp::ShardedTensor::from_local(local, mesh, {fsdp::Shard(0)}, {rows, cols});
-    }
+    for (const std::string& key : {fqn, "optimizer.state." + fqn + ".exp_avg", "optimizer.state." + fqn + ".exp_avg_sq"})
+      keys[key] = 0;
+  }
+  int64_t next_index = 0;
+  for (auto& [key, index] : keys) index = next_index++;
+  ckpt::StateDict sd;
+  int64_t local_bytes = 0;
+  for (const auto& [key, index] : keys) {
+    at::Tensor local = rows_of_key(index, rank * (rows / n), rows / n, cols);
+    local_bytes += local.numel() * 4;
+    sd.tensors[key] = fsdp::ShardedTensor::from_local(local, mesh, {fsdp::Shard(0)}, {rows, cols});
   }
   const double total_gb = static_cast<double>(local_bytes) * n / 1e9;
   const fs::path root = fs::path(dir) / "ours";
@@ -155,21 +215,22 @@ int main(int argc, char** argv) {
   torch::optim::AdamW optim(model->parameters(), torch::optim::AdamWOptions(1e-4));
   const at::Tensor x = at::randn({16, cols}) * 0.01;
   ckpt::AsyncSaver* staging_saver = nullptr;  // background staging: wait for the snapshot before the step
+  double blocked_in_step = 0;                 // the training thread's wait_staged() time in the last step
   auto step = [&] {
     world->barrier().wait();
     const auto s0 = Clock::now();
     optim.zero_grad();
     fsdp::nn::call(model, x).square().mean().backward();
-    if (staging_saver) staging_saver->wait_staged();
+    blocked_in_step = staging_saver ? staging_saver->wait_staged() : 0;
     optim.step();
     world->barrier().wait();
     return since(s0);
   };
   step();  // optimizer state allocated
   std::vector<double> plain;
-  for (int i = 0; i < 3; ++i) plain.push_back(step());
+  for (int i = 0; i < 5; ++i) plain.push_back(step());
   std::sort(plain.begin(), plain.end());
-  const double step_s = plain[1];
+  const double step_s = plain[2];
   std::vector<int> all_ranks(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) all_ranks[static_cast<size_t>(r)] = r;
   auto save_group = fsdp::new_group(all_ranks, "checkpoint");
@@ -178,47 +239,68 @@ int main(int argc, char** argv) {
     sd.merge(ckpt::optimizer_state_dict(*model, optim));
     return sd;
   };
-  // TorchTitan's async: the snapshot blocks the loop between two steps.
-  double stall_s = 0, step_during_write_s = 0, async_total_s = 0, stage_s = 0;
-  {
-    ckpt::AsyncSaver saver(save_group, ckpt::AsyncMode::Async, ckpt::Staging::Blocking);
+  // One async save of the trainer state while training goes on: the time the training thread is blocked in
+  // checkpoint calls (save(); wait_staged() before the optimizer step), and the extra wall time of the steps
+  // that run while the save is in flight (the background copy and write competing for the cores), over the
+  // plain step. Steps continue until the save is done on every rank (at most 12).
+  struct Trial {
+    double blocked_s = 0, extra_s = 0, save_total_s = 0;
+    int steps = 0;
+  };
+  int save_no = 0;
+  auto trial = [&](ckpt::AsyncSaver& saver) {
+    Trial t;
     world->barrier().wait();
-    t0 = Clock::now();
-    stage_s = saver.save(train_state(), (root / "step-2").string()).stage_seconds;
-    world->barrier().wait();
-    stall_s = since(t0);
-    step_during_write_s = step();  // the background write competes for this machine's 2 cores
-    saver.wait();
-    world->barrier().wait();
-    async_total_s = since(t0);
-  }
-  // Background staging: the snapshot runs during the next step's forward/backward; the loop waits for it only
-  // before the optimizer step. The stall is the step's extra time over a plain step.
-  double bg_start_s = 0, bg_step_s = 0;
-  {
-    ckpt::AsyncSaver saver(save_group, ckpt::AsyncMode::Async, ckpt::Staging::Background);
+    const auto t0 = Clock::now();
     staging_saver = &saver;
-    world->barrier().wait();
-    t0 = Clock::now();
-    saver.save(train_state(), (root / "step-3").string());
-    world->barrier().wait();
-    bg_start_s = since(t0);
-    bg_step_s = step();
+    t.blocked_s = saver.save(train_state(), (root / ("async-" + std::to_string(++save_no))).string()).stage_seconds;
+    for (;;) {
+      t.extra_s += step() - step_s;
+      t.blocked_s += blocked_in_step;
+      ++t.steps;
+      at::Tensor busy = at::full({1}, saver.in_flight() ? 1.0 : 0.0);
+      world->all_reduce(busy, fsdp::ReduceOp::Max).wait();
+      if (busy.item<double>() == 0 || t.steps == 12) break;
+    }
     staging_saver = nullptr;
     saver.wait();
-  }
+    world->barrier().wait();
+    t.save_total_s = since(t0);
+    return t;
+  };
+  // The first save of a saver allocates its staging buffers; later saves reuse them (AsyncSaverOptions).
+  auto two_saves = [&](ckpt::Staging staging, bool low_priority) {
+    ckpt::AsyncSaverOptions o;
+    o.staging = staging;
+    o.low_priority_write = low_priority;
+    ckpt::AsyncSaver saver(save_group, o);
+    Trial first = trial(saver);
+    return std::make_pair(first, trial(saver));
+  };
+  const auto [tt_first, tt] = two_saves(ckpt::Staging::Blocking, false);     // TorchTitan's async
+  const auto [bg_first, bg] = two_saves(ckpt::Staging::Background, true);    // our default (the trainer's)
+  auto trial_json = [&](const char* name, const Trial& t) {
+    return std::string("\"") + name + "\": {\"blocked_s\": " + std::to_string(t.blocked_s) + ", \"extra_s\": " +
+           std::to_string(t.extra_s) + ", \"steps\": " + std::to_string(t.steps) + ", \"save_total_s\": " +
+           std::to_string(t.save_total_s) + ", \"blocked_fraction\": " + std::to_string(t.blocked_s / step_s) +
+           ", \"stall_fraction\": " + std::to_string((t.blocked_s + t.extra_s) / step_s) + "}";
+  };
 
   if (rank == 0) {
     std::printf("{\"side\": \"libfsdp\", \"ranks\": %d, \"state_gb\": %.3f, \"raw_write_s\": %.3f, \"raw_read_s\": %.3f, "
                 "\"save_s\": %.3f, \"load_s\": %.3f, \"snapshot_s\": %.3f, \"equal\": %s, \"train_step_s\": %.3f, "
-                "\"async_stall_s\": %.3f, \"async_snapshot_s\": %.3f, \"stall_fraction_of_step\": %.3f, "
-                "\"step_during_background_write_s\": %.3f, \"async_save_total_s\": %.3f, "
-                "\"bg_staging_start_s\": %.3f, \"bg_staging_step_s\": %.3f, \"bg_staging_stall_fraction\": %.3f}\n",
+                "\"train_steps_s\": [%.3f, %.3f, %.3f, %.3f, %.3f], %s, %s, %s, %s}\n",
                 n, total_gb, raw_write, raw_read, save_s, load_s, snapshot_s, equal ? "true" : "false", step_s,
-                stall_s, stage_s, stall_s / step_s, step_during_write_s, async_total_s, bg_start_s, bg_step_s,
-                (bg_start_s + bg_step_s - step_s) / step_s);
+                plain[0], plain[1], plain[2], plain[3], plain[4],
+                trial_json("titan_async_first", tt_first).c_str(), trial_json("titan_async", tt).c_str(),
+                trial_json("background_first", bg_first).c_str(), trial_json("background", bg).c_str());
     std::fflush(stdout);
-    fs::remove_all(root);
+  }
+  if (rank == 0) {
+    // --keep: leave step-1 for the resharding loads (bench/checkpoint/run.sh removes it afterwards).
+    for (const auto& e : fs::directory_iterator(root)) {
+      if (!keep || e.path().filename() != "step-1") fs::remove_all(e.path());
+    }
   }
   world->barrier().wait();
   fsdp::destroy_process_group();

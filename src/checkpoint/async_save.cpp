@@ -11,6 +11,13 @@
 #include <future>
 #include <iostream>
 #include <thread>
+#include <type_traits>
+
+#ifdef __linux__
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace fsdp::checkpoint {
 namespace {
@@ -25,27 +32,53 @@ AsyncMode parse_async_mode(const std::string& name) {
   TORCH_CHECK(false, "checkpoint async_mode '", name, "' is not one of disabled, async, async_with_pinned_mem");
 }
 
-StateDict snapshot(const StateDict& state, std::optional<c10::ScalarType> cast, bool pin_memory) {
-  auto copy = [&](const at::Tensor& t) {
+namespace {
+// snapshot() into the buffers of an earlier snapshot where a key's buffer still fits (same sizes, strides,
+// dtype and pinnedness), new ones elsewhere. `reuse` is consumed.
+StateDict snapshot_into(const StateDict& state, StateDict reuse, std::optional<c10::ScalarType> cast,
+                        bool pin_memory, std::atomic<int64_t>* allocated_bytes = nullptr) {
+  auto copy = [&](const at::Tensor& t, at::Tensor old) {
     at::Tensor src = t.detach();
-    if (cast && at::isFloatingType(src.scalar_type())) src = src.to(*cast);  // converts on the source device
-    at::Tensor out = at::empty_strided(src.sizes(), src.strides(),
-                                       src.options().device(at::kCPU).pinned_memory(pin_memory && !src.is_cpu()));
-    out.copy_(src);
+    const auto dtype = cast && at::isFloatingType(src.scalar_type()) ? *cast : src.scalar_type();
+    const bool pin = pin_memory && !src.is_cpu();
+    const bool fits = old.defined() && old.sizes() == src.sizes() && old.strides() == src.strides() &&
+                      old.scalar_type() == dtype && old.is_pinned() == pin;
+    at::Tensor out = fits ? std::move(old)
+                          : at::empty_strided(src.sizes(), src.strides(),
+                                              src.options().dtype(dtype).device(at::kCPU).pinned_memory(pin));
+    if (!fits && allocated_bytes) *allocated_bytes += static_cast<int64_t>(out.storage().nbytes());
+    out.copy_(src);  // converts the dtype too
     return out;
   };
+  auto take = [](auto& map, const std::string& key) {
+    auto it = map.find(key);
+    if (it == map.end()) return at::Tensor();
+    at::Tensor t;
+    if constexpr (std::is_same_v<std::decay_t<decltype(it->second)>, at::Tensor>) t = std::move(it->second);
+    else t = it->second.local();
+    map.erase(it);
+    return t;
+  };
   StateDict out;
-  for (const auto& [k, t] : state.tensors)
-    out.tensors.emplace(k, ShardedTensor::from_local(copy(t.local()), t.mesh(), t.placements(), t.sizes()));
-  for (const auto& [k, t] : state.full) out.full.emplace(k, copy(t));
+  for (const auto& [k, t] : state.tensors) {
+    out.tensors.emplace(k, ShardedTensor::from_local(copy(t.local(), take(reuse.tensors, k)), t.mesh(),
+                                                     t.placements(), t.sizes()));
+  }
+  for (const auto& [k, t] : state.full) out.full.emplace(k, copy(t, take(reuse.full, k)));
   out.values = state.values;
   return out;
+}
+}  // namespace
+
+StateDict snapshot(const StateDict& state, std::optional<c10::ScalarType> cast, bool pin_memory) {
+  return snapshot_into(state, StateDict{}, cast, pin_memory);
 }
 
 struct AsyncSaver::Impl {
   ProcessGroupPtr group;
-  AsyncMode mode = AsyncMode::Async;
-  Staging staging = Staging::Blocking;
+  AsyncSaverOptions options;
+  StateDict staging_buffers;  // the last snapshot, once its save is over (reuse_staging_buffers)
+  std::atomic<int64_t> staging_bytes_allocated{0};
   std::thread worker;
   std::shared_future<void> staged;   // background staging: ready when the snapshot is complete
   std::atomic<bool> done{true};
@@ -57,17 +90,24 @@ struct AsyncSaver::Impl {
     staged = {};
   }
   // The background part of a save: write, then the owner's continuation; the outcome is kept for the owner.
-  void run(const StateDict& snap, const std::string& path, const SaveOptions& options,
+  // On the worker thread, after the snapshot: write it, then keep its buffers for the next snapshot.
+  void run(StateDict snap, const std::string& path, const SaveOptions& save_options,
            const std::function<void(const SaveResult&)>& after) {
+#ifdef __linux__
+    if (options.low_priority_write) ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 19);
+#endif
     try {
-      SaveResult r = checkpoint::save(snap, path, options);
+      SaveResult r = checkpoint::save(snap, path, save_options);
       if (after) after(r);
       result = r;
     } catch (...) {
       error = std::current_exception();
     }
+    if (options.reuse_staging_buffers) staging_buffers = std::move(snap);
     done = true;
   }
+  // Before a snapshot (no save in flight): the buffers to copy into.
+  StateDict take_staging_buffers() { return options.reuse_staging_buffers ? std::move(staging_buffers) : StateDict{}; }
   void raise_error() {
     if (error) {
       auto e = error;
@@ -77,10 +117,17 @@ struct AsyncSaver::Impl {
   }
 };
 
-AsyncSaver::AsyncSaver(ProcessGroupPtr group, AsyncMode mode, Staging staging) : impl_(std::make_unique<Impl>()) {
+AsyncSaver::AsyncSaver(ProcessGroupPtr group, AsyncMode mode, Staging staging)
+    : AsyncSaver(std::move(group), [&] {
+        AsyncSaverOptions o;
+        o.mode = mode;
+        o.staging = staging;
+        return o;
+      }()) {}
+
+AsyncSaver::AsyncSaver(ProcessGroupPtr group, const AsyncSaverOptions& options) : impl_(std::make_unique<Impl>()) {
   impl_->group = std::move(group);
-  impl_->mode = mode;
-  impl_->staging = staging;
+  impl_->options = options;
 }
 
 AsyncSaver::~AsyncSaver() {
@@ -102,22 +149,23 @@ AsyncSaver::Started AsyncSaver::save(const StateDict& state, const std::string& 
   if (!impl_->group) options.local_only = true;
   const auto t0 = Clock::now();
   Started started;
-  if (impl_->mode == AsyncMode::Disabled) {
+  if (impl_->options.mode == AsyncMode::Disabled) {
     SaveResult r = cast ? checkpoint::save(snapshot(state, cast), path, options) : checkpoint::save(state, path, options);
     if (after) after(r);
     impl_->result = r;
     started.stage_seconds = since(t0);
     return started;
   }
-  const bool pin = impl_->mode == AsyncMode::AsyncWithPinnedMem;
+  const bool pin = impl_->options.mode == AsyncMode::AsyncWithPinnedMem;
   started.background = true;
   impl_->done = false;
-  if (impl_->staging == Staging::Blocking) {
-    auto snap = std::make_shared<StateDict>(snapshot(state, cast, pin));
+  if (impl_->options.staging == Staging::Blocking) {
+    auto snap = std::make_shared<StateDict>(snapshot_into(state, impl_->take_staging_buffers(), cast, pin,
+                                                                &impl_->staging_bytes_allocated));
     started.stage_seconds = since(t0);
     impl_->staged = {};
     impl_->worker = std::thread([impl = impl_.get(), snap, path, options, after = std::move(after)] {
-      impl->run(*snap, path, options, after);
+      impl->run(std::move(*snap), path, options, after);
     });
     return started;
   }
@@ -126,17 +174,17 @@ AsyncSaver::Started AsyncSaver::save(const StateDict& state, const std::string& 
   auto live = std::make_shared<StateDict>(state);  // shares the tensors; copies the values now
   std::promise<void> staged;
   impl_->staged = staged.get_future().share();
-  impl_->worker = std::thread([impl = impl_.get(), live, staged = std::move(staged), path, options, cast, pin,
-                               after = std::move(after)]() mutable {
+  impl_->worker = std::thread([impl = impl_.get(), live, reuse = impl_->take_staging_buffers(),
+                               staged = std::move(staged), path, options, cast, pin, after = std::move(after)]() mutable {
     StateDict snap;
     try {
-      snap = snapshot(*live, cast, pin);
+      snap = snapshot_into(*live, std::move(reuse), cast, pin, &impl->staging_bytes_allocated);
     } catch (...) {
       impl->error = std::current_exception();
     }
     live.reset();
     staged.set_value();
-    if (!impl->error) impl->run(snap, path, options, after);
+    if (!impl->error) impl->run(std::move(snap), path, options, after);
     impl->done = true;
   });
   started.stage_seconds = since(t0);
@@ -166,6 +214,7 @@ void AsyncSaver::check() {
 }
 
 bool AsyncSaver::in_flight() const { return !impl_->done; }
-AsyncMode AsyncSaver::mode() const { return impl_->mode; }
+int64_t AsyncSaver::staging_bytes_allocated() const { return impl_->staging_bytes_allocated; }
+AsyncMode AsyncSaver::mode() const { return impl_->options.mode; }
 
 }  // namespace fsdp::checkpoint

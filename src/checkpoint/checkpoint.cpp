@@ -17,13 +17,18 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <filesystem>
+#include <iterator>
 #include <memory>
+#include <mutex>
 #include <sstream>
+#include <thread>
 
 namespace fsdp::checkpoint {
 namespace fs = std::filesystem;
@@ -227,6 +232,35 @@ SaveResult save(const StateDict& state, const std::string& path, const SaveOptio
 
 namespace {
 
+constexpr int64_t kReadPieceBytes = int64_t(16) << 20;
+
+// Runs the pieces on up to `threads` threads, in order of their index (so the reads stay roughly sequential
+// in each file); the first error stops the others and is raised here.
+int64_t read_pieces(const OpenCheckpoint& ck, const std::vector<OpenCheckpoint::FillPiece>& pieces, int threads) {
+  std::atomic<size_t> next{0};
+  std::atomic<int64_t> bytes{0};
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  auto work = [&] {
+    c10::NoGradGuard no_grad;  // per thread: destinations may be parameters
+    try {
+      for (size_t i; !failed && (i = next++) < pieces.size();) bytes += ck.read_piece(pieces[i]);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mutex);
+      if (!error) error = std::current_exception();
+      failed = true;
+    }
+  };
+  const size_t helpers = std::min<size_t>(static_cast<size_t>(threads), pieces.size());
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < helpers; ++t) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  if (error) std::rethrow_exception(error);
+  return bytes;
+}
+
 LoadResult load_local(StateDict& state, const std::string& path, const LoadOptions& options) {
   OpenCheckpoint ck(path);
   const Metadata& md = ck.md();
@@ -286,8 +320,18 @@ LoadResult load_local(StateDict& state, const std::string& path, const LoadOptio
                 list_names(res.missing), "; ", res.unexpected.size(), " unexpected key(s) in the checkpoint",
                 res.unexpected.empty() ? "" : ": ", list_names(res.unexpected));
   }
+  TORCH_CHECK(options.read_threads >= 1, "checkpoint::load: read_threads must be >= 1, got ", options.read_threads);
   c10::NoGradGuard no_grad;
-  for (auto& [fqn, dest] : todo) res.bytes_read += ck.fill(fqn, dest.first, dest.second);
+  if (ck.is_dcp()) {
+    for (auto& [fqn, dest] : todo) res.bytes_read += ck.fill(fqn, dest.first, dest.second);
+  } else {
+    std::vector<OpenCheckpoint::FillPiece> pieces;
+    for (auto& [fqn, dest] : todo) {
+      auto p = ck.plan_fill(fqn, dest.first, dest.second, kReadPieceBytes);
+      std::move(p.begin(), p.end(), std::back_inserter(pieces));
+    }
+    res.bytes_read += read_pieces(ck, pieces, options.read_threads);
+  }
   for (const auto& key : value_keys) state.values[key] = md.values.at(key);
   return res;
 }

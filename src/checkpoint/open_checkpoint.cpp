@@ -9,6 +9,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <set>
 
 namespace fsdp::checkpoint::detail {
@@ -109,61 +110,103 @@ void OpenCheckpoint::open_dcp() {
   }
 }
 
-int64_t OpenCheckpoint::fill(const std::string& fqn, const at::Tensor& dest, const Box& dest_box) {
-  if (md_.dcp) return fill_dcp(fqn, dest, dest_box);
+std::vector<OpenCheckpoint::ChunkRead> OpenCheckpoint::plan_reads(const std::string& fqn, const Box& dest_box) const {
   const TensorMeta& t = md_.tensors.at(fqn);
   const int64_t es = static_cast<int64_t>(c10::elementSize(t.dtype));
   const int64_t B = md_.block_bytes;
-  int64_t bytes = 0;
+  std::vector<ChunkRead> reads;
   for (size_t k = 0; k < t.chunks.size(); ++k) {
     const ChunkMeta& c = t.chunks[k];
     const Box saved{c.offsets, c.sizes};
     auto overlap = intersect(saved, dest_box);
     if (!overlap) continue;
+    if (md_.dcp) {  // an archive decodes only whole
+      reads.push_back({k, 0, c.length, std::move(*overlap)});
+      continue;
+    }
     const auto [first, last] = element_span(saved, *overlap);
-    const int64_t b0 = first * es / B * B;
-    const int64_t b1 = std::min(((last + 1) * es + B - 1) / B * B, c.length);
+    reads.push_back({k, first * es / B * B, std::min(((last + 1) * es + B - 1) / B * B, c.length), std::move(*overlap)});
+  }
+  return reads;
+}
+
+std::vector<OpenCheckpoint::FillPiece> OpenCheckpoint::plan_fill(const std::string& fqn, const at::Tensor& dest,
+                                                                 const Box& dest_box, int64_t piece_bytes) {
+  TORCH_INTERNAL_ASSERT(!md_.dcp, "plan_fill is for libfsdp checkpoints");
+  const TensorMeta& t = md_.tensors.at(fqn);
+  const int64_t es = static_cast<int64_t>(c10::elementSize(t.dtype));
+  const int64_t B = md_.block_bytes;
+  std::vector<FillPiece> pieces;
+  for (ChunkRead& r : plan_reads(fqn, dest_box)) {
+    const ChunkMeta& c = t.chunks[r.chunk];
+    try {
+      file(c.file);  // opened (and its size checked) here, on the calling thread
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "checkpoint: tensor '", fqn, "' (chunk ", r.chunk, "): ", error_text(e));
+    }
+    const auto [first, last] = element_span(Box{c.offsets, c.sizes}, r.overlap);
     at::Tensor dst = dest;
-    for (size_t d = 0; d < overlap->sizes.size(); ++d) {
-      dst = dst.narrow(static_cast<int64_t>(d), overlap->offsets[d] - dest_box.offsets[d], overlap->sizes[d]);
+    for (size_t d = 0; d < r.overlap.sizes.size(); ++d) {
+      dst = dst.narrow(static_cast<int64_t>(d), r.overlap.offsets[d] - dest_box.offsets[d], r.overlap.sizes[d]);
     }
     // Fast path: the overlap is exactly the block-aligned byte span, contiguous in the destination and of the
     // same dtype (e.g. the same sharding as saved): read straight into the destination, verify in place.
-    const bool direct = first * es == b0 && (last + 1) * es == b1 && dst.is_contiguous() &&
-                        dst.scalar_type() == t.dtype && dst.device().is_cpu() && last - first + 1 == overlap->numel();
-    at::Tensor buf = direct ? dst : at::empty({b1 - b0}, at::kByte);
-    const RangeReader* reader = nullptr;
-    try {
-      reader = &file(c.file);
-      reader->read(c.offset + b0, b1 - b0, buf.data_ptr());
-    } catch (const std::exception& e) {
-      TORCH_CHECK(false, "checkpoint: tensor '", fqn, "' (chunk ", k, "): ", error_text(e));
+    const bool direct = first * es == r.begin && (last + 1) * es == r.end && dst.is_contiguous() &&
+                        dst.scalar_type() == t.dtype && dst.device().is_cpu() && last - first + 1 == r.overlap.numel();
+    if (!direct) {
+      pieces.push_back({fqn, r.chunk, r.begin, r.end, dst, false, first * es - r.begin, r.overlap.sizes,
+                        contiguous_strides(c.sizes)});
+      continue;
     }
-    const RangeReader& r = *reader;
-    bytes += b1 - b0;
-    const auto* p = static_cast<const char*>(buf.data_ptr());
-    for (int64_t blk = b0 / B; blk * B < b1; ++blk) {
-      const int64_t n = std::min(B, c.length - blk * B);
-      TORCH_CHECK(hash_bytes(p + (blk * B - b0), n) == c.hashes[static_cast<size_t>(blk)], "checkpoint: tensor '", fqn,
-                  "': checksum mismatch in file ", r.path(), " bytes [", c.offset + blk * B, ", ",
-                  c.offset + blk * B + n, ") (chunk ", k, "): the file was altered or is corrupt");
+    const at::Tensor bytes = dst.detach().view({-1}).view(at::kByte);
+    const int64_t step = std::max<int64_t>(1, piece_bytes / B) * B;
+    for (int64_t at = r.begin; at < r.end; at += step) {
+      const int64_t end = std::min(r.end, at + step);
+      pieces.push_back({fqn, r.chunk, at, end, bytes.narrow(0, at - r.begin, end - at), true, 0, {}, {}});
     }
-    if (direct) continue;
-    at::Tensor src = at::from_blob(const_cast<char*>(p) + (first * es - b0), overlap->sizes,
-                                   contiguous_strides(c.sizes), at::TensorOptions().dtype(t.dtype));
-    dst.copy_(src);
   }
+  return pieces;
+}
+
+int64_t OpenCheckpoint::read_piece(const FillPiece& piece) const {
+  const ChunkMeta& c = md_.tensors.at(piece.fqn).chunks[piece.chunk];
+  const int64_t B = md_.block_bytes, b0 = piece.begin, b1 = piece.end;
+  const RangeReader& r = *readers_.at(c.file);
+  at::Tensor buf = piece.direct ? piece.dst : at::empty({b1 - b0}, at::kByte);
+  try {
+    r.read(c.offset + b0, b1 - b0, buf.data_ptr());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "checkpoint: tensor '", piece.fqn, "' (chunk ", piece.chunk, "): ", error_text(e));
+  }
+  const auto* p = static_cast<const char*>(buf.data_ptr());
+  for (int64_t blk = b0 / B; blk * B < b1; ++blk) {
+    const int64_t n = std::min(B, c.length - blk * B);
+    TORCH_CHECK(hash_bytes(p + (blk * B - b0), n) == c.hashes[static_cast<size_t>(blk)], "checkpoint: tensor '",
+                piece.fqn, "': checksum mismatch in file ", r.path(), " bytes [", c.offset + blk * B, ", ",
+                c.offset + blk * B + n, ") (chunk ", piece.chunk, "): the file was altered or is corrupt");
+  }
+  if (!piece.direct) {
+    const auto dtype = md_.tensors.at(piece.fqn).dtype;
+    piece.dst.copy_(at::from_blob(const_cast<char*>(p) + piece.skip, piece.sizes, piece.strides,
+                                  at::TensorOptions().dtype(dtype)));
+  }
+  return b1 - b0;
+}
+
+int64_t OpenCheckpoint::fill(const std::string& fqn, const at::Tensor& dest, const Box& dest_box) {
+  if (md_.dcp) return fill_dcp(fqn, dest, dest_box);
+  int64_t bytes = 0;
+  for (const FillPiece& p : plan_fill(fqn, dest, dest_box, std::numeric_limits<int64_t>::max())) bytes += read_piece(p);
   return bytes;
 }
 
 int64_t OpenCheckpoint::fill_dcp(const std::string& fqn, const at::Tensor& dest, const Box& dest_box) {
   const TensorMeta& t = md_.tensors.at(fqn);
   int64_t bytes = 0;
-  for (size_t k = 0; k < t.chunks.size(); ++k) {
+  for (const ChunkRead& plan : plan_reads(fqn, dest_box)) {
+    const size_t k = plan.chunk;
     const ChunkMeta& c = t.chunks[k];
-    const Box saved{c.offsets, c.sizes};
-    auto overlap = intersect(saved, dest_box);
-    if (!overlap) continue;
+    const Box& overlap = plan.overlap;
     const std::string key = fqn + "#" + std::to_string(k);
     if (cached_key_ != key) {
       cached_key_.clear();
@@ -179,10 +222,10 @@ int64_t OpenCheckpoint::fill_dcp(const std::string& fqn, const at::Tensor& dest,
       cached_key_ = key;
     }
     at::Tensor src = cached_, dst = dest;
-    for (size_t d = 0; d < overlap->sizes.size(); ++d) {
+    for (size_t d = 0; d < overlap.sizes.size(); ++d) {
       const auto dim = static_cast<int64_t>(d);
-      src = src.narrow(dim, overlap->offsets[d] - saved.offsets[d], overlap->sizes[d]);
-      dst = dst.narrow(dim, overlap->offsets[d] - dest_box.offsets[d], overlap->sizes[d]);
+      src = src.narrow(dim, overlap.offsets[d] - c.offsets[d], overlap.sizes[d]);
+      dst = dst.narrow(dim, overlap.offsets[d] - dest_box.offsets[d], overlap.sizes[d]);
     }
     dst.copy_(src);
   }

@@ -30,8 +30,35 @@ class OpenCheckpoint {
   // Returns the bytes read.
   int64_t fill(const std::string& fqn, const at::Tensor& dest, const Box& dest_box);
 
+  // One independent piece of a fill (libfsdp format): read bytes [begin, end) of a saved chunk, verify the
+  // checksum blocks they cover, place them. load() runs the pieces of all tensors on several threads, which
+  // keeps several reads in flight (one sequential reader leaves this kind of disk half idle) and spreads the
+  // checksum work.
+  struct FillPiece {
+    std::string fqn;
+    size_t chunk = 0;
+    int64_t begin = 0, end = 0;  // chunk-relative, whole checksum blocks
+    at::Tensor dst;              // direct: exactly these bytes, contiguous, same dtype; else the overlap's view
+    bool direct = false;
+    int64_t skip = 0;                     // not direct: bytes from `begin` to the overlap's first element
+    std::vector<int64_t> sizes, strides;  // not direct: the overlap inside the saved chunk (elements)
+  };
+  // The pieces of fill(fqn, dest, dest_box) for a libfsdp checkpoint, direct ones split into pieces of about
+  // `piece_bytes`. Opens the files they read, so read_piece() may then run on any thread.
+  std::vector<FillPiece> plan_fill(const std::string& fqn, const at::Tensor& dest, const Box& dest_box,
+                                   int64_t piece_bytes);
+  int64_t read_piece(const FillPiece& piece) const;  // thread-safe; returns the bytes read
+
  private:
   void open_dcp();  // fills md_
+  // One saved chunk's part that a box needs: the file bytes [begin, end) relative to the chunk (libfsdp: whole
+  // checksum blocks; DCP: the whole archive) and the overlap in global coordinates.
+  struct ChunkRead {
+    size_t chunk;
+    int64_t begin, end;
+    Box overlap;
+  };
+  std::vector<ChunkRead> plan_reads(const std::string& fqn, const Box& dest_box) const;
   int64_t fill_dcp(const std::string& fqn, const at::Tensor& dest, const Box& dest_box);
   std::string read_bytes(const std::string& file, int64_t offset, int64_t length, const std::string& what);
 

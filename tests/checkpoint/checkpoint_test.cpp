@@ -246,6 +246,48 @@ TEST(CheckpointAsync, BackgroundErrorSurfacesAtTheNextCall) {
   fs::remove_all(dir);
 }
 
+// Staging buffers are kept between saves: the second and third saves of the same state allocate nothing, yet
+// each checkpoint holds the state as it was at its own save (the buffers are refilled, not stale); a tensor
+// whose shape changed gets a new buffer. Both staging kinds; the reference is a clone taken at each call.
+TEST(CheckpointAsync, StagingBuffersAreReusedAndRefilled) {
+  for (const auto staging : {ckpt::Staging::Blocking, ckpt::Staging::Background}) {
+    const auto dir = fresh_dir("async_reuse");
+    Sample live(11);
+    int64_t state_bytes = 0;
+    for (const auto& [k, t] : live.sd.tensors) state_bytes += t.local().numel() * t.local().element_size();
+    for (const auto& [k, t] : live.sd.full) state_bytes += t.numel() * t.element_size();
+    ckpt::AsyncSaverOptions o;
+    o.staging = staging;
+    ckpt::AsyncSaver saver(nullptr, o);
+    std::vector<std::pair<std::string, ckpt::StateDict>> expected;
+    for (int step = 1; step <= 3; ++step) {
+      const std::string path = ckpt::step_path(dir.string(), step);
+      expected.push_back({path, ckpt::snapshot(live.sd)});  // the state at this save
+      saver.save(live.sd, path);
+      saver.wait_staged();
+      live.sd.tensors.at("w").local().add_(1.0);  // the optimizer step
+      live.sd.full.at("b").mul_(2);
+      live.sd.full.at("step").add_(1);
+      if (step == 1) EXPECT_EQ(saver.staging_bytes_allocated(), state_bytes);
+    }
+    saver.wait();
+    EXPECT_EQ(saver.staging_bytes_allocated(), state_bytes) << "saves 2 and 3 reused the buffers";
+    for (const auto& [path, want] : expected) {
+      auto got = Sample::blank_like(want);
+      ckpt::load(got, path);
+      EXPECT_TRUE(torch::equal(got.tensors.at("w").local(), want.tensors.at("w").local())) << path;
+      EXPECT_TRUE(torch::equal(got.full.at("b"), want.full.at("b"))) << path;
+      EXPECT_TRUE(torch::equal(got.full.at("step"), want.full.at("step"))) << path;
+    }
+    EXPECT_FALSE(torch::equal(expected[0].second.full.at("b"), expected[2].second.full.at("b")));  // it moved
+    live.sd.full["b"] = torch::randn({301}).to(torch::kBFloat16);  // a new shape: a new buffer for it only
+    saver.save(live.sd, ckpt::step_path(dir.string(), 4));
+    saver.wait();
+    EXPECT_EQ(saver.staging_bytes_allocated(), state_bytes + 301 * 2);
+    fs::remove_all(dir);
+  }
+}
+
 TEST(CheckpointAsync, DisabledIsSynchronousAndModesParse) {
   const auto dir = fresh_dir("async_off");
   const std::string path = (dir / "step-1").string();

@@ -42,11 +42,26 @@ AsyncMode parse_async_mode(const std::string& name);
 StateDict snapshot(const StateDict& state, std::optional<c10::ScalarType> cast = std::nullopt,
                    bool pin_memory = false);
 
+struct AsyncSaverOptions {
+  AsyncMode mode = AsyncMode::Async;
+  Staging staging = Staging::Blocking;
+  // Keep the snapshot's CPU buffers for the next save (TorchTitan keeps its pinned staging state dict the same
+  // way): from the second save on, staging copies into memory that is already mapped, instead of paying a page
+  // fault per 4 KiB. Costs one CPU copy of the state kept between saves; a key whose shape or dtype changed
+  // gets a new buffer.
+  bool reuse_staging_buffers = true;
+  // Linux: the background write runs at the lowest CPU priority (nice 19, that thread only), so where the
+  // training fills the cores the write takes their idle time, not step time. The save then takes longer; it
+  // still completes (idle time appears at every collective wait), and the next save() waits for it.
+  bool low_priority_write = true;
+};
+
 class AsyncSaver {
  public:
   // group: the process group the background saves use (null = a single process). Must not be used for
   // anything else while a save may be in flight.
   explicit AsyncSaver(ProcessGroupPtr group, AsyncMode mode = AsyncMode::Async, Staging staging = Staging::Blocking);
+  AsyncSaver(ProcessGroupPtr group, const AsyncSaverOptions& options);
   ~AsyncSaver();  // waits for the save in flight; its error is printed to stderr (it can no longer be raised)
   AsyncSaver(const AsyncSaver&) = delete;
   AsyncSaver& operator=(const AsyncSaver&) = delete;
@@ -70,6 +85,9 @@ class AsyncSaver {
   void check();
   bool in_flight() const;
   AsyncMode mode() const;
+  // Bytes of CPU staging buffers this saver allocated so far (with reuse_staging_buffers, the state's size
+  // after the first save, growing only when a tensor changes shape or dtype).
+  int64_t staging_bytes_allocated() const;
 
  private:
   struct Impl;

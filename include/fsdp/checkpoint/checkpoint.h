@@ -83,6 +83,9 @@ struct LoadOptions {
   // requested are listed in the error. Non-strict: missing keys are skipped (listed in the result).
   bool strict = true;
   std::vector<std::string> exclude_prefixes;  // keys starting with any of these are neither loaded nor required
+  // Threads per rank reading and verifying pieces of the checkpoint in parallel (libfsdp format; a DCP
+  // checkpoint is read by one). Several reads in flight use a disk better than one sequential reader.
+  int read_threads = 4;
 };
 
 struct LoadResult {
