@@ -129,6 +129,11 @@ struct InitOptions {
   int world_size = -1;
   std::string master_addr;
   int master_port = -1;
+  // The device every group's collectives work on. Empty = the backend's own: the CPU for Gloo, cuda:LOCAL_RANK
+  // for NCCL. "cuda" / "cuda:N" with Gloo = Gloo on CUDA tensors (c10d Gloo's own CUDA collectives, which stage
+  // through host memory): meshes are then "cuda" meshes, and several ranks may share one GPU ("cuda:0" on all)
+  // — what a one-GPU machine can test. With NCCL, "cuda:N" overrides LOCAL_RANK.
+  std::string device;
 };
 
 // Rendezvous through a c10d TCPStore (rank 0 serves) and register the world group. Throws with the missing

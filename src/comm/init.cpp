@@ -19,6 +19,7 @@
 
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <set>
 
 namespace fsdp {
@@ -94,6 +95,28 @@ std::string resolve_backend(const std::string& requested) {
   TORCH_CHECK(false, "fsdp: unknown backend '", requested, "' (expected 'auto', 'gloo' or 'nccl')");
 }
 
+// InitOptions.device: empty = the backend's own device; otherwise "cpu" (Gloo only) or "cuda[:N]".
+c10::Device resolve_device(const std::string& backend, const std::string& requested) {
+  if (requested.empty()) {
+    return backend == "nccl" ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env_local_rank()))
+                             : c10::Device(c10::kCPU);
+  }
+  std::optional<c10::Device> d;
+  try {
+    d = c10::Device(requested);
+  } catch (const std::exception&) {
+  }
+  TORCH_CHECK(d && (d->is_cpu() || d->is_cuda()), "fsdp: InitOptions.device '", requested,
+              "' is not a device (expected 'cpu', 'cuda' or 'cuda:N')");
+  TORCH_CHECK(!(backend == "nccl" && d->is_cpu()), "fsdp: InitOptions.device 'cpu' with backend 'nccl': NCCL works "
+              "on CUDA tensors only (use backend 'gloo' for the CPU)");
+  if (!d->is_cuda()) return *d;
+  TORCH_CHECK(at::hasCUDA(), "fsdp: InitOptions.device '", requested, "' (backend ", backend,
+              "): CUDA is not available in this process");
+  // No index: the same default as NCCL's, one GPU per local rank.
+  return d->has_index() ? *d : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env_local_rank()));
+}
+
 std::shared_ptr<::gloo::transport::Device> make_gloo_device() {
   // Same choice as torch.distributed: GLOO_SOCKET_IFNAME pins the interface, else the host's address.
   if (const char* ifname = getenv_or_null("GLOO_SOCKET_IFNAME")) {
@@ -113,7 +136,9 @@ ProcessGroupPtr make_group(Registry& r, const std::string& prefix, const std::st
   impl->backend_name = r.backend;
   impl->device = r.device;
   impl->timeout = r.timeout;
-  impl->native_collectives = r.backend == "nccl" || env_flag("FSDP_NATIVE_COLLECTIVES");
+  // Gloo on CUDA tensors takes the backend's own collectives too: the direct exchanges hand tensor pointers to
+  // Gloo's point-to-point send/recv, which read host memory only.
+  impl->native_collectives = r.backend == "nccl" || r.device.is_cuda() || env_flag("FSDP_NATIVE_COLLECTIVES");
   impl->native_avg = r.backend == "nccl";
   impl->cpu_blocking_wait = r.backend != "nccl";
   if (impl->size > 1) {
@@ -228,8 +253,7 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
   r.backend = backend;
   r.timeout = options.timeout;
   r.groups_created = 0;
-  r.device = backend == "nccl" ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env_local_rank()))
-                               : c10::Device(c10::kCPU);
+  r.device = resolve_device(backend, options.device);
   if (backend == "gloo" && world_size > 1 && !r.gloo_device) r.gloo_device = make_gloo_device();
   std::vector<int> all(world_size);
   for (int i = 0; i < world_size; ++i) all[i] = i;

@@ -281,6 +281,9 @@ Work ProcessGroup::reduce_scatter_tensor(at::Tensor output, at::Tensor input, Re
     }
     return make_work(g, coll, nbytes(input), what, std::move(w), std::move(post));
   }
+  // The exchange hands tensor pointers to Gloo's send/recv, which read host memory: never with CUDA tensors.
+  TORCH_CHECK(!g.device.is_cuda(), "fsdp: ", what, ": ", to_string(op), " is not supported on a Gloo group on ",
+              g.device, " (c10d Gloo's reduce-scatter only sums; use Sum or Avg, or NCCL)");
   // Direct exchange reduced piece by piece as it arrives, on the group's progress thread
   // (comm/reduce_scatter.cpp).
   return comm::pipelined_reduce_scatter(g, what, output, input, op);

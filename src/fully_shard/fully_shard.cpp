@@ -38,7 +38,9 @@ detail::MeshInfo make_mesh_info(const DeviceMesh& mesh) {
     info.replicate_size = info.replicate_group->size();
   }
   if (mesh.device_type() == c10::kCUDA) {
-    info.device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env_local_rank()));
+    // The group's own device, chosen once at init_process_group (LOCAL_RANK by default, or
+    // InitOptions.device, e.g. every rank on cuda:0 of a one-GPU machine).
+    info.device = info.shard_group->device();
   } else {
     info.device = c10::Device(mesh.device_type());
   }

@@ -74,6 +74,27 @@ TEST(InitEnv, BackendChoice) {
   fsdp::destroy_process_group();
 }
 
+// InitOptions.device: the CPU stays Gloo's default; a bad or unavailable device is an error naming it.
+TEST(InitEnv, DeviceChoice) {
+  clear_env();
+  fsdp::InitOptions o;
+  o.rank = 0;
+  o.world_size = 1;
+  o.backend = "gloo";
+  o.device = "tpu:0";
+  EXPECT_TRUE(contains(init_error(o), "InitOptions.device 'tpu:0' is not a device")) << init_error(o);
+  o.device = "cuda:0";
+  if (!at::hasCUDA()) {
+    EXPECT_TRUE(contains(init_error(o), "InitOptions.device 'cuda:0' (backend gloo): CUDA is not available"))
+        << init_error(o);
+  }
+  o.device = "cpu";
+  auto w = fsdp::init_process_group(o);
+  EXPECT_EQ(w->device(), c10::Device(c10::kCPU));
+  EXPECT_THROW(fsdp::init_device_mesh("cuda", {1}, {"shard"}), c10::Error);  // the world works on the CPU
+  fsdp::destroy_process_group();
+}
+
 TEST(InitEnv, WorldQueriesBeforeInitFail) {
   clear_env();
   EXPECT_FALSE(fsdp::is_initialized());
