@@ -106,7 +106,7 @@ double ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(
 
 TEST(CudaOverlap, NextAllGatherInFlightDuringGpuCompute) {
   FSDP_REQUIRE_CUDA();
-  DeviceWorld dw("gloo", "cuda:0");
+  fsdp_device::DeviceWorld dw("gloo", "cuda:0");
   const auto& world = dw.group();
   const int64_t n = world->size();
   ASSERT_GE(n, 2) << "overlap needs communication: run with 2 ranks";

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Builds libfsdp on a lent GPU machine and runs the device tests (ctest -L device) on its one GPU.
+#
+#   bash scripts/gpu-check.sh prepare   # here (Debian 12, apt): download the Debian header packages into
+#                                       # .gpu-debs/ (git-ignored), for the device tool to carry along
+#   bash scripts/gpu-check.sh run       # there, from the repository root, with .gpu-debs carried: unpack them
+#                                       # into /tmp/gpu-deps (never into /), configure build-gpu/ against the
+#                                       # machine's python3 torch with FSDP_WITH_NCCL=ON, build, run the tests,
+#                                       # write a summary to $OUT/gpu-check.txt when $OUT is set
+#
+# The GPU machines have torch (CUDA) in python3, CMake, ninja and nvcc, but no network and no apt: the build's
+# other dependencies (gloo's headers, xxHash, nlohmann-json, CLI11, GoogleTest) come as .deb files. Only the
+# library, fsdprun and the tests/{device,comm,fully_shard} directories are built (FSDP_TEST_DIRS,
+# FSDP_APPS_EXCLUDE): fsdp-train's protobuf/crcutil/zlib and fsdp-plan are not needed for the device tests.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+DEBS="$ROOT/.gpu-debs"
+DEPS="${FSDP_GPU_DEPS:-/tmp/gpu-deps}"
+BUILD="$ROOT/build-gpu"
+PKGS=(libgloo-dev libxxhash-dev libxxhash0 nlohmann-json3-dev libcli11-dev libgtest-dev)
+log() { echo "[gpu-check] $*" >&2; }
+die() { echo "gpu-check: $*" >&2; exit 2; }
+
+prepare() {
+  command -v apt-get >/dev/null || die "prepare needs apt-get (run it on the Debian machine, not the GPU one)"
+  mkdir -p "$DEBS"
+  rm -f "$DEBS"/*.deb
+  log "downloading ${PKGS[*]} into $DEBS"
+  (cd "$DEBS" && apt-get download "${PKGS[@]}" >&2)
+  for p in "${PKGS[@]}"; do
+    ls "$DEBS/${p}"_*.deb >/dev/null 2>&1 || die "no .deb for $p in $DEBS"
+  done
+  du -sh "$DEBS"
+  log "now carry .gpu-debs to the GPU machine and run: bash scripts/gpu-check.sh run"
+}
+
+run() {
+  local py="${FSDP_GPU_PYTHON:-python3}"
+  command -v "$py" >/dev/null || die "no $py (the machine's python with a CUDA torch); set FSDP_GPU_PYTHON"
+  for tool in cmake ninja dpkg; do command -v "$tool" >/dev/null || die "$tool is not installed"; done
+  ls "$DEBS"/*.deb >/dev/null 2>&1 || die "no .deb files in $DEBS: run 'bash scripts/gpu-check.sh prepare' on the \
+Debian machine first and carry .gpu-debs along"
+  "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' ||
+    die "$py's torch sees no CUDA device (torch $("$py" -c 'import torch; print(torch.__version__)'))"
+
+  # Unpack without installing (dpkg -x never runs maintainer scripts or touches /var/lib/dpkg).
+  rm -rf "$DEPS" && mkdir -p "$DEPS"
+  for deb in "$DEBS"/*.deb; do dpkg -x "$deb" "$DEPS"; done
+  [ -f "$DEPS/usr/include/gloo/algorithm.h" ] || die "gloo headers missing in $DEPS (libgloo-dev)"
+  [ -f "$DEPS/usr/include/nlohmann/json.hpp" ] || die "nlohmann/json.hpp missing in $DEPS (nlohmann-json3-dev)"
+  local gtest_dir
+  gtest_dir="$(dirname "$(find "$DEPS" -name GTestConfig.cmake | head -1)")"
+  [ -n "$gtest_dir" ] && [ "$gtest_dir" != . ] || die "GTestConfig.cmake missing in $DEPS (libgtest-dev)"
+  local xxhash_lib
+  xxhash_lib="$(find "$DEPS" -name 'libxxhash.so.0*' -type f | head -1)"
+  [ -n "$xxhash_lib" ] || die "libxxhash.so.0 missing in $DEPS (libxxhash0)"
+  # libxxhash-dev's libxxhash.so is a link to libxxhash.so.0: both unpacked side by side, found via the prefix.
+
+  local torch_dir nccl_root torch_version cuda_root
+  torch_dir="$("$py" -c 'import os, torch; print(os.path.join(torch.utils.cmake_prefix_path, "Torch"))')"
+  torch_version="$("$py" -c 'import torch; print(torch.__version__)')"
+  nccl_root="$("$py" -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)"
+  [ -n "$nccl_root" ] && [ -f "$nccl_root/include/nccl.h" ] || die "no nccl.h from the nvidia-nccl pip package in $py"
+  export PATH="$PATH:/usr/local/cuda/bin"
+  command -v nvcc >/dev/null || die "no nvcc on PATH or in /usr/local/cuda/bin"
+  cuda_root="${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")}"
+  log "torch $torch_version ($torch_dir), NCCL headers $nccl_root, CUDA $cuda_root"
+
+  cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DTorch_DIR="$torch_dir" -DFSDP_WITH_NCCL=ON -DFSDP_NCCL_ROOT="$nccl_root" -DFSDP_PYTHON="$(command -v "$py")" \
+    -DCUDA_TOOLKIT_ROOT_DIR="$cuda_root" -DCMAKE_CUDA_COMPILER="$cuda_root/bin/nvcc" \
+    -DCMAKE_PREFIX_PATH="$DEPS/usr" -DGTest_DIR="$gtest_dir" \
+    -DCMAKE_CXX_FLAGS="-isystem $DEPS/usr/include" \
+    -DCMAKE_BUILD_RPATH="$(dirname "$xxhash_lib")" \
+    -DFSDP_TEST_DIRS="device;comm;fully_shard" -DFSDP_APPS_EXCLUDE="fsdp-train;fsdp-plan;fsdp-ckpt" >&2
+  ninja -C "$BUILD" -j "${FSDP_BUILD_JOBS:-16}" >&2
+
+  local rc=0 out="${OUT:-}"
+  local log_file="$BUILD/gpu-check-ctest.log"
+  # The device tests, then the comm collectives on the same build (cheap, CPU Gloo, a few seconds).
+  (cd "$BUILD" && ctest -L device --output-on-failure --timeout 600) 2>&1 | tee "$log_file" || rc=1
+  (cd "$BUILD" && ctest -R '^comm_' --output-on-failure) 2>&1 | tee -a "$log_file" >&2 || rc=1
+  if [ -n "$out" ]; then
+    mkdir -p "$out"
+    {
+      echo "libfsdp gpu-check, $(date -u +%FT%TZ), commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
+      nvidia-smi -L 2>&1 || echo "nvidia-smi not available"
+      echo "torch $torch_version, nvcc: $(nvcc --version | tail -1)"
+      grep -E "Test +#|tests passed|Skipped|Failed|\[gloo-cuda parity\]|\[nccl world 1\]|recorded steps" "$log_file" || true
+    } > "$out/gpu-check.txt"
+    cp "$log_file" "$out/" || true
+    log "summary in $out/gpu-check.txt"
+  fi
+  [ "$rc" = 0 ] && log "OK: device tests passed" || log "FAILED: see $log_file"
+  return "$rc"
+}
+
+case "${1:-}" in
+  prepare) prepare ;;
+  run) run ;;
+  *) echo "usage: bash scripts/gpu-check.sh prepare|run" >&2; exit 2 ;;
+esac
