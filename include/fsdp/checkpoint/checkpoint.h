@@ -85,7 +85,7 @@ struct LoadOptions {
   std::vector<std::string> exclude_prefixes;  // keys starting with any of these are neither loaded nor required
   // Threads per rank reading and verifying pieces of the checkpoint in parallel (libfsdp format; a DCP
   // checkpoint is read by one). Several reads in flight use a disk better than one sequential reader.
-  int read_threads = 4;
+  int read_threads = 2;
 };
 
 struct LoadResult {
