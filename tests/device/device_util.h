@@ -4,6 +4,8 @@
 // passed. The world is joined by the test itself (DeviceWorld below), not by tests/comm/dist_env.h, because
 // each executable picks its own backend and device, and a process without CUDA must not join at all.
 
+#include "fully_shard/mlp_model.h"
+
 #include <fsdp/device_mesh.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/nn/module_call.h>
@@ -60,42 +62,16 @@ class DeviceWorld {
   fsdp::ProcessGroupPtr world_;
 };
 
-// The parity model of tests/fully_shard/fsdp_test_util.h (that header also joins a CPU Gloo world, so it is not
-// included here): in -> blocks (Linear, ReLU, Linear, residual) -> out, sizes not multiples of the world size.
-struct BlockImpl : torch::nn::Module {
-  BlockImpl(int64_t dim, int64_t hidden) {
-    fc1 = register_module("fc1", torch::nn::Linear(dim, hidden));
-    fc2 = register_module("fc2", torch::nn::Linear(hidden, dim));
-  }
-  torch::Tensor forward(torch::Tensor x) { return x + fc2(torch::relu(fc1(x))); }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
-};
-TORCH_MODULE(Block);
+// The parity model: tests/fully_shard/mlp_model.h (fsdp_test::MLP).
+using fsdp_test::Block;
+using fsdp_test::BlockImpl;
+using fsdp_test::MLP;
+using fsdp_test::MLPImpl;
+using fsdp_test::make_mlp;
 
-struct MLPImpl : torch::nn::Module {
-  MLPImpl(int64_t in, int64_t dim, int64_t hidden, int64_t out, int64_t n_blocks) {
-    input = register_module("input", torch::nn::Linear(in, dim));
-    blocks = register_module("blocks", torch::nn::ModuleList());
-    for (int64_t i = 0; i < n_blocks; ++i) blocks->push_back(Block(dim, hidden));
-    output = register_module("output", torch::nn::Linear(dim, out));
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    x = torch::tanh(input(x));
-    for (size_t i = 0; i < blocks->size(); ++i) x = fsdp::nn::call(blocks->ptr<BlockImpl>(i), x);
-    return output(x);
-  }
-  torch::nn::Linear input{nullptr}, output{nullptr};
-  torch::nn::ModuleList blocks{nullptr};
-};
-TORCH_MODULE(MLP);
-
+// make_mlp(seed) builds MLP(7, 19, 13, 5, 3) on the CPU (the same values on every rank and in the reference);
+// the caller moves it to the device.
 constexpr int64_t kIn = 7, kOut = 5;
-
-// Initialised on the CPU (the same values on every rank and in the reference), moved by the caller.
-inline MLP make_mlp(uint64_t seed) {
-  torch::manual_seed(seed);
-  return MLP(kIn, 19, 13, kOut, 3);
-}
 
 // Deterministic global batch for `step`, built on the CPU by every rank, then moved to `device`.
 inline std::pair<torch::Tensor, torch::Tensor> global_batch(int64_t step, int64_t batch, const torch::Device& device) {
