@@ -8,6 +8,7 @@
 #include "checkpoint/format.h"
 #include "checkpoint/open_checkpoint.h"
 #include "checkpoint/planning.h"
+#include "checkpoint/rank_reports.h"
 #include "checkpoint/storage.h"
 
 #include <fsdp/checkpoint/safetensors.h>
@@ -176,28 +177,13 @@ SaveResult save(const StateDict& state, const std::string& path, const SaveOptio
   const std::vector<std::string> all = all_gather_strings(group, mine.dump());
   auto write_metadata_and_commit = [&]() -> int64_t {
     int64_t bytes = 0;
-    std::vector<nlohmann::json> reports;
-    for (const auto& s : all) reports.push_back(nlohmann::json::parse(s));
-    for (const auto& r : reports) {
-      TORCH_CHECK(r["error"].get<std::string>().empty(), r["error"].get<std::string>());
-    }
+    const std::vector<nlohmann::json> reports = parse_rank_reports(all);
     Metadata md;
     md.block_bytes = options.block_bytes;
     md.world_size = world_size;
     md.saved_on = options.saved_on;
     auto declare = [&](const nlohmann::json& d) -> TensorMeta& {
-      const std::string fqn = d["fqn"].get<std::string>();
-      const auto dtype = safetensors::dtype_from_name(d["dtype"].get<std::string>());
-      const auto shape = d["shape"].get<std::vector<int64_t>>();
-      auto [it, fresh] = md.tensors.try_emplace(fqn);
-      if (fresh) {
-        it->second.dtype = dtype;
-        it->second.shape = shape;
-      }
-      TORCH_CHECK(it->second.dtype == dtype && it->second.shape == shape, "checkpoint: ranks disagree on tensor '",
-                  fqn, "': ", safetensors::dtype_name(it->second.dtype), c10::IntArrayRef(it->second.shape), " vs ",
-                  d["dtype"].get<std::string>(), c10::IntArrayRef(shape));
-      return it->second;
+      return declare_tensor(md.tensors, d, &TensorMeta::shape);
     };
     for (const auto& r : reports) {
       for (const auto& d : r["decls"]) declare(d);
