@@ -160,8 +160,8 @@ std::vector<OpenCheckpoint::FillPiece> OpenCheckpoint::plan_fill(const std::stri
     }
     const at::Tensor bytes = dst.detach().view({-1}).view(at::kByte);
     const int64_t step = std::max<int64_t>(1, piece_bytes / B) * B;
-    for (int64_t at = r.begin; at < r.end; at += step) {
-      const int64_t end = std::min(r.end, at + step);
+    for (int64_t at = r.begin, end; at < r.end; at = end) {
+      end = r.end - at <= step ? r.end : at + step;  // never at + step past r.end: fill() passes a huge step
       pieces.push_back({fqn, r.chunk, at, end, bytes.narrow(0, at - r.begin, end - at), true, 0, {}, {}});
     }
   }

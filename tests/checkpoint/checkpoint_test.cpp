@@ -117,6 +117,26 @@ TEST(Checkpoint, SaveLoadEveryEntryKind) {
   fs::remove_all(dir);
 }
 
+// Reader::read_rows of rows that start past the first checksum blocks, aligned to a block (the direct read
+// path), and unaligned: the rows equal the saved tensor's, read from a single-piece plan.
+TEST(Checkpoint, ReaderReadsRowsPastTheFirstBlocks) {
+  const auto dir = fresh_dir("read_rows");
+  fsdp_test::test_world();
+  auto mesh = fsdp::init_device_mesh("cpu", {1}, {"shard"});
+  const at::Tensor w = torch::arange(64 * 32, torch::kFloat).reshape({64, 32});  // 128-byte rows
+  ckpt::StateDict sd;
+  sd.tensors["w"] = fsdp::ShardedTensor::from_local(w.clone(), mesh, {fsdp::Shard(0)}, {64, 32});
+  ckpt::SaveOptions o;
+  o.block_bytes = 256;  // two rows a block
+  const std::string path = (dir / "step-1").string();
+  ckpt::save(sd, path, o);
+  ckpt::Reader r(path);
+  EXPECT_TRUE(torch::equal(r.read_rows("w", 8, 8), w.narrow(0, 8, 8)));    // bytes [1024, 2048): whole blocks
+  EXPECT_TRUE(torch::equal(r.read_rows("w", 33, 5), w.narrow(0, 33, 5)));  // starts mid-block
+  EXPECT_TRUE(torch::equal(r.read_rows("w", 62, 2), w.narrow(0, 62, 2)));  // the last block
+  fs::remove_all(dir);
+}
+
 TEST(Checkpoint, LoadCastsToTheDestinationDtype) {
   const auto dir = fresh_dir("cast");
   const std::string path = save_sample(dir, 3);
