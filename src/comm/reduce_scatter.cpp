@@ -81,18 +81,36 @@ struct Exchange {
     }
   }
 
-  // Rank r's contribution to piece j: our own input, or what peer r sent.
-  at::Tensor contribution(int r, int64_t j) const {
+  // Rank r's contribution to piece j, once it is here: our own input, or (after waiting for its receive) what
+  // peer r sent.
+  at::Tensor contribution(int r, int64_t j) {
     if (r == rank) return in_flat.narrow(0, static_cast<int64_t>(rank) * n + j * piece, len(j));
+    auto& w = recvs[j % depth][peer_index(r)];
+    if (w) {
+      TORCH_CHECK(w->wait(timeout), "the receive was aborted");
+      w.reset();
+    }
     return slots.select(0, j % depth).select(0, peer_index(r)).narrow(0, 0, len(j));
   }
 
+  // Adds the contributions in rank order as each arrives: with more than two ranks, the sums of the early
+  // ranks' pieces run while the later ones are still in transfer, instead of all after the last byte.
   void reduce_piece(int64_t j) {
     at::Tensor out = out_flat.narrow(0, j * piece, len(j));
     const bool upcast = scratch.defined() && (op == ReduceOp::Sum || op == ReduceOp::Avg);
     at::Tensor acc = upcast ? scratch.narrow(0, 0, len(j)) : out;
-    acc.copy_(contribution(0, j));
-    for (int r = 1; r < size; ++r) {
+    int first_unreduced = 1;
+    if (!upcast && (op == ReduceOp::Sum || op == ReduceOp::Avg)) {
+      // Ranks 0 and 1 in one pass (read both, write once) instead of a copy then an add (which reads and
+      // writes the output a second time): the last piece's reduction cannot overlap the transfer. Same order
+      // of additions, so the same result.
+      const at::Tensor c0 = contribution(0, j);
+      at::add_out(acc, c0, contribution(1, j));
+      first_unreduced = 2;
+    } else {
+      acc.copy_(contribution(0, j));
+    }
+    for (int r = first_unreduced; r < size; ++r) {
       const at::Tensor c = contribution(r, j);
       switch (op) {
         case ReduceOp::Sum:
@@ -105,16 +123,12 @@ struct Exchange {
     if (upcast) out.copy_(acc);
   }
 
-  // On the progress thread: wait for each piece from every peer, reduce it, reuse its slots for a later piece.
+  // On the progress thread: reduce each piece as its contributions arrive, reuse its slots for a later piece.
   void run() {
     // Tensors created under InferenceMode may only be modified under it.
     c10::InferenceMode inference(out_flat.is_inference());
     for (int64_t j = 0; j < pieces; ++j) {
-      for (auto& w : recvs[j % depth]) {
-        TORCH_CHECK(w->wait(timeout), "the receive was aborted");
-        w.reset();
-      }
-      reduce_piece(j);
+      reduce_piece(j);  // waits for every receive of piece j
       if (j + depth < pieces) post_recvs(j + depth);
     }
     // Every receive completed: nothing writes into the buffers any more. (After a failure they are never
