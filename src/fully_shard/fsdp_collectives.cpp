@@ -126,15 +126,14 @@ ReduceScatterLayout make_reduce_scatter_layout(const std::vector<FSDPParam*>& pa
 }
 
 at::Tensor pack_reduce_scatter_input(const std::vector<FSDPParam*>& params, const std::vector<at::Tensor>& grads,
-                                     const ReduceScatterLayout& layout) {
+                                     const ReduceScatterLayout& layout, c10::Device device) {
   c10::NoGradGuard no_grad;
   TORCH_CHECK(!params.empty(), "fsdp internal: empty reduce-scatter");
   const ShardGeometry& g0 = params.front()->geometry();
   const int64_t world = g0.world;
   // Not zero-filled: every element is written below, the gradient rows by the copy and only the padding rows
   // of trailing ranks (uneven shards) by zero_.
-  at::Tensor input = at::empty({world, layout.per_rank_numel}, grads[0].defined() ? grads[0].options().dtype(layout.dtype)
-                                                                                  : at::TensorOptions().dtype(layout.dtype));
+  at::Tensor input = at::empty({world, layout.per_rank_numel}, at::TensorOptions().dtype(layout.dtype).device(device));
   for (size_t i = 0; i < params.size(); ++i) {
     if (layout.offsets[i] < 0) continue;
     const ShardGeometry& g = params[i]->geometry();

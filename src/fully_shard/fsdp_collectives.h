@@ -41,9 +41,10 @@ struct ReduceScatterLayout {
 // grads[i] is parameter i's unsharded gradient or undefined (skipped).
 ReduceScatterLayout make_reduce_scatter_layout(const std::vector<FSDPParam*>& params,
                                                const std::vector<at::Tensor>& grads);
-// [world * per_rank_numel] in layout.dtype.
+// [world * per_rank_numel] in layout.dtype, on `device` (the compute device: the collective's input never lands on
+// the CPU because the first parameter happened to have no gradient).
 at::Tensor pack_reduce_scatter_input(const std::vector<FSDPParam*>& params, const std::vector<at::Tensor>& grads,
-                                     const ReduceScatterLayout& layout);
+                                     const ReduceScatterLayout& layout, c10::Device device);
 // Parameter i's reduced rows [rows_of(rank), ...] out of the reduce-scatter output [per_rank_numel].
 at::Tensor reduced_local_grad(const FSDPParam& param, const ReduceScatterLayout& layout, size_t index,
                               const at::Tensor& output);

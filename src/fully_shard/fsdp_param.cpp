@@ -226,11 +226,17 @@ void FSDPParam::accumulate_unsharded_grad() {
   }
 }
 
-void FSDPParam::accumulate_sharded_grad(const at::Tensor& local_grad) {
+bool FSDPParam::accumulate_sharded_grad(const at::Tensor& local_grad) {
   TORCH_CHECK(state_ == ShardedState::Sharded, "fsdp internal: sharded grad for '", fqn_, "' while unsharded");
-  at::Tensor g = local_grad.to(sharded_local_.device(), orig_dtype_);
-  if (unsharded_sizes_.empty() && g.numel() == 1) g = g.view(c10::IntArrayRef{});
   at::Tensor& grad = param_.mutable_grad();
+  // Offloaded gradient copied from the device into pinned memory without blocking the host (Python's
+  // foreach_reduce): only when nothing on the host reads the result right away, i.e. no gradient to add it to,
+  // and the copy is the final tensor (contiguous, not a 0-dim view, which would be cloned below).
+  const bool non_blocking = !grad.defined() && local_grad.device() != sharded_local_.device() &&
+                            sharded_local_.is_cpu() && !unsharded_sizes_.empty() && local_grad.is_contiguous() &&
+                            sharded_padded_.is_pinned();
+  at::Tensor g = local_grad.to(sharded_local_.device(), orig_dtype_, non_blocking);
+  if (unsharded_sizes_.empty() && g.numel() == 1) g = g.view(c10::IntArrayRef{});
   if (grad.defined()) {
     grad.add_(g);
   } else {
@@ -238,6 +244,7 @@ void FSDPParam::accumulate_sharded_grad(const at::Tensor& local_grad) {
     // zero_grad() cannot detach views in place.
     grad = g.is_view() || !g.is_contiguous() ? g.clone(at::MemoryFormat::Contiguous) : g;
   }
+  return non_blocking;
 }
 
 namespace {

@@ -123,7 +123,9 @@ class FSDPParam {
   void accumulate_unsharded_grad();
   bool has_accumulated_unsharded_grad() const { return accumulated_unsharded_grad_.defined(); }
   // Adds (or sets) this rank's reduced gradient shard (sharded_local()'s shape) into the sharded gradient.
-  void accumulate_sharded_grad(const at::Tensor& local_grad);
+  // Returns true when it started a non-blocking device-to-host copy (offloaded to pinned memory, nothing to
+  // add to): the host must wait on an event recorded after it before anything reads the gradient.
+  bool accumulate_sharded_grad(const at::Tensor& local_grad);
 
   // HSDP with set_requires_all_reduce(false): the shard-group reduced rows ([padded rows] in the reduce
   // dtype, not yet averaged) kept apart until the next all-reduce, so replicas never diverge.

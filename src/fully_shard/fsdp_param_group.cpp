@@ -148,7 +148,7 @@ bool FSDPParamGroup::hands_over_gradients() const {
   return true;
 }
 
-void FSDPParamGroup::unshard() {
+void FSDPParamGroup::unshard(bool on_comm_streams) {
   if (is_unsharded_ || unshard_in_flight() || params_.empty()) return;
   for (FSDPParam* p : param_ptrs_) {
     TORCH_CHECK(!p->param().is_meta(), "fsdp: parameter '", p->fqn(),
@@ -159,23 +159,63 @@ void FSDPParamGroup::unshard() {
     local_unshard_issued_ = true;
     return;
   }
+  // With separate streams: copy-in on the copy-in stream after the work issued so far on the current stream
+  // (an optimizer step or state-dict load may have just written the shards, reshard may have just written the
+  // N-way copy), the all-gather on the all-gather stream after the copy-in. The output buffer is allocated
+  // on the copy-in stream, which is where its memory is reused (see wait_for_unshard).
+  CommStreams* s = on_comm_streams ? streams() : nullptr;
+  std::optional<c10::Stream> copy_in, gather;
+  if (s) {
+    copy_in = s->all_gather_copy_in();
+    gather = s->all_gather();
+    s->wait_stream(*copy_in, s->current());
+  }
   const int64_t world = mesh_info_.shard_size;
-  all_gather_output_ = at::empty({world * layout_.per_rank_bytes},
-                                 at::TensorOptions().dtype(at::kByte).device(mesh_info_.device));
   const int64_t version = shards_version();
   if (post_forward_shard_.defined() && post_forward_shard_version_ != version) {
     // The shards changed since the N-way copy was kept (optimizer step, state-dict load): it is stale.
     post_forward_shard_ = at::Tensor();
   }
-  if (post_forward_shard_.defined()) {
-    // Re-gather from the N-way copy kept after forward: only the N-rank group communicates.
-    all_gather_ = post_forward_group_->all_gather_into_tensor(all_gather_output_, post_forward_shard_.view({-1}));
-  } else {
-    at::Tensor slot = all_gather_output_.narrow(0, mesh_info_.shard_rank * layout_.per_rank_bytes, layout_.per_rank_bytes);
-    pack_sharded(param_ptrs_, layout_, slot);
-    all_gather_ = mesh_info_.shard_group->all_gather_into_tensor(all_gather_output_, slot);
+  at::Tensor input;
+  {
+    CommStreamGuard on_copy_in(copy_in);
+    all_gather_output_ = at::empty({world * layout_.per_rank_bytes},
+                                   at::TensorOptions().dtype(at::kByte).device(mesh_info_.device));
+    if (post_forward_shard_.defined()) {
+      input = post_forward_shard_.view({-1});
+    } else {
+      input = all_gather_output_.narrow(0, mesh_info_.shard_rank * layout_.per_rank_bytes, layout_.per_rank_bytes);
+      pack_sharded(param_ptrs_, layout_, input);  // host-to-device, non-blocking, when the shards are offloaded
+    }
   }
+  if (s) s->wait_stream(*gather, *copy_in);
+  {
+    CommStreamGuard on_gather(gather);
+    // Re-gather from the N-way copy kept after forward (only the N-rank group communicates), or from the shards.
+    ProcessGroup& group = post_forward_shard_.defined() ? *post_forward_group_ : *mesh_info_.shard_group;
+    all_gather_ = group.all_gather_into_tensor(all_gather_output_, input);
+  }
+  all_gather_stream_ = gather;
   all_gather_version_ = version;
+}
+
+void FSDPParamGroup::complete_all_gather() {
+  Work work = std::move(all_gather_);
+  all_gather_ = Work();
+  const std::optional<c10::Stream> gather = all_gather_stream_;
+  all_gather_stream_.reset();
+  if (!gather) {
+    work.wait();  // issued on the current stream: NCCL makes it wait, Gloo blocks the host
+    return;
+  }
+  // Python's synchronous all-gather on the all-gather stream, then the current stream waits on the event
+  // recorded there after it (not on the whole stream: a later prefetch may already be queued on it).
+  CommStreams& s = comm_->streams;
+  {
+    CommStreamGuard on_gather(gather);
+    work.wait();
+  }
+  s.wait(s.current(), s.record(*gather));
 }
 
 void FSDPParamGroup::wait_for_unshard() {
@@ -188,21 +228,40 @@ void FSDPParamGroup::wait_for_unshard() {
     is_unsharded_ = true;
     return;
   }
-  all_gather_.wait();
-  all_gather_ = Work();
+  const bool on_comm_streams = all_gather_stream_.has_value();
+  complete_all_gather();
   if (all_gather_version_ != shards_version()) {
     // Issued (prefetched, or unshard(async)) before the shards changed: gather the current shards instead.
     all_gather_output_ = at::Tensor();
     post_forward_shard_ = at::Tensor();
-    unshard();
-    all_gather_.wait();
-    all_gather_ = Work();
+    unshard(on_comm_streams);
+    complete_all_gather();
+  }
+  CommStreams* s = streams();
+  if (s && training_state_ == TrainingState::Forward) {
+    // The previous forward group's all-gather output was kept until now so that its copy-out could overlap
+    // this all-gather; the all-gather streams now wait for that copy-out, then its memory may be reused.
+    comm_->all_gather_state.release(*s, {s->all_gather_copy_in(), s->all_gather()});
   }
   // The full parameters are allocated only now, not when the (possibly prefetched) all-gather was issued:
   // a prefetched group then costs one buffer while the current group computes, so forward holds at most
   // two groups' worth of unsharded data (the current group freed, this group's buffer + parameters).
   for (FSDPParam* p : param_ptrs_) p->alloc_unsharded();
   unpack_all_gather(param_ptrs_, layout_, all_gather_output_);
+  if (s && on_comm_streams) {
+    // The copy-out ran on the current stream, the buffer belongs to the copy-in stream: no record_stream,
+    // the all-gather streams wait for the copy-out before the memory can be reused there. In forward the
+    // buffer is kept until the next group's copy-out (its all-gather, prefetched, must not land in this
+    // memory while this copy-out may still run); otherwise released now.
+    StreamEvent copied_out = s->record(s->current());
+    if (training_state_ == TrainingState::Forward) {
+      comm_->all_gather_state.hold(std::move(all_gather_output_), copied_out);
+    } else {
+      HeldBuffer now;
+      now.hold(std::move(all_gather_output_), copied_out);
+      now.release(*s, {s->all_gather_copy_in(), s->all_gather()});
+    }
+  }
   all_gather_output_ = at::Tensor();  // free the flat buffer before the next group's gather lands
   post_forward_shard_ = at::Tensor();
   for (FSDPParam* p : param_ptrs_) p->to_unsharded();
@@ -212,10 +271,15 @@ void FSDPParamGroup::wait_for_unshard() {
 void FSDPParamGroup::drop_unused_unshard() {
   local_unshard_issued_ = false;
   if (!unshard_in_flight()) return;
-  Work work = std::move(all_gather_);
-  all_gather_ = Work();
+  // Completed before the buffer goes: its memory belongs to the copy-in stream, whose next use is ordered after
+  // the current stream (unshard), which now waits for the gather.
+  try {
+    complete_all_gather();
+  } catch (...) {
+    all_gather_output_ = at::Tensor();
+    throw;
+  }
   all_gather_output_ = at::Tensor();
-  work.wait();
 }
 
 void FSDPParamGroup::reshard(bool keep_post_forward_shard) {
@@ -365,15 +429,31 @@ void FSDPParamGroup::reduce_gradients() {
   }
   PendingReduce pending;
   pending.layout = make_reduce_scatter_layout(param_ptrs_, grads);
-  at::Tensor input = pack_reduce_scatter_input(param_ptrs_, grads, pending.layout);
+  CommStreams* s = streams();
+  if (s) {
+    // The previous reduce-scatter's input (allocated on the current stream) is released once the current
+    // stream is ordered after that reduce-scatter (Python's ReduceScatterState).
+    comm_->reduce_scatter_state.release(*s, {s->current()});
+  }
+  // Packed on the current stream, where autograd produced the gradients: they can be freed right after
+  // (as in Python's foreach_reduce; packing on the reduce-scatter stream would need them kept alive).
+  at::Tensor input = pack_reduce_scatter_input(param_ptrs_, grads, pending.layout, mesh_info_.device);
   grads.clear();  // the unsharded gradients are no longer needed once packed
   const bool hsdp = mesh_info_.replicate_group && mesh_info_.replicate_size > 1;
   pending.division = gradient_division(pending.layout.dtype, mesh_info_.shard_size, hsdp ? mesh_info_.replicate_size : 1,
                                        gradient_divide_factor, force_sum_reduction_for_comms);
-  if (pending.division.pre_divide) input.div_(*pending.division.pre_divide);
-  pending.output = at::empty({pending.layout.per_rank_numel}, input.options());
-  pending.reduce_scatter =
-      mesh_info_.shard_group->reduce_scatter_tensor(pending.output, input, pending.division.reduce_scatter_op);
+  if (s) {
+    pending.stream = s->reduce_scatter();
+    s->wait_stream(*pending.stream, s->current());
+  }
+  {
+    // Pre-division and the collective on the reduce-scatter stream; the output is allocated there.
+    CommStreamGuard on_reduce_scatter(pending.stream);
+    if (pending.division.pre_divide) input.div_(*pending.division.pre_divide);
+    pending.output = at::empty({pending.layout.per_rank_numel}, input.options());
+    pending.reduce_scatter =
+        mesh_info_.shard_group->reduce_scatter_tensor(pending.output, input, pending.division.reduce_scatter_op);
+  }
   pending.input = std::move(input);
   pending_reduce_ = std::move(pending);
 }
@@ -382,7 +462,19 @@ void FSDPParamGroup::finish_pending_reduce() {
   if (!pending_reduce_) return;
   PendingReduce pending = std::move(*pending_reduce_);
   pending_reduce_.reset();
+  CommStreams* s = pending.stream ? &comm_->streams : nullptr;
+  // Everything after the collective runs on the stream it was issued on (the reduce-scatter stream, or the
+  // all-reduce stream after an HSDP all-reduce): `post` is where the sharded gradients are written.
+  std::optional<c10::Stream> post = pending.stream;
+  std::optional<CommStreamGuard> on_post;
+  on_post.emplace(post);
   pending.reduce_scatter.wait();
+  if (s) {
+    // The input stays alive until the current stream is ordered after the collective that read it.
+    comm_->reduce_scatter_state.release(*s, {s->current()});
+    comm_->reduce_scatter_state.hold(std::move(pending.input), s->record(*post));
+  }
+  pending.input = at::Tensor();
   c10::NoGradGuard no_grad;
   const bool hsdp = mesh_info_.replicate_group && mesh_info_.replicate_size > 1;
   auto rows_of = [&](size_t i) {
@@ -402,16 +494,45 @@ void FSDPParamGroup::finish_pending_reduce() {
         partial = at::Tensor();
       }
     }
-    if (!requires_all_reduce) return;
+    if (!requires_all_reduce) {
+      if (s) post_reduce_event_ = s->record(*post);  // the partial sums are written on the reduce-scatter stream
+      return;
+    }
+    if (s) {
+      // HSDP's all-reduce on its own stream, so it can overlap the next reduce-scatter (another network).
+      post = s->all_reduce();
+      s->wait_stream(*post, *pending.stream);
+      on_post.reset();
+      on_post.emplace(post);
+    }
     mesh_info_.replicate_group->all_reduce(pending.output, pending.division.all_reduce_op).wait();
   }
   // As in PyTorch: the hook sees the reduced output after the collectives and before the post-division.
   if (all_reduce_hook) all_reduce_hook(pending.output);
   if (pending.division.post_divide) pending.output.div_(*pending.division.post_divide);
+  bool copying_to_host = false;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (pending.layout.offsets[i] < 0) continue;
-    param_ptrs_[i]->accumulate_sharded_grad(reduced_local_grad(*param_ptrs_[i], pending.layout, i, pending.output));
+    copying_to_host = param_ptrs_[i]->accumulate_sharded_grad(
+                          reduced_local_grad(*param_ptrs_[i], pending.layout, i, pending.output)) ||
+                      copying_to_host;
   }
+  // The current stream waits on this event at the end of backward (or before a conversion): the sharded
+  // gradients were written on `post`. Non-blocking copies into pinned CPU gradients: the host waits on the same
+  // event before the optimizer reads them (Python's grad_offload_event).
+  if (s) {
+    post_reduce_event_ = s->record(*post);
+    if (copying_to_host) grad_offload_event_ = post_reduce_event_;
+  }
+}
+
+void FSDPParamGroup::wait_for_post_reduce() {
+  if (!comm_) return;
+  CommStreams& s = comm_->streams;
+  if (post_reduce_event_.recorded()) s.wait(s.current(), post_reduce_event_);
+  post_reduce_event_ = StreamEvent();
+  s.synchronize(grad_offload_event_);
+  grad_offload_event_ = StreamEvent();
 }
 
 void FSDPParamGroup::finish_backward(bool keep_graph) {
@@ -427,6 +548,7 @@ void FSDPParamGroup::finish_backward(bool keep_graph) {
     reshard();
   }
   finish_pending_reduce();
+  wait_for_post_reduce();  // the optimizer (current stream, or the host for offloaded gradients) reads them next
   drop_unused_unshard();  // a backward prefetch nobody consumed must not feed the next step
   nodes_fired_ = 0;
   if (!keep_graph) {
@@ -452,9 +574,14 @@ void FSDPParamGroup::reset() {
     if (pending_reduce_) {
       PendingReduce pending = std::move(*pending_reduce_);
       pending_reduce_.reset();
-      pending.reduce_scatter.wait();  // waited, result dropped: the step it belonged to was abandoned
+      {
+        CommStreamGuard on_stream(pending.stream);
+        pending.reduce_scatter.wait();  // waited, result dropped: the step it belonged to was abandoned
+      }
+      if (pending.stream) comm_->streams.wait_stream(comm_->streams.current(), *pending.stream);
     }
   });
+  drain([&] { wait_for_post_reduce(); });
   for (FSDPParam* p : param_ptrs_) p->drop_internal_grads();
   if (is_unsharded_) {
     for (FSDPParam* p : param_ptrs_) {
@@ -483,6 +610,7 @@ void FSDPParamGroup::convert_dtype(c10::ScalarType dtype, const MixedPrecisionPo
               "fsdp: module->to(", dtype, ") on FSDP group ", name_, " while it is ", to_string(training_state_),
               is_unsharded_ ? " and unsharded" : "", "; convert between steps");
   finish_pending_reduce();
+  wait_for_post_reduce();
   invalidate_caches();
   for (FSDPParam* p : param_ptrs_) p->convert_dtype(dtype, mp);
   layout_ = make_all_gather_layout(param_ptrs_);

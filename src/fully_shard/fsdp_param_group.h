@@ -15,6 +15,7 @@
 
 #include "fully_shard/fsdp_collectives.h"
 #include "fully_shard/fsdp_param.h"
+#include "fully_shard/fsdp_streams.h"
 
 #include <fsdp/device_mesh.h>
 #include <fsdp/fully_shard.h>
@@ -61,6 +62,7 @@ struct PendingReduce {
   at::Tensor output;  // reduce-scatter output [per_rank_numel]
   ReduceScatterLayout layout;
   GradientDivision division;
+  std::optional<c10::Stream> stream;  // the reduce-scatter stream it was issued on (none: the current stream)
 };
 
 class FSDPParamGroup {
@@ -73,9 +75,16 @@ class FSDPParamGroup {
   void set_name(std::string name) { name_ = std::move(name); }
   TrainingState training_state() const { return training_state_; }
 
+  // --- streams -----------------------------------------------------------------------------------------
+  // The root's streams and held buffers (set at the root's lazy init; before that everything runs on the
+  // current stream, as on a device without streams).
+  void set_comm_context(std::shared_ptr<CommContext> comm) { comm_ = std::move(comm); }
+
   // --- unshard / reshard -------------------------------------------------------------------------------
   // Issues the all-gather (asynchronous); wait_for_unshard() completes it and shows the full parameters.
-  void unshard();
+  // on_comm_streams: copy-in and all-gather on the all-gather streams (FSDP's own unshards and prefetches);
+  // false for an explicit FSDPModule::unshard, which runs on the current stream (as Python's does).
+  void unshard(bool on_comm_streams = true);
   void wait_for_unshard();
   bool is_unsharded() const { return is_unsharded_; }
   // In flight = issued, not yet waited.
@@ -146,6 +155,12 @@ class FSDPParamGroup {
 
  private:
   void ensure_post_forward_group();
+  CommStreams* streams() const { return comm_ && comm_->streams.separate() ? &comm_->streams : nullptr; }
+  // Completes the in-flight all-gather: the collective waited on the stream it was issued on, the current
+  // stream ordered after it. The output buffer stays (wait_for_unshard copies out of it).
+  void complete_all_gather();
+  // The current stream waits for this group's last reduction (and the host for offloaded gradients' copies).
+  void wait_for_post_reduce();
   // Reduces (or, without gradient sync, accumulates) the gradients on the unsharded parameters, reshards.
   void reduce_gradients();
   int64_t shards_version() const;
@@ -169,6 +184,14 @@ class FSDPParamGroup {
   at::Tensor all_gather_output_;
   bool local_unshard_issued_ = false;  // unshard() on the fast path: nothing in flight, same state machine
   int64_t all_gather_version_ = -1;  // shards_version() when the in-flight gather packed them
+  std::optional<c10::Stream> all_gather_stream_;  // where the in-flight gather was issued (none: current)
+  std::shared_ptr<CommContext> comm_;
+  // Marks the end of the last reduction's work on the reduce-scatter / all-reduce stream (the sharded
+  // gradients are written there); the current stream waits on it at the end of backward.
+  StreamEvent post_reduce_event_;
+  // After non-blocking device-to-host copies of offloaded gradients: the host waits on it before the
+  // optimizer can read them (end of backward).
+  StreamEvent grad_offload_event_;
 
   // Backward accounting for repeated use. A forward call with gradients enabled is one "use"; a use whose
   // inputs required gradients got a post-backward node that tells when its gradients are complete; a use

@@ -166,6 +166,16 @@ void FSDPState::lazy_init() {
   }
   is_root_ = true;
   ctx_ = std::make_shared<detail::RootContext>();
+  // One set of streams for the tree, on the device the groups compute on (the first group's: fully_shard puts
+  // every group of a tree on its mesh's device). A tree without parameters has nothing to communicate.
+  c10::Device device(c10::kCPU);
+  for (auto& s : states) {
+    if (s->param_group_) {
+      device = s->param_group_->mesh_info().device;
+      break;
+    }
+  }
+  ctx_->comm = std::make_shared<detail::CommContext>(device);
   for (auto& s : states) {
     if (s.get() != this) s->is_root_ = false;
     s->ctx_ = ctx_;
@@ -173,6 +183,7 @@ void FSDPState::lazy_init() {
     auto path = module_path.find(&s->module());
     if (path != module_path.end() && !path->second.empty()) s->name_ = path->second + " (" + s->module().name() + ")";
     if (!s->param_group_) continue;
+    s->param_group_->set_comm_context(ctx_->comm);
     s->param_group_->set_default_reshard_after_forward(s.get() == this);
     s->param_group_->set_name(s->name_);
     for (detail::FSDPParam* p : s->param_group_->params()) {
@@ -214,6 +225,8 @@ void FSDPState::root_post_forward() {
     if (s->param_group_ && s->training_state_ == TrainingState::Idle) s->param_group_->drop_unused_unshard();
   }
   ctx_->last_forward_order = ctx_->forward_order;
+  // The last group's all-gather output was kept for a next group's copy-out that will not come in this forward.
+  release_held_buffers();
   // A sharded parameter that autograd recorded an op on after its module returned: its gradient would have
   // the shard's shape (autograd then fails in backward with a shape error that names no module). Say so now.
   if (c10::GradMode::is_enabled()) {
@@ -464,6 +477,14 @@ void FSDPState::root_final_callback() {
   }
   ctx_->group_with_pending_reduce = nullptr;
   ctx_->backward_graph_task = -1;
+  release_held_buffers();  // the last reduce-scatter's input: the current stream now waits for it
+}
+
+void FSDPState::release_held_buffers() {
+  if (!ctx_ || !ctx_->comm) return;
+  detail::CommStreams& s = ctx_->comm->streams;
+  ctx_->comm->all_gather_state.release(s, {s.all_gather_copy_in(), s.all_gather()});
+  ctx_->comm->reduce_scatter_state.release(s, {s.current()});
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -490,6 +511,7 @@ void FSDPState::reset() {
     s->backward_order_indices_.clear();
   }
   if (ctx_) {
+    release_held_buffers();
     ctx_->backward_order.clear();
     ctx_->forward_order.clear();
     ctx_->group_with_pending_reduce = nullptr;
@@ -572,8 +594,10 @@ void FSDPState::wait_for_post_optim_event() {
   c10::Event event = std::move(*ctx_->post_optim_event);
   ctx_->post_optim_event.reset();
   ++ctx_->post_optim_events_waited;
-  // The all-gathers run on the current stream (no separate all-gather stream yet): make it wait for the event.
-  // An event never recorded (and any CPU event: the CPU runs everything in order) has nothing to wait for.
+  // The current stream waits for the event; every all-gather's copy-in stream waits on the current stream
+  // before it reads the shards (FSDPParamGroup::unshard), so the all-gathers are ordered after the optimizer
+  // step too. An event never recorded (and any CPU event: the CPU runs everything in order) has nothing to
+  // wait for.
   if (event.device_type() == c10::DeviceType::CPU || !event.was_marked_for_recording()) return;
   c10::impl::VirtualGuardImpl guard(event.device_type());
   event.block(guard.getStream(c10::Device(event.device_type(), event.device_index())));
@@ -581,7 +605,7 @@ void FSDPState::wait_for_post_optim_event() {
 
 void FSDPState::unshard(bool async_op) {
   if (!param_group_) return;
-  param_group_->unshard();
+  param_group_->unshard(/*on_comm_streams=*/false);  // explicit: on the current stream, as in Python
   if (!async_op) param_group_->wait_for_unshard();
 }
 

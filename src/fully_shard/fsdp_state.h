@@ -41,6 +41,8 @@ struct RootContext {
   int backward_graph_task = -1;
   // The group whose gradient reduction is in flight: at most one across the tree bounds gradient memory.
   FSDPParamGroup* group_with_pending_reduce = nullptr;
+  // The communication streams and the buffers held across them (fsdp_streams.h), shared by every group.
+  std::shared_ptr<CommContext> comm;
   // FSDPModule::set_post_optim_event: waited on (once) by the next root forward's all-gathers.
   std::optional<c10::Event> post_optim_event;
   int64_t post_optim_events_waited = 0;  // for tests
@@ -105,6 +107,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void root_post_forward();
   void root_final_callback();
   void wait_for_post_optim_event();
+  // Releases the buffers kept across streams (fsdp_streams.h's HeldBuffer) once their streams waited.
+  void release_held_buffers();
   void queue_final_callback();
   // True when the previous forward or backward of this root's tree was abandoned by an exception.
   bool needs_recovery() const;

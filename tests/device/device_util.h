@@ -86,4 +86,62 @@ inline double max_rel_diff(const torch::Tensor& a, const torch::Tensor& b) {
   return (a - b).abs().max().item<double>() / std::max(denom, 1e-12);
 }
 
+// One data-parallel step of an FSDP model: this rank's slice of the global batch, forward, backward (the
+// optimizer step is the caller's, after its checks on the gradients).
+inline void fsdp_backward_step(MLP& model, torch::optim::Optimizer& optim, int64_t step, int64_t global_batch_size,
+                               int64_t rank, int64_t n, const torch::Device& device) {
+  const int64_t local = global_batch_size / n;
+  auto [gx, gy] = global_batch(step, global_batch_size, device);
+  optim.zero_grad();
+  torch::mse_loss(fsdp::nn::call(model, gx.narrow(0, rank * local, local)), gy.narrow(0, rank * local, local))
+      .backward();
+}
+
+// Plain libtorch on `device`, the whole global batch each step (SGD 0.05, momentum 0.9): the parity reference
+// of the Gloo-on-CUDA tests. Shares no code with fully_shard. Parameters by FQN, on the CPU.
+inline std::map<std::string, torch::Tensor> train_reference(const torch::Device& device, int64_t steps,
+                                                            int64_t global_batch_size) {
+  MLP model = make_mlp(42);
+  model->to(device);
+  torch::optim::SGD optim(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  for (int64_t step = 0; step < steps; ++step) {
+    auto [x, y] = global_batch(step, global_batch_size, device);
+    optim.zero_grad();
+    torch::mse_loss(model(x), y).backward();
+    optim.step();
+  }
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& item : model->named_parameters()) out[item.key()] = item.value().detach().cpu();
+  return out;
+}
+
+// Every parameter of `got` within `tolerance` (max relative difference) of `ref`; the reference must have moved
+// away from make_mlp(42) (parity with an untrained model would be vacuous). Returns {worst, moved}.
+inline std::pair<double, double> expect_parity(const std::map<std::string, torch::Tensor>& ref,
+                                               const std::map<std::string, torch::Tensor>& got, double tolerance) {
+  EXPECT_EQ(ref.size(), got.size());
+  EXPECT_GE(ref.size(), 10u);
+  double worst = 0;
+  for (const auto& [name, r] : ref) {
+    auto it = got.find(name);
+    if (it == got.end()) {
+      ADD_FAILURE() << "missing parameter " << name;
+      continue;
+    }
+    const torch::Tensor g = it->second.cpu();
+    if (g.sizes() != r.sizes()) {
+      ADD_FAILURE() << name << ": shape " << g.sizes() << ", expected " << r.sizes();
+      continue;
+    }
+    const double d = max_rel_diff(g, r);
+    worst = std::max(worst, d);
+    EXPECT_LE(d, tolerance) << name;
+  }
+  auto init = make_mlp(42);
+  double moved = 0;
+  for (const auto& item : init->named_parameters()) moved = std::max(moved, max_rel_diff(ref.at(item.key()), item.value()));
+  EXPECT_GT(moved, 1e-2) << "training did not move the parameters: the comparison would be vacuous";
+  return {worst, moved};
+}
+
 }  // namespace fsdp_device
