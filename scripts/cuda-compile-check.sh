@@ -17,6 +17,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${FSDP_VENV:-$ROOT/.venv}"
 TORCH_VERSION="${FSDP_CUDA_TORCH:-2.11.0}"
 NCCL_WHEEL="${FSDP_CUDA_NCCL:-nvidia-nccl-cu13==2.28.9}"
+# ATen/cuda/CUDAContextLight.h (pulled in by c10d's ProcessGroupNCCL.hpp) includes the cuBLAS, cuSOLVER and
+# cuSPARSE headers, which a bare CUDA toolkit install may lack: the versions torch 2.11's wheel pins
+# (its METADATA: cuda-toolkit[...]==13.0.2), headers only.
+MATH_LIBS="${FSDP_CUDA_MATH_LIBS:-cuda-toolkit[cublas,cusolver,cusparse]==13.0.2}"
 DIR="$ROOT/.cuda-torch"
 BUILD="$ROOT/build-cuda"
 log() { echo "[cuda-check] $*" >&2; }
@@ -50,6 +54,19 @@ for whl in glob.glob(f"{d}/torch-*.whl") + glob.glob(f"{d}/nvidia_nccl*.whl"):
     z.extractall(d, keep)
 PY
 fi
+if [ ! -f "$DIR/nvidia/cu13/include/cusparse.h" ]; then
+  log "downloading the cuBLAS/cuSOLVER/cuSPARSE wheels ($MATH_LIBS) for their headers"
+  mkdir -p "$DIR/math-wheels"
+  "$VENV/bin/pip" download -q -d "$DIR/math-wheels" "$MATH_LIBS" >&2
+  "$VENV/bin/python" - "$DIR" <<'PY'
+import glob, sys, zipfile
+d = sys.argv[1]
+for whl in glob.glob(f"{d}/math-wheels/nvidia_*.whl"):
+    z = zipfile.ZipFile(whl)
+    z.extractall(d, [n for n in z.namelist() if n.startswith("nvidia/cu13/include/")])
+PY
+  rm -rf "$DIR/math-wheels"  # ~800 MB of libraries nothing here links
+fi
 TORCH_BUILD="$(grep "^__version__" "$DIR/torch/version.py" | cut -d"'" -f2)"
 log "libtorch $TORCH_BUILD"
 
@@ -58,7 +75,7 @@ if [ ! -f "$BUILD/build.ninja" ]; then
   cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER_LAUNCHER=ccache \
     -DTorch_DIR="$DIR/torch/share/cmake/Torch" -DFSDP_WITH_NCCL=ON -DFSDP_NCCL_ROOT="$DIR/nvidia/nccl" \
     -DFSDP_PYTHON="$VENV/bin/python" -DCUDA_TOOLKIT_ROOT_DIR="$CUDA_ROOT" \
-    -DCMAKE_CUDA_COMPILER="$CUDA_ROOT/bin/nvcc" \
+    -DCMAKE_CUDA_COMPILER="$CUDA_ROOT/bin/nvcc" -DCMAKE_CXX_FLAGS="-isystem $DIR/nvidia/cu13/include" \
     -DCMAKE_EXE_LINKER_FLAGS="-Wl,--unresolved-symbols=ignore-in-shared-libs" >&2
 fi
 export CCACHE_BASEDIR="$ROOT" CCACHE_NOHASHDIR=1

@@ -64,13 +64,21 @@ Debian machine first and carry .gpu-debs along"
   export PATH="$PATH:/usr/local/cuda/bin"
   command -v nvcc >/dev/null || die "no nvcc on PATH or in /usr/local/cuda/bin"
   cuda_root="${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")}"
-  log "torch $torch_version ($torch_dir), NCCL headers $nccl_root, CUDA $cuda_root"
+  # c10d's ProcessGroupNCCL.hpp pulls in cuBLAS/cuSOLVER/cuSPARSE headers (ATen/cuda/CUDAContextLight.h); a
+  # minimal toolkit may lack them, the pip packages torch depends on (nvidia/cu13/include) have them.
+  local cxx_flags="-isystem $DEPS/usr/include" math_inc
+  math_inc="$("$py" -c 'import nvidia, os
+for p in nvidia.__path__:
+    d = os.path.join(p, "cu13", "include")
+    if os.path.isfile(os.path.join(d, "cusparse.h")): print(d); break' 2>/dev/null || true)"
+  [ -n "$math_inc" ] && cxx_flags="$cxx_flags -isystem $math_inc"
+  log "torch $torch_version ($torch_dir), NCCL headers $nccl_root, CUDA $cuda_root, math headers ${math_inc:-from the toolkit}"
 
   cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DTorch_DIR="$torch_dir" -DFSDP_WITH_NCCL=ON -DFSDP_NCCL_ROOT="$nccl_root" -DFSDP_PYTHON="$(command -v "$py")" \
     -DCUDA_TOOLKIT_ROOT_DIR="$cuda_root" -DCMAKE_CUDA_COMPILER="$cuda_root/bin/nvcc" \
     -DCMAKE_PREFIX_PATH="$DEPS/usr" -DGTest_DIR="$gtest_dir" \
-    -DCMAKE_CXX_FLAGS="-isystem $DEPS/usr/include" \
+    -DCMAKE_CXX_FLAGS="$cxx_flags" \
     -DCMAKE_BUILD_RPATH="$(dirname "$xxhash_lib")" \
     -DFSDP_TEST_DIRS="device;comm;fully_shard" -DFSDP_APPS_EXCLUDE="fsdp-train;fsdp-plan;fsdp-ckpt" >&2
   ninja -C "$BUILD" -j "${FSDP_BUILD_JOBS:-16}" >&2
