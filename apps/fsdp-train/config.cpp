@@ -158,14 +158,16 @@ std::string format_double(double v) {
   return s;
 }
 
+// A TOML basic string that parses back to `s`, written by toml++ itself: every control character escaped
+// (a hand-written quote() missed "\r", so a config with one was accepted but its re-written config.toml was not;
+// found by fuzzing), no multi-line form (format_flags::none), non-ASCII as \uXXXX escapes.
 std::string quote(const std::string& s) {
-  std::string out = "\"";
-  for (char ch : s) {
-    if (ch == '"' || ch == '\\') out += '\\';
-    if (ch == '\n') { out += "\\n"; continue; }
-    out += ch;
-  }
-  return out + "\"";
+  std::ostringstream os;
+  os << toml::toml_formatter(toml::table{{"k", s}}, toml::format_flags::none);
+  std::string line = os.str();  // k = "..."
+  const size_t start = line.find('"');
+  const size_t end = line.rfind('"');
+  return line.substr(start, end - start + 1);
 }
 
 std::string value_text(const FieldPtr& p) {
@@ -336,11 +338,19 @@ std::vector<KeyInfo> config_schema() {
 namespace {
 
 // TOML allows non-ASCII characters only inside strings and comments. Checked before toml++ sees the text, with a
-// clear error, because toml++ 3.3 misclassifies some of them as whitespace candidates (see the include above); for
-// the same reason a non-ASCII character right after a line-ending backslash of a multi-line basic string (where
-// whitespace is trimmed) is rejected too.
+// clear error, because toml++ 3.3 misclassifies some of them as whitespace candidates (see the include above).
+// Where a string really starts matters: toml++ reads a value that does not start with a quote as one bare token up
+// to a value terminator (whitespace, newline, ']', '}', ',', '#'), quotes included, classifying every character
+// on the way. So in `interval = 500[g"§"` the '"' opens no string, and the '§' reaches the faulty classifier
+// (found by fuzzing: tests/fuzz/corpus/toml_config/regression_quote_in_bare_value.toml). The scan therefore
+// tracks where a value is expected (after '=', and after '[' or ',' inside an array) and treats such bare tokens
+// as toml++ does. In a multi-line basic string, a non-ASCII character right after a backslash, or after a
+// line-ending backslash and the whitespace it trims, is rejected too (tests/fuzz/corpus/toml_config/
+// regression_backslash_nonascii.toml).
 void reject_non_ascii_outside_strings(std::string_view t, const std::string& source) {
-  enum class S { kNormal, kComment, kBasic, kLiteral, kMlBasic, kMlLiteral } st = S::kNormal;
+  enum class S { kNormal, kComment, kBasic, kLiteral, kMlBasic, kMlLiteral, kBareValue } st = S::kNormal;
+  std::string nesting;        // open '[' (array values) and '{' (inline tables), innermost last
+  bool expect_value = false;  // the next non-blank character starts a value
   int64_t line = 1, col = 1;
   size_t i = t.substr(0, 3) == "\xEF\xBB\xBF" ? 3 : 0;  // a leading UTF-8 byte order mark is fine
   auto fail = [&](const char* what) {
@@ -353,19 +363,61 @@ void reject_non_ascii_outside_strings(std::string_view t, const std::string& sou
       if (t[i] == '\n') { ++line; col = 1; } else if ((static_cast<unsigned char>(t[i]) & 0xC0) != 0x80) { ++col; }
     }
   };
+  auto ends_bare_value = [](unsigned char c) {
+    return c == ' ' || c == '\t' || c == '\r' || c == '\n' || c == ']' || c == '}' || c == ',' || c == '#';
+  };
   while (i < t.size()) {
     const unsigned char c = static_cast<unsigned char>(t[i]);
     switch (st) {
       case S::kNormal:
         if (c >= 0x80) fail("a non-ASCII character outside a string or comment");
-        if (c == '#') st = S::kComment;
-        else if (starts("\"\"\"")) { st = S::kMlBasic; advance(3); continue; }
-        else if (starts("'''")) { st = S::kMlLiteral; advance(3); continue; }
-        else if (c == '"') st = S::kBasic;
-        else if (c == '\'') st = S::kLiteral;
+        if (c == '#') { st = S::kComment; break; }
+        if (c == ' ' || c == '\t' || c == '\r') break;
+        if (c == '\n') {
+          if (nesting.empty()) expect_value = false;
+          break;
+        }
+        if (starts("\"\"\"")) { st = S::kMlBasic; expect_value = false; advance(3); continue; }
+        if (starts("'''")) { st = S::kMlLiteral; expect_value = false; advance(3); continue; }
+        if (c == '"') { st = S::kBasic; expect_value = false; break; }
+        if (c == '\'') { st = S::kLiteral; expect_value = false; break; }
+        if (c == '[' && (expect_value || !nesting.empty())) {
+          nesting.push_back('[');  // an array value (a '[' at a line's start is a table header)
+          expect_value = true;
+          break;
+        }
+        if (c == '{') {
+          nesting.push_back('{');
+          expect_value = false;  // a key comes first
+          break;
+        }
+        if (c == ']' || c == '}') {
+          if (!nesting.empty()) nesting.pop_back();
+          expect_value = false;
+          break;
+        }
+        if (c == ',') {
+          expect_value = !nesting.empty() && nesting.back() == '[';
+          break;
+        }
+        if (c == '=') {
+          expect_value = true;
+          break;
+        }
+        if (expect_value) {
+          st = S::kBareValue;  // a number, boolean, date...: one token up to a value terminator
+          expect_value = false;
+        }
+        break;
+      case S::kBareValue:
+        if (c >= 0x80) fail("a non-ASCII character in a value that is not a quoted string");
+        if (ends_bare_value(c)) {
+          st = S::kNormal;
+          continue;  // the terminator is read again, as structure
+        }
         break;
       case S::kComment:
-        if (c == '\n') st = S::kNormal;
+        if (c == '\n') { st = S::kNormal; continue; }
         break;
       case S::kBasic:
         if (c == '\\') { advance(2); continue; }
@@ -377,11 +429,13 @@ void reject_non_ascii_outside_strings(std::string_view t, const std::string& sou
       case S::kMlBasic:
         if (starts("\"\"\"")) { st = S::kNormal; advance(3); continue; }
         if (c == '\\') {
+          // toml++ asks whether the character after a backslash is whitespace (a line-ending backslash), and
+          // after one, whether the next line starts with whitespace: neither may be a non-ASCII character.
           size_t j = i + 1;
           while (j < t.size() && (t[j] == ' ' || t[j] == '\t' || t[j] == '\r' || t[j] == '\n')) ++j;
-          if (j > i + 1 && j < t.size() && static_cast<unsigned char>(t[j]) >= 0x80) {
+          if (j < t.size() && static_cast<unsigned char>(t[j]) >= 0x80) {
             advance(j - i);
-            fail("a non-ASCII character right after a line-ending backslash (not supported by toml++ 3.3)");
+            fail("a non-ASCII character right after a backslash in a multi-line string (not supported by toml++ 3.3)");
           }
           advance(2);
           continue;
