@@ -257,9 +257,9 @@ void FSDPParamGroup::wait_for_unshard() {
     if (training_state_ == TrainingState::Forward) {
       comm_->all_gather_state.hold(std::move(all_gather_output_), copied_out);
     } else {
-      HeldBuffer now;
-      now.hold(std::move(all_gather_output_), copied_out);
-      now.release(*s, {s->all_gather_copy_in(), s->all_gather()});
+      // Released right below, after these waits.
+      s->wait(s->all_gather_copy_in(), copied_out);
+      s->wait(s->all_gather(), copied_out);
     }
   }
   all_gather_output_ = at::Tensor();  // free the flat buffer before the next group's gather lands

@@ -19,6 +19,11 @@ std::string read_file(const std::string& path) {
   return ss.str();
 }
 
+// Parses a fuzzer-found input kept in the toml_config corpus (tests/fuzz/corpus/toml_config/<name>).
+JobConfig parse_fuzz_regression(const std::string& name) {
+  return parse_toml(read_file(std::string(FSDP_SOURCE_DIR) + "/tests/fuzz/corpus/toml_config/" + name), "fuzz.toml");
+}
+
 // Runs f, expects a ConfigError whose message contains every fragment.
 template <class F>
 void expect_config_error(F&& f, std::initializer_list<std::string> fragments) {
@@ -243,24 +248,14 @@ TEST(Config, NonAsciiOutsideStringsIsRefusedWithItsPlace) {
   expect_config_error([] { parse_toml("[checkpoint]\nexclude_from_loading = [\"rng\", x\"\xc3\xa9\"]\n", "cfg.toml"); },
                       {"not a quoted string", "cfg.toml:2:34"});
   // The fuzzer's whole input (its corpus regression file) is refused the same way, not a crash.
-  expect_config_error(
-      [] {
-        parse_toml(read_file(std::string(FSDP_SOURCE_DIR) + "/tests/fuzz/corpus/toml_config/regression_quote_in_bare_value.toml"),
-                   "fuzz.toml");
-      },
-      {"non-ASCII", "fuzz.toml:"});
+  expect_config_error([] { parse_fuzz_regression("regression_quote_in_bare_value.toml"); }, {"non-ASCII", "fuzz.toml:"});
 
   // In a multi-line basic string toml++ classifies the character after a backslash (the fuzzer's second find).
   expect_config_error([] { parse_toml("[job]\ndescription = \"\"\"a\\\xc3\xa9\"\"\"\n", "cfg.toml"); },
                       {"right after a backslash in a multi-line string", "cfg.toml:2:"});
   expect_config_error([] { parse_toml("[job]\ndescription = \"\"\"a\\\n  \xc3\xa9\"\"\"\n", "cfg.toml"); },
                       {"right after a backslash in a multi-line string", "cfg.toml:3:"});
-  expect_config_error(
-      [] {
-        parse_toml(read_file(std::string(FSDP_SOURCE_DIR) + "/tests/fuzz/corpus/toml_config/regression_backslash_nonascii.toml"),
-                   "fuzz.toml");
-      },
-      {"non-ASCII", "fuzz.toml:1:"});
+  expect_config_error([] { parse_fuzz_regression("regression_backslash_nonascii.toml"); }, {"non-ASCII", "fuzz.toml:1:"});
 
   // Accepted: strings (basic, literal, multi-line), arrays of strings, comments.
   JobConfig c = parse_toml(
