@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -107,6 +108,9 @@ class ProcessGroup {
   // it alone). Ranks running the same program in step agree on it: a cheap check that they stopped at the
   // same point.
   int64_t collectives_called() const;
+  // The error of the first collective of this group that failed on this rank (timeout, peer gone), or nothing.
+  // After one, the ranks are out of step for good: no later collective of the group can be trusted.
+  std::optional<std::string> first_failure() const;
   // Every rank of the group publishes `value` and receives every rank's value (indexed by group rank)
   // through the rendezvous store, not through the backend: it works while a collective is stuck or the ranks
   // are out of step. Calls pair up by their order on each rank (the n-th call of every rank meets the n-th);

@@ -4,7 +4,10 @@
 // records "stuck at collective #N" under its own key in the group's key space of the rendezvous store; after a
 // short grace, a member without a record (hung, stopped, dead) or with another number (stuck elsewhere) is named.
 // The store is served by world rank 0, which may itself be the missing rank: the query runs on a helper thread and
-// is abandoned after a bound, so the error is never held back for long.
+// is abandoned after a bound, so the error is never held back for long. The helper talks to the store over a
+// connection of its own (Store::clone): c10d's TCPStore client serializes its operations under one lock, so an
+// abandoned query stuck on the shared connection would block every later store call of this rank (the recovery
+// exchange after a forward exception, say) for as long as the stopped rank 0 does not answer.
 #include "comm/process_group_impl.h"
 
 #include <c10/util/StringUtil.h>
@@ -64,6 +67,7 @@ void stamp(Work::Impl& w, const ProcessGroup::Impl& g) {
   w.store = g.store;
   w.global_ranks = g.global_ranks;
   w.rank = g.rank;
+  w.group_failures = g.failures;
 }
 
 std::string missing_ranks(const Work::Impl& w) {
@@ -74,7 +78,7 @@ std::string missing_ranks(const Work::Impl& w) {
   auto future = result->get_future();
   std::thread([result, store = w.store, ranks = w.global_ranks, rank = w.rank, seq = w.seq, grace] {
     try {
-      result->set_value(query(store, ranks, rank, seq, grace));
+      result->set_value(query(store->clone(), ranks, rank, seq, grace));
     } catch (const std::exception& e) {
       result->set_value(c10::str(" — the ranks that are missing could not be determined: the rendezvous store did "
                                  "not answer (", message_of(e), ")"));

@@ -142,6 +142,11 @@ void trace(ProcessGroup::Impl& g, Work::Impl& w, const char* collective, int64_t
 
 int64_t ProcessGroup::collectives_called() const { return static_cast<int64_t>(impl_->collectives_issued); }
 
+std::optional<std::string> ProcessGroup::first_failure() const {
+  std::lock_guard<std::mutex> lock(impl_->failures->mutex);
+  return impl_->failures->first;
+}
+
 std::vector<std::string> ProcessGroup::exchange_through_store(const std::string& what, const std::string& value,
                                                               std::chrono::milliseconds timeout) {
   Impl& g = *impl_;

@@ -17,12 +17,23 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace fsdp {
 
 namespace comm {
+// The first collective failure of a group on this rank, shared by the group and its Work items (a Work may
+// outlive its group and fail in wait() on any thread).
+struct FailureRecord {
+  std::mutex mutex;
+  std::optional<std::string> first;
+  void record(const std::string& error) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!first) first = error;
+  }
+};
 // The spans ProcessGroup::record_timeline asked for. Their time points are stamped from several threads
 // (caller, observer, progress thread), always under `mutex`.
 struct SpanLog {
@@ -79,6 +90,7 @@ struct ProcessGroup::Impl {
   // found through the store (comm::missing_ranks).
   c10::intrusive_ptr<c10d::Store> store;
   mutable uint64_t collectives_issued = 0;
+  std::shared_ptr<comm::FailureRecord> failures = std::make_shared<comm::FailureRecord>();
 
   // "group 'world' (world ranks [0, 1, 2], this rank 1)" — used in every error message.
   std::string describe() const;
@@ -111,6 +123,7 @@ struct Work::Impl {
   std::vector<int> global_ranks;
   int rank = 0;
   uint64_t seq = 0;
+  std::shared_ptr<comm::FailureRecord> group_failures;  // the group's record, told of this failure
   // Recording (ProcessGroup::record_timeline): this collective's span and where it lives.
   std::shared_ptr<comm::SpanLog> span_log;
   std::shared_ptr<CollectiveSpan> span;

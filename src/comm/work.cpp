@@ -49,6 +49,7 @@ void Work::wait() {
   } catch (const std::exception& e) {
     w.error = c10::str("fsdp: ", w.what, " failed (timeout ", w.timeout.count(), " ms): ", message_of(e),
                        comm::missing_ranks(w));
+    if (w.group_failures) w.group_failures->record(w.error);
     w.pending.clear();
     w.task = nullptr;
     w.on_complete = nullptr;

@@ -25,6 +25,7 @@ TEST(Timeout, SkippedCollectiveFailsWithContext) {
   auto ok = at::ones({4});
   g->all_reduce(ok).wait();
   ASSERT_TRUE(at::equal(ok, at::full({4}, static_cast<float>(w->size()))));
+  EXPECT_FALSE(g->first_failure().has_value()) << "a healthy group reports a failure";
 
   if (w->rank() == 0) {
     auto t = at::ones({4});
@@ -47,6 +48,10 @@ TEST(Timeout, SkippedCollectiveFailsWithContext) {
     EXPECT_LT(secs, 20.0);
     // Waiting again reports the same failure instead of hanging.
     EXPECT_THROW(work.wait(), c10::Error);
+    // The group remembers it (FSDP's recovery check then declares the group unusable without asking the store).
+    ASSERT_TRUE(g->first_failure().has_value());
+    EXPECT_NE(g->first_failure()->find("'timeout-probe'"), std::string::npos) << *g->first_failure();
+    EXPECT_FALSE(w->first_failure().has_value()) << "the failure leaked to another group";
   }
   // Rank 1 skipped the collective; both meet on the healthy world group. Rank 1 waits here (world timeout)
   // while rank 0 runs into the 2 s timeout above.
