@@ -309,6 +309,85 @@ int cmd_single(const Options& o) {
   return 0;
 }
 
+// World size 1: the model under fully_shard against the same model without FSDP, in one process, their steps
+// interleaved (step s of one, then step s of the other, the order swapped every step), so both see the same
+// machine load and the noise of this shared box cancels in the per-pair ratios. Both start from the same weights
+// and train on the same batches; the losses must stay bit-identical (the fast path copies and casts nothing;
+// tests/fully_shard/world1_fast_path_test.cpp proves the aliasing itself).
+int cmd_world1(const Options& o) {
+  auto world = fsdp::init_process_group();
+  TORCH_CHECK(world->size() == 1, "bench: world1 runs in one process (not under fsdprun with several ranks)");
+  auto mesh = fsdp::init_device_mesh("cpu", {1}, {"shard"});
+  llama::Transformer plain = load_model(o.weights);
+  llama::Transformer sharded = load_model(o.weights);
+  fsdp::FullyShardOptions opts;
+  opts.mesh = mesh;
+  for (auto& block : sharded->blocks()) fsdp::fully_shard(block, opts);
+  fsdp::fully_shard(sharded, opts);
+  auto optim_plain = make_adamw(o, plain->parameters());
+  auto optim_sharded = make_adamw(o, sharded->parameters());
+  Batches batches(o.tokens, o.steps, o.local_batch, o.seq);
+  auto step_of = [&](llama::Transformer& model, torch::optim::AdamW& optim, bool fsdp_side, int64_t step) {
+    auto [inputs, targets] = batches.get(step, 0, o.local_batch);
+    const auto t0 = std::chrono::steady_clock::now();
+    at::Tensor logits = fsdp_side ? fsdp::nn::call(model, inputs) : model->forward(inputs);
+    at::Tensor loss = at::cross_entropy_loss(logits.flatten(0, 1), targets.flatten());
+    loss.backward();
+    optim.step();
+    optim.zero_grad();
+    return std::make_pair(seconds_since(t0), loss.item<double>());
+  };
+  std::ofstream out(o.out_dir + "/world1.jsonl");
+  std::vector<double> t_plain, t_fsdp, ratios;
+  bool identical = true;
+  double first_loss = 0, last_loss = 0;
+  const int64_t warmup = std::min<int64_t>(3, o.steps / 4);
+  for (int64_t step = 0; step < o.steps; ++step) {
+    std::pair<double, double> a, b;  // (seconds, loss) of the plain model, of the fully_shard one
+    if (step % 2 == 0) {
+      a = step_of(plain, optim_plain, false, step);
+      b = step_of(sharded, optim_sharded, true, step);
+    } else {
+      b = step_of(sharded, optim_sharded, true, step);
+      a = step_of(plain, optim_plain, false, step);
+    }
+    identical = identical && a.second == b.second;
+    if (step == 0) first_loss = a.second;
+    last_loss = a.second;
+    out << "{\"event\":\"step\",\"step\":" << step << ",\"plain_s\":" << bench::fmt(a.first)
+        << ",\"fsdp_s\":" << bench::fmt(b.first) << ",\"plain_loss\":" << bench::fmt(a.second)
+        << ",\"fsdp_loss\":" << bench::fmt(b.second) << "}\n";
+    if (step < warmup) continue;
+    t_plain.push_back(a.first);
+    t_fsdp.push_back(b.first);
+    ratios.push_back(b.first / a.first);
+  }
+  TORCH_CHECK(!ratios.empty(), "bench: world1 needs --steps >= 2");
+  // The FSDP side really is under fully_shard (root and every block): the timing would be vacuous otherwise.
+  int64_t sharded_modules = fsdp::fsdp_module(*sharded) ? 1 : 0;
+  for (auto& block : sharded->blocks()) sharded_modules += fsdp::fsdp_module(*block) ? 1 : 0;
+  TORCH_CHECK(sharded_modules == 1 + static_cast<int64_t>(sharded->blocks().size()), "bench: world1: only ",
+              sharded_modules, " modules are under fully_shard");
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+  };
+  const double m_plain = median(t_plain), m_fsdp = median(t_fsdp), m_ratio = median(ratios);
+  out << "{\"event\":\"summary\",\"steps_timed\":" << ratios.size() << ",\"median_plain_s\":"
+      << bench::fmt(m_plain) << ",\"median_fsdp_s\":" << bench::fmt(m_fsdp) << ",\"ratio_of_medians\":"
+      << bench::fmt(m_fsdp / m_plain) << ",\"median_pair_ratio\":" << bench::fmt(m_ratio)
+      << ",\"best_plain_s\":" << bench::fmt(*std::min_element(t_plain.begin(), t_plain.end()))
+      << ",\"best_fsdp_s\":" << bench::fmt(*std::min_element(t_fsdp.begin(), t_fsdp.end()))
+      << ",\"losses_identical\":" << (identical ? "true" : "false") << ",\"first_loss\":" << bench::fmt(first_loss)
+      << ",\"last_loss\":" << bench::fmt(last_loss) << "}\n";
+  std::printf("world 1, %zu timed steps (interleaved): median step plain %.1f ms, fully_shard %.1f ms; ratio of "
+              "medians %.4f, median of per-step ratios %.4f; losses %s (%.4f -> %.4f)\n",
+              ratios.size(), m_plain * 1e3, m_fsdp * 1e3, m_fsdp / m_plain, m_ratio,
+              identical ? "bit-identical" : "DIFFER", first_loss, last_loss);
+  fsdp::destroy_process_group();
+  return identical ? 0 : 1;
+}
+
 // Single-threaded memcpy bandwidth over buffers much larger than the caches (GB/s = 1e9 bytes/s), best of 5:
 // every byte a process sends through loopback TCP is copied at least once, so bytes / this is a lower bound on
 // communication time on this machine.
@@ -403,6 +482,8 @@ int main(int argc, char** argv) {
   train->add_flag("!--no-reset-peak", o.reset_peak, "keep VmHWM from process start");
   auto* single = app.add_subcommand("single", "the same per-rank work without FSDP (one process)");
   add_train_opts(single);
+  auto* world1 = app.add_subcommand("world1", "world size 1: fully_shard vs the plain model, steps interleaved");
+  add_train_opts(world1);
   auto* memcpy_cmd = app.add_subcommand("memcpy", "memcpy bandwidth");
   double coll_mib = 1.0;
   auto* coll = app.add_subcommand("collectives", "collective bandwidth under fsdprun (Gloo, loopback)");
@@ -413,6 +494,7 @@ int main(int argc, char** argv) {
     if (*init) return cmd_init(o);
     if (*train) return cmd_train(o);
     if (*single) return cmd_single(o);
+    if (*world1) return cmd_world1(o);
     if (*memcpy_cmd) return cmd_memcpy(o);
     if (*coll) return cmd_collectives(o, coll_mib);
   } catch (const std::exception& e) {
