@@ -362,7 +362,6 @@ def render(results, o, details, memcpy_gbs):
     for r in results:
         w1 = r.get("world1_interleaved")
         if w1:
-            L.append("")
             L.append(f"World 1, fully_shard vs the same model without FSDP in one process, steps interleaved "
                      f"({w1['steps_timed']} timed): median step {w1['median_fsdp_s'] * 1e3:.1f} vs "
                      f"{w1['median_plain_s'] * 1e3:.1f} ms, ratio of medians **{w1['ratio_of_medians']:.4f}**, median "
@@ -370,7 +369,7 @@ def render(results, o, details, memcpy_gbs):
                      f"{w1['best_plain_s'] * 1e3:.1f} ms; losses "
                      f"{'bit-identical' if w1['losses_identical'] else 'DIFFERENT'} "
                      f"({w1['first_loss']:.4f} -> {w1['last_loss']:.4f}).")
-    L.append("")
+            L.append("")
     L.append("Comm hidden: on our last step every collective's timeline is recorded (ProcessGroup::record_timeline): "
              "1 - (time the training thread sat in wait()) / (time the transfers were in flight), summed over the "
              "step's collectives, mean over ranks.")
