@@ -12,7 +12,8 @@ log() { echo "[setup] $*" >&2; }
 APT_PKGS=(cmake ninja-build ccache g++ python3-venv libgloo-dev libgtest-dev libgmock-dev
           libtomlplusplus-dev nlohmann-json3-dev libcli11-dev zlib1g-dev libxxhash-dev
           clang  # clang: libFuzzer targets (scripts/fuzz.sh; Debian's clang ships libFuzzer and the sanitizers)
-          libprotobuf-dev protobuf-compiler libcrcutil-dev)  # fsdp-train's TensorBoard event files
+          libprotobuf-dev protobuf-compiler libcrcutil-dev  # fsdp-train's TensorBoard event files
+          gdb)  # the fault tests print a hung rank's threads before killing it (tests/fault/fault_util.py)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -157,6 +157,7 @@ class Job:
             if time.monotonic() > deadline:
                 log("FAIL", f"{self.name}: fsdprun still running after {timeout} s; killing its session")
                 _failures.append(f"{self.name} did not end in time")
+                dump_stacks()
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
                 break
@@ -172,6 +173,47 @@ class Job:
     def grep(self, pattern):
         rx = re.compile(pattern)
         return [line for _, line in self.lines if rx.search(line)]
+
+
+def dump_stacks(max_lines=150):
+    """Where the test's processes hang, printed before they are killed so that a CI log says it: every thread's
+    backtrace from gdb (scripts/setup.sh installs it), else each thread's kernel wait channel. Processes the test
+    stopped on purpose (state T) and the Python test itself are left out. Best effort, bounded in time."""
+    gdb = shutil.which("gdb")
+    for pid in marked_pids():
+        try:
+            exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state == "T" or exe.startswith("python"):
+            continue
+        lines = []
+        if gdb:
+            try:
+                r = subprocess.run([gdb, "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 12"],
+                                   capture_output=True, text=True, timeout=60)
+                threads = []  # [header, frames...] per thread; the main thread (LWP == pid) first
+                for l in r.stdout.splitlines():
+                    if l.startswith("Thread "):
+                        threads.append([l[:200]])
+                    elif l.startswith("#") and threads:
+                        threads[-1].append(l[:200])
+                threads.sort(key=lambda t: f"(LWP {pid})" not in t[0])
+                lines = [l for t in threads for l in t]
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        if not lines:  # no gdb, or not allowed to attach: which kernel wait each thread sits in
+            for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/comm") as c, open(f"/proc/{pid}/task/{tid}/wchan") as w:
+                        lines.append(f"thread {tid} ({c.read().strip()}): waiting in {w.read().strip() or '-'}")
+                except OSError:
+                    pass
+        log("stacks", f"pid {pid} ({exe}, state {state}, rank {proc_env(pid).get(b'RANK', b'?').decode()}):")
+        for l in lines[:max_lines]:
+            print("    " + l, flush=True)
 
 
 def no_process_left(grace=5.0):
