@@ -315,7 +315,14 @@ int cmd_single(const Options& o) {
 // and train on the same batches; the losses must stay bit-identical (the fast path copies and casts nothing;
 // tests/fully_shard/world1_fast_path_test.cpp proves the aliasing itself).
 int cmd_world1(const Options& o) {
-  auto world = fsdp::init_process_group();
+  fsdp::InitOptions init;
+  if (!std::getenv("RANK")) {  // alone, without fsdprun: a world of one (no store is needed for one rank)
+    init.rank = 0;
+    init.world_size = 1;
+    init.master_addr = "127.0.0.1";
+    init.master_port = 0;
+  }
+  auto world = fsdp::init_process_group(init);
   TORCH_CHECK(world->size() == 1, "bench: world1 runs in one process (not under fsdprun with several ranks)");
   auto mesh = fsdp::init_device_mesh("cpu", {1}, {"shard"});
   llama::Transformer plain = load_model(o.weights);
@@ -497,6 +504,9 @@ int main(int argc, char** argv) {
     if (*world1) return cmd_world1(o);
     if (*memcpy_cmd) return cmd_memcpy(o);
     if (*coll) return cmd_collectives(o, coll_mib);
+  } catch (const c10::Error& e) {
+    std::cerr << "fsdp-bench-ours: " << e.what_without_backtrace() << "\n";
+    return 1;
   } catch (const std::exception& e) {
     std::cerr << "fsdp-bench-ours: " << e.what() << "\n";
     return 1;
