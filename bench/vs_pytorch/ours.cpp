@@ -285,6 +285,20 @@ int cmd_train(const Options& o) {
   return 0;
 }
 
+// One fp32 training step without the log, timed: forward (through fsdp::nn::call when FSDP's hooks must run),
+// cross-entropy mean, backward, AdamW step, zero_grad. Returns the seconds it took and the loss.
+std::pair<double, double> timed_step(llama::Transformer& model, torch::optim::AdamW& optim, const at::Tensor& inputs,
+                                     const at::Tensor& targets, bool through_hooks) {
+  const auto t0 = std::chrono::steady_clock::now();
+  at::Tensor logits = through_hooks ? fsdp::nn::call(model, inputs) : model->forward(inputs);
+  at::Tensor loss = at::cross_entropy_loss(logits.flatten(0, 1), targets.flatten());
+  loss.backward();
+  optim.step();
+  optim.zero_grad();
+  const double seconds = seconds_since(t0);
+  return {seconds, loss.item<double>()};
+}
+
 // The same per-rank work on one process without FSDP: the compute limit of the roofline.
 int cmd_single(const Options& o) {
   llama::Transformer model = load_model(o.weights);
@@ -296,14 +310,8 @@ int cmd_single(const Options& o) {
   std::ofstream out(o.out_dir + (rank_env ? "/single_rank" + std::string(rank_env) + ".jsonl" : "/single.jsonl"));
   for (int64_t step = 0; step < o.steps; ++step) {
     auto [inputs, targets] = batches.get(step, 0, o.local_batch);
-    const auto t0 = std::chrono::steady_clock::now();
-    at::Tensor logits = model->forward(inputs);
-    at::Tensor loss = at::cross_entropy_loss(logits.flatten(0, 1), targets.flatten());
-    loss.backward();
-    optim.step();
-    optim.zero_grad();
-    const double step_time = seconds_since(t0);
-    out << "{\"event\":\"step\",\"step\":" << step << ",\"loss\":" << bench::fmt(loss.item<double>())
+    const auto [step_time, loss] = timed_step(model, optim, inputs, targets, /*through_hooks=*/false);
+    out << "{\"event\":\"step\",\"step\":" << step << ",\"loss\":" << bench::fmt(loss)
         << ",\"step_time\":" << bench::fmt(step_time) << "}\n";
   }
   return 0;
@@ -334,29 +342,25 @@ int cmd_world1(const Options& o) {
   auto optim_plain = make_adamw(o, plain->parameters());
   auto optim_sharded = make_adamw(o, sharded->parameters());
   Batches batches(o.tokens, o.steps, o.local_batch, o.seq);
-  auto step_of = [&](llama::Transformer& model, torch::optim::AdamW& optim, bool fsdp_side, int64_t step) {
-    auto [inputs, targets] = batches.get(step, 0, o.local_batch);
-    const auto t0 = std::chrono::steady_clock::now();
-    at::Tensor logits = fsdp_side ? fsdp::nn::call(model, inputs) : model->forward(inputs);
-    at::Tensor loss = at::cross_entropy_loss(logits.flatten(0, 1), targets.flatten());
-    loss.backward();
-    optim.step();
-    optim.zero_grad();
-    return std::make_pair(seconds_since(t0), loss.item<double>());
-  };
+  // The FSDP side really is under fully_shard (root and every block): the timing would be vacuous otherwise.
+  int64_t sharded_modules = fsdp::fsdp_module(*sharded) ? 1 : 0;
+  for (auto& block : sharded->blocks()) sharded_modules += fsdp::fsdp_module(*block) ? 1 : 0;
+  TORCH_CHECK(sharded_modules == 1 + static_cast<int64_t>(sharded->blocks().size()), "bench: world1: only ",
+              sharded_modules, " modules are under fully_shard");
   std::ofstream out(o.out_dir + "/world1.jsonl");
   std::vector<double> t_plain, t_fsdp, ratios;
   bool identical = true;
   double first_loss = 0, last_loss = 0;
   const int64_t warmup = std::min<int64_t>(3, o.steps / 4);
   for (int64_t step = 0; step < o.steps; ++step) {
+    const auto [inputs, targets] = batches.get(step, 0, o.local_batch);
     std::pair<double, double> a, b;  // (seconds, loss) of the plain model, of the fully_shard one
     if (step % 2 == 0) {
-      a = step_of(plain, optim_plain, false, step);
-      b = step_of(sharded, optim_sharded, true, step);
+      a = timed_step(plain, optim_plain, inputs, targets, /*through_hooks=*/false);
+      b = timed_step(sharded, optim_sharded, inputs, targets, /*through_hooks=*/true);
     } else {
-      b = step_of(sharded, optim_sharded, true, step);
-      a = step_of(plain, optim_plain, false, step);
+      b = timed_step(sharded, optim_sharded, inputs, targets, /*through_hooks=*/true);
+      a = timed_step(plain, optim_plain, inputs, targets, /*through_hooks=*/false);
     }
     identical = identical && a.second == b.second;
     if (step == 0) first_loss = a.second;
@@ -370,11 +374,6 @@ int cmd_world1(const Options& o) {
     ratios.push_back(b.first / a.first);
   }
   TORCH_CHECK(!ratios.empty(), "bench: world1 needs --steps >= 2");
-  // The FSDP side really is under fully_shard (root and every block): the timing would be vacuous otherwise.
-  int64_t sharded_modules = fsdp::fsdp_module(*sharded) ? 1 : 0;
-  for (auto& block : sharded->blocks()) sharded_modules += fsdp::fsdp_module(*block) ? 1 : 0;
-  TORCH_CHECK(sharded_modules == 1 + static_cast<int64_t>(sharded->blocks().size()), "bench: world1: only ",
-              sharded_modules, " modules are under fully_shard");
   auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
     return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
