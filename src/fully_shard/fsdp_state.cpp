@@ -554,11 +554,10 @@ void FSDPState::check_ranks_in_step(const std::vector<std::shared_ptr<FSDPState>
 void FSDPState::check_group_in_step(ProcessGroup& group) {
   // A collective of the group already failed here (timeout, peer gone): the ranks are out of step whatever the
   // store would say, and the store may be what is gone (its host, world rank 0, stopped), so do not ask it.
-  if (const auto failure = group.first_failure()) {
-    TORCH_CHECK(false, "fsdp: the process group of ", name(), " is unusable after an exception: a collective of "
-                "group '", group.name(), "' failed on this rank, so the ranks are out of step. Restart the job "
-                "(fsdprun --max-restarts) and resume from a checkpoint. Cause: ", *failure);
-  }
+  const auto failure = group.first_failure();
+  TORCH_CHECK(!failure, "fsdp: the process group of ", name(), " is unusable after an exception: a collective of "
+              "group '", group.name(), "' failed on this rank, so the ranks are out of step. Restart the job "
+              "(fsdprun --max-restarts) and resume from a checkpoint. Cause: ", *failure);
   std::vector<std::string> counts;
   try {
     counts = group.exchange_through_store("FSDP recovery after an exception", std::to_string(group.collectives_called()),
