@@ -54,16 +54,26 @@ std::vector<int64_t> with_leading(int64_t lead, const at::Tensor& moved) {
   return s;
 }
 
+// The collectives below run on the group's device. A local tensor held elsewhere — a CPU-offloaded shard of
+// a CUDA mesh, which is where FSDP's CPU offload keeps them — is staged there and the result handed back on
+// the tensor's own device (PyTorch's state-dict gather moves such DTensors to the mesh's device likewise).
+at::TensorOptions on_group_device(const at::Tensor& local, const ProcessGroupPtr& group) {
+  return local.options().device(group->device()).pinned_memory(false);
+}
+at::Tensor back_to(at::Tensor result, const at::Tensor& local) {
+  return result.device() == local.device() ? result : result.to(local.device());
+}
+
 // Shard(d) -> Replicate along one mesh dim: pad my chunk to ceil(n/k), all-gather, trim to n.
 at::Tensor gather_dim(const at::Tensor& local, const ProcessGroupPtr& group, int64_t d, int64_t n) {
   const int64_t k = group->size();
   const int64_t cs = padded_shard_size(n, k);
   const at::Tensor x = local.movedim(d, 0);
-  at::Tensor padded = at::zeros(with_leading(cs, x), local.options());
+  at::Tensor padded = at::zeros(with_leading(cs, x), on_group_device(local, group));
   if (x.size(0) > 0) padded.narrow(0, 0, x.size(0)).copy_(x);
-  at::Tensor out = at::empty(with_leading(k * cs, x), local.options());
+  at::Tensor out = at::empty(with_leading(k * cs, x), on_group_device(local, group));
   group->all_gather_into_tensor(out, padded).wait();
-  return out.narrow(0, 0, n).movedim(0, d).contiguous();
+  return back_to(out.narrow(0, 0, n).movedim(0, d).contiguous(), local);
 }
 
 // Partial(op) -> Shard(d) along one mesh dim: pad to k * ceil(n/k), reduce-scatter, trim my chunk.
@@ -72,12 +82,12 @@ at::Tensor reduce_scatter_dim(const at::Tensor& local, const ProcessGroupPtr& gr
   const int64_t k = group->size();
   const int64_t cs = padded_shard_size(n, k);
   const at::Tensor x = local.movedim(d, 0);
-  at::Tensor padded = at::zeros(with_leading(k * cs, x), local.options());
+  at::Tensor padded = at::zeros(with_leading(k * cs, x), on_group_device(local, group));
   if (n > 0) padded.narrow(0, 0, n).copy_(x);
-  at::Tensor out = at::empty(with_leading(cs, x), local.options());
+  at::Tensor out = at::empty(with_leading(cs, x), on_group_device(local, group));
   group->reduce_scatter_tensor(out, padded, op).wait();
   const int64_t len = shard_offset_and_size(n, k, index).second;
-  return out.narrow(0, 0, len).movedim(0, d).contiguous();
+  return back_to(out.narrow(0, 0, len).movedim(0, d).contiguous(), local);
 }
 
 at::Tensor chunk_dim(const at::Tensor& local, int64_t d, int64_t n, int64_t k, int64_t index) {
@@ -172,8 +182,11 @@ ShardedTensor ShardedTensor::redistribute(const Placements& placements) const {
     const auto& t = target[i];
     if (cur[i].is_partial()) {
       if (t.is_replicate()) {
-        x = x.clone(at::MemoryFormat::Contiguous);
-        mesh_.group(i)->all_reduce(x, cur[i].op).wait();
+        const ProcessGroupPtr& g = mesh_.group(i);
+        at::Tensor reduced = x.to(on_group_device(x, g), /*non_blocking=*/false, /*copy=*/true,
+                                  at::MemoryFormat::Contiguous);
+        g->all_reduce(reduced, cur[i].op).wait();
+        x = back_to(reduced, x);
       } else {
         const int64_t n = parent_size(global_shape_, mesh_, cur, target_order, coord, i, t.dim);
         x = reduce_scatter_dim(x, mesh_.group(i), t.dim, n, coord[i], cur[i].op);

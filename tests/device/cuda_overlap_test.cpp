@@ -6,15 +6,18 @@
 // clock (issued; completed = its Gloo transfer finished, stamped by the observer thread), and the block's
 // compute is bracketed by CUDA events on the current stream (c10::Event, timing enabled). They are put on one
 // axis through an anchor: the GPU is synchronised (idle), an anchor event is recorded and the host clock read
-// at once, so event e ran at host time anchor_host + anchor.elapsedTime(e) (error: a launch latency, ~10 us).
+// at once, so event e ran at host time anchor_host + anchor.elapsedTime(e) (error: launch latencies;
+// up to ~0.2 ms on the H100 run, below).
 //
 // What the library does not do yet: it records no CUDA events of its own, so the GPU side of a collective
 // (Gloo's device-to-host staging copy before the transfer, host-to-device after it; NCCL's kernel on its own
 // stream) is not on the timeline — "completed" is when the host transfer finished. NCCL overlap needs 2 GPUs.
 //
-// Written and compile-checked against torch 2.11 CUDA; not yet run on a GPU (scripts/gpu-check.sh runs it).
-// The pass criterion (one of kSteps recorded steps where every prefetched all-gather overlaps its neighbour's
-// GPU compute) is a first guess to be tuned from that run's printed timestamps.
+// Pass: in one of kSteps recorded steps, every prefetched all-gather was in flight for at least half of the
+// shorter of (its transfer, the previous block's GPU compute). First run on an H100 (2026-11-23, docs/comm.md):
+// the prefetched all-gather's host "issued" stamp read up to 0.2 ms after block i's begin event, though it is
+// taken before that event is recorded (same thread, FSDP's pre-forward): the anchor's own start latency after
+// an idle GPU is the likely cause. So "issued before the kernels started" is not asserted; overlap is.
 #include "device/device_util.h"
 
 #include <c10/core/Event.h>
@@ -157,16 +160,20 @@ TEST(CudaOverlap, NextAllGatherInFlightDuringGpuCompute) {
       auto ag = find_all_gather(spans, shard_bytes(i + 1, n));
       ASSERT_TRUE(ag.has_value()) << "no all-gather of block " << i + 1 << " (" << shard_bytes(i + 1, n) << " bytes)";
       ASSERT_NE(ag->completed, Clock::time_point{}) << "all-gather of block " << i + 1 << " never completed";
-      // Prefetched: issued on the host before block i's kernels started on the GPU.
-      EXPECT_LE(ag->issued, gpu_begin) << "all-gather of block " << i + 1 << " was not prefetched";
+      // Prefetched: issued on the host before block i's GPU compute ended (FSDP issues it in block i's
+      // pre-forward, before block i's kernels are queued; the two clocks agree only to ~0.2 ms, see above, so
+      // "before gpu_begin" cannot be asserted at that precision).
+      EXPECT_LT(ag->issued, gpu_end) << "all-gather of block " << i + 1 << " was not prefetched";
       const auto from = std::max(ag->issued, gpu_begin), to = std::min(ag->completed, gpu_end);
       const double during = to > from ? ms(to - from) : 0.0;
+      // Overlapped: in flight for at least half of the shorter of the two (the transfer, the compute).
+      const double needed = 0.5 * std::min(ms(ag->completed - ag->issued), ms(gpu_end - gpu_begin));
       std::printf("rank %lld step %d: all_gather block %lld issued %+.3f ms, transfer done %+.3f ms; block %lld on "
                   "the GPU %+.3f .. %+.3f ms (CUDA events); in flight during it %.3f ms\n",
                   r, attempt, static_cast<long long>(i + 1), ms(ag->issued - anchor_host),
                   ms(ag->completed - anchor_host), static_cast<long long>(i), ms(gpu_begin - anchor_host),
                   ms(gpu_end - anchor_host), during);
-      if (during <= 0.0) all_overlap = false;
+      if (during < needed) all_overlap = false;
     }
     if (all_overlap) ++good_steps;
   }

@@ -2,8 +2,9 @@
 // cuda:0 over Gloo. The root's stream set has separate copy-in / all-gather / reduce-scatter / all-reduce
 // streams, none of them the compute stream; events are recorded and waited on during training; no buffer is
 // held across streams after a step; and training still equals single-process training — with parameters on
-// the GPU, and with CPU offload (pinned shards, non-blocking copies both ways). Written and compile-checked
-// against torch 2.11 CUDA; not yet run on a GPU (scripts/gpu-check.sh runs it).
+// the GPU, and with CPU offload (pinned shards, non-blocking copies both ways). Run on an H100 by
+// scripts/gpu-check.sh (docs/comm.md); its first run found full_state_dict failing on CPU-offloaded shards of
+// a CUDA mesh (fixed in ShardedTensor::redistribute: collectives on the group's device).
 #include "device/device_util.h"
 
 #include "fully_shard/fsdp_state.h"

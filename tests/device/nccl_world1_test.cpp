@@ -2,8 +2,7 @@
 // fully_shard on it, and training steps equal to plain training of the same model on the same GPU. At world
 // size 1 the library takes its local fast path (no communicator is created, no NCCL kernel runs): this proves
 // the NCCL-build wiring (backend choice, device, mesh, parameters on the GPU, the optimizer on the shards),
-// not NCCL's collectives — those need two GPUs. Written and compile-checked against torch 2.11 CUDA; not yet
-// run on a GPU (scripts/gpu-check.sh runs it).
+// not NCCL's collectives — those need two GPUs. Run on an H100 by scripts/gpu-check.sh (docs/comm.md).
 #include "device/device_util.h"
 
 using namespace fsdp_device;
