@@ -7,6 +7,10 @@
 #                                       # into /tmp/gpu-deps (never into /), configure build-gpu/ against the
 #                                       # machine's python3 torch with FSDP_WITH_NCCL=ON, build, run the tests,
 #                                       # write a summary to $OUT/gpu-check.txt when $OUT is set
+#   bash scripts/gpu-check.sh bench     # there, after run (same machine): the checkpoint benchmarks — the
+#                                       # async-save stall with the model on the GPU (fsdp-bench-ckpt --device
+#                                       # cuda:0, 2 ranks), then bench/checkpoint/run.sh against python3's DCP
+#                                       # on that machine's disk; output in $OUT/gpu-bench.txt
 #
 # The GPU machines have torch (CUDA) in python3, CMake, ninja and nvcc, but no network and no apt: the build's
 # other dependencies (gloo's headers, xxHash, nlohmann-json, CLI11, GoogleTest) come as .deb files. Only the
@@ -112,8 +116,28 @@ for p in nvidia.__path__:
   return "$rc"
 }
 
+bench() {
+  local fsdprun="$BUILD/apps/fsdprun/fsdprun" ckpt_bench="$BUILD/bench/fsdp-bench-ckpt" rc=0
+  [ -x "$fsdprun" ] && [ -x "$ckpt_bench" ] || die "no $fsdprun or $ckpt_bench: run 'bash scripts/gpu-check.sh run' first"
+  local out_file="${OUT:-$BUILD}/gpu-bench.txt" dir="${FSDP_CKPT_BENCH_DIR:-/tmp/fsdp_ckpt_bench}"
+  mkdir -p "$(dirname "$out_file")" "$dir"
+  {
+    echo "libfsdp gpu-check bench, $(date -u +%FT%TZ), commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
+    nvidia-smi -L 2>&1 || true
+    echo "## async-save stall, model on cuda:0 (2 ranks, Gloo on CUDA), ${FSDP_GPU_STALL_GB:-1.07} GB fp32 + AdamW"
+  } > "$out_file"
+  OMP_NUM_THREADS=4 timeout 300 "$fsdprun" --nproc-per-node 2 "$ckpt_bench" --device cuda:0 --gb "${FSDP_GPU_STALL_GB:-1.07}" \
+    --dir "$dir" 2>&1 | tee -a "$out_file" >&2 || rc=1
+  echo "## checkpoint save/load vs DCP (python3's torch), CPU state, this machine's disk" >> "$out_file"
+  FSDP_BENCH_PYTHON="${FSDP_GPU_PYTHON:-python3}" timeout 300 bash "$ROOT/bench/checkpoint/run.sh" "${FSDP_GPU_CKPT_GB:-0.5}" "$BUILD" \
+    2>&1 | tee -a "$out_file" >&2 || rc=1
+  log "bench output in $out_file"
+  return "$rc"
+}
+
 case "${1:-}" in
   prepare) prepare ;;
   run) run ;;
-  *) echo "usage: bash scripts/gpu-check.sh prepare|run" >&2; exit 2 ;;
+  bench) bench ;;
+  *) echo "usage: bash scripts/gpu-check.sh prepare|run|bench" >&2; exit 2 ;;
 esac

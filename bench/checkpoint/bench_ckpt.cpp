@@ -18,6 +18,7 @@
 #include <fsdp/process_group.h>
 
 #include <ATen/ATen.h>
+#include <torch/cuda.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
 
@@ -39,6 +40,13 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// The disk benchmarks keep their state on the CPU: Gloo, also where "auto" would pick NCCL (a GPU machine).
+fsdp::InitOptions cpu_world() {
+  fsdp::InitOptions o;
+  o.backend = "gloo";
+  return o;
+}
 
 void drop_cache(const fs::path& dir) {
   for (const auto& e : fs::recursive_directory_iterator(dir)) {
@@ -62,7 +70,7 @@ at::Tensor rows_of_key(int64_t key_index, int64_t row0, int64_t rows, int64_t co
 // Resharding load (run on M ranks): loads a checkpoint saved on 2 ranks into Shard(0) over this world, page
 // cache dropped first, each rank's rows checked against the formula. Prints one JSON line on rank 0.
 int reshard_load(const std::string& path, int read_threads) {
-  auto world = fsdp::init_process_group();
+  auto world = fsdp::init_process_group(cpu_world());
   const int rank = world->rank(), n = world->size();
   auto mesh = fsdp::init_device_mesh("cpu", {n}, {"shard"});
   const ckpt::CheckpointSummary summary = ckpt::inspect(path);
@@ -100,23 +108,167 @@ int reshard_load(const std::string& path, int read_threads) {
   fsdp::destroy_process_group();
   return equal ? 0 : 1;
 }
+
+// The async save's stall inside training: a model of the same size (`layers` bias-free Linear(cols, cols),
+// each fully_shard'ed, AdamW) trains on `device`; the step time is the median of plain steps, and for each
+// configuration a saver makes two saves of the trainer state (model + optimizer state dicts) while training
+// goes on — the first allocates its staging buffers, the second reuses them.
+struct StallConfig {
+  std::string name;
+  ckpt::AsyncMode mode;
+  ckpt::Staging staging;
+};
+struct Trial {
+  double blocked_s = 0, extra_s = 0, save_total_s = 0;
+  int steps = 0;
+};
+struct Stall {
+  double step_s = 0;
+  std::vector<double> plain;  // sorted
+  std::vector<std::pair<std::string, Trial>> trials;
+  std::string json() const {  // "name": {...}, ... (first saves as name_first)
+    std::string out;
+    for (const auto& [name, t] : trials) {
+      out += std::string(out.empty() ? "" : ", ") + "\"" + name + "\": {\"blocked_s\": " + std::to_string(t.blocked_s) +
+             ", \"extra_s\": " + std::to_string(t.extra_s) + ", \"steps\": " + std::to_string(t.steps) +
+             ", \"save_total_s\": " + std::to_string(t.save_total_s) + ", \"blocked_fraction\": " +
+             std::to_string(t.blocked_s / step_s) + ", \"stall_fraction\": " +
+             std::to_string((t.blocked_s + t.extra_s) / step_s) + "}";
+    }
+    return out;
+  }
+};
+
+void synchronize(const torch::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize();
+}
+
+Stall measure_stall(const fsdp::ProcessGroupPtr& world, const fsdp::DeviceMesh& mesh, int64_t cols, int64_t layers,
+                    const fs::path& root, const torch::Device& device, const std::vector<StallConfig>& configs) {
+  const int n = world->size();
+  torch::manual_seed(0);
+  fsdp::nn::Sequential model;
+  for (int64_t i = 0; i < layers; ++i) model->push_back(torch::nn::Linear(torch::nn::LinearOptions(cols, cols).bias(false)));
+  fsdp::FullyShardOptions opts;
+  opts.mesh = mesh;  // fully_shard moves the model to the mesh's device
+  for (size_t i = 0; i < model->size(); ++i) fsdp::fully_shard(model->ptr(i), opts);
+  fsdp::fully_shard(model.ptr(), opts);
+  torch::optim::AdamW optim(model->parameters(), torch::optim::AdamWOptions(1e-4));
+  const at::Tensor x = (at::randn({16, cols}) * 0.01).to(device);
+  ckpt::AsyncSaver* staging_saver = nullptr;  // background staging: wait for the snapshot before the step
+  double blocked_in_step = 0;                 // the training thread's wait_staged() time in the last step
+  auto step = [&] {
+    world->barrier().wait();
+    const auto s0 = Clock::now();
+    optim.zero_grad();
+    fsdp::nn::call(model, x).square().mean().backward();
+    blocked_in_step = staging_saver ? staging_saver->wait_staged() : 0;
+    optim.step();
+    synchronize(device);  // the step's kernels done, not only queued
+    world->barrier().wait();
+    return since(s0);
+  };
+  step();  // optimizer state allocated
+  Stall out;
+  for (int i = 0; i < 5; ++i) out.plain.push_back(step());
+  std::sort(out.plain.begin(), out.plain.end());
+  out.step_s = out.plain[2];
+  std::vector<int> all_ranks(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) all_ranks[static_cast<size_t>(r)] = r;
+  auto save_group = fsdp::new_group(all_ranks, "checkpoint");
+  auto train_state = [&] {
+    auto sd = ckpt::model_state_dict(*model);
+    sd.merge(ckpt::optimizer_state_dict(*model, optim));
+    return sd;
+  };
+  // One async save of the trainer state while training goes on: the time the training thread is blocked in
+  // checkpoint calls (save(); wait_staged() before the optimizer step), and the extra wall time of the steps
+  // that run while the save is in flight (the background copy and write competing for the cores), over the
+  // plain step. Steps continue until the save is done on every rank (at most 12).
+  int save_no = 0;
+  auto trial = [&](ckpt::AsyncSaver& saver) {
+    Trial t;
+    world->barrier().wait();
+    const auto t0 = Clock::now();
+    staging_saver = &saver;
+    t.blocked_s = saver.save(train_state(), (root / ("async-" + std::to_string(++save_no))).string()).stage_seconds;
+    for (;;) {
+      t.extra_s += step() - out.step_s;
+      t.blocked_s += blocked_in_step;
+      ++t.steps;
+      at::Tensor busy = at::full({1}, saver.in_flight() ? 1.0 : 0.0).to(world->device());
+      world->all_reduce(busy, fsdp::ReduceOp::Max).wait();
+      if (busy.item<double>() == 0 || t.steps == 12) break;
+    }
+    staging_saver = nullptr;
+    saver.wait();
+    world->barrier().wait();
+    t.save_total_s = since(t0);
+    return t;
+  };
+  for (const StallConfig& c : configs) {
+    ckpt::AsyncSaverOptions o;  // defaults otherwise: buffers reused, the write at nice 19
+    o.mode = c.mode;
+    o.staging = c.staging;
+    ckpt::AsyncSaver saver(save_group, o);
+    out.trials.emplace_back(c.name + "_first", trial(saver));
+    out.trials.emplace_back(c.name, trial(saver));
+  }
+  return out;
+}
+
+// --device cuda:0 / --stall-only: only the stall, with the model on `device` (on CUDA with Gloo, every rank on
+// that one GPU), for TorchTitan's three async modes' staging: pageable and pinned blocking snapshots, and the
+// pinned snapshot taken in the background (device-to-host copies on a side stream during forward/backward).
+int stall_bench(double gb, const std::string& dir, const std::string& device_name) {
+  const torch::Device device(device_name);
+  fsdp::InitOptions init;
+  init.backend = "gloo";  // the ranks share one GPU, which NCCL refuses ("Duplicate GPU detected")
+  if (!device.is_cpu()) init.device = device_name;
+  auto world = fsdp::init_process_group(init);
+  const int rank = world->rank(), n = world->size();
+  auto mesh = fsdp::init_device_mesh(device.is_cpu() ? "cpu" : c10::DeviceTypeName(device.type(), true), {n}, {"shard"});
+  const int64_t cols = 4096, layers = std::max<int64_t>(1, static_cast<int64_t>(gb * 1e9 / 4 / cols / cols));
+  const fs::path root = fs::path(dir) / "ours-stall";
+  if (rank == 0) fs::remove_all(root), fs::create_directories(root);
+  world->barrier().wait();
+  const Stall stall = measure_stall(world, mesh, cols, layers, root, device,
+                                    {{"titan_async", ckpt::AsyncMode::Async, ckpt::Staging::Blocking},
+                                     {"titan_async_pinned", ckpt::AsyncMode::AsyncWithPinnedMem, ckpt::Staging::Blocking},
+                                     {"background_pinned", ckpt::AsyncMode::AsyncWithPinnedMem, ckpt::Staging::Background}});
+  if (rank == 0) {
+    std::printf("{\"side\": \"libfsdp\", \"ranks\": %d, \"device\": \"%s\", \"model_gb\": %.3f, \"train_step_s\": %.4f, "
+                "\"train_steps_s\": [%.4f, %.4f, %.4f, %.4f, %.4f], %s}\n",
+                n, device_name.c_str(), static_cast<double>(layers * cols * cols * 4) / 1e9, stall.step_s, stall.plain[0],
+                stall.plain[1], stall.plain[2], stall.plain[3], stall.plain[4], stall.json().c_str());
+    std::fflush(stdout);
+    fs::remove_all(root);
+  }
+  world->barrier().wait();
+  fsdp::destroy_process_group();
+  return 0;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
   double gb = 0.5;
   std::string dir = "/tmp/fsdp_ckpt_bench", reshard_from;
-  bool keep = false;
+  std::string device = "cpu";  // --device cuda:0: the training part on the GPU (Gloo on CUDA, ranks share it)
+  bool keep = false, stall_only = false;
   int read_threads = ckpt::LoadOptions{}.read_threads;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--keep") keep = true;
+    else if (a == "--stall-only") stall_only = true;
+    else if (i + 1 < argc && a == "--device") device = argv[++i];
     else if (i + 1 < argc && a == "--gb") gb = std::stod(argv[++i]);
     else if (i + 1 < argc && a == "--dir") dir = argv[++i];
     else if (i + 1 < argc && a == "--reshard-from") reshard_from = argv[++i];
     else if (i + 1 < argc && a == "--read-threads") read_threads = std::stoi(argv[++i]);
   }
   if (!reshard_from.empty()) return reshard_load(reshard_from, read_threads);
-  auto world = fsdp::init_process_group();
+  if (stall_only || device != "cpu") return stall_bench(gb, dir, device);
+  auto world = fsdp::init_process_group(cpu_world());
   const int rank = world->rank(), n = world->size();
   auto mesh = fsdp::init_device_mesh("cpu", {n}, {"shard"});
   const int64_t cols = 4096, tensors = 16;
@@ -217,94 +369,18 @@ int main(int argc, char** argv) {
   dst = {};
 
   // A real training step of a model of the same size, and the async save's stall inside it.
-  torch::manual_seed(0);
-  fsdp::nn::Sequential model;
-  for (int64_t i = 0; i < tensors; ++i) model->push_back(torch::nn::Linear(torch::nn::LinearOptions(cols, cols).bias(false)));
-  fsdp::FullyShardOptions opts;
-  opts.mesh = mesh;
-  for (size_t i = 0; i < model->size(); ++i) fsdp::fully_shard(model->ptr(i), opts);
-  fsdp::fully_shard(model.ptr(), opts);
-  torch::optim::AdamW optim(model->parameters(), torch::optim::AdamWOptions(1e-4));
-  const at::Tensor x = at::randn({16, cols}) * 0.01;
-  ckpt::AsyncSaver* staging_saver = nullptr;  // background staging: wait for the snapshot before the step
-  double blocked_in_step = 0;                 // the training thread's wait_staged() time in the last step
-  auto step = [&] {
-    world->barrier().wait();
-    const auto s0 = Clock::now();
-    optim.zero_grad();
-    fsdp::nn::call(model, x).square().mean().backward();
-    blocked_in_step = staging_saver ? staging_saver->wait_staged() : 0;
-    optim.step();
-    world->barrier().wait();
-    return since(s0);
-  };
-  step();  // optimizer state allocated
-  std::vector<double> plain;
-  for (int i = 0; i < 5; ++i) plain.push_back(step());
-  std::sort(plain.begin(), plain.end());
-  const double step_s = plain[2];
-  std::vector<int> all_ranks(static_cast<size_t>(n));
-  for (int r = 0; r < n; ++r) all_ranks[static_cast<size_t>(r)] = r;
-  auto save_group = fsdp::new_group(all_ranks, "checkpoint");
-  auto train_state = [&] {
-    auto sd = ckpt::model_state_dict(*model);
-    sd.merge(ckpt::optimizer_state_dict(*model, optim));
-    return sd;
-  };
-  // One async save of the trainer state while training goes on: the time the training thread is blocked in
-  // checkpoint calls (save(); wait_staged() before the optimizer step), and the extra wall time of the steps
-  // that run while the save is in flight (the background copy and write competing for the cores), over the
-  // plain step. Steps continue until the save is done on every rank (at most 12).
-  struct Trial {
-    double blocked_s = 0, extra_s = 0, save_total_s = 0;
-    int steps = 0;
-  };
-  int save_no = 0;
-  auto trial = [&](ckpt::AsyncSaver& saver) {
-    Trial t;
-    world->barrier().wait();
-    const auto t0 = Clock::now();
-    staging_saver = &saver;
-    t.blocked_s = saver.save(train_state(), (root / ("async-" + std::to_string(++save_no))).string()).stage_seconds;
-    for (;;) {
-      t.extra_s += step() - step_s;
-      t.blocked_s += blocked_in_step;
-      ++t.steps;
-      at::Tensor busy = at::full({1}, saver.in_flight() ? 1.0 : 0.0);
-      world->all_reduce(busy, fsdp::ReduceOp::Max).wait();
-      if (busy.item<double>() == 0 || t.steps == 12) break;
-    }
-    staging_saver = nullptr;
-    saver.wait();
-    world->barrier().wait();
-    t.save_total_s = since(t0);
-    return t;
-  };
-  // The first save of a saver allocates its staging buffers; later saves reuse them (AsyncSaverOptions).
-  auto two_saves = [&](ckpt::Staging staging) {
-    ckpt::AsyncSaverOptions o;  // defaults otherwise: buffers reused, the write at nice 19
-    o.staging = staging;
-    ckpt::AsyncSaver saver(save_group, o);
-    Trial first = trial(saver);
-    return std::make_pair(first, trial(saver));
-  };
-  const auto [tt_first, tt] = two_saves(ckpt::Staging::Blocking);    // TorchTitan's async: the snapshot blocks
-  const auto [bg_first, bg] = two_saves(ckpt::Staging::Background);  // the trainer's: snapshot during fwd/bwd
-  auto trial_json = [&](const char* name, const Trial& t) {
-    return std::string("\"") + name + "\": {\"blocked_s\": " + std::to_string(t.blocked_s) + ", \"extra_s\": " +
-           std::to_string(t.extra_s) + ", \"steps\": " + std::to_string(t.steps) + ", \"save_total_s\": " +
-           std::to_string(t.save_total_s) + ", \"blocked_fraction\": " + std::to_string(t.blocked_s / step_s) +
-           ", \"stall_fraction\": " + std::to_string((t.blocked_s + t.extra_s) / step_s) + "}";
-  };
-
+  const Stall stall = measure_stall(world, mesh, cols, tensors, root, torch::Device("cpu"),
+                                    {{"titan_async", ckpt::AsyncMode::Async, ckpt::Staging::Blocking},
+                                     {"background", ckpt::AsyncMode::Async, ckpt::Staging::Background}});
+  const double step_s = stall.step_s;
+  const std::vector<double>& plain = stall.plain;
   if (rank == 0) {
     std::printf("{\"side\": \"libfsdp\", \"ranks\": %d, \"state_gb\": %.3f, \"raw_write_s\": %.3f, \"raw_read_s\": %.3f, "
                 "\"save_s\": %.3f, \"load_s\": %.3f, \"warm_load_s\": %.3f, \"snapshot_s\": %.3f, \"equal\": %s, \"train_step_s\": %.3f, "
-                "\"train_steps_s\": [%.3f, %.3f, %.3f, %.3f, %.3f], %s, %s, %s, %s}\n",
+                "\"train_steps_s\": [%.3f, %.3f, %.3f, %.3f, %.3f], %s}\n",
                 n, total_gb, raw_write, raw_read, save_s, load_s, warm_load_s, snapshot_s, equal ? "true" : "false", step_s,
                 plain[0], plain[1], plain[2], plain[3], plain[4],
-                trial_json("titan_async_first", tt_first).c_str(), trial_json("titan_async", tt).c_str(),
-                trial_json("background_first", bg_first).c_str(), trial_json("background", bg).c_str());
+                stall.json().c_str());
     std::fflush(stdout);
   }
   if (rank == 0) {

@@ -12,7 +12,7 @@ cmake --build "$BUILD" --target fsdp-bench-ckpt fsdprun >&2
 export OMP_NUM_THREADS=1
 trap 'rm -rf "$DIR/ours" "$DIR/dcp"' EXIT
 FSDPRUN="$BUILD/apps/fsdprun/fsdprun"
-PY="$ROOT/.venv/bin/python"
+PY="${FSDP_BENCH_PYTHON:-$ROOT/.venv/bin/python}"  # the torch with DCP (scripts/gpu-check.sh bench: python3)
 ours() { "$FSDPRUN" --nproc-per-node "$1" "$BUILD/bench/fsdp-bench-ckpt" "${@:2}" | sed -n 's/^\[rank 0\] //p'; }
 theirs() { "$PY" -m torch.distributed.run --nproc-per-node "$1" "$ROOT/bench/checkpoint/dcp_bench.py" "${@:2}" 2>/dev/null; }
 ours 2 --gb "$GB" --dir "$DIR" --keep

@@ -3,6 +3,9 @@
 #include <fsdp/checkpoint/async_save.h>
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
@@ -12,6 +15,7 @@
 #include <iostream>
 #include <thread>
 #include <type_traits>
+#include <unordered_map>
 
 #ifdef __linux__
 #include <sys/resource.h>
@@ -33,10 +37,66 @@ AsyncMode parse_async_mode(const std::string& name) {
 }
 
 namespace {
+// Device-to-host staging (what async_with_pinned_mem is for on CUDA). A device's tensors are copied on a side
+// stream of that device, ordered after an event recorded on the caller's current stream when it asked for
+// the save: the copies see the state as of save(), and with background staging they run on the copy engine
+// beside the training's kernels rather than queued between them on the training's stream. The snapshot is
+// complete only once those side streams are synchronised. Devices without streams (CPU, meta) copy as before.
+class DeviceStaging {
+ public:
+  DeviceStaging() = default;
+  // On the caller's thread, when the save is asked for.
+  explicit DeviceStaging(const StateDict& state) {
+    for (const auto& [k, t] : state.tensors) note(t.local());
+    for (const auto& [k, t] : state.full) note(t);
+  }
+  // On the staging thread: the stream to copy `t` on; nullopt = the current one (no device stream for it).
+  std::optional<c10::Stream> stream_for(const at::Tensor& t) {
+    auto it = devices_.find(t.device());
+    if (it == devices_.end()) return std::nullopt;
+    Side& side = it->second;
+    if (!side.stream) {
+      side.stream = c10::impl::VirtualGuardImpl(t.device().type()).getStreamFromGlobalPool(t.device());
+      side.ready->block(*side.stream);
+    }
+    return side.stream;
+  }
+  // The copies issued on the side streams are complete (their pinned destinations may be read).
+  void synchronize() {
+    for (auto& [device, side] : devices_) {
+      if (side.stream) side.stream->synchronize();
+    }
+  }
+
+ private:
+  struct Side {
+    std::shared_ptr<c10::Event> ready;  // recorded on the caller's stream at save()
+    std::optional<c10::Stream> stream;  // taken from the device's pool at the first copy
+  };
+  void note(const at::Tensor& t) {
+    if (!t.defined() || t.is_cpu() || t.is_meta()) return;
+    const c10::Device device = t.device();
+    if (devices_.count(device) || !c10::impl::hasDeviceGuardImpl(device.type())) return;
+    c10::impl::VirtualGuardImpl impl(device.type());
+    Side side;
+    side.ready = std::make_shared<c10::Event>(device.type());
+    try {
+      side.ready->record(impl.getStream(device));
+    } catch (const c10::Error&) {
+      return;  // a backend without events: copy on the current stream (ordered by that stream alone)
+    }
+    devices_.emplace(device, std::move(side));
+  }
+  std::unordered_map<c10::Device, Side> devices_;
+};
+
 // snapshot() into the buffers of an earlier snapshot where a key's buffer still fits (same sizes, strides,
-// dtype and pinnedness), new ones elsewhere. `reuse` is consumed.
+// dtype and pinnedness), new ones elsewhere. `reuse` is consumed. `staging`: from the caller's thread at
+// save() (see DeviceStaging); default = captured here.
 StateDict snapshot_into(const StateDict& state, StateDict reuse, std::optional<c10::ScalarType> cast,
-                        bool pin_memory, std::atomic<int64_t>* allocated_bytes = nullptr) {
+                        bool pin_memory, std::atomic<int64_t>* allocated_bytes = nullptr,
+                        std::optional<DeviceStaging> staging = std::nullopt) {
+  if (!staging) staging.emplace(state);
   auto copy = [&](const at::Tensor& t, at::Tensor old) {
     at::Tensor src = t.detach();
     const auto dtype = cast && at::isFloatingType(src.scalar_type()) ? *cast : src.scalar_type();
@@ -47,7 +107,12 @@ StateDict snapshot_into(const StateDict& state, StateDict reuse, std::optional<c
                           : at::empty_strided(src.sizes(), src.strides(),
                                               src.options().dtype(dtype).device(at::kCPU).pinned_memory(pin));
     if (!fits && allocated_bytes) *allocated_bytes += static_cast<int64_t>(out.storage().nbytes());
-    out.copy_(src);  // converts the dtype too
+    if (const auto side = staging->stream_for(src)) {
+      c10::StreamGuard on_side(*side);
+      out.copy_(src, /*non_blocking=*/out.is_pinned());  // converts the dtype too; complete at synchronize()
+    } else {
+      out.copy_(src);
+    }
     return out;
   };
   auto take = [](auto& map, const std::string& key) {
@@ -65,6 +130,7 @@ StateDict snapshot_into(const StateDict& state, StateDict reuse, std::optional<c
                                                      t.placements(), t.sizes()));
   }
   for (const auto& [k, t] : state.full) out.full.emplace(k, copy(t, take(reuse.full, k)));
+  staging->synchronize();
   out.values = state.values;
   return out;
 }
@@ -172,13 +238,16 @@ AsyncSaver::Started AsyncSaver::save(const StateDict& state, const std::string& 
   // Background staging: the thread reads the live tensors (concurrent reads are safe) until the snapshot is
   // complete; the owner promised not to change them before wait_staged().
   auto live = std::make_shared<StateDict>(state);  // shares the tensors; copies the values now
+  DeviceStaging device_staging(state);              // the state as of now, on the device's streams
   std::promise<void> staged;
   impl_->staged = staged.get_future().share();
   impl_->worker = std::thread([impl = impl_.get(), live, reuse = impl_->take_staging_buffers(),
-                               staged = std::move(staged), path, options, cast, pin, after = std::move(after)]() mutable {
+                               staged = std::move(staged), path, options, cast, pin, after = std::move(after),
+                               device_staging = std::move(device_staging)]() mutable {
     StateDict snap;
     try {
-      snap = snapshot_into(*live, std::move(reuse), cast, pin, &impl->staging_bytes_allocated);
+      snap = snapshot_into(*live, std::move(reuse), cast, pin, &impl->staging_bytes_allocated,
+                           std::move(device_staging));
     } catch (...) {
       impl->error = std::current_exception();
     }

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <fcntl.h>
+#include <ftw.h>
 #include <stdio.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -112,10 +113,15 @@ std::string read_small_file(const std::string& path, int64_t max_bytes) {
   return out;
 }
 
+// POSIX (nftw, depth first, no symlink followed) rather than std::filesystem::remove_all: torch wheels export a
+// broken copy of the latter from libtorch.so (pytorch#133437), which a program that links libtorch ahead of
+// libstdc++ calls instead of the real one (see src/CMakeLists.txt).
 void remove_tree(const std::string& path) {
-  std::error_code ec;
-  fs::remove_all(path, ec);
-  TORCH_CHECK(!ec, "checkpoint: cannot remove ", path, ": ", ec.message());
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0 && errno == ENOENT) return;
+  auto remove_one = [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p) == 0 ? 0 : errno; };
+  const int err = ::nftw(path.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS);
+  TORCH_CHECK(err == 0, "checkpoint: cannot remove ", path, ": ", std::strerror(err > 0 ? err : errno));
 }
 
 void commit_dir(const std::string& tmp, const std::string& final_dir) {
