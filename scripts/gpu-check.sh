@@ -14,8 +14,9 @@
 #
 # The GPU machines have torch (CUDA) in python3, CMake, ninja and nvcc, but no network and no apt: the build's
 # other dependencies (gloo's headers, xxHash, nlohmann-json, CLI11, GoogleTest) come as .deb files. Only the
-# library, fsdprun and the tests/{device,comm,fully_shard} directories are built (FSDP_TEST_DIRS,
-# FSDP_APPS_EXCLUDE): fsdp-train's protobuf/crcutil/zlib and fsdp-plan are not needed for the device tests.
+# library, fsdprun, the benchmarks and the tests/{device,comm} directories are built (FSDP_TEST_DIRS, default
+# overridable by FSDP_GPU_TEST_DIRS; FSDP_APPS_EXCLUDE): fsdp-train's protobuf/crcutil/zlib and fsdp-plan are
+# not needed for the device tests.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEBS="$ROOT/.gpu-debs"
@@ -102,8 +103,7 @@ for p in nvidia.__path__:
   # The device tests, then the comm collectives on the same build (cheap, CPU Gloo, a few seconds).
   (cd "$BUILD" && ctest -L device -V --timeout 300) 2>&1 | tee "$log_file" || rc=1
   (cd "$BUILD" && ctest -R '^comm_' -j8 --output-on-failure) 2>&1 | tee -a "$log_file" >&2 || rc=1
-  if [ -n "$out" ]; then
-    mkdir -p "$out"
+  if [ -n "$out" ]; then  # $out is $logs, created above
     {
       echo "libfsdp gpu-check, $(date -u +%FT%TZ), commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
       nvidia-smi -L 2>&1 || echo "nvidia-smi not available"

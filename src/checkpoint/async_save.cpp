@@ -44,7 +44,6 @@ namespace {
 // complete only once those side streams are synchronised. Devices without streams (CPU, meta) copy as before.
 class DeviceStaging {
  public:
-  DeviceStaging() = default;
   // On the caller's thread, when the save is asked for.
   explicit DeviceStaging(const StateDict& state) {
     for (const auto& [k, t] : state.tensors) note(t.local());
