@@ -159,17 +159,25 @@ std::vector<std::string> ProcessGroup::exchange_through_store(const std::string&
   try {
     g.store->wait(keys, timeout);
   } catch (const std::exception& e) {
+    // Name the ranks whose key is missing. If the store fails to answer once (its host, world rank 0, is gone or
+    // stopped), ask it nothing more: each further check could block for the store's own timeout.
     std::string missing;
+    bool store_answers = true;
     for (int r = 0; r < g.size; ++r) {
       bool present = false;
-      try {
-        present = g.store->check({key(r)});
-      } catch (const std::exception&) {  // the store itself is gone: report every peer as missing
+      if (store_answers) {
+        try {
+          present = g.store->check({key(r)});
+        } catch (const std::exception&) {
+          store_answers = false;
+        }
       }
       if (!present) missing += c10::str(missing.empty() ? "" : ", ", r, " (world rank ", g.global_ranks[r], ")");
     }
     TORCH_CHECK(false, "fsdp: ", what, " on ", g.describe(), ": ranks [", missing, "] did not arrive within ",
-                timeout.count(), " ms (", message_of(e), ")");
+                timeout.count(), " ms", store_answers ? "" : " (the rendezvous store stopped answering, so the "
+                "ranks after the first unanswered one are listed as missing without being asked)",
+                " (", message_of(e), ")");
   }
   std::vector<std::string> out;
   for (int r = 0; r < g.size; ++r) {
