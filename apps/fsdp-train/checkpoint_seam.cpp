@@ -139,7 +139,27 @@ class DistributedCheckpointer final : public Checkpointer {
     lo.local_only = !job_group_;
     lo.exclude_prefixes = exclude;
     lo.strict = false;  // other ranks' dataloader entries are expected extras; missing keys are checked below
-    auto res = ckpt::load(sd, dir, lo);
+    ckpt::LoadResult res;
+    try {
+      res = ckpt::load(sd, dir, lo);
+    } catch (const c10::Error& e) {
+      // Say how to get going again: a damaged newest checkpoint need not end the run's history.
+      std::string earlier;
+      for (int64_t step : ckpt::complete_steps(folder_)) {
+        const std::string other = ckpt::step_path(folder_, step);
+        if (other == dir) continue;
+        earlier += (earlier.empty() ? "" : ", ") + std::to_string(step);
+        try {
+          if (ckpt::inspect(other).values.count("train_state.step") == 0) earlier += " (model only)";
+        } catch (const std::exception&) {
+          earlier += " (unreadable)";
+        }
+      }
+      TORCH_CHECK(false, e.what_without_backtrace(), "\n  loading ", dir, " failed; check it with `fsdp-ckpt verify ",
+                  dir, "`. ", earlier.empty() ? std::string("No other complete checkpoint is in ") + folder_ + "."
+                  : "To resume from an earlier one, pass --checkpoint.load_step N (complete: " + earlier +
+                  ") or move this one aside.");
+    }
     std::vector<std::string> missing;
     for (const auto& k : res.missing) missing.push_back(k);
     TORCH_CHECK(missing.empty(), "checkpoint: ", dir, " lacks ", missing.size(), " entries of this job, e.g. '",

@@ -1,5 +1,6 @@
 // fsdp-train checkpoints on one process: an async save that fails in the background raises at the next
-// checkpoint call (never silently); keep_latest_k keeps the newest; load_step and exclude_from_loading.
+// checkpoint call (never silently); keep_latest_k keeps the newest; load_step and exclude_from_loading; a damaged
+// newest checkpoint names the earlier ones to resume from.
 #include "config.h"
 #include "trainer.h"
 
@@ -88,4 +89,47 @@ TEST(TrainerCheckpoint, AutomaticResumeSkipsTheModelOnlyLastSave) {
   const TrainSummary resumed = run_training(c, quiet(), false);
   ASSERT_EQ(resumed.losses.size(), 4u) << "resumed after step 4: steps 5..8";
   for (size_t i = 0; i < 4; ++i) EXPECT_EQ(resumed.losses[i], reference.losses[4 + i]) << "step " << 5 + i;
+}
+
+// A damaged newest checkpoint stops the automatic resume with the checksum error and says how to go on: verify
+// it, or resume from an earlier complete one with load_step (listed, model-only ones marked). Following that
+// advice continues exactly as the run that was never interrupted.
+TEST(TrainerCheckpoint, DamagedNewestCheckpointNamesTheEarlierOnes) {
+  JobConfig c = tiny("damaged", 8);
+  c.checkpoint.last_save_model_only = false;
+  c.lr_scheduler.decay_ratio = 0.0;
+  const TrainSummary full = run_training(c, quiet(), false);
+  ASSERT_EQ(full.losses.size(), 8u);
+  ASSERT_NE(full.losses[6], full.losses[0]);  // it trains: a restart from scratch would not match
+  const std::string folder = c.job.dump_folder + "/checkpoint";
+  ASSERT_EQ(fsdp::checkpoint::complete_steps(folder), (std::vector<int64_t>{2, 4, 6, 8}));
+  // Flip bytes inside step-8's data file (past any header: the file is raw tensor bytes).
+  fs::path data;
+  for (const auto& e : fs::directory_iterator(fsdp::checkpoint::step_path(folder, 8))) {
+    if (e.path().extension() == ".bin") data = e.path();
+  }
+  ASSERT_FALSE(data.empty());
+  {
+    std::fstream f(data, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(100);
+    const char junk[4] = {'\x7f', '\x7f', '\x7f', '\x7f'};
+    f.write(junk, sizeof junk);
+  }
+  c.training.steps = 10;
+  try {
+    run_training(c, quiet(), false);
+    FAIL() << "a damaged checkpoint was loaded";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    EXPECT_NE(msg.find("checksum mismatch"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("fsdp-ckpt verify " + fsdp::checkpoint::step_path(folder, 8)), std::string::npos) << msg;
+    EXPECT_NE(msg.find("--checkpoint.load_step N (complete: 2, 4, 6)"), std::string::npos) << msg;
+  }
+  // The advice works: resuming from step 6 repeats steps 7 and 8 of the first run bit for bit.
+  c.checkpoint.load_step = 6;
+  c.training.steps = 8;
+  const TrainSummary again = run_training(c, quiet(), false);
+  ASSERT_EQ(again.losses.size(), 2u);
+  EXPECT_EQ(again.losses[0], full.losses[6]);
+  EXPECT_EQ(again.losses[1], full.losses[7]);
 }
