@@ -138,7 +138,8 @@ SaveResult save(const StateDict& state, const std::string& path, const SaveOptio
     const std::string file = rank_file_name(rank);
     std::unique_ptr<FileWriter> w;
     auto writer = [&]() -> FileWriter& {
-      if (!w) w = std::make_unique<FileWriter>((fs::path(tmp) / file).string());
+      const auto mode = options.direct_io ? FileWriter::Mode::Direct : FileWriter::Mode::Buffered;
+      if (!w) w = std::make_unique<FileWriter>((fs::path(tmp) / file).string(), mode);
       return *w;
     };
     for (const auto& [fqn, t] : state.tensors) {

@@ -100,7 +100,8 @@ SaveResult save_dcp(const StateDict& state, const std::string& path, const SaveO
   const std::string file = dcp_file_name(rank, 0);
   std::unique_ptr<FileWriter> w;
   auto writer = [&]() -> FileWriter& {
-    if (!w) w = std::make_unique<FileWriter>((fs::path(tmp) / file).string());
+    const auto mode = options.direct_io ? FileWriter::Mode::Direct : FileWriter::Mode::Buffered;
+    if (!w) w = std::make_unique<FileWriter>((fs::path(tmp) / file).string(), mode);
     return *w;
   };
   int64_t local_bytes = 0;
@@ -243,7 +244,7 @@ ConvertResult convert(const std::string& src, const std::string& dst, const Conv
     std::map<std::string, std::unique_ptr<FileWriter>> writers;
     auto writer = [&](const std::string& name) -> FileWriter& {
       auto& w = writers[name];
-      if (!w) w = std::make_unique<FileWriter>((fs::path(tmp) / name).string());
+      if (!w) w = std::make_unique<FileWriter>((fs::path(tmp) / name).string(), FileWriter::Mode::Direct);
       return *w;
     };
     dcp::Metadata dmd;

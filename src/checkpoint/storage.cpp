@@ -12,6 +12,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstdlib>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -20,8 +22,25 @@
 namespace fsdp::checkpoint::detail {
 namespace fs = std::filesystem;
 
-FileWriter::FileWriter(std::string path) : path_(std::move(path)) {
-  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+namespace {
+int open_for_write(const std::string& path, bool direct) {
+  return ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | (direct ? O_DIRECT : 0), 0644);
+}
+int64_t round_down(int64_t n, int64_t a) { return n / a * a; }
+int64_t round_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
+}  // namespace
+
+void FileWriter::FreeAligned::operator()(char* p) const { std::free(p); }
+
+FileWriter::FileWriter(std::string path, Mode mode, int64_t max_stage_bytes)
+    : path_(std::move(path)), max_stage_bytes_(max_stage_bytes) {
+  TORCH_CHECK(max_stage_bytes > 0 && max_stage_bytes % kDirectAlign == 0, "checkpoint: FileWriter staging size ",
+              max_stage_bytes, " is not a positive multiple of ", kDirectAlign);
+  if (mode == Mode::Direct) {
+    fd_ = open_for_write(path_, true);
+    direct_ = fd_ >= 0;  // else (EINVAL: no O_DIRECT here) the buffered open below reports any real problem
+  }
+  if (fd_ < 0) fd_ = open_for_write(path_, false);
   TORCH_CHECK(fd_ >= 0, "checkpoint: cannot create ", path_, ": ", std::strerror(errno));
 }
 
@@ -29,28 +48,119 @@ FileWriter::~FileWriter() {
   if (fd_ >= 0) ::close(fd_);
 }
 
+void FileWriter::fall_back_to_buffered() {
+  const int flags = ::fcntl(fd_, F_GETFL);
+  TORCH_CHECK(flags >= 0 && ::fcntl(fd_, F_SETFL, flags & ~O_DIRECT) == 0, "checkpoint: ", path_,
+              ": cannot turn off O_DIRECT: ", std::strerror(errno));
+  direct_ = false;
+}
+
+void FileWriter::write_at(const char* p, int64_t n, int64_t offset) {
+  while (n > 0) {
+    const ssize_t put = ::pwrite(fd_, p, static_cast<size_t>(std::min<int64_t>(n, int64_t(1) << 30)), offset);
+    if (put < 0 && errno == EINTR) continue;
+    if (put < 0 && errno == EINVAL && direct_) {  // the file system refuses this direct write: go on buffered
+      fall_back_to_buffered();
+      continue;
+    }
+    TORCH_CHECK(put > 0, "checkpoint: writing ", path_, " at byte ", offset, " failed: ", std::strerror(errno));
+    p += put, n -= put, offset += put;
+  }
+}
+
+void FileWriter::flush_stage(bool include_partial_block) {
+  if (staged_ == 0 || stage_clean_) return;
+  if (!direct_) {
+    write_at(stage_.get(), staged_, stage_offset_);
+    stage_offset_ += staged_;
+    staged_ = 0;
+    return;
+  }
+  const int64_t whole = round_down(staged_, kDirectAlign);
+  const int64_t tail = staged_ - whole;
+  if (include_partial_block && tail > 0) {
+    // The last block padded with zeros (the capacity is a multiple of the alignment), then the file cut back to
+    // its real size. The tail stays staged: later appends rewrite its block with more data.
+    const int64_t padded = round_up(staged_, kDirectAlign);
+    std::memset(stage_.get() + staged_, 0, static_cast<size_t>(padded - staged_));
+    write_at(stage_.get(), padded, stage_offset_);
+    TORCH_CHECK(::ftruncate(fd_, size_) == 0, "checkpoint: truncating ", path_, " to ", size_, " bytes failed: ",
+                std::strerror(errno));
+    stage_clean_ = true;
+  } else if (whole > 0) {
+    write_at(stage_.get(), whole, stage_offset_);
+  }
+  if (whole > 0) {
+    std::memmove(stage_.get(), stage_.get() + whole, static_cast<size_t>(tail));
+    stage_offset_ += whole;
+    staged_ = tail;
+  }
+}
+
 int64_t FileWriter::append(const void* data, int64_t n) {
   TORCH_CHECK(fd_ >= 0, "checkpoint: ", path_, " is closed");
+  TORCH_CHECK(n >= 0, "checkpoint: negative append to ", path_);
   const int64_t at = size_;
   const auto* p = static_cast<const char*>(data);
-  int64_t left = n;
-  while (left > 0) {
-    const ssize_t put = ::write(fd_, p, static_cast<size_t>(std::min<int64_t>(left, int64_t(1) << 30)));
-    if (put < 0 && errno == EINTR) continue;
-    TORCH_CHECK(put > 0, "checkpoint: writing ", path_, " at byte ", size_, " failed: ", std::strerror(errno));
-    p += put, left -= put, size_ += put;
+  while (n > 0) {
+    if (!direct_) {
+      flush_stage(false);  // what was staged before a fallback goes first (or is on disk already)
+      staged_ = 0;
+      write_at(p, n, size_);
+      size_ += n;
+      break;
+    }
+    stage_clean_ = false;
+    if (staged_ == 0 && reinterpret_cast<uintptr_t>(p) % kDirectAlign == 0 && n >= kDirectAlign) {
+      // An aligned source at an aligned file position: its whole blocks go straight from where they are.
+      const int64_t whole = round_down(n, kDirectAlign);
+      write_at(p, whole, size_);
+      p += whole, n -= whole, size_ += whole;
+      stage_offset_ = size_;
+      continue;
+    }
+    if (staged_ == stage_capacity_) {
+      if (stage_capacity_ < max_stage_bytes_) {
+        // Grow (1 MiB, doubling) rather than write small blocks: small checkpoints stay small in memory.
+        const int64_t capacity =
+            std::min(max_stage_bytes_, std::max<int64_t>(int64_t{1} << 20, 2 * stage_capacity_));
+        void* raw = nullptr;
+        TORCH_CHECK(::posix_memalign(&raw, static_cast<size_t>(kDirectAlign), static_cast<size_t>(capacity)) == 0,
+                    "checkpoint: cannot allocate a ", capacity, "-byte staging buffer for ", path_);
+        std::unique_ptr<char, FreeAligned> grown(static_cast<char*>(raw));
+        if (staged_ > 0) std::memcpy(grown.get(), stage_.get(), static_cast<size_t>(staged_));
+        stage_ = std::move(grown);
+        stage_capacity_ = capacity;
+      } else {
+        flush_stage(false);
+        continue;  // a fallback inside the flush switches this append to buffered writes
+      }
+    }
+    const int64_t take = std::min(n, stage_capacity_ - staged_);
+    std::memcpy(stage_.get() + staged_, p, static_cast<size_t>(take));
+    staged_ += take, p += take, n -= take, size_ += take;
   }
   return at;
 }
 
 void FileWriter::fsync() {
-  TORCH_CHECK(fd_ >= 0 && ::fsync(fd_) == 0, "checkpoint: fsync of ", path_, " failed: ", std::strerror(errno));
+  TORCH_CHECK(fd_ >= 0, "checkpoint: ", path_, " is closed");
+  flush_stage(true);
+  TORCH_CHECK(::fsync(fd_) == 0, "checkpoint: fsync of ", path_, " failed: ", std::strerror(errno));
 }
 
 void FileWriter::close() {
   if (fd_ < 0) return;
+  try {
+    flush_stage(true);
+  } catch (...) {
+    ::close(fd_);
+    fd_ = -1;
+    throw;
+  }
   const int rc = ::close(fd_);
   fd_ = -1;
+  stage_.reset();
   TORCH_CHECK(rc == 0, "checkpoint: closing ", path_, " failed: ", std::strerror(errno));
 }
 
