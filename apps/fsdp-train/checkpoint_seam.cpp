@@ -199,6 +199,7 @@ class DistributedCheckpointer final : public Checkpointer {
     so.local_only = !job_group_;
     so.saved_on = "fsdp-train step " + std::to_string(s.step);
     so.format = cfg_.format == "dcp" ? ckpt::Format::PytorchDcp : ckpt::Format::Libfsdp;
+    so.direct_io = cfg_.direct_io;
     const auto t0 = Clock::now();
     if (saver_->mode() != ckpt::AsyncMode::Disabled && !last) {
       // Snapshot, save and purge on the saver's thread; the loop waits for the snapshot before the next step.

@@ -112,6 +112,7 @@ std::vector<Field> fields(JobConfig& c) {
        "initial_load_path is a Hugging Face Llama directory (safetensors + index; model only)"},
       {"checkpoint", "last_save_in_hf", &c.checkpoint.last_save_in_hf,
        "write the last save as Hugging Face Llama safetensors + config.json (needs last_save_model_only)"},
+      {"checkpoint", "direct_io", &c.checkpoint.direct_io, "write data files with O_DIRECT (false: through the page cache)"},
       {"activation_checkpoint", "mode", &c.activation_checkpoint.mode,
        "none | full (every block) | selective (selective_ac_option), applied to each block before fully_shard"},
       {"activation_checkpoint", "selective_ac_option", &c.activation_checkpoint.selective_ac_option,

@@ -91,6 +91,7 @@ struct JobConfig {
     std::string format = "libfsdp";  // libfsdp | dcp (PyTorch DCP, readable by dcp.load / TorchTitan)
     bool initial_load_in_hf = false;  // initial_load_path holds Hugging Face Llama safetensors (model only)
     bool last_save_in_hf = false;     // the last (model-only) save is Hugging Face Llama safetensors
+    bool direct_io = true;            // data files written with O_DIRECT (fsdp::checkpoint::SaveOptions::direct_io)
   } checkpoint;
   struct ActivationCheckpoint {
     std::string mode = "selective";  // selective | full | none
