@@ -25,7 +25,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -46,6 +48,14 @@ fsdp::InitOptions cpu_world() {
   fsdp::InitOptions o;
   o.backend = "gloo";
   return o;
+}
+
+// `bytes` of memory aligned to 4096 (O_DIRECT's rule for buffers), as a byte tensor that owns it.
+at::Tensor aligned_buffer(int64_t bytes) {
+  at::Tensor raw = at::empty({bytes + 4096}, at::kByte);
+  const auto addr = reinterpret_cast<uintptr_t>(raw.data_ptr());
+  const int64_t shift = static_cast<int64_t>((4096 - addr % 4096) % 4096);
+  return raw.narrow(0, shift, bytes);
 }
 
 void drop_cache(const fs::path& dir) {
@@ -255,12 +265,13 @@ int main(int argc, char** argv) {
   double gb = 0.5;
   std::string dir = "/tmp/fsdp_ckpt_bench", reshard_from;
   std::string device = "cpu";  // --device cuda:0: the training part on the GPU (Gloo on CUDA, ranks share it)
-  bool keep = false, stall_only = false;
+  bool keep = false, stall_only = false, no_stall = false;
   int read_threads = ckpt::LoadOptions{}.read_threads;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--keep") keep = true;
     else if (a == "--stall-only") stall_only = true;
+    else if (a == "--no-stall") no_stall = true;  // save and load only (quick runs)
     else if (i + 1 < argc && a == "--device") device = argv[++i];
     else if (i + 1 < argc && a == "--gb") gb = std::stod(argv[++i]);
     else if (i + 1 < argc && a == "--dir") dir = argv[++i];
@@ -295,47 +306,103 @@ int main(int argc, char** argv) {
   if (rank == 0) fs::remove_all(root), fs::create_directories(root);
   world->barrier().wait();
 
-  // Raw disk: the same bytes per rank, one sequential file, write + fsync; then pread back.
+  // Raw disk: the same bytes per rank, one sequential file, write + fsync; then read back. Twice: buffered
+  // (write(), then pread) and direct (O_DIRECT in 64 MiB aligned blocks, the data copied through an aligned
+  // buffer as dd does). The faster of the two is this disk's raw bandwidth; our saves write direct by default.
   const fs::path raw = root / ("raw-" + std::to_string(rank) + ".bin");
-  world->barrier().wait();
-  auto t0 = Clock::now();
-  {
-    int fd = ::open(raw.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    for (auto& [k, v] : sd.tensors) {
-      const char* p = static_cast<const char*>(v.local().data_ptr());
-      int64_t left = v.local().numel() * 4;
-      while (left > 0) {
-        ssize_t w = ::write(fd, p, static_cast<size_t>(std::min<int64_t>(left, 1 << 30)));
-        p += w, left -= w;
+  std::vector<const at::Tensor*> locals;
+  for (auto& [k, v] : sd.tensors) locals.push_back(&v.local());
+  auto raw_write = [&](bool direct) {
+    world->barrier().wait();
+    const auto t = Clock::now();
+    int fd = ::open(raw.c_str(), O_WRONLY | O_CREAT | O_TRUNC | (direct ? O_DIRECT : 0), 0644);
+    TORCH_CHECK(fd >= 0, "raw write: cannot open ", raw.string(), ": ", std::strerror(errno));
+    if (direct) {
+      const int64_t block = int64_t{64} << 20;
+      at::Tensor buf = aligned_buffer(block);
+      char* b = static_cast<char*>(buf.data_ptr());
+      int64_t filled = 0, off = 0;
+      auto flush = [&](int64_t n) {
+        TORCH_CHECK(::pwrite(fd, b, static_cast<size_t>(n), off) == n, "raw direct write failed: ", std::strerror(errno));
+        off += n, filled = 0;
+      };
+      for (const at::Tensor* t : locals) {
+        const char* p = static_cast<const char*>(t->data_ptr());
+        int64_t left = t->numel() * 4;
+        while (left > 0) {
+          const int64_t take = std::min(left, block - filled);
+          std::memcpy(b + filled, p, static_cast<size_t>(take));
+          filled += take, p += take, left -= take;
+          if (filled == block) flush(block);
+        }
+      }
+      const int64_t real = off + filled;
+      if (filled > 0) flush((filled + 4095) / 4096 * 4096);
+      TORCH_CHECK(::ftruncate(fd, real) == 0, "raw write: ftruncate failed");
+    } else {
+      for (const at::Tensor* t : locals) {
+        const char* p = static_cast<const char*>(t->data_ptr());
+        int64_t left = t->numel() * 4;
+        while (left > 0) {
+          const ssize_t w = ::write(fd, p, static_cast<size_t>(std::min<int64_t>(left, 1 << 30)));
+          TORCH_CHECK(w > 0, "raw write failed: ", std::strerror(errno));
+          p += w, left -= w;
+        }
       }
     }
     ::fsync(fd);
     ::close(fd);
-  }
-  world->barrier().wait();
-  const double raw_write = since(t0);
-  drop_cache(root);
-  world->barrier().wait();
-  t0 = Clock::now();
-  {
-    int fd = ::open(raw.c_str(), O_RDONLY);
+    world->barrier().wait();
+    return since(t);
+  };
+  auto raw_read = [&](bool direct) {
+    drop_cache(root);
+    world->barrier().wait();
+    const auto t = Clock::now();
+    int fd = ::open(raw.c_str(), O_RDONLY | (direct ? O_DIRECT : 0));
+    TORCH_CHECK(fd >= 0, "raw read: cannot open ", raw.string(), ": ", std::strerror(errno));
+    const int64_t block = int64_t{64} << 20;
+    at::Tensor buf = direct ? aligned_buffer(block) : at::Tensor();
     int64_t off = 0;
-    for (auto& [k, v] : sd.tensors) {
-      at::Tensor dst = at::empty_like(v.local());
+    for (const at::Tensor* t : locals) {
+      at::Tensor dst = at::empty_like(*t);
       char* p = static_cast<char*>(dst.data_ptr());
       int64_t left = dst.numel() * 4;
       while (left > 0) {
-        ssize_t r = ::pread(fd, p, static_cast<size_t>(std::min<int64_t>(left, 1 << 30)), off);
-        p += r, left -= r, off += r;
+        if (direct) {  // whole aligned blocks into the aligned buffer, then copied out (as dd does)
+          const int64_t base = off / 4096 * 4096, skip = off - base;
+          const ssize_t r = ::pread(fd, buf.data_ptr(), static_cast<size_t>(block), base);
+          TORCH_CHECK(r > skip, "raw direct read failed at ", base, ": ", std::strerror(errno));
+          const int64_t take = std::min<int64_t>(left, r - skip);
+          std::memcpy(p, static_cast<const char*>(buf.data_ptr()) + skip, static_cast<size_t>(take));
+          p += take, left -= take, off += take;
+        } else {
+          const ssize_t r = ::pread(fd, p, static_cast<size_t>(std::min<int64_t>(left, 1 << 30)), off);
+          TORCH_CHECK(r > 0, "raw read failed: ", std::strerror(errno));
+          p += r, left -= r, off += r;
+        }
       }
     }
     ::close(fd);
-  }
-  world->barrier().wait();
-  const double raw_read = since(t0);
+    world->barrier().wait();
+    return since(t);
+  };
+  const double raw_write_buffered = raw_write(false);
+  const double raw_read_buffered = raw_read(false);
+  const double raw_write_direct = raw_write(true);
+  const double raw_read_direct = raw_read(true);
   fs::remove(raw);
 
-  // Ours: save, then load into other tensors.
+  // Ours: save buffered (SaveOptions::direct_io = false), then as by default (direct); load the latter (cold,
+  // then warm), then the former (cold: whether files written direct read back slower or faster).
+  ckpt::SaveOptions buffered;
+  buffered.direct_io = false;
+  world->barrier().wait();
+  auto t0 = Clock::now();
+  ckpt::save(sd, (root / "step-0").string(), buffered);
+  world->barrier().wait();
+  const double save_buffered_s = since(t0);
+  ::sync();
   world->barrier().wait();
   t0 = Clock::now();
   ckpt::save(sd, (root / "step-1").string());
@@ -360,6 +427,15 @@ int main(int argc, char** argv) {
   world->barrier().wait();
   const double warm_load_s = since(t0);
   for (const auto& [k, v] : sd.tensors) equal = equal && at::equal(v.local(), dst.tensors.at(k).local());
+  for (auto& [k, v] : dst.tensors) v.local().zero_();
+  drop_cache(root);
+  world->barrier().wait();
+  t0 = Clock::now();
+  ckpt::load(dst, (root / "step-0").string());
+  world->barrier().wait();
+  const double load_buffered_saved_s = since(t0);
+  for (const auto& [k, v] : sd.tensors) equal = equal && at::equal(v.local(), dst.tensors.at(k).local());
+  if (rank == 0) fs::remove_all(root / "step-0");
 
   // Async stall: the CPU snapshot the trainer takes before writing in the background.
   t0 = Clock::now();
@@ -370,14 +446,19 @@ int main(int argc, char** argv) {
   dst = {};
 
   // A real training step of a model of the same size, and the async save's stall inside it.
-  const Stall stall = measure_stall(world, mesh, cols, tensors, root, torch::Device("cpu"),
-                                    {{"titan_async", ckpt::AsyncMode::Async, ckpt::Staging::Blocking},
-                                     {"background", ckpt::AsyncMode::Async, ckpt::Staging::Background}});
+  Stall stall;
+  if (!no_stall) {
+    stall = measure_stall(world, mesh, cols, tensors, root, torch::Device("cpu"),
+                          {{"titan_async", ckpt::AsyncMode::Async, ckpt::Staging::Blocking},
+                           {"background", ckpt::AsyncMode::Async, ckpt::Staging::Background}});
+  }
   if (rank == 0) {
     std::printf("{\"side\": \"libfsdp\", \"ranks\": %d, \"state_gb\": %.3f, \"raw_write_s\": %.3f, \"raw_read_s\": %.3f, "
-                "\"save_s\": %.3f, \"load_s\": %.3f, \"warm_load_s\": %.3f, \"snapshot_s\": %.3f, \"equal\": %s, %s}\n",
-                n, total_gb, raw_write, raw_read, save_s, load_s, warm_load_s, snapshot_s, equal ? "true" : "false",
-                stall.json().c_str());
+                "\"raw_direct_write_s\": %.3f, \"raw_direct_read_s\": %.3f, \"save_buffered_s\": %.3f, "
+                "\"save_s\": %.3f, \"load_s\": %.3f, \"load_of_buffered_save_s\": %.3f, \"warm_load_s\": %.3f, \"snapshot_s\": %.3f, \"equal\": %s%s%s}\n",
+                n, total_gb, raw_write_buffered, raw_read_buffered, raw_write_direct, raw_read_direct, save_buffered_s,
+                save_s, load_s, load_buffered_saved_s, warm_load_s, snapshot_s, equal ? "true" : "false", no_stall ? "" : ", ",
+                no_stall ? "" : stall.json().c_str());
     std::fflush(stdout);
   }
   if (rank == 0) {
