@@ -363,18 +363,23 @@ int main(int argc, char** argv) {
     TORCH_CHECK(fd >= 0, "raw read: cannot open ", raw.string(), ": ", std::strerror(errno));
     const int64_t block = int64_t{64} << 20;
     at::Tensor buf = direct ? aligned_buffer(block) : at::Tensor();
-    int64_t off = 0;
+    const char* b = direct ? static_cast<const char*>(buf.data_ptr()) : nullptr;
+    int64_t off = 0;                      // file offset of the next byte to hand out
+    int64_t block_at = 0, block_len = 0;  // direct: the file's bytes [block_at, block_at + block_len) are in buf
     for (const at::Tensor* t : locals) {
       at::Tensor dst = at::empty_like(*t);
       char* p = static_cast<char*>(dst.data_ptr());
       int64_t left = dst.numel() * 4;
       while (left > 0) {
-        if (direct) {  // whole aligned blocks into the aligned buffer, then copied out (as dd does)
-          const int64_t base = off / 4096 * 4096, skip = off - base;
-          const ssize_t r = ::pread(fd, buf.data_ptr(), static_cast<size_t>(block), base);
-          TORCH_CHECK(r > skip, "raw direct read failed at ", base, ": ", std::strerror(errno));
-          const int64_t take = std::min<int64_t>(left, r - skip);
-          std::memcpy(p, static_cast<const char*>(buf.data_ptr()) + skip, static_cast<size_t>(take));
+        if (direct) {  // the file in 64 MiB aligned blocks read in order, copied out (as dd does)
+          if (off >= block_at + block_len) {
+            block_at = off;
+            const ssize_t r = ::pread(fd, buf.data_ptr(), static_cast<size_t>(block), block_at);
+            TORCH_CHECK(r > 0, "raw direct read failed at ", block_at, ": ", std::strerror(errno));
+            block_len = r;
+          }
+          const int64_t take = std::min(left, block_at + block_len - off);
+          std::memcpy(p, b + (off - block_at), static_cast<size_t>(take));
           p += take, left -= take, off += take;
         } else {
           const ssize_t r = ::pread(fd, p, static_cast<size_t>(std::min<int64_t>(left, 1 << 30)), off);
@@ -408,33 +413,26 @@ int main(int argc, char** argv) {
   ckpt::save(sd, (root / "step-1").string());
   world->barrier().wait();
   const double save_s = since(t0);
-  drop_cache(root);
   ckpt::StateDict dst;
   for (const auto& [k, v] : sd.tensors)
     dst.tensors[k] = fsdp::ShardedTensor::from_local(at::empty_like(v.local()), v.mesh(), v.placements(), v.sizes());
-  world->barrier().wait();
-  t0 = Clock::now();
-  ckpt::load(dst, (root / "step-1").string());
-  world->barrier().wait();
-  const double load_s = since(t0);
+  // One timed load of `step` into `dst` (zeroed first), checked against what was saved.
   bool equal = true;
-  for (const auto& [k, v] : sd.tensors) equal = equal && at::equal(v.local(), dst.tensors.at(k).local());
+  auto timed_load = [&](const char* step, bool cold) {
+    for (auto& [k, v] : dst.tensors) v.local().zero_();
+    if (cold) drop_cache(root);
+    world->barrier().wait();
+    const auto t = Clock::now();
+    ckpt::load(dst, (root / step).string());
+    world->barrier().wait();
+    const double seconds = since(t);
+    for (const auto& [k, v] : sd.tensors) equal = equal && at::equal(v.local(), dst.tensors.at(k).local());
+    return seconds;
+  };
+  const double load_s = timed_load("step-1", /*cold=*/true);
   // Warm: the files in the page cache (a restart on the same host right after the save): the software's cost.
-  for (auto& [k, v] : dst.tensors) v.local().zero_();
-  world->barrier().wait();
-  t0 = Clock::now();
-  ckpt::load(dst, (root / "step-1").string());
-  world->barrier().wait();
-  const double warm_load_s = since(t0);
-  for (const auto& [k, v] : sd.tensors) equal = equal && at::equal(v.local(), dst.tensors.at(k).local());
-  for (auto& [k, v] : dst.tensors) v.local().zero_();
-  drop_cache(root);
-  world->barrier().wait();
-  t0 = Clock::now();
-  ckpt::load(dst, (root / "step-0").string());
-  world->barrier().wait();
-  const double load_buffered_saved_s = since(t0);
-  for (const auto& [k, v] : sd.tensors) equal = equal && at::equal(v.local(), dst.tensors.at(k).local());
+  const double warm_load_s = timed_load("step-1", /*cold=*/false);
+  const double load_buffered_saved_s = timed_load("step-0", /*cold=*/true);
   if (rank == 0) fs::remove_all(root / "step-0");
 
   // Async stall: the CPU snapshot the trainer takes before writing in the background.
