@@ -17,8 +17,8 @@ namespace fsdp::checkpoint::detail {
 //
 // Direct mode writes with O_DIRECT through an aligned staging buffer, bypassing the page cache. Why: a large
 // checkpoint written through the page cache is copied there, then written back by the kernel under dirty-page
-// throttling; on this project's disks large aligned direct writes reached about twice the bandwidth of
-// buffered writes + fsync (bench/RESULTS.md). Appends are copied into the staging buffer (grown on demand up to
+// throttling; on this project's disk large aligned direct writes reached up to twice (median 1.5x) the
+// bandwidth of buffered writes + fsync (bench/RESULTS.md). Appends are copied into the staging buffer (grown on demand up to
 // kMaxStageBytes) and written in whole aligned blocks; a source that is already aligned is written straight from
 // its memory. The last partial block is written padded and the file truncated to its real size. Where the file
 // system refuses O_DIRECT (at open or at the first write), the writer falls back to buffered writes.

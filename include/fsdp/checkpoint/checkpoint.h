@@ -62,7 +62,7 @@ struct SaveOptions {
   int64_t block_bytes = 4 << 20;    // checksum granularity (partial reads verify whole blocks)
   std::string saved_on;             // free text recorded in the metadata (e.g. the mesh; not in DCP)
   Format format = Format::Libfsdp;
-  // Data files are written with O_DIRECT in large aligned blocks, bypassing the page cache (about twice the
+  // Data files are written with O_DIRECT in large aligned blocks, bypassing the page cache (up to twice the
   // bandwidth of buffered writes + fsync on the disks measured, bench/RESULTS.md); where the file system refuses
   // O_DIRECT, buffered writes. false: always buffered (the files then stay in the page cache for a quick re-read).
   bool direct_io = true;
