@@ -137,8 +137,8 @@ SaveResult save(const StateDict& state, const std::string& path, const SaveOptio
   try {
     const std::string file = rank_file_name(rank);
     std::unique_ptr<FileWriter> w;
+    const auto mode = options.direct_io ? FileWriter::Mode::Direct : FileWriter::Mode::Buffered;
     auto writer = [&]() -> FileWriter& {
-      const auto mode = options.direct_io ? FileWriter::Mode::Direct : FileWriter::Mode::Buffered;
       if (!w) w = std::make_unique<FileWriter>((fs::path(tmp) / file).string(), mode);
       return *w;
     };

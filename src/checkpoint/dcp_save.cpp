@@ -99,8 +99,8 @@ SaveResult save_dcp(const StateDict& state, const std::string& path, const SaveO
                          {"values", nlohmann::json::object()}, {"files", nlohmann::json::object()}};
   const std::string file = dcp_file_name(rank, 0);
   std::unique_ptr<FileWriter> w;
+  const auto mode = options.direct_io ? FileWriter::Mode::Direct : FileWriter::Mode::Buffered;
   auto writer = [&]() -> FileWriter& {
-    const auto mode = options.direct_io ? FileWriter::Mode::Direct : FileWriter::Mode::Buffered;
     if (!w) w = std::make_unique<FileWriter>((fs::path(tmp) / file).string(), mode);
     return *w;
   };

@@ -70,9 +70,9 @@ void FileWriter::write_at(const char* p, int64_t n, int64_t offset) {
 
 void FileWriter::flush_stage(bool include_partial_block) {
   if (staged_ == 0 || stage_clean_) return;
+  const int64_t stage_offset = size_ - staged_;  // where the staged bytes belong in the file
   if (!direct_) {
-    write_at(stage_.get(), staged_, stage_offset_);
-    stage_offset_ += staged_;
+    write_at(stage_.get(), staged_, stage_offset);
     staged_ = 0;
     return;
   }
@@ -83,16 +83,15 @@ void FileWriter::flush_stage(bool include_partial_block) {
     // its real size. The tail stays staged: later appends rewrite its block with more data.
     const int64_t padded = round_up(staged_, kDirectAlign);
     std::memset(stage_.get() + staged_, 0, static_cast<size_t>(padded - staged_));
-    write_at(stage_.get(), padded, stage_offset_);
+    write_at(stage_.get(), padded, stage_offset);
     TORCH_CHECK(::ftruncate(fd_, size_) == 0, "checkpoint: truncating ", path_, " to ", size_, " bytes failed: ",
                 std::strerror(errno));
     stage_clean_ = true;
   } else if (whole > 0) {
-    write_at(stage_.get(), whole, stage_offset_);
+    write_at(stage_.get(), whole, stage_offset);
   }
   if (whole > 0) {
     std::memmove(stage_.get(), stage_.get() + whole, static_cast<size_t>(tail));
-    stage_offset_ += whole;
     staged_ = tail;
   }
 }
@@ -116,7 +115,6 @@ int64_t FileWriter::append(const void* data, int64_t n) {
       const int64_t whole = round_down(n, kDirectAlign);
       write_at(p, whole, size_);
       p += whole, n -= whole, size_ += whole;
-      stage_offset_ = size_;
       continue;
     }
     if (staged_ == stage_capacity_) {

@@ -54,12 +54,11 @@ class FileWriter {
   int fd_ = -1;
   int64_t size_ = 0;
   bool direct_ = false;
-  // Direct mode: stage_ holds the file's bytes [stage_offset_, stage_offset_ + staged_); stage_offset_ is aligned.
+  // Direct mode: stage_ holds the file's last staged_ bytes, [size_ - staged_, size_); that start is aligned.
   std::unique_ptr<char, FreeAligned> stage_;
   int64_t stage_capacity_ = 0;
   int64_t max_stage_bytes_ = kMaxStageBytes;
   int64_t staged_ = 0;
-  int64_t stage_offset_ = 0;
   bool stage_clean_ = false;  // the staged bytes are on disk already (padded by the last fsync)
 };
 
