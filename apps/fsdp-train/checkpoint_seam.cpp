@@ -31,6 +31,9 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+// Whether the checkpoint in `dir` holds the training state (step, optimizer, ...), not only the model.
+bool holds_train_state(const std::string& dir) { return ckpt::inspect(dir).values.count("train_state.step") > 0; }
+
 std::string hex(const at::Tensor& bytes) {
   static const char* digits = "0123456789abcdef";
   const auto* p = bytes.data_ptr<uint8_t>();
@@ -95,7 +98,7 @@ class DistributedCheckpointer final : public Checkpointer {
       const auto steps = ckpt::complete_steps(folder_);
       for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
         const std::string candidate = ckpt::step_path(folder_, *it);
-        if (ckpt::inspect(candidate).values.count("train_state.step") == 0) continue;
+        if (!holds_train_state(candidate)) continue;
         if (*it != *latest && rank_ == 0) {
           std::printf("checkpoint: %s is model-only (checkpoint.last_save_model_only); resuming from %s, the newest "
                       "with training state\n", dir.c_str(), candidate.c_str());
@@ -150,7 +153,7 @@ class DistributedCheckpointer final : public Checkpointer {
         if (other == dir) continue;
         earlier += (earlier.empty() ? "" : ", ") + std::to_string(step);
         try {
-          if (ckpt::inspect(other).values.count("train_state.step") == 0) earlier += " (model only)";
+          if (!holds_train_state(other)) earlier += " (model only)";
         } catch (const std::exception&) {
           earlier += " (unreadable)";
         }
