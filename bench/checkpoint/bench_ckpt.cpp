@@ -312,85 +312,90 @@ int main(int argc, char** argv) {
   const fs::path raw = root / ("raw-" + std::to_string(rank) + ".bin");
   std::vector<const at::Tensor*> locals;
   for (auto& [k, v] : sd.tensors) locals.push_back(&v.local());
-  auto raw_write = [&](bool direct) {
+  // Wall time of f() on all ranks together: a barrier before and after, so the slowest rank counts.
+  auto timed = [&](auto&& f) {
     world->barrier().wait();
     const auto t = Clock::now();
-    int fd = ::open(raw.c_str(), O_WRONLY | O_CREAT | O_TRUNC | (direct ? O_DIRECT : 0), 0644);
-    TORCH_CHECK(fd >= 0, "raw write: cannot open ", raw.string(), ": ", std::strerror(errno));
-    if (direct) {
-      const int64_t block = int64_t{64} << 20;
-      at::Tensor buf = aligned_buffer(block);
-      char* b = static_cast<char*>(buf.data_ptr());
-      int64_t filled = 0, off = 0;
-      auto flush = [&](int64_t n) {
-        TORCH_CHECK(::pwrite(fd, b, static_cast<size_t>(n), off) == n, "raw direct write failed: ", std::strerror(errno));
-        off += n, filled = 0;
-      };
-      for (const at::Tensor* t : locals) {
-        const char* p = static_cast<const char*>(t->data_ptr());
-        int64_t left = t->numel() * 4;
-        while (left > 0) {
-          const int64_t take = std::min(left, block - filled);
-          std::memcpy(b + filled, p, static_cast<size_t>(take));
-          filled += take, p += take, left -= take;
-          if (filled == block) flush(block);
-        }
-      }
-      const int64_t real = off + filled;
-      if (filled > 0) flush((filled + 4095) / 4096 * 4096);
-      TORCH_CHECK(::ftruncate(fd, real) == 0, "raw write: ftruncate failed");
-    } else {
-      for (const at::Tensor* t : locals) {
-        const char* p = static_cast<const char*>(t->data_ptr());
-        int64_t left = t->numel() * 4;
-        while (left > 0) {
-          const ssize_t w = ::write(fd, p, static_cast<size_t>(std::min<int64_t>(left, 1 << 30)));
-          TORCH_CHECK(w > 0, "raw write failed: ", std::strerror(errno));
-          p += w, left -= w;
-        }
-      }
-    }
-    ::fsync(fd);
-    ::close(fd);
+    f();
     world->barrier().wait();
     return since(t);
   };
-  auto raw_read = [&](bool direct) {
-    drop_cache(root);
-    world->barrier().wait();
-    const auto t = Clock::now();
-    int fd = ::open(raw.c_str(), O_RDONLY | (direct ? O_DIRECT : 0));
-    TORCH_CHECK(fd >= 0, "raw read: cannot open ", raw.string(), ": ", std::strerror(errno));
-    const int64_t block = int64_t{64} << 20;
-    at::Tensor buf = direct ? aligned_buffer(block) : at::Tensor();
-    const char* b = direct ? static_cast<const char*>(buf.data_ptr()) : nullptr;
-    int64_t off = 0;                      // file offset of the next byte to hand out
-    int64_t block_at = 0, block_len = 0;  // direct: the file's bytes [block_at, block_at + block_len) are in buf
-    for (const at::Tensor* t : locals) {
-      at::Tensor dst = at::empty_like(*t);
-      char* p = static_cast<char*>(dst.data_ptr());
-      int64_t left = dst.numel() * 4;
-      while (left > 0) {
-        if (direct) {  // the file in 64 MiB aligned blocks read in order, copied out (as dd does)
-          if (off >= block_at + block_len) {
-            block_at = off;
-            const ssize_t r = ::pread(fd, buf.data_ptr(), static_cast<size_t>(block), block_at);
-            TORCH_CHECK(r > 0, "raw direct read failed at ", block_at, ": ", std::strerror(errno));
-            block_len = r;
+  auto raw_write = [&](bool direct) {
+    return timed([&] {
+      int fd = ::open(raw.c_str(), O_WRONLY | O_CREAT | O_TRUNC | (direct ? O_DIRECT : 0), 0644);
+      TORCH_CHECK(fd >= 0, "raw write: cannot open ", raw.string(), ": ", std::strerror(errno));
+      if (direct) {
+        const int64_t block = int64_t{64} << 20;
+        at::Tensor buf = aligned_buffer(block);
+        char* b = static_cast<char*>(buf.data_ptr());
+        int64_t filled = 0, off = 0;
+        auto flush = [&](int64_t n) {
+          TORCH_CHECK(::pwrite(fd, b, static_cast<size_t>(n), off) == n, "raw direct write failed: ",
+                      std::strerror(errno));
+          off += n, filled = 0;
+        };
+        for (const at::Tensor* t : locals) {
+          const char* p = static_cast<const char*>(t->data_ptr());
+          int64_t left = t->numel() * 4;
+          while (left > 0) {
+            const int64_t take = std::min(left, block - filled);
+            std::memcpy(b + filled, p, static_cast<size_t>(take));
+            filled += take, p += take, left -= take;
+            if (filled == block) flush(block);
           }
-          const int64_t take = std::min(left, block_at + block_len - off);
-          std::memcpy(p, b + (off - block_at), static_cast<size_t>(take));
-          p += take, left -= take, off += take;
-        } else {
-          const ssize_t r = ::pread(fd, p, static_cast<size_t>(std::min<int64_t>(left, 1 << 30)), off);
-          TORCH_CHECK(r > 0, "raw read failed: ", std::strerror(errno));
-          p += r, left -= r, off += r;
+        }
+        const int64_t real = off + filled;
+        if (filled > 0) flush((filled + 4095) / 4096 * 4096);
+        TORCH_CHECK(::ftruncate(fd, real) == 0, "raw write: ftruncate failed");
+      } else {
+        for (const at::Tensor* t : locals) {
+          const char* p = static_cast<const char*>(t->data_ptr());
+          int64_t left = t->numel() * 4;
+          while (left > 0) {
+            const ssize_t w = ::write(fd, p, static_cast<size_t>(std::min<int64_t>(left, 1 << 30)));
+            TORCH_CHECK(w > 0, "raw write failed: ", std::strerror(errno));
+            p += w, left -= w;
+          }
         }
       }
-    }
-    ::close(fd);
-    world->barrier().wait();
-    return since(t);
+      ::fsync(fd);
+      ::close(fd);
+    });
+  };
+  auto raw_read = [&](bool direct) {
+    drop_cache(root);
+    return timed([&] {
+      int fd = ::open(raw.c_str(), O_RDONLY | (direct ? O_DIRECT : 0));
+      TORCH_CHECK(fd >= 0, "raw read: cannot open ", raw.string(), ": ", std::strerror(errno));
+      const int64_t block = int64_t{64} << 20;
+      at::Tensor buf = direct ? aligned_buffer(block) : at::Tensor();
+      const char* b = direct ? static_cast<const char*>(buf.data_ptr()) : nullptr;
+      int64_t off = 0;                      // file offset of the next byte to hand out
+      int64_t block_at = 0, block_len = 0;  // direct: the file's bytes [block_at, block_at + block_len) are in buf
+      for (const at::Tensor* t : locals) {
+        at::Tensor dst = at::empty_like(*t);
+        char* p = static_cast<char*>(dst.data_ptr());
+        int64_t left = dst.numel() * 4;
+        while (left > 0) {
+          if (direct) {  // the file in 64 MiB aligned blocks read in order, copied out (as dd does)
+            if (off >= block_at + block_len) {
+              block_at = off;
+              const ssize_t r = ::pread(fd, buf.data_ptr(), static_cast<size_t>(block), block_at);
+              TORCH_CHECK(r > 0, "raw direct read failed at ", block_at, ": ", std::strerror(errno));
+              block_len = r;
+            }
+            const int64_t take = std::min(left, block_at + block_len - off);
+            std::memcpy(p, b + (off - block_at), static_cast<size_t>(take));
+            p += take, left -= take, off += take;
+          } else {
+            const ssize_t r = ::pread(fd, p, static_cast<size_t>(std::min<int64_t>(left, 1 << 30)), off);
+            TORCH_CHECK(r > 0, "raw read failed: ", std::strerror(errno));
+            p += r, left -= r, off += r;
+          }
+        }
+      }
+      ::close(fd);
+    });
   };
   const double raw_write_buffered = raw_write(false);
   const double raw_read_buffered = raw_read(false);
@@ -402,17 +407,9 @@ int main(int argc, char** argv) {
   // then warm), then the former (cold: whether files written direct read back slower or faster).
   ckpt::SaveOptions buffered;
   buffered.direct_io = false;
-  world->barrier().wait();
-  auto t0 = Clock::now();
-  ckpt::save(sd, (root / "step-0").string(), buffered);
-  world->barrier().wait();
-  const double save_buffered_s = since(t0);
+  const double save_buffered_s = timed([&] { ckpt::save(sd, (root / "step-0").string(), buffered); });
   ::sync();
-  world->barrier().wait();
-  t0 = Clock::now();
-  ckpt::save(sd, (root / "step-1").string());
-  world->barrier().wait();
-  const double save_s = since(t0);
+  const double save_s = timed([&] { ckpt::save(sd, (root / "step-1").string()); });
   ckpt::StateDict dst;
   for (const auto& [k, v] : sd.tensors)
     dst.tensors[k] = fsdp::ShardedTensor::from_local(at::empty_like(v.local()), v.mesh(), v.placements(), v.sizes());
@@ -421,11 +418,7 @@ int main(int argc, char** argv) {
   auto timed_load = [&](const char* step, bool cold) {
     for (auto& [k, v] : dst.tensors) v.local().zero_();
     if (cold) drop_cache(root);
-    world->barrier().wait();
-    const auto t = Clock::now();
-    ckpt::load(dst, (root / step).string());
-    world->barrier().wait();
-    const double seconds = since(t);
+    const double seconds = timed([&] { ckpt::load(dst, (root / step).string()); });
     for (const auto& [k, v] : sd.tensors) equal = equal && at::equal(v.local(), dst.tensors.at(k).local());
     return seconds;
   };
@@ -436,7 +429,7 @@ int main(int argc, char** argv) {
   if (rank == 0) fs::remove_all(root / "step-0");
 
   // Async stall: the CPU snapshot the trainer takes before writing in the background.
-  t0 = Clock::now();
+  const auto t0 = Clock::now();
   int64_t snap_bytes = 0;
   for (const auto& [k, v] : sd.tensors) snap_bytes += v.local().clone().numel() * 4;
   const double snapshot_s = since(t0);
