@@ -101,7 +101,18 @@ class FSDPModule {
   UnshardHandle unshard(bool async_op = false);
   void reshard();
 
+  // false: backward accumulates the gradients on the unsharded parameters (in the reduce dtype) instead of
+  // reducing them (no-sync micro-batches); the first backward with sync on, or post_backward(), reduces the sum.
   void set_requires_gradient_sync(bool requires_sync, bool recurse = true);
+  // false: the end of the next backward does not complete its reductions nor forget the backward order, because
+  // more micro-batches' backwards follow (PyTorch's set_is_last_backward; a flag of the whole FSDP tree). Set it
+  // true again before the last one, or finish with post_backward().
+  void set_is_last_backward(bool is_last_backward);
+  // Reduces now what the backwards of this module's tree accumulated — one reduce-scatter (plus HSDP's
+  // all-reduce) per group, whatever set_requires_gradient_sync says — reshards, and completes the reductions,
+  // as the end of a last backward would. For schedules that choose where the reduction runs (pipeline
+  // parallelism's REDUCE_GRAD after a stage's last micro-batch). Call it outside backward, with every state idle.
+  void post_backward();
   void set_requires_all_reduce(bool requires_all_reduce, bool recurse = true);  // HSDP replicate-dim all-reduce
   void set_reshard_after_forward(ReshardAfterForward value, bool recurse = true);
   void set_reshard_after_backward(bool value, bool recurse = true);

@@ -10,16 +10,6 @@
 
 namespace fsdp::detail {
 
-const char* to_string(TrainingState state) {
-  switch (state) {
-    case TrainingState::Idle: return "idle";
-    case TrainingState::Forward: return "forward";
-    case TrainingState::PreBackward: return "pre-backward";
-    case TrainingState::PostBackward: return "post-backward";
-  }
-  return "?";
-}
-
 GradientDivision gradient_division(c10::ScalarType reduce_dtype, int64_t shard_size, int64_t replicate_size,
                                    std::optional<double> factor, bool force_sum) {
   GradientDivision d;
@@ -74,7 +64,7 @@ void FSDPParamGroup::set_default_reshard_after_forward(bool is_root) {
 
 void FSDPParamGroup::set_reshard_after_forward(ReshardAfterForward value) {
   // A copy kept under the old policy must not be used under the new one.
-  post_forward_shard_ = at::Tensor();
+  discard_post_forward_shard();
   post_forward_size_ = 0;
   if (const int* n = std::get_if<int>(&value)) {
     const int64_t shard = mesh_info_.shard_size;
@@ -121,8 +111,15 @@ int64_t FSDPParamGroup::shards_version() const {
   return sum;
 }
 
-void FSDPParamGroup::invalidate_caches() {
+void FSDPParamGroup::discard_post_forward_shard() {
+  if (machine_.shard() != ShardStatus::ShardedPostForward) return;
+  drop_unused_unshard();  // a gather in flight may be reading the copy
   post_forward_shard_ = at::Tensor();
+  machine_.apply(Event::Reshard);
+}
+
+void FSDPParamGroup::invalidate_caches() {
+  discard_post_forward_shard();
   post_forward_shard_version_ = -1;
   for (FSDPParam* p : param_ptrs_) p->forget_known_zero();
 }
@@ -149,14 +146,14 @@ bool FSDPParamGroup::hands_over_gradients() const {
 }
 
 void FSDPParamGroup::unshard(bool on_comm_streams) {
-  if (is_unsharded_ || unshard_in_flight() || params_.empty()) return;
+  if (machine_.unsharded() || machine_.gather_in_flight() || params_.empty()) return;
   for (FSDPParam* p : param_ptrs_) {
     TORCH_CHECK(!p->param().is_meta(), "fsdp: parameter '", p->fqn(),
                 "' is still on the meta device; materialize the model before running it");
   }
   if (unshards_locally()) {
     // Nothing to gather: wait_for_unshard shows the shards (which are the full parameters) directly.
-    local_unshard_issued_ = true;
+    machine_.apply(Event::IssueGather);
     return;
   }
   // With separate streams: copy-in on the copy-in stream after the work issued so far on the current stream
@@ -172,16 +169,17 @@ void FSDPParamGroup::unshard(bool on_comm_streams) {
   }
   const int64_t world = mesh_info_.shard_size;
   const int64_t version = shards_version();
-  if (post_forward_shard_.defined() && post_forward_shard_version_ != version) {
+  if (machine_.shard() == ShardStatus::ShardedPostForward && post_forward_shard_version_ != version) {
     // The shards changed since the N-way copy was kept (optimizer step, state-dict load): it is stale.
-    post_forward_shard_ = at::Tensor();
+    discard_post_forward_shard();
   }
+  const bool from_post_forward_shard = machine_.shard() == ShardStatus::ShardedPostForward;
   at::Tensor input;
   {
     CommStreamGuard on_copy_in(copy_in);
     all_gather_output_ = at::empty({world * layout_.per_rank_bytes},
                                    at::TensorOptions().dtype(at::kByte).device(mesh_info_.device));
-    if (post_forward_shard_.defined()) {
+    if (from_post_forward_shard) {
       input = post_forward_shard_.view({-1});
     } else {
       input = all_gather_output_.narrow(0, mesh_info_.shard_rank * layout_.per_rank_bytes, layout_.per_rank_bytes);
@@ -192,11 +190,12 @@ void FSDPParamGroup::unshard(bool on_comm_streams) {
   {
     CommStreamGuard on_gather(gather);
     // Re-gather from the N-way copy kept after forward (only the N-rank group communicates), or from the shards.
-    ProcessGroup& group = post_forward_shard_.defined() ? *post_forward_group_ : *mesh_info_.shard_group;
+    ProcessGroup& group = from_post_forward_shard ? *post_forward_group_ : *mesh_info_.shard_group;
     all_gather_ = group.all_gather_into_tensor(all_gather_output_, input);
   }
   all_gather_stream_ = gather;
   all_gather_version_ = version;
+  machine_.apply(Event::IssueGather);
 }
 
 void FSDPParamGroup::complete_all_gather() {
@@ -219,13 +218,12 @@ void FSDPParamGroup::complete_all_gather() {
 }
 
 void FSDPParamGroup::wait_for_unshard() {
-  if (is_unsharded_ || params_.empty()) return;
-  if (!unshard_in_flight()) unshard();
-  if (local_unshard_issued_) {
+  if (machine_.unsharded() || params_.empty()) return;
+  if (!machine_.gather_in_flight()) unshard();
+  if (unshards_locally()) {
     // Always current (no copy that could go stale), so no version check either.
-    local_unshard_issued_ = false;
     for (FSDPParam* p : param_ptrs_) p->to_unsharded();
-    is_unsharded_ = true;
+    machine_.apply(Event::FinishGather);
     return;
   }
   const bool on_comm_streams = all_gather_stream_.has_value();
@@ -233,12 +231,13 @@ void FSDPParamGroup::wait_for_unshard() {
   if (all_gather_version_ != shards_version()) {
     // Issued (prefetched, or unshard(async)) before the shards changed: gather the current shards instead.
     all_gather_output_ = at::Tensor();
-    post_forward_shard_ = at::Tensor();
+    machine_.apply(Event::DropGather);
+    discard_post_forward_shard();
     unshard(on_comm_streams);
     complete_all_gather();
   }
   CommStreams* s = streams();
-  if (s && training_state_ == TrainingState::Forward) {
+  if (s && machine_.phase() == Phase::Forward) {
     // The previous forward group's all-gather output was kept until now so that its copy-out could overlap
     // this all-gather; the all-gather streams now wait for that copy-out, then its memory may be reused.
     comm_->all_gather_state.release(*s, {s->all_gather_copy_in(), s->all_gather()});
@@ -254,7 +253,7 @@ void FSDPParamGroup::wait_for_unshard() {
     // buffer is kept until the next group's copy-out (its all-gather, prefetched, must not land in this
     // memory while this copy-out may still run); otherwise released now.
     StreamEvent copied_out = s->record(s->current());
-    if (training_state_ == TrainingState::Forward) {
+    if (machine_.phase() == Phase::Forward) {
       comm_->all_gather_state.hold(std::move(all_gather_output_), copied_out);
     } else {
       // Released right below, after these waits.
@@ -263,28 +262,33 @@ void FSDPParamGroup::wait_for_unshard() {
     }
   }
   all_gather_output_ = at::Tensor();  // free the flat buffer before the next group's gather lands
-  post_forward_shard_ = at::Tensor();
+  post_forward_shard_ = at::Tensor();  // consumed (if the gather came from it)
   for (FSDPParam* p : param_ptrs_) p->to_unsharded();
-  is_unsharded_ = true;
+  machine_.apply(Event::FinishGather);
 }
 
 void FSDPParamGroup::drop_unused_unshard() {
-  local_unshard_issued_ = false;
-  if (!unshard_in_flight()) return;
+  if (!machine_.gather_in_flight()) return;
+  if (unshards_locally()) {
+    machine_.apply(Event::DropGather);  // nothing was issued to any peer
+    return;
+  }
   // Completed before the buffer goes: its memory belongs to the copy-in stream, whose next use is ordered after
   // the current stream (unshard), which now waits for the gather.
   try {
     complete_all_gather();
   } catch (...) {
     all_gather_output_ = at::Tensor();
+    machine_.apply(Event::DropGather);
     throw;
   }
   all_gather_output_ = at::Tensor();
+  machine_.apply(Event::DropGather);
 }
 
 void FSDPParamGroup::reshard(bool keep_post_forward_shard) {
   drop_unused_unshard();
-  if (!is_unsharded_) return;
+  if (!machine_.unsharded()) return;
   if (keep_post_forward_shard && post_forward_size_ > 0) {
     const int64_t ranks_kept = mesh_info_.shard_size / post_forward_size_;
     const int64_t member = post_forward_group_->rank();
@@ -297,12 +301,16 @@ void FSDPParamGroup::reshard(bool keep_post_forward_shard) {
     p->free_unsharded();
     p->record_accumulator_uses();
   }
-  is_unsharded_ = false;
-  if (post_forward_shard_.defined()) post_forward_shard_version_ = shards_version();
+  if (post_forward_shard_.defined()) {
+    machine_.apply(Event::ReshardKeepPostForward);
+    post_forward_shard_version_ = shards_version();
+  } else {
+    machine_.apply(Event::Reshard);
+  }
 }
 
 const FSDPParam* FSDPParamGroup::used_outside_forward() const {
-  if (is_unsharded_) return nullptr;
+  if (machine_.unsharded()) return nullptr;
   for (const FSDPParam* p : param_ptrs_) {
     if (p->used_while_sharded()) return p;
   }
@@ -313,16 +321,16 @@ const FSDPParam* FSDPParamGroup::used_outside_forward() const {
 // Meta-device init
 
 void FSDPParamGroup::materialize() {
-  TORCH_CHECK(!is_unsharded_ && !unshard_in_flight(), "fsdp: materialize while group ", name_, " is unsharded");
+  TORCH_CHECK(!machine_.unsharded() && !machine_.gather_in_flight(), "fsdp: materialize while group ", name_, " is ",
+              to_string(machine_.state()));
   for (FSDPParam* p : param_ptrs_) p->materialize(mesh_info_.device, options_.offload_policy);
 }
 
 void FSDPParamGroup::begin_full_init(const std::unordered_set<const c10::TensorImpl*>* only) {
-  TORCH_CHECK(training_state_ == TrainingState::Idle && !is_unsharded_,
-              "fsdp: initializing group ", name_, " with full parameters while it is ", to_string(training_state_),
-              is_unsharded_ ? " and unsharded" : "");
+  TORCH_CHECK(machine_.phase() == Phase::Idle && !machine_.unsharded(),
+              "fsdp: initializing group ", name_, " with full parameters while it is ", to_string(machine_.state()));
   drop_unused_unshard();
-  post_forward_shard_ = at::Tensor();
+  discard_post_forward_shard();
   c10::NoGradGuard no_grad;
   // The initializer writes full tensors in the parameters' original dtype (the fp32 masters under mixed
   // precision). Shards freshly materialized are zeros on every rank: start from zeros, no all-gather.
@@ -340,7 +348,7 @@ void FSDPParamGroup::end_full_init() {
 // Forward / backward
 
 void FSDPParamGroup::pre_forward() {
-  training_state_ = TrainingState::Forward;
+  machine_.apply(Event::PreForward);
   unshard();
   wait_for_unshard();
 }
@@ -363,19 +371,20 @@ void FSDPParamGroup::post_forward(bool grad_enabled) {
   } else if (reshard_after_forward()) {
     reshard(/*keep_post_forward_shard=*/true);
   }
-  training_state_ = TrainingState::Idle;
+  machine_.apply(Event::PostForward);
 }
 
 void FSDPParamGroup::pre_backward() {
-  if (training_state_ == TrainingState::PreBackward) return;
-  training_state_ = TrainingState::PreBackward;
-  if (!unshard_in_backward && !is_unsharded_) {
+  if (machine_.phase() == Phase::PreBackward) return;  // another output of the same use got its gradient
+  machine_.apply(Event::PreBackward);
+  if (!unshard_in_backward && !machine_.unsharded()) {
     // The user promised backward reads none of these parameters: show their full-sized (freed) storage, so
     // autograd accumulates full-sized gradients into them, and skip the all-gather (Python skips unshard()
     // in PRE_BACKWARD). A prefetch issued anyway (explicit unshard) is dropped unused.
     drop_unused_unshard();
+    post_forward_shard_ = at::Tensor();  // not needed: nothing is gathered
     for (FSDPParam* p : param_ptrs_) p->to_unsharded();
-    is_unsharded_ = true;
+    machine_.apply(Event::ShowUnshardedNoGather);
     return;
   }
   unshard();
@@ -387,7 +396,7 @@ void FSDPParamGroup::unshard_for_backward() {
 }
 
 void FSDPParamGroup::post_backward_from_node() {
-  training_state_ = TrainingState::PostBackward;
+  machine_.apply(Event::PostBackward);
   ++nodes_fired_;
   // Reduce now only if every use of this group is known complete: all uses registered a node and all of
   // those fired in this backward. Otherwise a later use (or one without a node) may still add gradients to
@@ -395,8 +404,8 @@ void FSDPParamGroup::post_backward_from_node() {
   if (uses_ == uses_with_node_ && nodes_fired_ >= uses_with_node_) reduce_gradients();
 }
 
-void FSDPParamGroup::reduce_gradients() {
-  if (!requires_gradient_sync) {
+void FSDPParamGroup::reduce_gradients(bool force_sync) {
+  if (!requires_gradient_sync && !force_sync) {
     for (FSDPParam* p : param_ptrs_) p->accumulate_unsharded_grad();
     if (reshard_after_backward) reshard();
     return;
@@ -456,12 +465,14 @@ void FSDPParamGroup::reduce_gradients() {
   }
   pending.input = std::move(input);
   pending_reduce_ = std::move(pending);
+  machine_.apply(Event::IssueReduce);
 }
 
 void FSDPParamGroup::finish_pending_reduce() {
-  if (!pending_reduce_) return;
+  if (!machine_.reduce_in_flight()) return;
   PendingReduce pending = std::move(*pending_reduce_);
   pending_reduce_.reset();
+  machine_.apply(Event::FinishReduce);
   CommStreams* s = pending.stream ? &comm_->streams : nullptr;
   // Everything after the collective runs on the stream it was issued on (the reduce-scatter stream, or the
   // all-reduce stream after an HSDP all-reduce): `post` is where the sharded gradients are written.
@@ -535,7 +546,7 @@ void FSDPParamGroup::wait_for_post_reduce() {
   grad_offload_event_ = StreamEvent();
 }
 
-void FSDPParamGroup::finish_backward(bool keep_graph) {
+void FSDPParamGroup::finish_backward(bool keep_graph, bool finalize, bool force_sync) {
   // Uses whose gradients were deferred (or that had no post-backward node) are complete now.
   bool has_grads = false;
   for (FSDPParam* p : param_ptrs_) {
@@ -543,19 +554,21 @@ void FSDPParamGroup::finish_backward(bool keep_graph) {
                 (p->state() == ShardedState::Unsharded && p->param().grad().defined());
   }
   if (has_grads) {
-    reduce_gradients();
-  } else if (is_unsharded_ && reshard_after_backward) {
+    reduce_gradients(force_sync);
+  } else if (machine_.unsharded() && (reshard_after_backward || force_sync)) {
     reshard();
   }
-  finish_pending_reduce();
-  wait_for_post_reduce();  // the optimizer (current stream, or the host for offloaded gradients) reads them next
+  if (finalize) {
+    finish_pending_reduce();
+    wait_for_post_reduce();  // the optimizer (current stream, or the host for offloaded gradients) reads them next
+  }
   drop_unused_unshard();  // a backward prefetch nobody consumed must not feed the next step
   nodes_fired_ = 0;
   if (!keep_graph) {
     uses_ = 0;
     uses_with_node_ = 0;
   }
-  training_state_ = TrainingState::Idle;
+  machine_.apply(Event::EndBackward);
 }
 
 void FSDPParamGroup::reset() {
@@ -571,9 +584,10 @@ void FSDPParamGroup::reset() {
   };
   drain([&] { drop_unused_unshard(); });
   drain([&] {
-    if (pending_reduce_) {
+    if (machine_.reduce_in_flight()) {
       PendingReduce pending = std::move(*pending_reduce_);
       pending_reduce_.reset();
+      machine_.apply(Event::FinishReduce);
       {
         CommStreamGuard on_stream(pending.stream);
         pending.reduce_scatter.wait();  // waited, result dropped: the step it belonged to was abandoned
@@ -583,16 +597,22 @@ void FSDPParamGroup::reset() {
   });
   drain([&] { wait_for_post_reduce(); });
   for (FSDPParam* p : param_ptrs_) p->drop_internal_grads();
-  if (is_unsharded_) {
+  if (machine_.unsharded()) {
     for (FSDPParam* p : param_ptrs_) {
       p->to_sharded();
       p->free_unsharded();
     }
-    is_unsharded_ = false;
   }
-  invalidate_caches();
+  // Whatever a failed drain left behind belongs to the abandoned step.
+  all_gather_ = Work();
+  all_gather_output_ = at::Tensor();
+  all_gather_stream_.reset();
+  post_forward_shard_ = at::Tensor();
+  post_forward_shard_version_ = -1;
+  pending_reduce_.reset();
+  for (FSDPParam* p : param_ptrs_) p->forget_known_zero();
   uses_ = uses_with_node_ = nodes_fired_ = 0;
-  training_state_ = TrainingState::Idle;
+  machine_.apply(Event::Reset);
   if (failure) {
     try {
       std::rethrow_exception(failure);
@@ -606,9 +626,9 @@ void FSDPParamGroup::reset() {
 }
 
 void FSDPParamGroup::convert_dtype(c10::ScalarType dtype, const MixedPrecisionPolicy& mp) {
-  TORCH_CHECK(training_state_ == TrainingState::Idle && !is_unsharded_ && !unshard_in_flight(),
-              "fsdp: module->to(", dtype, ") on FSDP group ", name_, " while it is ", to_string(training_state_),
-              is_unsharded_ ? " and unsharded" : "", "; convert between steps");
+  TORCH_CHECK(machine_.phase() == Phase::Idle && !machine_.unsharded() && !machine_.gather_in_flight(),
+              "fsdp: module->to(", dtype, ") on FSDP group ", name_, " while it is ", to_string(machine_.state()),
+              "; convert between steps");
   finish_pending_reduce();
   wait_for_post_reduce();
   invalidate_caches();

@@ -3,19 +3,14 @@
 // _fsdp_param_group.py): one all-gather to unshard them, one reduce-scatter (plus one all-reduce across the
 // replicate dim for HSDP) to reduce their gradients.
 //
-// One training state per group drives everything (docs/fully_shard.md draws it):
-//
-//   Idle --pre_forward--> Forward --post_forward--> Idle
-//   Idle/PostBackward --pre_backward--> PreBackward --post_backward--> PostBackward
-//   any --finish_backward (end of backward) or reset (after an exception)--> Idle
-//
-// post_backward re-arms pre_backward: a group used more than once is gathered again in backward whenever it
-// was resharded in between. Whether the group's *data* is unsharded is a separate fact (is_unsharded()):
-// reshard_after_forward=false keeps it unsharded across the Forward -> Idle transition.
+// The group's state — phase, shard status, gather and reduction in flight — is one StateMachine
+// (state_machine.h): every change goes through its table, and docs/fully_shard.md draws it. The FSDPState of
+// the module reads the phase from here instead of keeping a copy.
 
 #include "fully_shard/fsdp_collectives.h"
 #include "fully_shard/fsdp_param.h"
 #include "fully_shard/fsdp_streams.h"
+#include "fully_shard/state_machine.h"
 
 #include <fsdp/device_mesh.h>
 #include <fsdp/fully_shard.h>
@@ -28,9 +23,6 @@
 #include <vector>
 
 namespace fsdp::detail {
-
-enum class TrainingState { Idle, Forward, PreBackward, PostBackward };
-const char* to_string(TrainingState state);
 
 // Which ranks a group communicates with (Python's FSDPMeshInfo / HSDPMeshInfo).
 struct MeshInfo {
@@ -72,8 +64,12 @@ class FSDPParamGroup {
   const std::vector<FSDPParam*>& params() const { return param_ptrs_; }
   const MeshInfo& mesh_info() const { return mesh_info_; }
   const std::string& name() const { return name_; }
-  void set_name(std::string name) { name_ = std::move(name); }
-  TrainingState training_state() const { return training_state_; }
+  void set_name(std::string name) {
+    name_ = std::move(name);
+    machine_.set_owner(name_);
+  }
+  const StateMachine& state_machine() const { return machine_; }
+  Phase phase() const { return machine_.phase(); }
 
   // --- streams -----------------------------------------------------------------------------------------
   // The root's streams and held buffers (set at the root's lazy init; before that everything runs on the
@@ -86,9 +82,9 @@ class FSDPParamGroup {
   // false for an explicit FSDPModule::unshard, which runs on the current stream (as Python's does).
   void unshard(bool on_comm_streams = true);
   void wait_for_unshard();
-  bool is_unsharded() const { return is_unsharded_; }
+  bool is_unsharded() const { return machine_.unsharded(); }
   // In flight = issued, not yet waited.
-  bool unshard_in_flight() const { return all_gather_output_.defined() || local_unshard_issued_; }
+  bool unshard_in_flight() const { return machine_.gather_in_flight(); }
   // World-size-1 fast path (FSDPParam::aliases_shard for every parameter): unshard shows the shards
   // themselves, no buffer, copy or collective.
   bool unshards_locally() const;
@@ -120,10 +116,13 @@ class FSDPParamGroup {
   // can still add gradients in this backward, otherwise defers to finish_backward.
   void post_backward_from_node();
   // End of a backward pass (the root's final callback): reduces what was deferred or never reached,
-  // completes reductions, drops unused prefetches, reshards. keep_graph: the graph may be run again.
-  void finish_backward(bool keep_graph);
+  // drops unused prefetches, reshards. keep_graph: the graph may be run again. finalize: also complete the
+  // reductions before the optimizer reads the gradients (false for a backward that set_is_last_backward(false)
+  // marked as not the last: its reductions may stay in flight). force_sync: reduce even with gradient sync off
+  // (FSDPModule::post_backward, a schedule's explicit reduction).
+  void finish_backward(bool keep_graph, bool finalize = true, bool force_sync = false);
   void finish_pending_reduce();
-  bool has_pending_reduce() const { return pending_reduce_.has_value(); }
+  bool has_pending_reduce() const { return machine_.reduce_in_flight(); }
   // After an exception anywhere in forward or backward: waits for in-flight collectives, drops unsharded
   // parameters and every gradient FSDP holds internally, returns to Idle. Sharded .grad keep what was
   // reduced before the failure.
@@ -155,14 +154,17 @@ class FSDPParamGroup {
 
  private:
   void ensure_post_forward_group();
+  // Drops the N-way copy kept after forward (stale, or no longer wanted): the group shows its plain shards.
+  void discard_post_forward_shard();
   CommStreams* streams() const { return comm_ && comm_->streams.separate() ? &comm_->streams : nullptr; }
   // Completes the in-flight all-gather: the collective waited on the stream it was issued on, the current
   // stream ordered after it. The output buffer stays (wait_for_unshard copies out of it).
   void complete_all_gather();
   // The current stream waits for this group's last reduction (and the host for offloaded gradients' copies).
   void wait_for_post_reduce();
-  // Reduces (or, without gradient sync, accumulates) the gradients on the unsharded parameters, reshards.
-  void reduce_gradients();
+  // Reduces (or, without gradient sync and unless forced, accumulates) the gradients on the unsharded
+  // parameters, reshards.
+  void reduce_gradients(bool force_sync = false);
   int64_t shards_version() const;
 
   std::vector<std::unique_ptr<FSDPParam>> params_;
@@ -171,18 +173,16 @@ class FSDPParamGroup {
   FullyShardOptions options_;
   std::string name_;
   AllGatherLayout layout_;
-  TrainingState training_state_ = TrainingState::Idle;
+  StateMachine machine_;
 
   std::optional<ReshardAfterForward> reshard_after_forward_;
   int64_t post_forward_size_ = 0;  // N of reshard_after_forward = N (0 = none)
   ProcessGroupPtr post_forward_group_;
-  at::Tensor post_forward_shard_;  // [shard_size / N ranks, per_rank_bytes] uint8, when kept
+  at::Tensor post_forward_shard_;  // [shard_size / N ranks, per_rank_bytes] uint8: defined iff ShardedPostForward
   int64_t post_forward_shard_version_ = -1;
 
-  bool is_unsharded_ = false;
   Work all_gather_;
-  at::Tensor all_gather_output_;
-  bool local_unshard_issued_ = false;  // unshard() on the fast path: nothing in flight, same state machine
+  at::Tensor all_gather_output_;  // while a gather is in flight (none on the world-1 local path)
   int64_t all_gather_version_ = -1;  // shards_version() when the in-flight gather packed them
   std::optional<c10::Stream> all_gather_stream_;  // where the in-flight gather was issued (none: current)
   std::shared_ptr<CommContext> comm_;
@@ -200,7 +200,7 @@ class FSDPParamGroup {
   int64_t uses_with_node_ = 0;
   int64_t nodes_fired_ = 0;  // in the current backward pass
 
-  std::optional<PendingReduce> pending_reduce_;
+  std::optional<PendingReduce> pending_reduce_;  // engaged iff the machine's reduction is in flight
 };
 
 }  // namespace fsdp::detail

@@ -16,7 +16,8 @@
 
 namespace fsdp {
 
-using detail::TrainingState;
+using detail::Event;
+using detail::Phase;
 
 namespace detail {
 
@@ -90,7 +91,7 @@ void FSDPState::attach() {
     p->param().register_hook([weak, p](const at::Tensor&) {
       auto s = weak.lock();
       if (!s || p->state() == detail::ShardedState::Unsharded) return;
-      const bool ran_forward_this_step = s->training_state() != TrainingState::Idle ||
+      const bool ran_forward_this_step = s->training_state() != Phase::Idle ||
                                          (s->ctx_ && std::find(s->ctx_->backward_order.begin(),
                                                                s->ctx_->backward_order.end(),
                                                                s.get()) != s->ctx_->backward_order.end());
@@ -166,6 +167,7 @@ void FSDPState::lazy_init() {
   }
   is_root_ = true;
   ctx_ = std::make_shared<detail::RootContext>();
+  ctx_->is_last_backward = is_last_backward_before_init_;
   // One set of streams for the tree, on the device the groups compute on (the first group's: fully_shard puts
   // every group of a tree on its mesh's device). A tree without parameters has nothing to communicate.
   c10::Device device(c10::kCPU);
@@ -197,10 +199,9 @@ bool FSDPState::needs_recovery() const {
   if (!ctx_) return false;
   const int pass = detail::current_backward_pass();
   if (ctx_->backward_graph_task != -1 && ctx_->backward_graph_task != pass) return true;  // backward died
+  // Forward left over (an exception escaped the root's forward), or backward states outside any backward.
   for (auto& s : context_states()) {
-    if (s->training_state_ == TrainingState::Idle) continue;
-    // Forward left over (an exception escaped the root's forward), or backward states outside any backward.
-    if (s->training_state_ == TrainingState::Forward || pass == -1) return true;
+    if (detail::is_abandoned(s->training_state(), /*in_backward=*/pass != -1)) return true;
   }
   return false;
 }
@@ -219,10 +220,10 @@ void FSDPState::root_post_forward() {
   // must not survive into a later step, after an optimizer step changed the shards.
   auto states = context_states();
   for (auto& s : states) {
-    if (s.get() != this && s->training_state_ == TrainingState::Forward && s->members_running_.empty()) {
+    if (s.get() != this && s->training_state() == Phase::Forward && s->members_running_.empty()) {
       s->finish_forward();
     }
-    if (s->param_group_ && s->training_state_ == TrainingState::Idle) s->param_group_->drop_unused_unshard();
+    if (s->param_group_ && s->training_state() == Phase::Idle) s->param_group_->drop_unused_unshard();
   }
   ctx_->last_forward_order = ctx_->forward_order;
   // The last group's all-gather output was kept for a next group's copy-out that will not come in this forward.
@@ -249,15 +250,15 @@ void FSDPState::cast_tensors(nn::TensorList& tensors, c10::ScalarType dtype) con
 void FSDPState::pre_forward(torch::nn::Module& module, nn::TensorList& inputs) {
   if (!is_root_.has_value()) lazy_init();
   const bool outermost_root_call = is_root() && members_running_.empty();
-  if (training_state_ == TrainingState::PreBackward && !(outermost_root_call && needs_recovery())) {
+  if (training_state() == Phase::PreBackward && !(outermost_root_call && needs_recovery())) {
     // Recomputation during backward (activation checkpointing): pre-backward already gathered the group.
     return;
   }
   if (outermost_root_call) root_pre_forward();
-  if (training_state_ != TrainingState::Forward) {
+  if (training_state() != Phase::Forward) {
     // The first member of this call group to run: gather the parameters.
-    training_state_ = TrainingState::Forward;
     forward_grad_enabled_ = c10::GradMode::is_enabled();
+    apply_without_group(Event::PreForward);
     if (param_group_) param_group_->pre_forward();
     prefetch_for_forward();
     ++forward_calls_this_root_forward_;
@@ -303,10 +304,10 @@ void FSDPState::on_forward_exception(torch::nn::Module& module) {
   }
   // The caller may carry on (catch and retry with a smaller batch): give the parameters back as a forward
   // without gradients would, and return to idle.
-  if (training_state_ == TrainingState::Forward) {
+  if (training_state() == Phase::Forward) {
     if (param_group_) param_group_->post_forward(/*grad_enabled=*/false);
+    apply_without_group(Event::PostForward);
     members_ran_.clear();
-    training_state_ = TrainingState::Idle;
   }
 }
 
@@ -325,12 +326,12 @@ void FSDPState::post_forward(torch::nn::Module& module, const nn::TensorList& in
 void FSDPState::finish_forward() {
   members_ran_.clear();
   if (param_group_) param_group_->post_forward(forward_grad_enabled_);
+  apply_without_group(Event::PostForward);
   ctx_->forward_order.push_back(this);
   if (forward_grad_enabled_) {
     backward_order_indices_.push_back(ctx_->backward_order.size());
     ctx_->backward_order.push_back(this);
   }
-  training_state_ = TrainingState::Idle;
 }
 
 namespace {
@@ -363,7 +364,7 @@ void FSDPState::prefetch_for_forward() {
     }
   }
   for (FSDPState* s : targets) {
-    if (s->param_group_ && s != this && s->training_state_ == TrainingState::Idle) s->param_group_->unshard();
+    if (s->param_group_ && s != this && s->training_state() == Phase::Idle) s->param_group_->unshard();
   }
 }
 
@@ -417,9 +418,9 @@ void FSDPState::queue_final_callback() {
 
 void FSDPState::pre_backward() {
   queue_final_callback();
-  if (training_state_ == TrainingState::PreBackward) return;
+  if (training_state() == Phase::PreBackward) return;
   // Idle (first use reached in this backward) or PostBackward (an earlier use of this group: re-armed).
-  training_state_ = TrainingState::PreBackward;
+  apply_without_group(Event::PreBackward);
   if (param_group_) param_group_->pre_backward();
   prefetch_for_backward();
 }
@@ -438,14 +439,14 @@ void FSDPState::prefetch_for_backward() {
   }
   for (FSDPState* s : targets) {
     if (s == this || !s->param_group_) continue;
-    if (s->training_state_ == TrainingState::PreBackward) continue;
+    if (s->training_state() == Phase::PreBackward) continue;
     s->param_group_->unshard_for_backward();  // no-op when already unsharded or in flight
   }
 }
 
 void FSDPState::post_backward() {
   queue_final_callback();
-  training_state_ = TrainingState::PostBackward;
+  apply_without_group(Event::PostBackward);
   if (!param_group_) return;
   // At most one reduction in flight across the tree: finishing the previous group's here bounds gradient
   // memory while its communication still overlapped this group's backward compute.
@@ -459,14 +460,21 @@ void FSDPState::post_backward() {
 
 void FSDPState::root_final_callback() {
   const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
+  const bool last = ctx_->is_last_backward;
   // Uses that had no post-backward node, or were deferred, are reduced now — in a fixed order (reverse module
   // order) so that every rank issues the same collectives.
   auto states = context_states();
   for (auto it = states.rbegin(); it != states.rend(); ++it) {
     FSDPState& s = **it;
-    if (s.param_group_) s.param_group_->finish_backward(keep_graph);
-    s.training_state_ = TrainingState::Idle;
-    if (!keep_graph) s.backward_order_indices_.clear();
+    if (s.param_group_) s.param_group_->finish_backward(keep_graph, /*finalize=*/last);
+    s.apply_without_group(Event::EndBackward);
+    if (!keep_graph && last) s.backward_order_indices_.clear();
+  }
+  if (!last) {
+    // More micro-batches' backwards follow (a pipeline schedule): reductions stay in flight, and the backward
+    // order recorded by the forwards not yet run backward is kept for their prefetching.
+    ctx_->backward_graph_task = -1;
+    return;
   }
   if (keep_graph) {
     // The same graph may run backward again: restore every call's position for backward prefetch.
@@ -496,7 +504,7 @@ void FSDPState::reset() {
   // Something was abandoned (not a reset of a tree already idle): the ranks must agree they stopped at the
   // same point before any of them issues another collective.
   bool abandoned = ctx_ && ctx_->backward_graph_task != -1;
-  for (auto& s : states) abandoned = abandoned || s->training_state_ != TrainingState::Idle;
+  for (auto& s : states) abandoned = abandoned || s->training_state() != Phase::Idle;
   std::exception_ptr failure;
   for (auto& s : states) {
     try {
@@ -504,7 +512,7 @@ void FSDPState::reset() {
     } catch (...) {
       if (!failure) failure = std::current_exception();
     }
-    s->training_state_ = TrainingState::Idle;
+    s->apply_without_group(Event::Reset);
     s->members_running_.clear();
     s->members_ran_.clear();
     s->calls_.clear();
@@ -578,6 +586,40 @@ void FSDPState::check_group_in_step(ProcessGroup& group) {
               "abandoned the step at different points (collectives issued on group '", group.name(), "': ", listing,
               "), e.g. they raised in different modules or only some of them raised. Restart the job (fsdprun "
               "--max-restarts) and resume from a checkpoint.");
+}
+
+void FSDPState::set_is_last_backward(bool is_last_backward) {
+  if (ctx_) ctx_->is_last_backward = is_last_backward;
+  is_last_backward_before_init_ = is_last_backward;
+}
+
+// A schedule's explicit reduction (pipeline parallelism's REDUCE_GRAD): every group of this tree reduces the
+// gradients its no-sync backwards accumulated — one reduce-scatter (and HSDP all-reduce) per group — reshards
+// and completes, as the end of a last backward would. The backward hooks all ran before (no hook is bypassed:
+// they accumulated); this only moves the reduction to the point the caller chooses.
+void FSDPState::explicit_post_backward() {
+  TORCH_CHECK(!ctx_ || !ctx_->unusable, *ctx_->unusable);
+  TORCH_CHECK(detail::current_backward_pass() == -1, "fsdp: FSDPModule::post_backward() on ", name_,
+              " inside a backward pass; call it after the micro-batches' backward calls returned");
+  TORCH_CHECK(!ctx_ || ctx_->backward_graph_task == -1, "fsdp: FSDPModule::post_backward() on ", name_,
+              " after a backward pass that did not finish (an exception escaped it); call reset() first");
+  auto states = subtree_states();
+  for (auto& s : states) {
+    TORCH_CHECK(s->training_state() == Phase::Idle, "fsdp: FSDPModule::post_backward() on ", name_, " while ",
+                s->name_, " is in ", detail::to_string(s->training_state()),
+                "; call it between steps, after the last micro-batch's backward");
+  }
+  for (auto it = states.rbegin(); it != states.rend(); ++it) {
+    FSDPState& s = **it;
+    if (s.param_group_) s.param_group_->finish_backward(/*keep_graph=*/false, /*finalize=*/true, /*force_sync=*/true);
+    s.apply_without_group(Event::EndBackward);
+    s.backward_order_indices_.clear();
+  }
+  if (ctx_ && is_root()) {
+    ctx_->backward_order.clear();
+    ctx_->group_with_pending_reduce = nullptr;
+    release_held_buffers();
+  }
 }
 
 void FSDPState::set_post_optim_event(c10::Event event) {

@@ -4,8 +4,8 @@
 // first state to run forward — the context shared by every state under it (forward order for prefetching,
 // the end-of-backward callback, recovery after exceptions).
 //
-// A state has one training state (detail::TrainingState), the same as its group's: see
-// fsdp_param_group.h and docs/fully_shard.md for the transitions.
+// A state's phase is its group's (read from the group's StateMachine, state_machine.h); a state without
+// parameters keeps a machine of its own. docs/fully_shard.md draws the transitions.
 
 #include "fully_shard/fsdp_param_group.h"
 #include "fully_shard/state_holder.h"
@@ -49,6 +49,9 @@ struct RootContext {
   // Set when recovery found the ranks out of step (FSDPState::check_ranks_in_step): every later use of the
   // tree repeats this error instead of issuing collectives that would pair with the wrong ones.
   std::optional<std::string> unusable;
+  // FSDPModule::set_is_last_backward: false = the end of the next backward leaves reductions in flight and
+  // keeps the backward order (more micro-batches follow); true (default) = it completes everything.
+  bool is_last_backward = true;
 };
 
 // Internal access to an FSDPModule's state (the public header exposes no internals).
@@ -71,7 +74,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   bool is_root() const { return is_root_.value_or(false); }
   const std::string& name() const { return name_; }
   const FullyShardOptions& options() const { return options_; }
-  detail::TrainingState training_state() const { return training_state_; }
+  detail::Phase training_state() const { return machine().phase(); }
   // fully_shard of an ancestor: this state must not become a root by running forward first.
   void set_has_fsdp_ancestor(std::string ancestor) { fsdp_ancestor_ = std::move(ancestor); }
 
@@ -88,6 +91,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void wait_for_unshard();
   void reshard();
   void reset();  // this state's tree back to idle after an exception (see FSDPModule::reset)
+  void set_is_last_backward(bool is_last_backward);
+  void explicit_post_backward();  // FSDPModule::post_backward
   void convert_dtype(c10::ScalarType dtype);  // module->to(dtype) after fully_shard
   std::vector<std::shared_ptr<FSDPState>> subtree_states();  // this state and every state below it
   std::vector<std::weak_ptr<FSDPState>> forward_prefetch;   // explicit; empty = implicit
@@ -123,6 +128,12 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // Completes the forward of the group (all members that ran have returned).
   void finish_forward();
   std::vector<std::shared_ptr<FSDPState>> context_states() const;
+  // The machine that holds this state's phase: its group's, or its own when it has no parameters.
+  const detail::StateMachine& machine() const { return param_group_ ? param_group_->state_machine() : own_machine_; }
+  // A phase event for a state without parameters (with a group, the group's step methods apply it).
+  void apply_without_group(detail::Event event) {
+    if (!param_group_) own_machine_.apply(event);
+  }
 
   std::vector<std::weak_ptr<torch::nn::Module>> modules_;
   std::unique_ptr<detail::FSDPParamGroup> param_group_;
@@ -131,7 +142,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::optional<bool> is_root_;
   std::optional<std::string> fsdp_ancestor_;
   std::shared_ptr<detail::RootContext> ctx_;
-  detail::TrainingState training_state_ = detail::TrainingState::Idle;
+  detail::StateMachine own_machine_;  // used only when there is no parameter group
 
   // Forward bookkeeping of the current call group: which members are inside their forward (a member may
   // be re-entered) or ran this round, and grad mode at the first pre-forward.
@@ -143,6 +154,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   int forward_calls_this_root_forward_ = 0;  // for implicit forward prefetch with repeated use
   std::vector<size_t> backward_order_indices_;  // this state's positions in ctx_->backward_order
   std::optional<c10::Event> pending_post_optim_event_;  // set before the root's lazy init
+  bool is_last_backward_before_init_ = true;            // likewise for set_is_last_backward
 };
 
 }  // namespace fsdp

@@ -253,6 +253,10 @@ void UnshardHandle::wait() {
 
 void FSDPModule::reshard() { state_of(*this).reshard(); }
 
+void FSDPModule::set_is_last_backward(bool is_last_backward) { state_of(*this).set_is_last_backward(is_last_backward); }
+
+void FSDPModule::post_backward() { state_of(*this).explicit_post_backward(); }
+
 namespace {
 template <class F>
 void for_states(FSDPState& state, bool recurse, F&& f) {
