@@ -30,6 +30,10 @@
 
 namespace fsdp {
 
+class FSDPAllGather;       // fully_shard_extensions.h
+class FSDPReduceScatter;   // fully_shard_extensions.h
+class AllGatherTransform;  // fully_shard_extensions.h
+
 // Python's MixedPrecisionPolicy. param_dtype: dtype of the unsharded (all-gathered) parameters used in
 // forward/backward (floating-point parameters only); reduce_dtype: dtype of gradient reduction (unset =
 // param_dtype, as in PyTorch); output_dtype: forward outputs are cast to it; cast_forward_inputs:
@@ -70,6 +74,11 @@ struct FullyShardOptions {
   // dim 0. Negative dims count from the end. Uneven sizes are allowed on any dim (padded internally; PyTorch
   // requires even sizes on dims other than 0). State dicts report Shard(dim).
   std::function<std::optional<int64_t>(const at::Tensor& param)> shard_placement_fn;
+  // What a parameter sends in the all-gather instead of its shard, and how it is rebuilt (PyTorch's
+  // fsdp_pre_all_gather / fsdp_post_all_gather): null or no function = its shard. Dim-0 sharded parameters only.
+  // E.g. a frozen base as int8: [](const at::Tensor& p) { return p.requires_grad() ? nullptr :
+  // std::make_shared<fsdp::Int8RowwiseAllGather>(); } (fully_shard_extensions.h).
+  std::function<std::shared_ptr<const AllGatherTransform>(const at::Tensor& param)> all_gather_transform_fn;
 };
 
 class FSDPState;  // internal
@@ -131,6 +140,11 @@ class FSDPModule {
   // function = none.
   using AllReduceHook = std::function<void(at::Tensor& reduce_output)>;
   void set_all_reduce_hook(AllReduceHook hook);
+  // A user object that allocates this module's group's all-gather output and runs the all-gather (or its
+  // reduce-scatter), instead of the process group's own (PyTorch's set_custom_all_gather /
+  // set_custom_reduce_scatter; fully_shard_extensions.h). Not recursive. nullptr = the built-in one again.
+  void set_custom_all_gather(std::shared_ptr<FSDPAllGather> comm);
+  void set_custom_reduce_scatter(std::shared_ptr<FSDPReduceScatter> comm);
   // true: gradient reductions use only Sum collectives, dividing locally afterwards (the all-reduce hook then
   // sees sums); false (default, as in PyTorch): fp32/bf16 reductions average inside the collective (Avg).
   // fp16 and other low-range reduce dtypes always sum, pre-divided by about sqrt(N) to avoid overflow.

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <cmath>
+
 namespace fsdp::detail {
 namespace {
 
@@ -58,12 +60,89 @@ at::Tensor param_block(const at::Tensor& bytes_2d, const AllGatherLayout& layout
 
 }  // namespace
 
+namespace {
+class DefaultAllGather final : public FSDPAllGather {
+ public:
+  at::Tensor allocate(int64_t numel, c10::ScalarType dtype, c10::Device device) override {
+    return at::empty({numel}, at::TensorOptions().dtype(dtype).device(device));
+  }
+  Work operator()(at::Tensor output, at::Tensor input, ProcessGroup& group) override {
+    return group.all_gather_into_tensor(std::move(output), std::move(input));
+  }
+};
+class DefaultReduceScatter final : public FSDPReduceScatter {
+ public:
+  at::Tensor allocate(int64_t numel, c10::ScalarType dtype, c10::Device device) override {
+    return at::empty({numel}, at::TensorOptions().dtype(dtype).device(device));
+  }
+  Work operator()(at::Tensor output, at::Tensor input, ProcessGroup& group, ReduceOp op) override {
+    return group.reduce_scatter_tensor(std::move(output), std::move(input), op);
+  }
+};
+}  // namespace
+
+std::shared_ptr<FSDPAllGather> default_all_gather() { return std::make_shared<DefaultAllGather>(); }
+std::shared_ptr<FSDPReduceScatter> default_reduce_scatter() { return std::make_shared<DefaultReduceScatter>(); }
+
+GradientDivision gradient_division(c10::ScalarType reduce_dtype, int64_t shard_size, int64_t replicate_size,
+                                   std::optional<double> factor, bool force_sum) {
+  GradientDivision d;
+  // fp32 and bf16 have the range to be divided inside the collective; fp16 (and other dtypes) may overflow.
+  const bool overflow_risk = reduce_dtype != c10::kFloat && reduce_dtype != c10::kBFloat16;
+  const int64_t data_parallel_size = shard_size * replicate_size;
+  if (!overflow_risk && !force_sum) {
+    if (!factor) {
+      if (data_parallel_size > 1) d.reduce_scatter_op = d.all_reduce_op = ReduceOp::Avg;
+      return d;
+    }
+    if (*factor == static_cast<double>(shard_size)) {
+      d.reduce_scatter_op = ReduceOp::Avg;
+    } else if (*factor != 1.0) {
+      d.pre_divide = *factor;  // NCCL's PREMUL_SUM(1 / factor): scale, then sum
+    }
+    return d;  // the all-reduce (HSDP) sums
+  }
+  const double total = factor.value_or(static_cast<double>(data_parallel_size));
+  if (overflow_risk) {
+    // Divide by about sqrt(N) before and the rest after the reduction.
+    double pre = 1;
+    while (std::fmod(total, pre) == 0 && total / pre > pre) pre *= 2;
+    if (pre != 1) d.pre_divide = pre;
+    if (total / pre != 1) d.post_divide = total / pre;
+  } else if (total != 1) {
+    d.post_divide = total;
+  }
+  return d;
+}
+
 AllGatherLayout make_all_gather_layout(const std::vector<FSDPParam*>& params) {
   AllGatherLayout layout;
   for (const FSDPParam* p : params) {
-    const int64_t bytes = p->geometry().padded_numel() * static_cast<int64_t>(c10::elementSize(p->param_dtype()));
     layout.byte_offsets.push_back(layout.per_rank_bytes);
+    std::vector<AllGatherLayout::TransformInput> inputs;
+    int64_t bytes = 0;
+    if (const AllGatherTransform* t = p->all_gather_transform()) {
+      // The transform's inputs one after the other, each aligned, inside the parameter's range.
+      const auto padded = p->geometry().rows_shape({p->geometry().chunk_rows});
+      for (auto& spec : t->input_specs(padded, p->orig_dtype())) {
+        AllGatherLayout::TransformInput in;
+        in.byte_offset = layout.per_rank_bytes + bytes;
+        int64_t numel = 1;
+        for (int64_t d : spec.sizes) numel *= d;
+        in.byte_size = numel * static_cast<int64_t>(c10::elementSize(spec.dtype));
+        in.sizes = spec.sizes;
+        in.dtype = spec.dtype;
+        TORCH_CHECK(!spec.sizes.empty() && spec.sizes[0] == p->geometry().chunk_rows, "fsdp: the all-gather transform "
+                    "of parameter '", p->fqn(), "' announced an input of shape ", spec.sizes, "; every input must have "
+                    "the shard's ", p->geometry().chunk_rows, " rows first");
+        bytes += align_up(in.byte_size);
+        inputs.push_back(std::move(in));
+      }
+    } else {
+      bytes = p->geometry().padded_numel() * static_cast<int64_t>(c10::elementSize(p->param_dtype()));
+    }
     layout.byte_sizes.push_back(bytes);
+    layout.transform_inputs.push_back(std::move(inputs));
     layout.per_rank_bytes += align_up(bytes);
   }
   return layout;
@@ -74,9 +153,25 @@ void pack_sharded(const std::vector<FSDPParam*>& params, const AllGatherLayout& 
   for (size_t i = 0; i < params.size(); ++i) {
     const FSDPParam& p = *params[i];
     if (layout.byte_sizes[i] == 0) continue;
+    const bool non_blocking = p.sharded_padded().is_pinned();
+    if (const AllGatherTransform* t = p.all_gather_transform()) {
+      const auto& specs = layout.transform_inputs[i];
+      std::vector<at::Tensor> inputs = t->pre_all_gather(p.sharded_padded());
+      TORCH_CHECK(inputs.size() == specs.size(), "fsdp: the all-gather transform of parameter '", p.fqn(),
+                  "' returned ", inputs.size(), " tensors, announced ", specs.size());
+      for (size_t k = 0; k < specs.size(); ++k) {
+        TORCH_CHECK(inputs[k].sizes() == c10::IntArrayRef(specs[k].sizes) && inputs[k].scalar_type() == specs[k].dtype,
+                    "fsdp: the all-gather transform of parameter '", p.fqn(), "' returned input ", k, " as ",
+                    inputs[k].scalar_type(), inputs[k].sizes(), ", announced ", specs[k].dtype,
+                    c10::IntArrayRef(specs[k].sizes));
+        at::Tensor dst = slot.narrow(0, specs[k].byte_offset, specs[k].byte_size).view(specs[k].dtype);
+        dst.copy_(inputs[k].reshape({-1}), non_blocking);
+      }
+      continue;
+    }
     at::Tensor dst = slot.narrow(0, layout.byte_offsets[i], layout.byte_sizes[i]).view(p.param_dtype());
     // Host-to-device copy when the shard is offloaded to CPU; cast to the compute dtype.
-    dst.copy_(p.sharded_padded().reshape({-1}), /*non_blocking=*/p.sharded_padded().is_pinned());
+    dst.copy_(p.sharded_padded().reshape({-1}), non_blocking);
   }
 }
 
@@ -86,6 +181,8 @@ void pack_unsharded_rows(const std::vector<FSDPParam*>& params, const AllGatherL
   for (size_t i = 0; i < params.size(); ++i) {
     const FSDPParam& p = *params[i];
     if (layout.byte_sizes[i] == 0) continue;
+    TORCH_CHECK(!p.all_gather_transform(), "fsdp: parameter '", p.fqn(), "' has an all-gather transform; "
+                "reshard_after_forward = N (an N-way copy kept after forward) cannot be combined with it");
     at::Tensor block = param_block(dst, layout, i, p.geometry(), p.param_dtype());
     block.zero_();
     copy_rank_rows(p.geometry(), as_rows(p.unsharded(), p.geometry()), block, first_rank, /*to_block=*/true);
@@ -100,9 +197,93 @@ void unpack_all_gather(const std::vector<FSDPParam*>& params, const AllGatherLay
   for (size_t i = 0; i < params.size(); ++i) {
     const FSDPParam& p = *params[i];
     if (layout.byte_sizes[i] == 0) continue;
+    if (const AllGatherTransform* t = p.all_gather_transform()) {
+      // Every input gathered rank-major, [world, chunk_rows, ...] flattened to [world * chunk_rows, ...]: with
+      // torch.chunk sharding the parameter's rows are the first dim0 ones.
+      std::vector<at::Tensor> gathered;
+      for (const auto& in : layout.transform_inputs[i]) {
+        std::vector<int64_t> sizes{world};
+        sizes.insert(sizes.end(), in.sizes.begin(), in.sizes.end());
+        gathered.push_back(out_2d.narrow(1, in.byte_offset, in.byte_size).view(in.dtype).view(sizes).flatten(0, 1));
+      }
+      at::Tensor full = t->post_all_gather(gathered, p.param_dtype());
+      const int64_t rows = p.geometry().dim0;
+      TORCH_CHECK(full.dim() >= 1 && full.size(0) >= rows &&
+                      full.narrow(0, 0, rows).sizes() == p.unsharded().sizes(),
+                  "fsdp: the all-gather transform of parameter '", p.fqn(), "' rebuilt a tensor of shape ",
+                  full.sizes(), "; expected its first ", rows, " rows to have the parameter's shape ",
+                  p.unsharded().sizes());
+      p.unsharded().copy_(full.narrow(0, 0, rows));
+      continue;
+    }
     at::Tensor block = param_block(out_2d, layout, i, p.geometry(), p.param_dtype());
     copy_rank_rows(p.geometry(), as_rows(p.unsharded(), p.geometry()), block, 0, /*to_block=*/false);
   }
+}
+
+AllGatherResult foreach_all_gather(const std::vector<FSDPParam*>& params, const AllGatherLayout& layout,
+                                   const at::Tensor& post_forward_rows, ProcessGroup& group, int64_t shard_world,
+                                   int64_t shard_rank, c10::Device device, CommStreams* streams,
+                                   FSDPAllGather& collective) {
+  std::optional<c10::Stream> copy_in, gather;
+  if (streams) {
+    copy_in = streams->all_gather_copy_in();
+    gather = streams->all_gather();
+    streams->wait_stream(*copy_in, streams->current());
+  }
+  AllGatherResult result;
+  at::Tensor input;
+  {
+    // The output is allocated on the copy-in stream, which is where its memory is reused.
+    CommStreamGuard on_copy_in(copy_in);
+    result.output = collective.allocate(shard_world * layout.per_rank_bytes, at::kByte, device);
+    TORCH_CHECK(result.output.numel() == shard_world * layout.per_rank_bytes &&
+                    result.output.scalar_type() == at::kByte && result.output.device() == device &&
+                    result.output.is_contiguous(),
+                "fsdp: the custom all-gather's allocate() returned ", result.output.scalar_type(),
+                result.output.sizes(), " on ", result.output.device(), "; asked for ", shard_world * layout.per_rank_bytes,
+                " contiguous uint8 elements on ", device);
+    if (post_forward_rows.defined()) {
+      input = post_forward_rows.view({-1});
+    } else {
+      input = result.output.narrow(0, shard_rank * layout.per_rank_bytes, layout.per_rank_bytes);
+      pack_sharded(params, layout, input);  // host-to-device, non-blocking, when the shards are offloaded
+    }
+  }
+  if (streams) streams->wait_stream(*gather, *copy_in);
+  {
+    CommStreamGuard on_gather(gather);
+    result.work = collective(result.output, input, group);
+  }
+  result.stream = gather;
+  return result;
+}
+
+void wait_all_gather(AllGatherResult& result, CommStreams* streams) {
+  Work work = std::move(result.work);
+  result.work = Work();
+  const std::optional<c10::Stream> gather = result.stream;
+  result.stream.reset();
+  if (!gather || !streams) {
+    work.wait();  // issued on the current stream: NCCL makes it wait, Gloo blocks the host
+    return;
+  }
+  // Python's synchronous all-gather on the all-gather stream, then the current stream waits on the event
+  // recorded there after it.
+  {
+    CommStreamGuard on_gather(gather);
+    work.wait();
+  }
+  streams->wait(streams->current(), streams->record(*gather));
+}
+
+StreamEvent foreach_all_gather_copy_out(const std::vector<FSDPParam*>& params, const AllGatherLayout& layout,
+                                        const at::Tensor& output, CommStreams* streams) {
+  // The full parameters are allocated only now, not when the (possibly prefetched) all-gather was issued: a
+  // prefetched group then costs one buffer while the current group computes.
+  for (FSDPParam* p : params) p->alloc_unsharded();
+  unpack_all_gather(params, layout, output);
+  return streams ? streams->record(streams->current()) : StreamEvent();
 }
 
 ReduceScatterLayout make_reduce_scatter_layout(const std::vector<FSDPParam*>& params,
@@ -152,6 +333,106 @@ at::Tensor reduced_local_grad(const FSDPParam& param, const ReduceScatterLayout&
   const ShardGeometry& g = param.geometry();
   at::Tensor rows = output.narrow(0, layout.offsets[index], g.padded_numel()).view(g.rows_shape({g.chunk_rows}));
   return g.from_rows(rows.narrow(0, 0, g.rows_of(param.shard_rank())));
+}
+
+
+PendingReduce foreach_reduce_scatter(const std::vector<FSDPParam*>& params, std::vector<at::Tensor> grads,
+                                     const MeshInfo& mesh, std::optional<double> divide_factor, bool force_sum,
+                                     CommContext* comm, FSDPReduceScatter& collective) {
+  CommStreams* s = comm && comm->streams.separate() ? &comm->streams : nullptr;
+  PendingReduce pending;
+  pending.layout = make_reduce_scatter_layout(params, grads);
+  if (s) {
+    // The previous reduce-scatter's input (allocated on the current stream) is released once the current
+    // stream is ordered after that reduce-scatter (Python's ReduceScatterState).
+    comm->reduce_scatter_state.release(*s, {s->current()});
+  }
+  // Packed on the current stream, where autograd produced the gradients: they can be freed right after
+  // (as in Python's foreach_reduce; packing on the reduce-scatter stream would need them kept alive).
+  at::Tensor input = pack_reduce_scatter_input(params, grads, pending.layout, mesh.device);
+  grads.clear();  // the unsharded gradients are no longer needed once packed
+  pending.division = gradient_division(pending.layout.dtype, mesh.shard_size, mesh.hsdp() ? mesh.replicate_size : 1,
+                                       divide_factor, force_sum);
+  if (s) {
+    pending.stream = s->reduce_scatter();
+    s->wait_stream(*pending.stream, s->current());
+  }
+  {
+    // Pre-division and the collective on the reduce-scatter stream; the output is allocated there.
+    CommStreamGuard on_reduce_scatter(pending.stream);
+    if (pending.division.pre_divide) input.div_(*pending.division.pre_divide);
+    pending.output = collective.allocate(pending.layout.per_rank_numel, input.scalar_type(), input.device());
+    TORCH_CHECK(pending.output.numel() == pending.layout.per_rank_numel &&
+                    pending.output.scalar_type() == input.scalar_type() && pending.output.device() == input.device() &&
+                    pending.output.is_contiguous(),
+                "fsdp: the custom reduce-scatter's allocate() returned ", pending.output.scalar_type(),
+                pending.output.sizes(), " on ", pending.output.device(), "; asked for ", pending.layout.per_rank_numel,
+                " contiguous ", input.scalar_type(), " elements on ", input.device());
+    pending.reduce_scatter = collective(pending.output, input, *mesh.shard_group, pending.division.reduce_scatter_op);
+  }
+  pending.input = std::move(input);
+  return pending;
+}
+
+ReduceFinish finish_reduce(PendingReduce pending, const std::vector<FSDPParam*>& params, const MeshInfo& mesh,
+                           bool requires_all_reduce, const FSDPModule::AllReduceHook& hook, CommContext* comm) {
+  CommStreams* s = pending.stream && comm ? &comm->streams : nullptr;
+  ReduceFinish finish;
+  // Everything after the collective runs on the stream it was issued on (the reduce-scatter stream, or the
+  // all-reduce stream after an HSDP all-reduce): `post` is where the sharded gradients are written.
+  std::optional<c10::Stream> post = pending.stream;
+  std::optional<CommStreamGuard> on_post;
+  on_post.emplace(post);
+  pending.reduce_scatter.wait();
+  if (s) {
+    // The input stays alive until the current stream is ordered after the collective that read it.
+    comm->reduce_scatter_state.release(*s, {s->current()});
+    comm->reduce_scatter_state.hold(std::move(pending.input), s->record(*post));
+  }
+  pending.input = at::Tensor();
+  c10::NoGradGuard no_grad;
+  auto rows_of = [&](size_t i) {
+    return pending.output.narrow(0, pending.layout.offsets[i], params[i]->geometry().padded_numel());
+  };
+  if (mesh.hsdp()) {
+    // Partial reductions (set_requires_all_reduce(false)) are kept apart and join the next all-reduce, as
+    // PyTorch's partial reduce output does: every replica then ends with the same sum.
+    for (size_t i = 0; i < params.size(); ++i) {
+      at::Tensor& partial = params[i]->partial_reduce_output();
+      if (pending.layout.offsets[i] < 0) continue;
+      if (!requires_all_reduce) {
+        if (partial.defined()) partial.add_(rows_of(i));
+        else partial = rows_of(i).clone();
+      } else if (partial.defined()) {
+        rows_of(i).add_(partial);
+        partial = at::Tensor();
+      }
+    }
+    if (!requires_all_reduce) {
+      if (s) finish.post_reduce = s->record(*post);  // the partial sums are written on the reduce-scatter stream
+      return finish;
+    }
+    if (s) {
+      // HSDP's all-reduce on its own stream, so it can overlap the next reduce-scatter (another network).
+      post = s->all_reduce();
+      s->wait_stream(*post, *pending.stream);
+      on_post.reset();
+      on_post.emplace(post);
+    }
+    mesh.replicate_group->all_reduce(pending.output, pending.division.all_reduce_op).wait();
+  }
+  // As in PyTorch: the hook sees the reduced output after the collectives and before the post-division.
+  if (hook) hook(pending.output);
+  if (pending.division.post_divide) pending.output.div_(*pending.division.post_divide);
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (pending.layout.offsets[i] < 0) continue;
+    finish.copying_to_host =
+        params[i]->accumulate_sharded_grad(reduced_local_grad(*params[i], pending.layout, i, pending.output)) ||
+        finish.copying_to_host;
+  }
+  // The sharded gradients were written on `post`.
+  if (s) finish.post_reduce = s->record(*post);
+  return finish;
 }
 
 }  // namespace fsdp::detail

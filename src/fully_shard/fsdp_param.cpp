@@ -69,8 +69,9 @@ c10::ScalarType resolve_param_dtype(const at::Tensor& p, const MixedPrecisionPol
 
 FSDPParam::FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int64_t shard_world,
                      c10::Device device, const MixedPrecisionPolicy& mp, const OffloadPolicy& offload,
-                     int64_t shard_dim)
+                     int64_t shard_dim, std::shared_ptr<const AllGatherTransform> transform)
     : param_(std::move(param)),
+      transform_(std::move(transform)),
       fqn_(std::move(fqn)),
       unsharded_sizes_(param_.sizes().vec()),
       geometry_(ShardGeometry::make(param_.sizes(), shard_world, shard_dim)),
@@ -80,6 +81,9 @@ FSDPParam::FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int6
       reduce_dtype_(mp.reduce_dtype && at::isFloatingType(param_.scalar_type()) ? *mp.reduce_dtype
                                                                                  : resolve_param_dtype(param_, mp)) {
   TORCH_CHECK(param_.layout() == c10::kStrided, "fsdp: parameter '", fqn_, "' is not a dense strided tensor");
+  TORCH_CHECK(!transform_ || (geometry_.shard_dim == 0 && !geometry_.replicated), "fsdp: parameter '", fqn_,
+              "' has an all-gather transform but is ", geometry_.replicated ? "0-dim" : "sharded on a dim other than 0",
+              "; all-gather transforms take dim-0 shards");
   c10::NoGradGuard no_grad;
   const bool on_meta = param_.is_meta();
   const c10::Device sharded_device = on_meta ? param_.device() : (offload.cpu_offload ? c10::Device(c10::kCPU) : device);
@@ -104,8 +108,9 @@ void FSDPParam::allocate_storage(c10::Device sharded_device, c10::Device unshard
   // The visible shard: the owned rows, in the parameter's own layout (0-dim: keeps the 0-dim look on every rank).
   sharded_local_ = geometry_.from_rows(sharded_padded_.narrow(0, 0, rows));
   if (copy_from_param && rows > 0) sharded_local_.copy_(local_part_of(param_));
+  // (A transform always runs, also on one rank: the parameter shows what it rebuilds, on any world size.)
   aliases_shard_ = geometry_.world == 1 && param_dtype_ == orig_dtype_ && sharded_device == unsharded_device &&
-                   !offload.cpu_offload && (geometry_.shard_dim == 0 || geometry_.replicated);
+                   !offload.cpu_offload && (geometry_.shard_dim == 0 || geometry_.replicated) && !transform_;
   if (aliases_shard_) {
     // One rank owns every row: the padded shard has no padding and already has the full shape.
     TORCH_CHECK(sharded_local_.sizes() == c10::IntArrayRef(unsharded_sizes_) && sharded_local_.is_contiguous(),

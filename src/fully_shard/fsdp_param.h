@@ -10,6 +10,7 @@
 // valid across free / re-gather.
 
 #include <fsdp/fully_shard.h>
+#include <fsdp/fully_shard_extensions.h>
 #include <fsdp/process_group.h>
 #include <fsdp/tensor_parallel.h>
 
@@ -59,7 +60,8 @@ class FSDPParam {
  public:
   // shard_dim: the dim to shard (shard_placement_fn's answer; negative counts from the end).
   FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int64_t shard_world, c10::Device device,
-            const MixedPrecisionPolicy& mp, const OffloadPolicy& offload, int64_t shard_dim = 0);
+            const MixedPrecisionPolicy& mp, const OffloadPolicy& offload, int64_t shard_dim = 0,
+            std::shared_ptr<const AllGatherTransform> transform = nullptr);
 
   const at::Tensor& param() const { return param_; }
   const std::string& fqn() const { return fqn_; }
@@ -76,6 +78,9 @@ class FSDPParam {
   int64_t shard_rank() const { return shard_rank_; }
 
   int64_t shard_dim() const { return geometry_.shard_dim; }
+  // What this parameter sends in the all-gather instead of its shard, and how it is rebuilt (null: its shard,
+  // cast to param_dtype).
+  const AllGatherTransform* all_gather_transform() const { return transform_.get(); }
 
   // 2-D (FSDP over tensor parallel): the parameter was TP-sharded before fully_shard, so what FSDP shards —
   // and all-gathers over its own (data-parallel) group only — is this rank's TP piece. The global tensor is
@@ -164,6 +169,7 @@ class FSDPParam {
                         c10::Device compute_device, bool copy_from_param);
 
   at::Tensor param_;
+  std::shared_ptr<const AllGatherTransform> transform_;
   std::optional<GlobalLayout> tp_layout_;
   bool aliases_shard_ = false;
   std::string fqn_;

@@ -10,37 +10,6 @@
 
 namespace fsdp::detail {
 
-GradientDivision gradient_division(c10::ScalarType reduce_dtype, int64_t shard_size, int64_t replicate_size,
-                                   std::optional<double> factor, bool force_sum) {
-  GradientDivision d;
-  // fp32 and bf16 have the range to be divided inside the collective; fp16 (and other dtypes) may overflow.
-  const bool overflow_risk = reduce_dtype != c10::kFloat && reduce_dtype != c10::kBFloat16;
-  const int64_t data_parallel_size = shard_size * replicate_size;
-  if (!overflow_risk && !force_sum) {
-    if (!factor) {
-      if (data_parallel_size > 1) d.reduce_scatter_op = d.all_reduce_op = ReduceOp::Avg;
-      return d;
-    }
-    if (*factor == static_cast<double>(shard_size)) {
-      d.reduce_scatter_op = ReduceOp::Avg;
-    } else if (*factor != 1.0) {
-      d.pre_divide = *factor;  // NCCL's PREMUL_SUM(1 / factor): scale, then sum
-    }
-    return d;  // the all-reduce (HSDP) sums
-  }
-  const double total = factor.value_or(static_cast<double>(data_parallel_size));
-  if (overflow_risk) {
-    // Divide by about sqrt(N) before and the rest after the reduction.
-    double pre = 1;
-    while (std::fmod(total, pre) == 0 && total / pre > pre) pre *= 2;
-    if (pre != 1) d.pre_divide = pre;
-    if (total / pre != 1) d.post_divide = total / pre;
-  } else if (total != 1) {
-    d.post_divide = total;
-  }
-  return d;
-}
-
 FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params, MeshInfo mesh_info,
                                FullyShardOptions options)
     : params_(std::move(params)), mesh_info_(std::move(mesh_info)), options_(std::move(options)) {
@@ -80,6 +49,18 @@ void FSDPParamGroup::set_reshard_after_forward(ReshardAfterForward value) {
     }
   }
   reshard_after_forward_ = value;
+}
+
+void FSDPParamGroup::set_custom_all_gather(std::shared_ptr<FSDPAllGather> comm) {
+  TORCH_CHECK(!machine_.gather_in_flight(), "fsdp: set_custom_all_gather on FSDP group ", name_,
+              " while its all-gather is in flight; set it between steps");
+  all_gather_comm_ = comm ? std::move(comm) : default_all_gather();
+}
+
+void FSDPParamGroup::set_custom_reduce_scatter(std::shared_ptr<FSDPReduceScatter> comm) {
+  TORCH_CHECK(!machine_.reduce_in_flight(), "fsdp: set_custom_reduce_scatter on FSDP group ", name_,
+              " while its reduction is in flight; set it between steps");
+  reduce_scatter_comm_ = comm ? std::move(comm) : default_reduce_scatter();
 }
 
 void FSDPParamGroup::ensure_post_forward_group() {
@@ -156,65 +137,19 @@ void FSDPParamGroup::unshard(bool on_comm_streams) {
     machine_.apply(Event::IssueGather);
     return;
   }
-  // With separate streams: copy-in on the copy-in stream after the work issued so far on the current stream
-  // (an optimizer step or state-dict load may have just written the shards, reshard may have just written the
-  // N-way copy), the all-gather on the all-gather stream after the copy-in. The output buffer is allocated
-  // on the copy-in stream, which is where its memory is reused (see wait_for_unshard).
-  CommStreams* s = on_comm_streams ? streams() : nullptr;
-  std::optional<c10::Stream> copy_in, gather;
-  if (s) {
-    copy_in = s->all_gather_copy_in();
-    gather = s->all_gather();
-    s->wait_stream(*copy_in, s->current());
-  }
-  const int64_t world = mesh_info_.shard_size;
   const int64_t version = shards_version();
   if (machine_.shard() == ShardStatus::ShardedPostForward && post_forward_shard_version_ != version) {
     // The shards changed since the N-way copy was kept (optimizer step, state-dict load): it is stale.
     discard_post_forward_shard();
   }
-  const bool from_post_forward_shard = machine_.shard() == ShardStatus::ShardedPostForward;
-  at::Tensor input;
-  {
-    CommStreamGuard on_copy_in(copy_in);
-    all_gather_output_ = at::empty({world * layout_.per_rank_bytes},
-                                   at::TensorOptions().dtype(at::kByte).device(mesh_info_.device));
-    if (from_post_forward_shard) {
-      input = post_forward_shard_.view({-1});
-    } else {
-      input = all_gather_output_.narrow(0, mesh_info_.shard_rank * layout_.per_rank_bytes, layout_.per_rank_bytes);
-      pack_sharded(param_ptrs_, layout_, input);  // host-to-device, non-blocking, when the shards are offloaded
-    }
-  }
-  if (s) s->wait_stream(*gather, *copy_in);
-  {
-    CommStreamGuard on_gather(gather);
-    // Re-gather from the N-way copy kept after forward (only the N-rank group communicates), or from the shards.
-    ProcessGroup& group = from_post_forward_shard ? *post_forward_group_ : *mesh_info_.shard_group;
-    all_gather_ = group.all_gather_into_tensor(all_gather_output_, input);
-  }
-  all_gather_stream_ = gather;
+  // Re-gather from the N-way copy kept after forward (only the N-rank group communicates), or from the shards.
+  const bool from_copy = machine_.shard() == ShardStatus::ShardedPostForward;
+  all_gather_ = foreach_all_gather(param_ptrs_, layout_, from_copy ? post_forward_shard_ : at::Tensor(),
+                                   from_copy ? *post_forward_group_ : *mesh_info_.shard_group, mesh_info_.shard_size,
+                                   mesh_info_.shard_rank, mesh_info_.device, on_comm_streams ? streams() : nullptr,
+                                   *all_gather_comm_);
   all_gather_version_ = version;
   machine_.apply(Event::IssueGather);
-}
-
-void FSDPParamGroup::complete_all_gather() {
-  Work work = std::move(all_gather_);
-  all_gather_ = Work();
-  const std::optional<c10::Stream> gather = all_gather_stream_;
-  all_gather_stream_.reset();
-  if (!gather) {
-    work.wait();  // issued on the current stream: NCCL makes it wait, Gloo blocks the host
-    return;
-  }
-  // Python's synchronous all-gather on the all-gather stream, then the current stream waits on the event
-  // recorded there after it (not on the whole stream: a later prefetch may already be queued on it).
-  CommStreams& s = comm_->streams;
-  {
-    CommStreamGuard on_gather(gather);
-    work.wait();
-  }
-  s.wait(s.current(), s.record(*gather));
 }
 
 void FSDPParamGroup::wait_for_unshard() {
@@ -226,15 +161,15 @@ void FSDPParamGroup::wait_for_unshard() {
     machine_.apply(Event::FinishGather);
     return;
   }
-  const bool on_comm_streams = all_gather_stream_.has_value();
-  complete_all_gather();
+  const bool on_comm_streams = all_gather_.stream.has_value();
+  wait_all_gather(all_gather_, streams());
   if (all_gather_version_ != shards_version()) {
     // Issued (prefetched, or unshard(async)) before the shards changed: gather the current shards instead.
-    all_gather_output_ = at::Tensor();
+    all_gather_ = AllGatherResult();
     machine_.apply(Event::DropGather);
     discard_post_forward_shard();
     unshard(on_comm_streams);
-    complete_all_gather();
+    wait_all_gather(all_gather_, streams());
   }
   CommStreams* s = streams();
   if (s && machine_.phase() == Phase::Forward) {
@@ -242,26 +177,21 @@ void FSDPParamGroup::wait_for_unshard() {
     // this all-gather; the all-gather streams now wait for that copy-out, then its memory may be reused.
     comm_->all_gather_state.release(*s, {s->all_gather_copy_in(), s->all_gather()});
   }
-  // The full parameters are allocated only now, not when the (possibly prefetched) all-gather was issued:
-  // a prefetched group then costs one buffer while the current group computes, so forward holds at most
-  // two groups' worth of unsharded data (the current group freed, this group's buffer + parameters).
-  for (FSDPParam* p : param_ptrs_) p->alloc_unsharded();
-  unpack_all_gather(param_ptrs_, layout_, all_gather_output_);
+  StreamEvent copied_out = foreach_all_gather_copy_out(param_ptrs_, layout_, all_gather_.output, s);
   if (s && on_comm_streams) {
     // The copy-out ran on the current stream, the buffer belongs to the copy-in stream: no record_stream,
     // the all-gather streams wait for the copy-out before the memory can be reused there. In forward the
     // buffer is kept until the next group's copy-out (its all-gather, prefetched, must not land in this
     // memory while this copy-out may still run); otherwise released now.
-    StreamEvent copied_out = s->record(s->current());
     if (machine_.phase() == Phase::Forward) {
-      comm_->all_gather_state.hold(std::move(all_gather_output_), copied_out);
+      comm_->all_gather_state.hold(std::move(all_gather_.output), copied_out);
     } else {
       // Released right below, after these waits.
       s->wait(s->all_gather_copy_in(), copied_out);
       s->wait(s->all_gather(), copied_out);
     }
   }
-  all_gather_output_ = at::Tensor();  // free the flat buffer before the next group's gather lands
+  all_gather_ = AllGatherResult();  // free the flat buffer before the next group's gather lands
   post_forward_shard_ = at::Tensor();  // consumed (if the gather came from it)
   for (FSDPParam* p : param_ptrs_) p->to_unsharded();
   machine_.apply(Event::FinishGather);
@@ -276,13 +206,13 @@ void FSDPParamGroup::drop_unused_unshard() {
   // Completed before the buffer goes: its memory belongs to the copy-in stream, whose next use is ordered after
   // the current stream (unshard), which now waits for the gather.
   try {
-    complete_all_gather();
+    wait_all_gather(all_gather_, streams());
   } catch (...) {
-    all_gather_output_ = at::Tensor();
+    all_gather_ = AllGatherResult();
     machine_.apply(Event::DropGather);
     throw;
   }
-  all_gather_output_ = at::Tensor();
+  all_gather_ = AllGatherResult();
   machine_.apply(Event::DropGather);
 }
 
@@ -436,35 +366,9 @@ void FSDPParamGroup::reduce_gradients(bool force_sync) {
     }
     return;
   }
-  PendingReduce pending;
-  pending.layout = make_reduce_scatter_layout(param_ptrs_, grads);
-  CommStreams* s = streams();
-  if (s) {
-    // The previous reduce-scatter's input (allocated on the current stream) is released once the current
-    // stream is ordered after that reduce-scatter (Python's ReduceScatterState).
-    comm_->reduce_scatter_state.release(*s, {s->current()});
-  }
-  // Packed on the current stream, where autograd produced the gradients: they can be freed right after
-  // (as in Python's foreach_reduce; packing on the reduce-scatter stream would need them kept alive).
-  at::Tensor input = pack_reduce_scatter_input(param_ptrs_, grads, pending.layout, mesh_info_.device);
-  grads.clear();  // the unsharded gradients are no longer needed once packed
-  const bool hsdp = mesh_info_.replicate_group && mesh_info_.replicate_size > 1;
-  pending.division = gradient_division(pending.layout.dtype, mesh_info_.shard_size, hsdp ? mesh_info_.replicate_size : 1,
-                                       gradient_divide_factor, force_sum_reduction_for_comms);
-  if (s) {
-    pending.stream = s->reduce_scatter();
-    s->wait_stream(*pending.stream, s->current());
-  }
-  {
-    // Pre-division and the collective on the reduce-scatter stream; the output is allocated there.
-    CommStreamGuard on_reduce_scatter(pending.stream);
-    if (pending.division.pre_divide) input.div_(*pending.division.pre_divide);
-    pending.output = at::empty({pending.layout.per_rank_numel}, input.options());
-    pending.reduce_scatter =
-        mesh_info_.shard_group->reduce_scatter_tensor(pending.output, input, pending.division.reduce_scatter_op);
-  }
-  pending.input = std::move(input);
-  pending_reduce_ = std::move(pending);
+  pending_reduce_ = foreach_reduce_scatter(param_ptrs_, std::move(grads), mesh_info_, gradient_divide_factor,
+                                           force_sum_reduction_for_comms, streams() ? comm_.get() : nullptr,
+                                           *reduce_scatter_comm_);
   machine_.apply(Event::IssueReduce);
 }
 
@@ -473,67 +377,14 @@ void FSDPParamGroup::finish_pending_reduce() {
   PendingReduce pending = std::move(*pending_reduce_);
   pending_reduce_.reset();
   machine_.apply(Event::FinishReduce);
-  CommStreams* s = pending.stream ? &comm_->streams : nullptr;
-  // Everything after the collective runs on the stream it was issued on (the reduce-scatter stream, or the
-  // all-reduce stream after an HSDP all-reduce): `post` is where the sharded gradients are written.
-  std::optional<c10::Stream> post = pending.stream;
-  std::optional<CommStreamGuard> on_post;
-  on_post.emplace(post);
-  pending.reduce_scatter.wait();
-  if (s) {
-    // The input stays alive until the current stream is ordered after the collective that read it.
-    comm_->reduce_scatter_state.release(*s, {s->current()});
-    comm_->reduce_scatter_state.hold(std::move(pending.input), s->record(*post));
-  }
-  pending.input = at::Tensor();
-  c10::NoGradGuard no_grad;
-  const bool hsdp = mesh_info_.replicate_group && mesh_info_.replicate_size > 1;
-  auto rows_of = [&](size_t i) {
-    return pending.output.narrow(0, pending.layout.offsets[i], param_ptrs_[i]->geometry().padded_numel());
-  };
-  if (hsdp) {
-    // Partial reductions (set_requires_all_reduce(false)) are kept apart and join the next all-reduce, as
-    // PyTorch's partial reduce output does: every replica then ends with the same sum.
-    for (size_t i = 0; i < params_.size(); ++i) {
-      at::Tensor& partial = param_ptrs_[i]->partial_reduce_output();
-      if (pending.layout.offsets[i] < 0) continue;
-      if (!requires_all_reduce) {
-        if (partial.defined()) partial.add_(rows_of(i));
-        else partial = rows_of(i).clone();
-      } else if (partial.defined()) {
-        rows_of(i).add_(partial);
-        partial = at::Tensor();
-      }
-    }
-    if (!requires_all_reduce) {
-      if (s) post_reduce_event_ = s->record(*post);  // the partial sums are written on the reduce-scatter stream
-      return;
-    }
-    if (s) {
-      // HSDP's all-reduce on its own stream, so it can overlap the next reduce-scatter (another network).
-      post = s->all_reduce();
-      s->wait_stream(*post, *pending.stream);
-      on_post.reset();
-      on_post.emplace(post);
-    }
-    mesh_info_.replicate_group->all_reduce(pending.output, pending.division.all_reduce_op).wait();
-  }
-  // As in PyTorch: the hook sees the reduced output after the collectives and before the post-division.
-  if (all_reduce_hook) all_reduce_hook(pending.output);
-  if (pending.division.post_divide) pending.output.div_(*pending.division.post_divide);
-  bool copying_to_host = false;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (pending.layout.offsets[i] < 0) continue;
-    copying_to_host = param_ptrs_[i]->accumulate_sharded_grad(
-                          reduced_local_grad(*param_ptrs_[i], pending.layout, i, pending.output)) ||
-                      copying_to_host;
-  }
+  const ReduceFinish finish = finish_reduce(std::move(pending), param_ptrs_, mesh_info_, requires_all_reduce,
+                                            all_reduce_hook, comm_.get());
   // The current stream waits on this event at the end of backward (or before a conversion): the sharded
-  // gradients were written on `post`. Non-blocking copies into pinned CPU gradients: the host waits on the same
+  // gradients were written after it. Non-blocking copies into pinned CPU gradients: the host waits on the same
   // event before the optimizer reads them (Python's grad_offload_event).
-  if (s) {
-    post_reduce_event_ = s->record(*post);
-    if (copying_to_host) grad_offload_event_ = post_reduce_event_;
+  if (finish.post_reduce.recorded()) {
+    post_reduce_event_ = finish.post_reduce;
+    if (finish.copying_to_host) grad_offload_event_ = finish.post_reduce;
   }
 }
 
@@ -604,9 +455,7 @@ void FSDPParamGroup::reset() {
     }
   }
   // Whatever a failed drain left behind belongs to the abandoned step.
-  all_gather_ = Work();
-  all_gather_output_ = at::Tensor();
-  all_gather_stream_.reset();
+  all_gather_ = AllGatherResult();
   post_forward_shard_ = at::Tensor();
   post_forward_shard_version_ = -1;
   pending_reduce_.reset();

@@ -24,39 +24,6 @@
 
 namespace fsdp::detail {
 
-// Which ranks a group communicates with (Python's FSDPMeshInfo / HSDPMeshInfo).
-struct MeshInfo {
-  DeviceMesh mesh;
-  ProcessGroupPtr shard_group;
-  ProcessGroupPtr replicate_group;  // null for 1-D meshes
-  int64_t shard_rank = 0;
-  int64_t shard_size = 1;
-  int64_t replicate_size = 1;
-  c10::Device device{c10::kCPU};
-};
-
-// How gradients are divided by the data-parallel size (Python's _get_gradient_divide_factors): inside the
-// collectives (Avg, or a pre-multiplied sum), or as Sum with a division before (fp16: ~sqrt(N), against
-// overflow) and after.
-struct GradientDivision {
-  std::optional<double> pre_divide;   // applied to the reduce-scatter input
-  std::optional<double> post_divide;  // applied after the all-reduce hook
-  ReduceOp reduce_scatter_op = ReduceOp::Sum;
-  ReduceOp all_reduce_op = ReduceOp::Sum;
-};
-GradientDivision gradient_division(c10::ScalarType reduce_dtype, int64_t shard_size, int64_t replicate_size,
-                                   std::optional<double> factor, bool force_sum);
-
-// A gradient reduction in flight: its result is applied to the sharded gradients on finish.
-struct PendingReduce {
-  Work reduce_scatter;
-  at::Tensor input;   // kept alive until the collective completes
-  at::Tensor output;  // reduce-scatter output [per_rank_numel]
-  ReduceScatterLayout layout;
-  GradientDivision division;
-  std::optional<c10::Stream> stream;  // the reduce-scatter stream it was issued on (none: the current stream)
-};
-
 class FSDPParamGroup {
  public:
   FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params, MeshInfo mesh_info, FullyShardOptions options);
@@ -146,6 +113,10 @@ class FSDPParamGroup {
   bool force_sum_reduction_for_comms = false;
   std::optional<double> gradient_divide_factor;
   FSDPModule::AllReduceHook all_reduce_hook;
+  // FSDPModule::set_custom_all_gather / set_custom_reduce_scatter (null = the built-in collective). Between
+  // steps only: an all-gather in flight keeps the object it was issued with.
+  void set_custom_all_gather(std::shared_ptr<FSDPAllGather> comm);
+  void set_custom_reduce_scatter(std::shared_ptr<FSDPReduceScatter> comm);
   // Backward prefetch of this group (no-op when unshard_in_backward is off).
   void unshard_for_backward();
 
@@ -157,9 +128,6 @@ class FSDPParamGroup {
   // Drops the N-way copy kept after forward (stale, or no longer wanted): the group shows its plain shards.
   void discard_post_forward_shard();
   CommStreams* streams() const { return comm_ && comm_->streams.separate() ? &comm_->streams : nullptr; }
-  // Completes the in-flight all-gather: the collective waited on the stream it was issued on, the current
-  // stream ordered after it. The output buffer stays (wait_for_unshard copies out of it).
-  void complete_all_gather();
   // The current stream waits for this group's last reduction (and the host for offloaded gradients' copies).
   void wait_for_post_reduce();
   // Reduces (or, without gradient sync and unless forced, accumulates) the gradients on the unsharded
@@ -181,10 +149,10 @@ class FSDPParamGroup {
   at::Tensor post_forward_shard_;  // [shard_size / N ranks, per_rank_bytes] uint8: defined iff ShardedPostForward
   int64_t post_forward_shard_version_ = -1;
 
-  Work all_gather_;
-  at::Tensor all_gather_output_;  // while a gather is in flight (none on the world-1 local path)
+  AllGatherResult all_gather_;  // while a gather is in flight (empty on the world-1 local path)
+  std::shared_ptr<FSDPAllGather> all_gather_comm_ = default_all_gather();
+  std::shared_ptr<FSDPReduceScatter> reduce_scatter_comm_ = default_reduce_scatter();
   int64_t all_gather_version_ = -1;  // shards_version() when the in-flight gather packed them
-  std::optional<c10::Stream> all_gather_stream_;  // where the in-flight gather was issued (none: current)
   std::shared_ptr<CommContext> comm_;
   // Marks the end of the last reduction's work on the reduce-scatter / all-reduce stream (the sharded
   // gradients are written there); the current stream waits on it at the end of backward.

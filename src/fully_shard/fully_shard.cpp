@@ -1,5 +1,6 @@
 // fsdp::fully_shard and the FSDPModule handle (Python's _fully_shard.py).
 #include <fsdp/fully_shard.h>
+#include <fsdp/fully_shard_extensions.h>
 
 #include "fully_shard/fsdp_state.h"
 #include "fully_shard/mesh_cache.h"
@@ -175,9 +176,11 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
   for (const auto& m : modules) tp_specs.merge(tp::collect_specs(*m));
   std::vector<std::unique_ptr<detail::FSDPParam>> params;
   for (size_t i = 0; i < to_shard.size(); ++i) {
+    std::shared_ptr<const AllGatherTransform> transform =
+        opts.all_gather_transform_fn ? opts.all_gather_transform_fn(to_shard[i].second) : nullptr;
     params.push_back(std::make_unique<detail::FSDPParam>(to_shard[i].second, to_shard[i].first, mesh_info.shard_rank,
                                                          mesh_info.shard_size, mesh_info.device, opts.mp_policy,
-                                                         opts.offload_policy, shard_dims[i]));
+                                                         opts.offload_policy, shard_dims[i], std::move(transform)));
     auto tp = tp_specs.find(to_shard[i].second.unsafeGetTensorImpl());
     if (tp != tp_specs.end()) params.back()->set_tensor_parallel(tp->second, opts.mesh);
   }
@@ -304,6 +307,14 @@ void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>&
 
 void FSDPModule::set_unshard_in_backward(bool unshard_in_backward) {
   if (state_of(*this).param_group()) state_of(*this).param_group()->unshard_in_backward = unshard_in_backward;
+}
+
+void FSDPModule::set_custom_all_gather(std::shared_ptr<FSDPAllGather> comm) {
+  if (state_of(*this).param_group()) state_of(*this).param_group()->set_custom_all_gather(std::move(comm));
+}
+
+void FSDPModule::set_custom_reduce_scatter(std::shared_ptr<FSDPReduceScatter> comm) {
+  if (state_of(*this).param_group()) state_of(*this).param_group()->set_custom_reduce_scatter(std::move(comm));
 }
 
 void FSDPModule::set_all_reduce_hook(AllReduceHook hook) {

@@ -10,7 +10,7 @@ using namespace fsdp_test;
 
 namespace {
 
-constexpr int64_t kIn = 7, kOut = 5, kGlobalBatch = 24, kSteps = 4, kMicroBatches = 4;
+constexpr int64_t kIn = 7, kOut = 5, kGlobalBatch = 48, kSteps = 4, kMicroBatches = 4;  // 12 rows per micro-batch: 1, 2, 4 ranks
 
 std::map<std::string, torch::Tensor> train_reference() {
   MLP model = make_mlp(42);
