@@ -4,6 +4,9 @@
 //   fsdp-bench-ours train  --weights W --tokens T --steps N --local-batch B --seq S --out-dir D [...]
 //                          (under fsdprun: fully_shard per block + root, AdamW, cross-entropy mean)
 //   fsdp-bench-ours single --weights W --tokens T ... (one process, no FSDP: the roofline's compute limit)
+//   train and single take --device cpu (default) | cuda: on CUDA every rank computes on cuda:0 (ranks share the
+//   one GPU) and the collectives are Gloo's on CUDA tensors; each step also logs the device's peak allocated
+//   bytes. Not yet run on a GPU (docs/benchmarks.md).
 //   fsdp-bench-ours memcpy                        (memcpy bandwidth: the roofline's communication limit)
 //
 // Every rank writes one JSON line per step to D/ours_rank<r>.jsonl: global mean loss, step time, peak RSS
@@ -19,6 +22,7 @@
 #include "bench_util.h"
 
 #include <ATen/ATen.h>
+#include <ATen/DeviceAccelerator.h>
 #include <CLI/CLI.hpp>
 #include <torch/optim/adamw.h>
 
@@ -50,7 +54,32 @@ struct Options {
   std::string mp = "fp32";          // fp32 | bf16 (MixedPrecisionPolicy: bf16 params in compute, fp32 reduce)
   double lr = 8e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
   bool reset_peak = true;  // reset VmHWM after setup, so the peak is the training phase's
+  std::string device = "cpu";  // cpu | cuda (train, single)
 };
+
+// The device the training runs on. CUDA: cuda:0 for every rank (2 ranks share one GPU over Gloo).
+c10::Device bench_device(const Options& o) {
+  TORCH_CHECK(o.device == "cpu" || o.device == "cuda", "bench: --device must be cpu or cuda, got '", o.device, "'");
+  if (o.device == "cpu") return c10::Device(c10::kCPU);
+  TORCH_CHECK(at::hasCUDA(), "bench: --device cuda, but this libtorch has no CUDA device (a CPU-only build, or no "
+              "GPU on this machine); the GPU comparison needs a CUDA libtorch and a GPU (not yet run: "
+              "docs/benchmarks.md)");
+  return c10::Device(c10::kCUDA, 0);
+}
+
+// Waits for the device's queued work (nothing to wait for on the CPU), so step times include it.
+void sync_device(const c10::Device& device) {
+  if (device.is_cuda()) at::accelerator::synchronizeDevice(device.index());
+}
+
+// Peak bytes allocated on the device since the last reset (the caching allocator's aggregate stat); 0 on the CPU.
+int64_t device_peak_bytes(const c10::Device& device) {
+  if (!device.is_cuda()) return 0;
+  return at::accelerator::getDeviceStats(device.index()).allocated_bytes[0].peak;
+}
+void reset_device_peak(const c10::Device& device) {
+  if (device.is_cuda()) at::accelerator::resetPeakStats(device.index());
+}
 
 // Model args travel inside the weights file, so both sides build exactly the same model.
 std::map<std::string, std::string> args_metadata(const std::string& flavor, const llama::LlamaArgs& a) {
@@ -146,19 +175,27 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 int cmd_train(const Options& o) {
   const int64_t baseline_rss = bench::rss_kib("VmRSS");
-  auto world = fsdp::init_process_group();
+  const c10::Device device = bench_device(o);
+  fsdp::InitOptions init;
+  if (device.is_cuda()) {  // Gloo on CUDA tensors: several ranks may share the one GPU (NCCL refuses that)
+    init.backend = "gloo";
+    init.device = "cuda:0";
+  }
+  auto world = fsdp::init_process_group(init);
   const int rank = world->rank(), W = world->size();
   TORCH_CHECK(o.replicate >= 1 && W % o.replicate == 0, "bench: --replicate ", o.replicate,
               " does not divide the world size ", W);
   const int64_t R = o.replicate, S = W / o.replicate;
   // 1-D: FSDP over the world; 2-D (replicate, shard): HSDP, as torch's init_device_mesh on the Python side.
-  auto mesh = R > 1 ? fsdp::init_device_mesh("cpu", {R, S}, {"replicate", "shard"})
-                    : fsdp::init_device_mesh("cpu", {W}, {"shard"});
+  const std::string mesh_device = device.is_cuda() ? "cuda" : "cpu";
+  auto mesh = R > 1 ? fsdp::init_device_mesh(mesh_device, {R, S}, {"replicate", "shard"})
+                    : fsdp::init_device_mesh(mesh_device, {W}, {"shard"});
   const int64_t rss_after_init = bench::rss_kib("VmRSS");
   const int64_t anon_after_init = bench::rss_kib("RssAnon");
 
   std::string flavor;
   llama::Transformer model = load_model(o.weights, &flavor);
+  model->to(device);  // before fully_shard: the shards live where the mesh computes
   const auto& args = model->args();
   // Bottom-up: each block is one group, the root group holds embeddings, final norm and output.
   fsdp::FullyShardOptions block_opts;
@@ -210,10 +247,13 @@ int cmd_train(const Options& o) {
                          4.0 * (frac * static_cast<double>(P) + all_reduce);
 
   if (o.reset_peak) bench::reset_peak_rss();
+  sync_device(device);
+  reset_device_peak(device);
   const int64_t rss_setup = bench::rss_kib("VmRSS");
   std::ofstream out(o.out_dir + "/ours_rank" + std::to_string(rank) + ".jsonl");
   out << "{\"event\":\"setup\",\"side\":\"ours\",\"world\":" << W << ",\"rank\":" << rank << ",\"flavor\":\""
-      << flavor << "\",\"params\":" << P << ",\"baseline_rss_kib\":" << baseline_rss
+      << flavor << "\",\"device\":\"" << device.str() << "\",\"params\":" << P
+      << ",\"baseline_rss_kib\":" << baseline_rss
       << ",\"rss_after_init_kib\":" << rss_after_init << ",\"anon_after_init_kib\":" << anon_after_init
       << ",\"rss_setup_kib\":" << rss_setup
       << ",\"optimum_bytes_per_step\":" << static_cast<int64_t>(optimum) << "}\n";
@@ -231,7 +271,9 @@ int cmd_train(const Options& o) {
     return sum;
   };
   for (int64_t step = 0; step < o.steps; ++step) {
-    auto [inputs, targets] = batches.get(step, rank, o.local_batch);
+    auto [cpu_inputs, cpu_targets] = batches.get(step, rank, o.local_batch);
+    const at::Tensor inputs = cpu_inputs.to(device), targets = cpu_targets.to(device);
+    sync_device(device);
     // The last step records each collective's timeline (issued / transfers done / caller waiting) to report
     // how much of the communication was hidden behind compute. Recording adds an observer thread that waits
     // on the transfers: one step of N, so the median step time is unaffected.
@@ -247,6 +289,7 @@ int cmd_train(const Options& o) {
     loss.backward();
     optim.step();
     optim.zero_grad();
+    sync_device(device);
     const double step_time = seconds_since(t0);
     const fsdp::CommStats after = mesh_stats();
     // Global mean loss for the log (outside the timed step and the byte count).
@@ -258,7 +301,7 @@ int cmd_train(const Options& o) {
         << ",\"vmhwm_kib\":" << bench::rss_kib("VmHWM") << ",\"vmrss_kib\":" << bench::rss_kib("VmRSS")
         << ",\"rss_anon_kib\":" << bench::rss_kib("RssAnon") << ",\"rss_file_kib\":" << bench::rss_kib("RssFile")
         << ",\"rss_shmem_kib\":" << bench::rss_kib("RssShmem")
-        << ",\"bytes_sent\":" << (after.bytes_sent - before.bytes_sent)
+        << ",\"device_peak_bytes\":" << device_peak_bytes(device) << ",\"bytes_sent\":" << (after.bytes_sent - before.bytes_sent)
         << ",\"all_gather_calls\":" << (after.all_gather_calls - before.all_gather_calls)
         << ",\"reduce_scatter_calls\":" << (after.reduce_scatter_calls - before.reduce_scatter_calls)
         << ",\"all_reduce_calls\":" << (after.all_reduce_calls - before.all_reduce_calls) << "}\n";
@@ -288,31 +331,43 @@ int cmd_train(const Options& o) {
 // One fp32 training step without the log, timed: forward (through fsdp::nn::call when FSDP's hooks must run),
 // cross-entropy mean, backward, AdamW step, zero_grad. Returns the seconds it took and the loss.
 std::pair<double, double> timed_step(llama::Transformer& model, torch::optim::AdamW& optim, const at::Tensor& inputs,
-                                     const at::Tensor& targets, bool through_hooks) {
+                                     const at::Tensor& targets, bool through_hooks,
+                                     const c10::Device& device = c10::Device(c10::kCPU)) {
+  sync_device(device);
   const auto t0 = std::chrono::steady_clock::now();
   at::Tensor logits = through_hooks ? fsdp::nn::call(model, inputs) : model->forward(inputs);
-  at::Tensor loss = at::cross_entropy_loss(logits.flatten(0, 1), targets.flatten());
+  // A bf16 model's loss on float32 logits, as the train command (a no-op for fp32 logits).
+  at::Tensor loss = at::cross_entropy_loss(logits.flatten(0, 1).to(at::kFloat), targets.flatten());
   loss.backward();
   optim.step();
   optim.zero_grad();
+  sync_device(device);
   const double seconds = seconds_since(t0);
   return {seconds, loss.item<double>()};
 }
 
 // The same per-rank work on one process without FSDP: the compute limit of the roofline.
 int cmd_single(const Options& o) {
+  const c10::Device device = bench_device(o);
   llama::Transformer model = load_model(o.weights);
+  model->to(device);
+  // The plain-training baseline in the dtype FSDP computes in under --mp bf16: the model itself in bf16.
+  TORCH_CHECK(o.mp == "fp32" || o.mp == "bf16", "bench: --mp must be fp32 or bf16, got ", o.mp);
+  if (o.mp == "bf16") model->to(at::kBFloat16);
   auto optim = make_adamw(o, model->parameters());
   Batches batches(o.tokens, o.steps, o.local_batch, o.seq);
   // Under fsdprun (several copies at once, to measure the compute limit under the same core sharing as W
   // ranks) each copy writes its own file; alone, single.jsonl.
   const char* rank_env = std::getenv("RANK");
   std::ofstream out(o.out_dir + (rank_env ? "/single_rank" + std::string(rank_env) + ".jsonl" : "/single.jsonl"));
+  reset_device_peak(device);
   for (int64_t step = 0; step < o.steps; ++step) {
     auto [inputs, targets] = batches.get(step, 0, o.local_batch);
-    const auto [step_time, loss] = timed_step(model, optim, inputs, targets, /*through_hooks=*/false);
+    const auto [step_time, loss] =
+        timed_step(model, optim, inputs.to(device), targets.to(device), /*through_hooks=*/false, device);
     out << "{\"event\":\"step\",\"step\":" << step << ",\"loss\":" << bench::fmt(loss)
-        << ",\"step_time\":" << bench::fmt(step_time) << "}\n";
+        << ",\"step_time\":" << bench::fmt(step_time) << ",\"device_peak_bytes\":" << device_peak_bytes(device)
+        << "}\n";
   }
   return 0;
 }
@@ -486,8 +541,11 @@ int main(int argc, char** argv) {
   train->add_option("--replicate", o.replicate, "HSDP replicate degree (mesh replicate x world/replicate)");
   train->add_option("--mp", o.mp, "fp32 | bf16 (bf16 params in compute, fp32 reduce, loss on fp32 logits)");
   train->add_flag("!--no-reset-peak", o.reset_peak, "keep VmHWM from process start");
+  train->add_option("--device", o.device, "cpu | cuda (every rank on cuda:0, Gloo collectives on CUDA tensors)");
   auto* single = app.add_subcommand("single", "the same per-rank work without FSDP (one process)");
   add_train_opts(single);
+  single->add_option("--device", o.device, "cpu | cuda");
+  single->add_option("--mp", o.mp, "fp32 | bf16 (the plain model in bf16)");
   auto* world1 = app.add_subcommand("world1", "world size 1: fully_shard vs the plain model, steps interleaved");
   add_train_opts(world1);
   auto* memcpy_cmd = app.add_subcommand("memcpy", "memcpy bandwidth");

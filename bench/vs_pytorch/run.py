@@ -108,7 +108,11 @@ def main():
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--reshard", default="default", help="blocks' reshard_after_forward: default|true|false|<int>")
     p.add_argument("--replicate", type=int, default=1, help="HSDP replicate degree (mesh replicate x W/replicate)")
-    p.add_argument("--mp", default="fp32", choices=["fp32", "bf16"],
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: both sides on cuda:0 (ranks share the GPU, Gloo collectives on CUDA tensors), bf16 by "
+                        "default; plain training = `single` on the GPU; no memcpy/collective roofline, no world1 "
+                        "interleaving. Not yet run on a GPU (docs/benchmarks.md)")
+    p.add_argument("--mp", default=None, choices=["fp32", "bf16"],
                    help="bf16: MixedPrecisionPolicy(bf16 params, fp32 reduce) on both sides, loss on fp32 logits")
     p.add_argument("--lr", type=float, default=8e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -123,6 +127,12 @@ def main():
     p.add_argument("--render-only", action="store_true", help="rebuild the report from a kept --work-dir")
     p.add_argument("--timeout", type=int, default=1800, help="per command, seconds")
     o = p.parse_args()
+    if o.mp is None:
+        o.mp = "bf16" if o.device == "cuda" else "fp32"
+    if o.device == "cuda" and not o.render_only and not torch.cuda.is_available():
+        raise SystemExit(f"run.py: --device cuda, but torch {torch.__version__} in {sys.executable} sees no CUDA "
+                         f"device (a CPU-only build, or no GPU on this machine). The GPU comparison needs a CUDA torch "
+                         f"on both sides and a CUDA build of libfsdp; it has not been run yet (docs/benchmarks.md)")
 
     global RENDER_ONLY
     RENDER_ONLY = o.render_only
@@ -156,7 +166,7 @@ def main():
             write_tokens(tokens, o.steps, o.global_batch, o.seq, vocab, o.seed + 1)
 
         memcpy_gbs = None
-        if not o.no_roofline:
+        if not o.no_roofline and o.device == "cpu":  # host memcpy bounds loopback TCP, not a GPU's traffic
             memcpy_file = os.path.join(work, "memcpy.json")
             if not RENDER_ONLY:
                 r = subprocess.run([ours, "memcpy"], env=env, capture_output=True, text=True, check=True)
@@ -178,11 +188,12 @@ def main():
             common = ["--weights", weights, "--tokens", tokens, "--steps", str(o.steps), "--local-batch", str(lb),
                       "--seq", str(o.seq), "--out-dir", d, "--lr", str(o.lr), "--weight-decay", str(o.weight_decay)]
             t_ours = run([fsdprun, "--nproc-per-node", str(W), "--timeout", str(o.timeout), ours, "train", *common,
-                          "--reshard", o.reshard, "--replicate", str(o.replicate), "--mp", o.mp], env, os.path.join(d, "ours.log"),
+                          "--reshard", o.reshard, "--replicate", str(o.replicate), "--mp", o.mp, "--device", o.device],
+                         env, os.path.join(d, "ours.log"),
                          o.timeout + 30)
             theirs_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(W),
                           os.path.join(HERE, "vs_pytorch.py"), *common, "--reshard", o.reshard,
-                          "--replicate", str(o.replicate), "--mp", o.mp]
+                          "--replicate", str(o.replicate), "--mp", o.mp, "--device", o.device]
             if o.no_force_sum:
                 theirs_cmd.append("--no-force-sum")
             def complete(prefix, W=W, d=d):
@@ -199,21 +210,23 @@ def main():
             if not o.no_roofline:
                 # Compute limit: the same per-rank work without FSDP, alone and as W concurrent copies (the copies
                 # share the cores exactly as the W ranks do, also with whatever else runs on the machine).
-                run([ours, "single", *common], env, os.path.join(d, "single.log"), o.timeout)
+                # On the GPU the plain baseline runs in the compared dtype; the CPU roofline stays fp32 as before.
+                single = [ours, "single", *common, "--device", o.device] + (["--mp", o.mp] if o.device == "cuda" else [])
+                run(single, env, os.path.join(d, "single.log"), o.timeout)
                 alone = [r for r in read_jsonl(os.path.join(d, "single.jsonl")) if r["event"] == "step"]
-                run([fsdprun, "--nproc-per-node", str(W), ours, "single", *common], env,
+                run([fsdprun, "--nproc-per-node", str(W), *single], env,
                     os.path.join(d, "single_concurrent.log"), o.timeout)
                 copies = [[r for r in read_jsonl(os.path.join(d, f"single_rank{k}.jsonl")) if r["event"] == "step"]
                           for k in range(W)]
                 coll = None
-                if W > 1:  # Gloo collective bandwidth at the size of one block's all-gather slot
+                if W > 1 and o.device == "cpu":  # Gloo collective bandwidth at the size of one block's all-gather slot
                     mib = 4 * n_params / W / (int(meta["n_layers"]) + 1) / 2**20
                     run([fsdprun, "--nproc-per-node", str(W), ours, "collectives", "--mib", f"{mib:.4f}",
                          "--out-dir", d], env, os.path.join(d, "collectives.log"), o.timeout)
                     coll = read_jsonl(os.path.join(d, "collectives.json"))[0]
                 roof = {"alone": alone, "copies": copies, "coll": coll}
             world1 = None
-            if W == 1 and o.replicate == 1 and o.mp == "fp32" and o.reshard == "default":
+            if W == 1 and o.replicate == 1 and o.mp == "fp32" and o.reshard == "default" and o.device == "cpu":
                 # Issue 11's "world 1 within 2 % of no FSDP", measured with both sides in one process, their steps
                 # interleaved, so the noise of this machine cancels (separate runs drift by more than 2 %).
                 if not RENDER_ONLY:
@@ -289,6 +302,9 @@ def summarize(W, lb, ranks, roof, memcpy_gbs, o, t_ours, t_theirs, n_params):
         "ag_calls_ours": ours0[-1]["all_gather_calls"], "rs_calls_ours": ours0[-1]["reduce_scatter_calls"],
         "ag_calls_theirs": theirs0[-1]["all_gather_calls"], "rs_calls_theirs": theirs0[-1]["reduce_scatter_calls"],
     }
+    if o.device == "cuda":  # peak bytes allocated on the GPU during training, max over ranks (they share it)
+        res["device_peak_ours_mib"] = peak(0, "device_peak_bytes") / 2**20
+        res["device_peak_theirs_mib"] = peak(1, "device_peak_bytes") / 2**20
     # Our last step recorded each collective's timeline: the share of in-flight communication time during
     # which the training thread was not blocked waiting for it (mean over ranks).
     shares = []
@@ -316,6 +332,8 @@ def summarize(W, lb, ranks, roof, memcpy_gbs, o, t_ours, t_theirs, n_params):
             comm_gloo = ag_bytes / (roof["coll"]["all_gather_gb_per_s"] * 1e9) + \
                 rs_bytes / (roof["coll"]["reduce_scatter_gb_per_s"] * 1e9)
         limit = max(compute, comm_memcpy)
+        if o.device == "cuda":
+            res["device_peak_single_mib"] = max(r.get("device_peak_bytes", 0) for r in roof["alone"]) / 2**20
         res.update({"single_alone_median": med(alone), "single_alone_best": min(alone), "oversubscription": oversub,
                     "compute_limit": compute, "copies_median": med(copies), "comm_limit": comm_memcpy,
                     "comm_gloo": comm_gloo, "limit": limit, "ours_over_limit": t_o / limit,
@@ -333,7 +351,8 @@ def fmt_bytes(b):
 def render(results, o, details, memcpy_gbs):
     L = []
     L.append(f"### libfsdp vs PyTorch FSDP2 (torch {torch.__version__}), flavor `{o.flavor}`, "
-             f"{'fp32' if o.mp == 'fp32' else 'bf16 compute / fp32 params and reduce'}, Gloo on CPU")
+             f"{'fp32' if o.mp == 'fp32' else 'bf16 compute / fp32 params and reduce'}, "
+             f"{'Gloo on CPU' if o.device == 'cpu' else 'one GPU (cuda:0) shared by the ranks, Gloo on CUDA tensors'}")
     L.append("")
     L.append(f"- machine: {details}")
     L.append(f"- setup: {o.steps} steps, global batch {o.global_batch} (local = global / world), seq {o.seq}, "
@@ -359,6 +378,13 @@ def render(results, o, details, memcpy_gbs):
                  f"{r['ag_calls_ours']}/{r['rs_calls_ours']}, {r['ag_calls_theirs']}/{r['rs_calls_theirs']} | "
                  f"{'-' if r.get('comm_hidden_share') is None else '%.0f%%' % (100 * r['comm_hidden_share'])} |")
     L.append("")
+    for r in results:
+        if "device_peak_ours_mib" in r:
+            single = r.get("device_peak_single_mib")
+            L.append(f"World {r['world']}: GPU peak allocated (max rank) ours {r['device_peak_ours_mib']:.0f} MiB, "
+                     f"FSDP2 {r['device_peak_theirs_mib']:.0f} MiB"
+                     f"{'' if single is None else f', plain training (one process, no FSDP) {single:.0f} MiB'}.")
+            L.append("")
     for r in results:
         w1 = r.get("world1_interleaved")
         if w1:

@@ -12,6 +12,8 @@ Weights come from the file our side wrote (model args in its metadata), tokens f
 Sharding: fully_shard per block (reshard_after_forward as given) then the root (default policy), the same
 1-D mesh over the world as ours. On Gloo, gradient reduction uses set_force_sum_reduction_for_comms(True):
 SUM collectives + a post-division by the data-parallel size (see run.py's --no-force-sum for the check).
+--device cuda: every rank computes on cuda:0 (the ranks share one GPU), collectives are Gloo's on CUDA tensors,
+and each step also logs torch.cuda.max_memory_allocated. Not yet run on a GPU (docs/benchmarks.md).
 Writes one JSON line per step to <out-dir>/theirs_rank<r>.jsonl.
 """
 import argparse
@@ -228,16 +230,31 @@ def main():
     p.add_argument("--replicate", type=int, default=1, help="HSDP replicate degree")
     p.add_argument("--mp", default="fp32", choices=["fp32", "bf16"], help="bf16: bf16 params in compute, fp32 reduce")
     p.add_argument("--no-force-sum", action="store_true", help="keep FSDP2's AVG reduce-scatter on Gloo")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: every rank on cuda:0, Gloo collectives on CUDA tensors")
     o = p.parse_args()
+    if o.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"vs_pytorch.py: --device cuda, but torch {torch.__version__} sees no CUDA device (a CPU-only "
+                         f"build, or no GPU here); the GPU comparison has not been run yet (docs/benchmarks.md)")
+    device = torch.device("cuda", 0) if o.device == "cuda" else torch.device("cpu")
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def device_peak():
+        return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
     baseline_rss = rss_kib("VmRSS")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if o.replicate > 1:  # HSDP: (replicate, shard), as ours
-        mesh = init_device_mesh("cpu", (o.replicate, world // o.replicate), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device.type, (o.replicate, world // o.replicate), mesh_dim_names=("replicate", "shard"))
     else:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
     rss_after_init = rss_kib("VmRSS")
 
     tensors, meta = st_io.load(o.weights)
@@ -245,6 +262,7 @@ def main():
     model = Transformer(a)
     model.load_state_dict(tensors, strict=True)  # raises on any missing/unexpected/mis-shaped tensor
     del tensors
+    model.to(device)  # before fully_shard, as ours
 
     reshard = parse_reshard(o.reshard)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if o.mp == "bf16" \
@@ -265,14 +283,18 @@ def main():
 
     counter = CommCounter()
     reset_peak_rss()
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     out = open(os.path.join(o.out_dir, f"theirs_rank{rank}.jsonl"), "w")
     out.write(json.dumps({"event": "setup", "side": "theirs", "world": world, "rank": rank,
-                          "flavor": meta.get("flavor"), "torch": torch.__version__,
+                          "flavor": meta.get("flavor"), "torch": torch.__version__, "device": str(device),
                           "force_sum": not o.no_force_sum, "baseline_rss_kib": baseline_rss,
                           "rss_after_init_kib": rss_after_init, "rss_setup_kib": rss_kib("VmRSS")}) + "\n")
     for step in range(o.steps):
         rows = tokens[step, rank * o.local_batch:(rank + 1) * o.local_batch]
-        inputs, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        inputs, targets = rows[:, :-1].contiguous().to(device), rows[:, 1:].contiguous().to(device)
+        sync()
         calls0, bytes0 = counter.snapshot()
         t0 = time.perf_counter()
         logits = model(inputs)
@@ -282,13 +304,15 @@ def main():
         loss.backward()
         optim.step()
         optim.zero_grad()
+        sync()
         step_time = time.perf_counter() - t0
         calls1, bytes1 = counter.snapshot()
         gl = loss.detach().clone()
         dist.all_reduce(gl, op=dist.ReduceOp.SUM)
         out.write(json.dumps({"event": "step", "step": step, "loss": gl.item() / world, "local_loss": loss.item(),
                               "step_time": step_time, "vmhwm_kib": rss_kib("VmHWM"),
-                              "vmrss_kib": rss_kib("VmRSS"), "bytes_requested": bytes1 - bytes0,
+                              "vmrss_kib": rss_kib("VmRSS"), "device_peak_bytes": device_peak(),
+                              "bytes_requested": bytes1 - bytes0,
                               "all_gather_calls": calls1["all_gather"] - calls0["all_gather"],
                               "reduce_scatter_calls": calls1["reduce_scatter"] - calls0["reduce_scatter"],
                               "all_reduce_calls": calls1["all_reduce"] - calls0["all_reduce"]}) + "\n")

@@ -26,8 +26,9 @@ struct CheckpointOptions {
   bool preserve_rng_state = true;
 };
 
-// Checkpoint `module`'s forward. Applying it twice is an error. Order with fully_shard does not matter; a module
-// whose *descendants* are given to fully_shard cannot be checkpointed (checkpoint those descendants instead).
+// Checkpoint `module`'s forward. Applying it twice is an error. Order with fully_shard does not matter. A module
+// whose *descendants* are given to fully_shard may be checkpointed with CheckpointPolicy::Full (their gradients
+// then accumulate in the recomputation's backward; docs/activation_checkpoint.md), not with SelectiveOp.
 void checkpoint_module(const std::shared_ptr<torch::nn::Module>& module, const CheckpointOptions& options = {});
 template <class Impl>
 void checkpoint_module(const torch::nn::ModuleHolder<Impl>& module, const CheckpointOptions& options = {}) {

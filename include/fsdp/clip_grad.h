@@ -9,7 +9,9 @@
 namespace fsdp {
 
 // Clips the gradients of root.parameters() in place so that their global norm is at most max_norm.
-// Returns the total (pre-clipping) norm as a 0-dim fp32 tensor. norm_type: 2.0, 1.0 or infinity.
+// Returns the total (pre-clipping) norm as a 0-dim fp32 tensor. norm_type: any p > 0 (2.0, 1.0, 3.0, 0.5, ...) or
+// infinity (max-norm), as torch::nn::utils::clip_grad_norm_; p <= 0 and NaN are errors (torch returns values
+// that are no size of the gradients for them).
 // Collective: every rank of the model's meshes must call it.
 at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm, double norm_type = 2.0);
 

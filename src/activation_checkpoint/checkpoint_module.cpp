@@ -11,9 +11,18 @@
 // post-hooks after): the saved inputs are the already cast ones (mixed precision applies in recomputation,
 // unlike PyTorch bug #159359), and FSDP's pre-backward hook on the region's outputs re-gathers the parameters
 // before this node's backward reads them.
+//
+// A region whose submodules were given to fully_shard is different: their FSDP hooks run inside the region, in
+// the recomputation too, so their backward must run as it would without checkpointing — gathered by their own
+// pre-backward hooks, their gradients accumulated into the unsharded parameters and reduce-scattered by their
+// post-backward. So for such a region the node takes no parameter edges: its backward differentiates the
+// recomputed graph with torch::autograd::backward (every leaf accumulates, FSDP's hooks fire) inside a
+// NestedBackwardScope (so FSDP counts that nested backward as part of the running one), and returns the
+// gradients the region's inputs accumulated. The recomputed children gather their parameters again.
 #include <fsdp/activation_checkpoint.h>
 
 #include "autograd/make_node.h"
+#include "autograd/nested_backward.h"
 #include "activation_checkpoint/rng_state.h"
 #include "activation_checkpoint/selective_op.h"
 #include "activation_checkpoint/stats.h"
@@ -58,6 +67,8 @@ struct CheckpointNode : torch::autograd::Node {
   std::shared_ptr<detail::MatmulStash> matmuls;  // SelectiveOp only
   std::vector<size_t> differentiable_outputs;    // node input k = region output tensor differentiable_outputs[k]
   size_t n_outputs = 0;
+  // Submodules are sharded: no parameter edges; backward accumulates into every leaf (see the file comment).
+  bool accumulate_leaves = false;
 
   std::string name() const override { return "fsdp::CheckpointBackward"; }
 
@@ -118,6 +129,17 @@ struct CheckpointNode : torch::autograd::Node {
         slots.push_back(slot);
       }
     }
+    if (accumulate_leaves) {
+      if (roots.empty()) return result;
+      {
+        detail::NestedBackwardScope nested;
+        torch::autograd::backward(roots, root_grads, /*retain_graph=*/create_graph, create_graph);
+      }
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        if (input_requires_grad[i] && task_should_compute_output(i)) result[i] = detached[i].grad();
+      }
+      return result;
+    }
     if (roots.empty() || targets.empty()) return result;
     auto g = torch::autograd::grad(roots, targets, root_grads, /*retain_graph=*/create_graph, create_graph,
                                    /*allow_unused=*/true);
@@ -135,18 +157,24 @@ std::optional<c10::Device> region_device(const nn::TensorList& inputs, const std
   return std::nullopt;
 }
 
-void check_no_sharded_descendant(torch::nn::Module& module) {
+// The path of the first descendant of `module` that was given to fully_shard, if any.
+std::optional<std::string> sharded_descendant(torch::nn::Module& module) {
   for (const auto& item : module.named_modules("", /*include_self=*/false)) {
-    TORCH_CHECK(!fsdp_module(*item.value()), "fsdp: the checkpointed module ", module.name(), " contains '", item.key(),
-                "', which was given to fully_shard; checkpoint that module (or its children) instead of an ancestor ",
-                "(fully_shard on the checkpointed module itself, or on an ancestor of it, is fine)");
+    if (fsdp_module(*item.value())) return item.key();
   }
+  return std::nullopt;
 }
 
 nn::TensorList checkpoint_forward(torch::nn::Module& module, const nn::TensorList& inputs,
                                   const nn::ForwardFunction& forward, const CheckpointOptions& options) {
   if (!c10::GradMode::is_enabled()) return forward(inputs);  // evaluation: nothing to save or recompute
-  check_no_sharded_descendant(module);
+  const std::optional<std::string> sharded = sharded_descendant(module);
+  // SelectiveOp's recording forward runs with gradients on and then drops its graph: the sharded submodules'
+  // FSDP hooks would count backward uses that never come.
+  TORCH_CHECK(!sharded || options.policy == CheckpointPolicy::Full, "fsdp: the checkpointed module ", module.name(),
+              " contains '", *sharded, "', which was given to fully_shard; op-level selective checkpointing ",
+              "(CheckpointPolicy::SelectiveOp) of a module with sharded submodules is not supported: use ",
+              "CheckpointPolicy::Full, or checkpoint the sharded submodules themselves");
   std::vector<at::Tensor> params = module.parameters(/*recurse=*/true);
   bool needs_grad = false;
   for (const std::vector<at::Tensor>* list : std::initializer_list<const std::vector<at::Tensor>*>{&inputs, &params}) {
@@ -186,9 +214,14 @@ nn::TensorList checkpoint_forward(torch::nn::Module& module, const nn::TensorLis
   ++detail::checkpoint_counters().forwards;
 
   torch::autograd::edge_list edges = torch::autograd::collect_next_edges(inputs);
-  for (auto& e : torch::autograd::collect_next_edges(params)) edges.push_back(std::move(e));
+  if (sharded) {
+    // No edges to the (sharded, at this point) parameters: their gradients accumulate in the node's backward.
+    node->accumulate_leaves = true;
+  } else {
+    for (auto& e : torch::autograd::collect_next_edges(params)) edges.push_back(std::move(e));
+    node->params = std::move(params);
+  }
   node->set_next_edges(std::move(edges));
-  node->params = std::move(params);
   node->n_outputs = outputs.size();
   for (size_t i = 0; i < outputs.size(); ++i) {
     if (!outputs[i].defined()) continue;

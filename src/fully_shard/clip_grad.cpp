@@ -15,8 +15,11 @@
 namespace fsdp {
 
 at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm, double norm_type) {
-  TORCH_CHECK(norm_type == 1.0 || norm_type == 2.0 || std::isinf(norm_type),
-              "fsdp::clip_grad_norm_: norm_type must be 1, 2 or inf, got ", norm_type);
+  // torch accepts any float here, but only p > 0 clips by a size: p = 0 counts the gradient tensors that have a
+  // nonzero entry, p < 0 and -inf give 0 as soon as one entry is 0 (no clipping), NaN turns every gradient into
+  // NaN. Those are refused rather than reproduced.
+  TORCH_CHECK(norm_type > 0, "fsdp::clip_grad_norm_: norm_type must be > 0 (a p-norm: 1, 2, 3, 0.5, ..., or ",
+              "infinity for the max-norm), got ", norm_type);
   const bool inf_norm = std::isinf(norm_type);
   c10::NoGradGuard no_grad;
 
@@ -73,8 +76,11 @@ at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm, double norm
     if (!g.defined()) continue;
     grads.push_back(g);
     at::Tensor gf = g.to(at::kFloat);
-    at::Tensor part = inf_norm ? (gf.numel() ? gf.abs().max() : at::zeros({}, gf.options()))
-                               : (norm_type == 1.0 ? gf.abs().sum() : gf.pow(2).sum());
+    // sum |g|^p over this rank's piece: summed over ranks and parameters, then the p-th root.
+    at::Tensor part = inf_norm           ? (gf.numel() ? gf.abs().max() : at::zeros({}, gf.options()))
+                      : norm_type == 1.0 ? gf.abs().sum()
+                      : norm_type == 2.0 ? gf.pow(2).sum()
+                                         : gf.abs().pow(norm_type).sum();
     auto it = group_of.find(p.unsafeGetTensorImpl());
     at::Tensor& acc = it == group_of.end() ? replicated_partial : [&]() -> at::Tensor& {
       auto& t = sharded_partials[it->second];
@@ -97,6 +103,7 @@ at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm, double norm
     total = inf_norm ? at::maximum(total, buf.reshape({}).to(total.device())) : total + buf.reshape({}).to(total.device());
   }
   if (!inf_norm && norm_type == 2.0) total = total.sqrt();
+  else if (!inf_norm && norm_type != 1.0) total = total.pow(1.0 / norm_type);
   const double total_norm = total.item<double>();
   const double clip_coef = max_norm / (total_norm + 1e-6);
   if (clip_coef < 1.0) {

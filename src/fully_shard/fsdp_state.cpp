@@ -1,5 +1,6 @@
 #include "fully_shard/fsdp_state.h"
 #include "autograd/make_node.h"
+#include "autograd/nested_backward.h"
 #include "util/exception_message.h"
 
 #include <ATen/ATen.h>
@@ -198,7 +199,10 @@ void FSDPState::lazy_init() {
 bool FSDPState::needs_recovery() const {
   if (!ctx_) return false;
   const int pass = detail::current_backward_pass();
-  if (ctx_->backward_graph_task != -1 && ctx_->backward_graph_task != pass) return true;  // backward died
+  // (A backward nested in the recorded one — activation checkpointing's recomputation — is that backward.)
+  if (ctx_->backward_graph_task != -1 && !detail::runs_within_backward(ctx_->backward_graph_task)) {
+    return true;  // backward died
+  }
   // Forward left over (an exception escaped the root's forward), or backward states outside any backward.
   for (auto& s : context_states()) {
     if (detail::is_abandoned(s->training_state(), /*in_backward=*/pass != -1)) return true;
@@ -404,7 +408,9 @@ void FSDPState::register_pre_backward(nn::TensorList& outputs) {
 
 void FSDPState::queue_final_callback() {
   const int pass = detail::current_backward_pass();
-  if (ctx_->backward_graph_task == pass) return;
+  // A backward nested in the recorded one (activation checkpointing recomputing a region whose submodules are
+  // sharded) belongs to it: its uses finish at that backward's final callback.
+  if (detail::runs_within_backward(ctx_->backward_graph_task)) return;
   if (ctx_->backward_graph_task != -1) {
     // The callback queued for an earlier backward never ran: that backward failed. Recover first.
     reset();

@@ -165,6 +165,17 @@ std::string any_type_name(const torch::nn::AnyValue& value) { return c10::demang
 std::string any_module_name(const torch::nn::AnyModule& module) {
   return module.is_empty() ? std::string("an empty AnyModule") : module.ptr()->name();
 }
+std::string hidden_tensors_message(const char* what, const torch::nn::Module& module, const std::string& where,
+                                   const std::string& whole_type, const std::string& hidden_type) {
+  std::string of = whole_type == hidden_type ? std::string() : c10::str(", which holds ", hidden_type);
+  return c10::str(what, ": ", module.name(), " has forward hooks (fully_shard, activation checkpointing, ...), but ",
+                  "its forward ", where, " ", whole_type, of, ": a type whose tensors the hooks cannot see. FSDP ",
+                  "would not arm the gather before backward for tensors it is not shown, and backward would read ",
+                  "freed parameters. Pass and return tensors as Tensor, std::vector, std::array, std::optional, ",
+                  "std::tuple, std::pair, std::map or std::unordered_map of those, or specialize ",
+                  "fsdp::nn::TensorFields<", hidden_type, "> to visit its tensors (an empty visit if it holds ",
+                  "none); see docs/hooks.md");
+}
 }  // namespace detail
 
 void run_forward_pre_hooks(torch::nn::Module& module, TensorList& inputs) {

@@ -167,20 +167,3 @@ TEST(ActivationCheckpointParity, ChildOfShardedRoot) {
 TEST(ActivationCheckpointParity, MixedPrecisionCastsApplyInRecompute) {
   for (Mode m : {Mode::Full, Mode::Op}) expect_parity(m, Sharding::SameModuleBf16);
 }
-
-TEST(ActivationCheckpointParity, AncestorOfShardedModuleIsRejected) {
-  auto world = fsdp_test::test_world();
-  Model model = make_model(2);
-  fsdp::FullyShardOptions opts;
-  opts.mesh = world_mesh();
-  fsdp::fully_shard(model->blocks[0]->as<BlockImpl>()->ffn, opts);
-  fsdp::fully_shard(model, opts);
-  fsdp::checkpoint_module(model->blocks[0]);
-  auto x = torch::randn({kBatch, kSeq, 5});
-  try {
-    fsdp::nn::call(model, x);
-    FAIL() << "expected an error";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("contains 'ffn', which was given to fully_shard"), std::string::npos) << e.what();
-  }
-}

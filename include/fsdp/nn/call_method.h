@@ -28,6 +28,8 @@ auto call_method(M&& module, Method method, Args&&... args) {
   auto& impl = detail::module_object(module);
   torch::nn::Module& base = impl;
   if (!has_forward_hooks(base)) return (impl.*method)(std::forward<Args>(args)...);
+  detail::check_tensors_visible<decltype((impl.*method)(std::declval<std::decay_t<Args>&>()...)),
+                                std::decay_t<Args>...>("fsdp::nn::call_method", base);
   // Hooks may replace tensors, so the arguments are copied (tensors are handles: the copy is cheap).
   std::tuple<std::decay_t<Args>...> arg_values(std::forward<Args>(args)...);
   TensorList inputs = detail::gather_tensors(arg_values);

@@ -8,8 +8,11 @@
 // exactly forward(). Calling forward() directly on a module that has hooks is what fully_shard reports as an
 // error (see docs/hooks.md).
 //
-// Hooks see the tensors among the arguments and results as a flat list (tensors, optionals, vectors, tuples
-// and pairs of those are walked recursively; other types pass through untouched), and may replace them.
+// Hooks see the tensors among the arguments and results as a flat list, and may replace them: tensors,
+// std::optional, std::vector, std::array, std::tuple, std::pair, std::map and std::unordered_map (their
+// values) are walked recursively, and a user type through fsdp::nn::TensorFields<T> (below). On a module with
+// hooks, an argument or result type that may hold tensors the hooks cannot see is refused before the forward
+// runs (see detail::hides_tensors for the rule and why).
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
@@ -17,13 +20,18 @@
 #include <torch/nn/pimpl.h>
 #include <c10/util/Type.h>
 
+#include <array>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <type_traits>
+#include <typeinfo>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -77,27 +85,163 @@ bool has_forward_wrappers(const torch::nn::Module& module);
 // Runs `forward` inside every wrapper of the module (just `forward` when it has none).
 TensorList run_forward_wrappers(torch::nn::Module& module, const TensorList& inputs, const ForwardFunction& forward);
 
+// The way in for user types: specialize TensorFields for a struct (or class) that a module with hooks takes or
+// returns, and call `visit` on each member that holds tensors — a tensor, any container call() walks, or
+// another type with TensorFields. The hooks then see (and may replace) those tensors, in the order visited:
+//
+//   struct BlockOutput { at::Tensor hidden; std::vector<at::Tensor> aux; int64_t tokens; };
+//   template <>
+//   struct fsdp::nn::TensorFields<BlockOutput> {
+//     template <class Visit>
+//     static void visit(BlockOutput& out, Visit&& visit) { visit(out.hidden); visit(out.aux); }
+//   };
+//
+// A type that holds no tensors (a config struct passed to forward) says so with an empty visit. The order must
+// not depend on the values (the same fields every call): activation checkpointing matches the tensors of the
+// recomputed forward to the original ones by position.
+template <class T>
+struct TensorFields;  // no primary definition: only specializations exist
+
 namespace detail {
 // Visit every at::Tensor inside a value (recursively through common containers).
 template <class T, class F> void for_each_tensor(T& value, F&& f);
 
 template <class T> struct is_vector : std::false_type {};
 template <class T, class A> struct is_vector<std::vector<T, A>> : std::true_type {};
+template <class T> struct is_std_array : std::false_type {};
+template <class T, size_t N> struct is_std_array<std::array<T, N>> : std::true_type {};
 template <class T> struct is_optional : std::false_type {};
 template <class T> struct is_optional<std::optional<T>> : std::true_type {};
 template <class T> struct is_tuple_like : std::false_type {};
 template <class... T> struct is_tuple_like<std::tuple<T...>> : std::true_type {};
 template <class A, class B> struct is_tuple_like<std::pair<A, B>> : std::true_type {};
+template <class T> struct is_map : std::false_type {};
+template <class K, class V, class C, class A> struct is_map<std::map<K, V, C, A>> : std::true_type {};
+template <class K, class V, class H, class E, class A>
+struct is_map<std::unordered_map<K, V, H, E, A>> : std::true_type {};
+
+// Whether TensorFields<T> is specialized (with a usable visit).
+struct ProbeVisit {
+  template <class Field> void operator()(Field&) const {}
+};
+template <class T, class = void> struct has_tensor_fields : std::false_type {};
+template <class T>
+struct has_tensor_fields<T, std::void_t<decltype(TensorFields<T>::visit(std::declval<T&>(), std::declval<ProbeVisit>()))>>
+    : std::true_type {};
+
+// Types known to hold no tensor.
+template <class U>
+constexpr bool is_tensor_free_leaf() {
+  return std::is_arithmetic_v<U> || std::is_enum_v<U> || std::is_same_v<U, std::string> ||
+         std::is_same_v<U, std::string_view> || std::is_same_v<U, const char*> || std::is_same_v<U, std::nullptr_t> ||
+         std::is_same_v<U, c10::Device> || std::is_same_v<U, c10::IntArrayRef>;
+}
+
+// The rule for what a module with hooks may take and return. A tensor the hooks cannot see is not a harmless
+// omission: FSDP's post-forward hook arms the pre-backward gather on the output tensors it is shown, and frees
+// the full parameters after forward; an output tensor it was not shown reaches backward with no gather before
+// it, and autograd reads the freed storage ("setStorage: ... out of bounds for storage of size 0", naming no
+// module). A hidden input misses its mixed-precision cast, and under activation checkpointing its gradient
+// (it is kept as a non-tensor argument). So every component type must be either a tensor, a container call()
+// walks, a type with TensorFields, or a type known to hold no tensor; anything else "hides tensors" and is
+// refused when the module has hooks, before the pre-hooks run (nothing to undo), with the type named. Decided
+// on the static type, not on the values: a run-time rule ("no tensor output seen") would also refuse a
+// legitimate empty vector, and would miss an output that shows one tensor and hides another. On a module
+// without hooks, call() is forward() and any type passes. Map keys are not walked (they identify entries; a
+// tensor key is refused).
+template <class T>
+constexpr bool hides_tensors();
+template <class Tuple, size_t... I>
+constexpr bool any_hides_tensors(std::index_sequence<I...>) {
+  return (false || ... || hides_tensors<std::tuple_element_t<I, Tuple>>());
+}
+template <class T>
+constexpr bool hides_tensors() {
+  using U = std::remove_cv_t<std::remove_reference_t<T>>;
+  if constexpr (std::is_base_of_v<at::TensorBase, U> || has_tensor_fields<U>::value || is_tensor_free_leaf<U>()) {
+    return false;
+  } else if constexpr (is_vector<U>::value || is_optional<U>::value || is_std_array<U>::value) {
+    return hides_tensors<typename U::value_type>();
+  } else if constexpr (is_map<U>::value) {
+    return std::is_base_of_v<at::TensorBase, typename U::key_type> || hides_tensors<typename U::mapped_type>();
+  } else if constexpr (is_tuple_like<U>::value) {
+    return any_hides_tensors<U>(std::make_index_sequence<std::tuple_size_v<U>>{});
+  } else {
+    return true;
+  }
+}
+
+// The innermost component of T that hides tensors (for the error message), or "" when none does.
+template <class T>
+std::string hidden_type_name();
+template <class Tuple, size_t... I>
+std::string first_hidden_type_name(std::index_sequence<I...>) {
+  std::string name;
+  ((name = name.empty() ? hidden_type_name<std::tuple_element_t<I, Tuple>>() : name), ...);
+  return name;
+}
+template <class T>
+std::string hidden_type_name() {
+  using U = std::remove_cv_t<std::remove_reference_t<T>>;
+  if constexpr (!hides_tensors<U>()) {
+    return "";
+  } else if constexpr (is_vector<U>::value || is_optional<U>::value || is_std_array<U>::value) {
+    return hidden_type_name<typename U::value_type>();
+  } else if constexpr (is_map<U>::value) {
+    if constexpr (std::is_base_of_v<at::TensorBase, typename U::key_type>) return c10::demangle(typeid(U).name());
+    else return hidden_type_name<typename U::mapped_type>();
+  } else if constexpr (is_tuple_like<U>::value) {
+    return first_hidden_type_name<U>(std::make_index_sequence<std::tuple_size_v<U>>{});
+  } else {
+    return c10::demangle(typeid(U).name());
+  }
+}
+
+template <class T> struct type_tag { using type = T; };
+
+// Refuses a call whose argument or result types hide tensors (see hides_tensors); `what` is "fsdp::nn::call".
+std::string hidden_tensors_message(const char* what, const torch::nn::Module& module, const std::string& where,
+                                   const std::string& whole_type, const std::string& hidden_type);
+template <class Result, class... Args>
+void check_tensors_visible(const char* what, const torch::nn::Module& module) {
+  if constexpr (hides_tensors<Result>()) {
+    TORCH_CHECK(false, hidden_tensors_message(what, module, "returns", c10::demangle(typeid(Result).name()),
+                                              hidden_type_name<Result>()));
+  }
+  if constexpr ((false || ... || hides_tensors<Args>())) {
+    size_t index = 0;
+    auto one = [&](auto tag) {
+      using A = typename decltype(tag)::type;
+      if constexpr (hides_tensors<A>()) {
+        TORCH_CHECK(false, hidden_tensors_message(what, module, "takes as argument " + std::to_string(index),
+                                                  c10::demangle(typeid(A).name()), hidden_type_name<A>()));
+      }
+      ++index;
+    };
+    (one(type_tag<Args>{}), ...);
+  }
+}
 
 template <class T, class F>
 void for_each_tensor(T& value, F&& f) {
   using U = std::decay_t<T>;
   if constexpr (std::is_base_of_v<at::TensorBase, U>) {
     f(static_cast<at::Tensor&>(value));
-  } else if constexpr (is_vector<U>::value) {
+  } else if constexpr (has_tensor_fields<U>::value) {
+    TensorFields<U>::visit(value, [&](auto& field) {
+      static_assert(!hides_tensors<decltype(field)>(),
+                    "fsdp::nn::TensorFields<T>::visit was given a member of a type whose tensors call() cannot see: "
+                    "specialize fsdp::nn::TensorFields for that type too");
+      for_each_tensor(field, f);
+    });
+  } else if constexpr (is_vector<U>::value || is_std_array<U>::value) {
     for (auto& v : value) for_each_tensor(v, f);
   } else if constexpr (is_optional<U>::value) {
     if (value.has_value()) for_each_tensor(*value, f);
+  } else if constexpr (is_map<U>::value) {
+    // Iteration order: sorted keys (std::map); for std::unordered_map the order of this object, which is the
+    // same for every run that inserts the same keys the same way (as recomputation does).
+    for (auto& entry : value) for_each_tensor(entry.second, f);
   } else if constexpr (is_tuple_like<U>::value) {
     std::apply([&](auto&... elems) { (for_each_tensor(elems, f), ...); }, value);
   }
@@ -179,6 +323,8 @@ bool for_each_tensor_in_any(torch::nn::AnyValue& value, F&& f) {
   visit(value.try_get<std::tuple<at::Tensor, at::Tensor>>());
   visit(value.try_get<std::tuple<at::Tensor, at::Tensor, at::Tensor>>());
   visit(value.try_get<std::pair<at::Tensor, at::Tensor>>());
+  visit(value.try_get<std::map<std::string, at::Tensor>>());
+  visit(value.try_get<std::unordered_map<std::string, at::Tensor>>());
   return known;
 }
 
@@ -282,6 +428,8 @@ auto call(M&& module, Args&&... args) {
   auto& impl = detail::module_object(module);
   torch::nn::Module& base = impl;
   if (!has_forward_hooks(base)) return impl.forward(std::forward<Args>(args)...);
+  detail::check_tensors_visible<decltype(impl.forward(std::declval<std::decay_t<Args>&>()...)), std::decay_t<Args>...>(
+      "fsdp::nn::call", base);
   // Hooks may replace tensors, so the arguments are copied (tensors are handles: the copy is cheap).
   std::tuple<std::decay_t<Args>...> arg_values(std::forward<Args>(args)...);
   TensorList inputs = detail::gather_tensors(arg_values);
@@ -309,7 +457,8 @@ auto call(M&& module, Args&&... args) {
 // The type-erased form: any.any_forward(args...) with the hooks of any.ptr() around it; returns the AnyValue.
 // Arguments may themselves be AnyValues (what fsdp::nn::Sequential passes from one element to the next). When
 // the module has hooks, the tensors of AnyValue arguments and of the result must be visible to them: an
-// at::Tensor, std::vector<at::Tensor>, std::optional<at::Tensor>, or a tuple/pair of 2 or 3 tensors.
+// at::Tensor, std::vector<at::Tensor>, std::optional<at::Tensor>, a tuple/pair of 2 or 3 tensors, or a
+// std::map / std::unordered_map from std::string to at::Tensor.
 template <class... Args>
 torch::nn::AnyValue call_any_value(const torch::nn::AnyModule& any, Args&&... args) {
   auto& module = const_cast<torch::nn::AnyModule&>(any);  // AnyModule is a handle, like a module holder
@@ -322,7 +471,7 @@ torch::nn::AnyValue call_any_value(const torch::nn::AnyModule& any, Args&&... ar
   TORCH_CHECK(detail::for_each_argument_tensor(arg_values, [&](at::Tensor& t) { inputs.push_back(t); }, &unknown),
               "fsdp::nn::call: ", detail::any_module_name(any), " has forward hooks, but an argument is an AnyValue ",
               "holding ", unknown, ", whose tensors its hooks cannot see (supported: Tensor, vector<Tensor>, ",
-              "optional<Tensor>, tuple/pair of 2 or 3 Tensors)");
+              "optional<Tensor>, tuple/pair of 2 or 3 Tensors, map/unordered_map<string, Tensor>)");
   const size_t n_inputs = inputs.size();
   run_forward_pre_hooks(*base, inputs);
   TORCH_CHECK(inputs.size() == n_inputs, "fsdp::nn::call: a forward pre-hook changed the number of input tensors");
@@ -346,7 +495,7 @@ torch::nn::AnyValue call_any_value(const torch::nn::AnyModule& any, Args&&... ar
   TORCH_CHECK(detail::for_each_tensor_in_any(result, [&](at::Tensor& t) { outputs.push_back(t); }),
               "fsdp::nn::call: ", detail::any_module_name(any), " has forward hooks, but its forward returned ",
               detail::any_type_name(result), ", whose tensors its hooks cannot see (supported: Tensor, vector<Tensor>, ",
-              "optional<Tensor>, tuple/pair of 2 or 3 Tensors)");
+              "optional<Tensor>, tuple/pair of 2 or 3 Tensors, map/unordered_map<string, Tensor>)");
   const size_t n_outputs = outputs.size();
   run_forward_hooks(*base, inputs, outputs);
   guard.dismiss();
