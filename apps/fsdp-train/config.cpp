@@ -76,6 +76,9 @@ std::vector<Field> fields(JobConfig& c) {
        "float32 | bfloat16: FSDP all-gathers and computes in this dtype (only when FSDP is applied)"},
       {"training", "mixed_precision_reduce", &c.training.mixed_precision_reduce, "float32 | bfloat16: gradient reduction dtype (FSDP)"},
       {"training", "enable_cpu_offload", &c.training.enable_cpu_offload, "FSDP CPU offload policy (no effect on a CPU run)"},
+      {"training", "device", &c.training.device,
+       "cpu | cuda | cuda:N: the mesh's device (FSDP's parameters and collectives); not a TorchTitan key (TorchTitan "
+       "takes CUDA when present). An unavailable device is an error at start"},
       {"validation", "enable", &c.validation.enable, "validate every `freq` steps (and at step 1) on a held-out stream"},
       {"validation", "dataset", &c.validation.dataset,
        "common_licenses_validation (the license held out of common_licenses) | any training.dataset kind"},
@@ -583,6 +586,13 @@ void validate(const JobConfig& c) {
   check(c.validation.seq_len > 0, "validation.seq_len: expected > 0, got " + std::to_string(c.validation.seq_len));
   check_choice("training.mixed_precision_param", c.training.mixed_precision_param, {"float32", "bfloat16"});
   check_choice("training.mixed_precision_reduce", c.training.mixed_precision_reduce, {"float32", "bfloat16"});
+  {
+    const std::string& d = c.training.device;
+    const bool cuda_index = d.size() > 5 && d.compare(0, 5, "cuda:") == 0 && d.size() <= 8 &&
+                            std::all_of(d.begin() + 5, d.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+    check(d == "cpu" || d == "cuda" || cuda_index,
+          "training.device: expected \"cpu\", \"cuda\" or \"cuda:N\", got \"" + d + "\"");
+  }
   check_choice("parallelism.fsdp_reshard_after_forward", c.parallelism.fsdp_reshard_after_forward,
                {"default", "always", "never"});
   check_choice("checkpoint.async_mode", c.checkpoint.async_mode, {"disabled", "async", "async_with_pinned_mem"});

@@ -57,6 +57,9 @@ struct JobConfig {
     std::string mixed_precision_param = "bfloat16";
     std::string mixed_precision_reduce = "float32";
     bool enable_cpu_offload = false;
+    // The device of the mesh: FSDP's parameters and collectives (cpu | cuda | cuda:N). Not a TorchTitan key
+    // (TorchTitan takes CUDA when it is there); here the CPU unless asked.
+    std::string device = "cpu";
   } training;
   // TorchTitan's [validation]: a forward under no_grad over a held-out stream every `freq` steps (and step 1).
   struct Validation {

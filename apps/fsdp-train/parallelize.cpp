@@ -3,29 +3,15 @@
 
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/nn/llama_tp_plan.h>
+#include <fsdp/replicate.h>
 #include <fsdp/tensor_parallel.h>
 
 #include <ATen/ATen.h>
-#include <torch/autograd.h>
 
 namespace fsdp_train {
 namespace {
 
 c10::ScalarType dtype_of(const std::string& name) { return name == "bfloat16" ? c10::kBFloat16 : c10::kFloat; }
-
-void broadcast_parameters(torch::nn::Module& model, const fsdp::ProcessGroupPtr& group) {
-  // Every rank initialised from the same seed already; the broadcast makes identity a guarantee, not a hope.
-  torch::NoGradGuard no_grad;
-  std::vector<at::Tensor> params;
-  for (auto& p : model.parameters()) params.push_back(p.detach().reshape(-1));
-  auto flat = at::cat(params);
-  group->broadcast(flat, 0).wait();
-  int64_t off = 0;
-  for (auto& p : model.parameters()) {
-    p.detach().view(-1).copy_(flat.narrow(0, off, p.numel()));
-    off += p.numel();
-  }
-}
 
 // [activation_checkpoint] on every transformer block, before fully_shard (TorchTitan's order: AC wrap, then FSDP).
 std::string apply_activation_checkpointing(fsdp::nn::llama::Transformer& model, const JobConfig& config) {
@@ -47,30 +33,63 @@ std::string apply_activation_checkpointing(fsdp::nn::llama::Transformer& model, 
          std::to_string(n) + " of " + std::to_string(blocks.size()) + ")";
 }
 
+// Replicas without sharding or tensor parallelism: TorchTitan's DDP path.
+bool plain_data_parallel(const ParallelDims& dims) {
+  return dims.tp == 1 && dims.dp_shard == 1 && dims.dp_replicate > 1;
+}
+
+// Every block, then the root (bottom-up): one gradient all-reduce per block, issued as soon as its backward is
+// done (DDP's buckets, overlapping the rest of backward), rather than one flat all-reduce after backward.
+void apply_replicate(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& mesh, ParallelPlan& plan) {
+  fsdp::ReplicateOptions opts;
+  opts.mesh = mesh;
+  for (auto& block : model->blocks()) plan.fsdp_modules.push_back(fsdp::replicate(block, opts));
+  plan.fsdp_modules.push_back(fsdp::replicate(model, opts));
+}
+
 }  // namespace
 
+c10::Device mesh_device(const JobConfig& config) {
+  const c10::Device device(config.training.device);  // the form was checked by validate()
+  if (device.is_cuda() && !at::hasCUDA()) {
+    throw ConfigError("training.device = \"" + config.training.device +
+                      "\": CUDA is not available in this process (a CPU build of libtorch, or no GPU visible); "
+                      "use \"cpu\"");
+  }
+  return device;
+}
+
 bool plan_uses_fully_shard(const ParallelDims& dims, bool has_group) {
-  return has_group && (dims.tp > 1 || !(dims.dp_shard == 1 && dims.dp_replicate > 1));
+  // Plain data parallelism is fully_shard too: fsdp::replicate over a (dp_replicate, 1) mesh.
+  return has_group;
 }
 
 bool plan_needs_full_init(const ParallelDims& dims, bool has_group) {
-  return !plan_uses_fully_shard(dims, has_group) || dims.tp > 1;
+  // Replicas are built whole, then replicate broadcasts replica 0's weights (DDP's guarantee); TP plans need
+  // the whole model before they split it.
+  return !has_group || plain_data_parallel(dims) || dims.tp > 1;
 }
 
 ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobConfig& config, const ParallelDims& dims,
                                const fsdp::ProcessGroupPtr& group) {
   ParallelPlan plan;
   plan.dp_group = group;
+  const std::string device = mesh_device(config).is_cuda() ? "cuda" : "cpu";  // init_device_mesh takes the type
   plan.activation_checkpointing = apply_activation_checkpointing(model, config);
   if (!group) {
     // fully_shard needs a process group (even a 1-rank one, as under fsdprun); a bare process trains unsharded.
     plan.description = "single process (no process group: run under fsdprun to apply fully_shard)";
     return plan;
   }
-  if (!plan_uses_fully_shard(dims, true)) {
-    plan.ddp = true;
-    broadcast_parameters(*model, group);
-    plan.description = "data parallel (replicate " + std::to_string(dims.dp_replicate) + ", gradient all-reduce)";
+  if (plain_data_parallel(dims)) {
+    // TorchTitan's DDP path, in FSDP2's style (fsdp::replicate). Full precision, as TorchTitan's DDP: the
+    // mixed_precision_* keys apply to FSDP.
+    plan.mesh = fsdp::init_device_mesh(device, {dims.dp_replicate, 1}, {"dp_replicate", "dp_shard"});
+    apply_replicate(model, plan.mesh, plan);
+    for (auto& m : plan.fsdp_modules) m.set_gradient_divide_factor(1.0);
+    plan.fsdp = true;
+    plan.description = "data parallel (replicate " + std::to_string(dims.dp_replicate) +
+                       ", fsdp::replicate: gradient all-reduce per block)";
     return plan;
   }
   fsdp::DeviceMesh dp_mesh;
@@ -83,7 +102,7 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
       shape.insert(shape.begin(), dims.dp_replicate);
       names.insert(names.begin(), "dp_replicate");
     }
-    plan.mesh = fsdp::init_device_mesh("cpu", shape, names);
+    plan.mesh = fsdp::init_device_mesh(device, shape, names);
     plan.tp_mesh = plan.mesh["tp"];
     dp_mesh = dims.dp_replicate > 1 ? plan.mesh.slice({"dp_replicate", "dp_shard"}) : plan.mesh["dp_shard"];
     plan.loss_parallel = !config.parallelism.disable_loss_parallel;
@@ -92,10 +111,10 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
     tp_description = "TP " + std::to_string(dims.tp) + " (sequence parallel, " +
                      (plan.loss_parallel ? "loss parallel" : "logits gathered") + ") + ";
   } else if (dims.dp_replicate > 1) {
-    plan.mesh = fsdp::init_device_mesh("cpu", {dims.dp_replicate, dims.dp_shard}, {"dp_replicate", "dp_shard"});
+    plan.mesh = fsdp::init_device_mesh(device, {dims.dp_replicate, dims.dp_shard}, {"dp_replicate", "dp_shard"});
     dp_mesh = plan.mesh;
   } else {
-    plan.mesh = fsdp::init_device_mesh("cpu", {dims.dp_shard}, {"dp_shard"});
+    plan.mesh = fsdp::init_device_mesh(device, {dims.dp_shard}, {"dp_shard"});
     dp_mesh = plan.mesh;
   }
   fsdp::FullyShardOptions base;
@@ -123,26 +142,6 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
                      ", reshard_after_forward " + policy + ", param " + config.training.mixed_precision_param +
                      ", reduce " + config.training.mixed_precision_reduce;
   return plan;
-}
-
-void sync_replicated_gradients(torch::nn::Module& model, const ParallelPlan& plan) {
-  if (!plan.ddp) return;
-  torch::NoGradGuard no_grad;
-  std::vector<at::Tensor> grads;
-  std::vector<at::Tensor> params;
-  for (auto& p : model.parameters()) {
-    if (!p.requires_grad()) continue;
-    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
-    params.push_back(p);
-    grads.push_back(p.grad().reshape(-1));
-  }
-  auto flat = at::cat(grads);
-  plan.dp_group->all_reduce(flat, fsdp::ReduceOp::Sum).wait();
-  int64_t off = 0;
-  for (auto& p : params) {
-    p.mutable_grad().view(-1).copy_(flat.narrow(0, off, p.numel()));
-    off += p.numel();
-  }
 }
 
 }  // namespace fsdp_train

@@ -2,9 +2,11 @@
 // TorchTitan's declarative split between the model and its parallelisation: the model (fsdp/nn/llama.h) knows
 // nothing of FSDP; this step applies fsdp::fully_shard to every transformer block and then to the root, from
 // the [parallelism] and [training] keys:
-//   mesh            1-D over the data-parallel ranks, or 2-D ("dp_replicate", "dp_shard") = HSDP
-//   shard degree 1  with replicate > 1: plain data parallelism (TorchTitan's DDP path): parameters broadcast
-//                   from rank 0, gradients summed by one all-reduce per step
+//   mesh            1-D over the data-parallel ranks, or 2-D ("dp_replicate", "dp_shard") = HSDP; on the device
+//                   of training.device
+//   shard degree 1  with replicate > 1: plain data parallelism (TorchTitan's DDP path) through fsdp::replicate
+//                   on every block and the root: parameters broadcast from rank 0, never sharded, gradients
+//                   summed by one all-reduce per block as its backward finishes
 //   reshard         fsdp_reshard_after_forward: default (every block but the last, which backward needs at
 //                   once; root kept, as TorchTitan), always, never
 //   precision       mixed_precision_param / mixed_precision_reduce (FSDP only, as in TorchTitan)
@@ -23,14 +25,15 @@
 #include <fsdp/nn/llama.h>
 #include <fsdp/process_group.h>
 
+#include <c10/core/Device.h>
+
 #include <string>
 #include <vector>
 
 namespace fsdp_train {
 
 struct ParallelPlan {
-  bool fsdp = false;  // fully_shard applied (sharded parameters; clip with fsdp::clip_grad_norm_)
-  bool ddp = false;   // replicated parameters, gradient all-reduce
+  bool fsdp = false;  // fully_shard or replicate applied (clip with fsdp::clip_grad_norm_)
   fsdp::DeviceMesh mesh;
   fsdp::ProcessGroupPtr dp_group;  // all data-parallel ranks (loss and token-count reductions); null on 1 rank
   std::vector<fsdp::FSDPModule> fsdp_modules;
@@ -40,6 +43,8 @@ struct ParallelPlan {
   bool loss_parallel = false;            // logits are vocabulary-sharded over tp_mesh
 };
 
+// The device of the mesh (training.device); a ConfigError when it is not available in this process.
+c10::Device mesh_device(const JobConfig& config);
 // Whether parallelize_llama will apply fully_shard (then the trainer builds the model on `meta` and
 // materializes only the shards, as TorchTitan does). `has_group`: running under a process group.
 bool plan_uses_fully_shard(const ParallelDims& dims, bool has_group);
@@ -49,8 +54,5 @@ bool plan_needs_full_init(const ParallelDims& dims, bool has_group);
 // `group` is the world group when distributed, or null for a single process (no collectives at all).
 ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobConfig& config, const ParallelDims& dims,
                                const fsdp::ProcessGroupPtr& group);
-
-// DDP path: sum every gradient over plan.dp_group (one flat all-reduce). No-op unless plan.ddp.
-void sync_replicated_gradients(torch::nn::Module& model, const ParallelPlan& plan);
 
 }  // namespace fsdp_train

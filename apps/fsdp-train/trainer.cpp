@@ -97,6 +97,10 @@ TrainEnv init_distributed(const JobConfig& config) {
   if (ws && std::atoi(ws) > 1) {
     fsdp::InitOptions opts;
     opts.timeout = std::chrono::seconds(config.comm.init_timeout_seconds);
+    // The process group works on the mesh's device (training.device): Gloo for the CPU; for CUDA, NCCL where
+    // libfsdp has it, else Gloo on CUDA tensors.
+    if (mesh_device(config).is_cuda()) opts.device = config.training.device;
+    else opts.backend = "gloo";
     env.group = fsdp::init_process_group(opts);
     env.rank = env.group->rank();
     env.world_size = env.group->size();
@@ -280,7 +284,6 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
       (loss_sum / global_tokens).backward();
       local_loss_sum += loss_sum.item<double>();
     }
-    sync_replicated_gradients(*model, plan);
     double grad_norm;
     if (plan.fsdp) {
       grad_norm = fsdp::clip_grad_norm_(*model, config.training.max_norm).item<double>();

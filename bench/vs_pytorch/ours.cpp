@@ -13,6 +13,7 @@
 // (VmHWM), bytes this rank sent during the step (CommStats) and collective counts. The training step is
 // exactly the Python side's (vs_pytorch.py): forward, cross-entropy mean, backward, AdamW step, zero_grad.
 #include <fsdp/checkpoint/safetensors.h>
+#include <fsdp/comm_stats.h>
 #include <fsdp/device_mesh.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/nn/llama.h>
@@ -262,7 +263,7 @@ int cmd_train(const Options& o) {
   auto mesh_stats = [&mesh] {
     fsdp::CommStats sum;
     for (int64_t d = 0; d < mesh.ndim(); ++d) {
-      const fsdp::CommStats& s = mesh.group(d)->stats();
+      const fsdp::CommStats& s = fsdp::comm_stats(*mesh.group(d));
       sum.bytes_sent += s.bytes_sent;
       sum.all_gather_calls += s.all_gather_calls;
       sum.reduce_scatter_calls += s.reduce_scatter_calls;
@@ -278,7 +279,7 @@ int cmd_train(const Options& o) {
     // how much of the communication was hidden behind compute. Recording adds an observer thread that waits
     // on the transfers: one step of N, so the median step time is unaffected.
     const bool record = step == o.steps - 1 && W > 1;
-    for (int64_t d = 0; record && d < mesh.ndim(); ++d) mesh.group(d)->record_timeline(true);
+    for (int64_t d = 0; record && d < mesh.ndim(); ++d) fsdp::record_timeline(*mesh.group(d), true);
     const fsdp::CommStats before = mesh_stats();
     const auto t0 = std::chrono::steady_clock::now();
     at::Tensor logits = fsdp::nn::call(model, inputs);
@@ -310,13 +311,13 @@ int cmd_train(const Options& o) {
       double in_flight = 0, exposed = 0;
       int64_t n = 0;
       for (int64_t d = 0; d < mesh.ndim(); ++d) {
-        for (const fsdp::CollectiveSpan& span : mesh.group(d)->timeline()) {
+        for (const fsdp::CollectiveSpan& span : fsdp::comm_timeline(*mesh.group(d))) {
           if (span.completed == fsdp::CollectiveSpan::Clock::time_point{}) continue;
           in_flight += std::chrono::duration<double>(span.completed - span.issued).count();
           exposed += std::chrono::duration<double>(span.wait_end - span.wait_begin).count();
           ++n;
         }
-        mesh.group(d)->record_timeline(false);
+        fsdp::record_timeline(*mesh.group(d), false);
       }
       out << "{\"event\":\"overlap\",\"step\":" << step << ",\"collectives\":" << n
           << ",\"in_flight_s\":" << bench::fmt(in_flight) << ",\"exposed_s\":" << bench::fmt(exposed) << "}\n";
@@ -484,7 +485,7 @@ int cmd_collectives(const Options& o, double mib) {
   for (int i = 0; i < 23; ++i) {
     for (int which = 0; which < 2; ++which) {
       world->barrier().wait();
-      world->reset_stats();
+      fsdp::reset_comm_stats(*world);
       const auto t0 = std::chrono::steady_clock::now();
       if (which == 0) {
         world->all_gather_into_tensor(out, in).wait();
@@ -494,7 +495,7 @@ int cmd_collectives(const Options& o, double mib) {
       const double t = seconds_since(t0);
       if (i < 3) continue;
       (which == 0 ? t_ags : t_rss).push_back(t);
-      (which == 0 ? ag_bytes : rs_bytes) = world->stats().bytes_sent;
+      (which == 0 ? ag_bytes : rs_bytes) = fsdp::comm_stats(*world).bytes_sent;
     }
   }
   auto median = [](std::vector<double> t) {

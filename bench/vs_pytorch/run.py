@@ -396,7 +396,7 @@ def render(results, o, details, memcpy_gbs):
                      f"{'bit-identical' if w1['losses_identical'] else 'DIFFERENT'} "
                      f"({w1['first_loss']:.4f} -> {w1['last_loss']:.4f}).")
             L.append("")
-    L.append("Comm hidden: on our last step every collective's timeline is recorded (ProcessGroup::record_timeline): "
+    L.append("Comm hidden: on our last step every collective's timeline is recorded (fsdp::record_timeline): "
              "1 - (time the training thread sat in wait()) / (time the transfers were in flight), summed over the "
              "step's collectives, mean over ranks.")
     if "limit" in results[0]:

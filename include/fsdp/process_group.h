@@ -6,17 +6,15 @@
 // and has dropped the reduce op (AVG became SUM, PyTorch issue 162338). Ours is a direct exchange of chunks,
 // reduced piece by piece as they arrive (docs/comm.md), which moves exactly the bytes of a ring reduce-scatter
 // and honours every op. The layer also
-// counts calls and bytes per collective (for tests and benchmarks) and turns timeouts into errors that
-// name the collective and the group.
+// counts calls and bytes per collective (read them through fsdp/comm_stats.h, for tests and benchmarks) and
+// turns timeouts into errors that name the collective and the group.
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
 #include <chrono>
 #include <cstdint>
-#include <functional>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,30 +22,6 @@ namespace fsdp {
 
 enum class ReduceOp { Sum, Avg, Max, Min };
 const char* to_string(ReduceOp op);
-
-// Per-group counters. bytes_sent counts what this rank puts on the wire for the algorithm the layer runs
-// (e.g. (size-1)/size of the input for reduce-scatter), so tests can compare against the analytic optimum.
-struct CommStats {
-  int64_t all_gather_calls = 0;
-  int64_t reduce_scatter_calls = 0;
-  int64_t all_reduce_calls = 0;
-  int64_t broadcast_calls = 0;
-  int64_t all_to_all_calls = 0;
-  int64_t barrier_calls = 0;
-  int64_t bytes_sent = 0;
-};
-
-// When one collective ran (ProcessGroup::record_timeline; for tests and benchmarks that measure overlap).
-struct CollectiveSpan {
-  using Clock = std::chrono::steady_clock;
-  std::string collective;       // "all_gather_into_tensor", "reduce_scatter_tensor", ...
-  int64_t bytes = 0;            // this rank's input bytes
-  Clock::time_point issued;     // the call returned its Work
-  Clock::time_point completed;  // the transfers (and any local reduction) finished; {} while running
-  // The caller inside Work::wait(): wait_end - wait_begin is the time the collective kept it waiting
-  // (exposed communication). Both {} until waited.
-  Clock::time_point wait_begin, wait_end;
-};
 
 // A pending collective. wait() blocks until the result is in the output tensors (running any local
 // post-processing such as the reduce-scatter's local sum) and rethrows failures with context.
@@ -64,6 +38,10 @@ class Work {
  private:
   std::shared_ptr<Impl> impl_;
 };
+
+namespace detail {
+struct ProcessGroupAccess;  // internal: src/comm/process_group_impl.h
+}
 
 class ProcessGroup {
  public:
@@ -91,34 +69,13 @@ class ProcessGroup {
   Work all_to_all(at::Tensor output, at::Tensor input);
   Work barrier();
 
-  const CommStats& stats() const;
-  void reset_stats();
-
   // Collective timeout for later calls.
   void set_timeout(std::chrono::milliseconds timeout);
   std::chrono::milliseconds timeout() const;
 
-  // Records a CollectiveSpan for every later collective that communicates (not the local fast paths).
-  // Completion is stamped by an observer thread that waits on the transfers, so it is when they finished,
-  // not when the caller came to wait. Off by default; record_timeline(false) drops what was recorded.
-  void record_timeline(bool enable);
-  std::vector<CollectiveSpan> timeline() const;
-
-  // Collectives issued on this group so far that communicate (not the local fast paths; reset_stats() leaves
-  // it alone). Ranks running the same program in step agree on it: a cheap check that they stopped at the
-  // same point.
-  int64_t collectives_called() const;
-  // The error of the first collective of this group that failed on this rank (timeout, peer gone), or nothing.
-  // After one, the ranks are out of step for good: no later collective of the group can be trusted.
-  std::optional<std::string> first_failure() const;
-  // Every rank of the group publishes `value` and receives every rank's value (indexed by group rank)
-  // through the rendezvous store, not through the backend: it works while a collective is stuck or the ranks
-  // are out of step. Calls pair up by their order on each rank (the n-th call of every rank meets the n-th);
-  // `what` names the purpose in errors. Throws naming the ranks that did not arrive within `timeout`.
-  std::vector<std::string> exchange_through_store(const std::string& what, const std::string& value,
-                                                  std::chrono::milliseconds timeout);
-
  private:
+  // Counters, the timeline (fsdp/comm_stats.h) and the library's own out-of-band helpers reach the state here.
+  friend struct detail::ProcessGroupAccess;
   std::unique_ptr<Impl> impl_;
 };
 

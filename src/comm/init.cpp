@@ -136,11 +136,7 @@ ProcessGroupPtr make_group(Registry& r, const std::string& prefix, const std::st
   impl->backend_name = r.backend;
   impl->device = r.device;
   impl->timeout = r.timeout;
-  // Gloo on CUDA tensors takes the backend's own collectives too: the direct exchanges hand tensor pointers to
-  // Gloo's point-to-point send/recv, which read host memory only.
-  impl->native_collectives = r.backend == "nccl" || r.device.is_cuda() || env_flag("FSDP_NATIVE_COLLECTIVES");
-  impl->native_avg = r.backend == "nccl";
-  impl->cpu_blocking_wait = r.backend != "nccl";
+  c10::intrusive_ptr<c10d::Backend> communicator;  // none for a size-1 group: its collectives are local
   if (impl->size > 1) {
     auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, r.store);
     impl->store = store;
@@ -148,12 +144,12 @@ ProcessGroupPtr make_group(Registry& r, const std::string& prefix, const std::st
       if (r.backend == "gloo") {
         auto opts = c10d::ProcessGroupGloo::Options::create(r.timeout);
         opts->devices = {r.gloo_device};
-        impl->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, group_rank, impl->size, opts);
+        communicator = c10::make_intrusive<c10d::ProcessGroupGloo>(store, group_rank, impl->size, opts);
       } else {
 #ifdef FSDP_WITH_NCCL
         auto opts = c10d::ProcessGroupNCCL::Options::create();
         opts->timeout = r.timeout;
-        impl->backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, group_rank, impl->size, opts);
+        communicator = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, group_rank, impl->size, opts);
 #else
         TORCH_CHECK(false, "fsdp: NCCL support not compiled in");
 #endif
@@ -170,6 +166,9 @@ ProcessGroupPtr make_group(Registry& r, const std::string& prefix, const std::st
                   " ms): ", message_of(e));
     }
   }
+  // The way this group runs its collectives, fixed for its lifetime (comm/collective_backend.h).
+  impl->collectives = comm::make_collective_backend(std::move(communicator), r.backend, r.device,
+                                                    env_flag("FSDP_NATIVE_COLLECTIVES"));
   return std::make_shared<ProcessGroup>(std::move(impl));
 }
 

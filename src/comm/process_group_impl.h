@@ -3,9 +3,11 @@
 // c10d's headers never leak into the public API.
 
 #include "comm/buffer_pool.h"
+#include "comm/collective_backend.h"
 #include "comm/progress_thread.h"
 #include "util/exception_message.h"
 
+#include <fsdp/comm_stats.h>
 #include <fsdp/process_group.h>
 
 #include <c10/util/Exception.h>
@@ -34,7 +36,7 @@ struct FailureRecord {
     if (!first) first = error;
   }
 };
-// The spans ProcessGroup::record_timeline asked for. Their time points are stamped from several threads
+// The spans record_timeline (fsdp/comm_stats.h) asked for. Their time points are stamped from several threads
 // (caller, observer, progress thread), always under `mutex`.
 struct SpanLog {
   std::mutex mutex;
@@ -54,8 +56,6 @@ struct Timeline {
 }  // namespace comm
 
 struct ProcessGroup::Impl {
-  // Null for size-1 groups: every collective takes the local fast path, so no communicator is needed.
-  c10::intrusive_ptr<c10d::Backend> backend;
   int rank = 0;
   int size = 1;
   std::string name;
@@ -63,24 +63,18 @@ struct ProcessGroup::Impl {
   std::string backend_name;
   c10::Device device{c10::kCPU};
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
-  // Backend-native all-gather / reduce-scatter (_allgather_base, _reduce_scatter_base) instead of our
-  // point-to-point exchanges: always on NCCL (one fused kernel beats any per-peer loop); on Gloo only when
-  // FSDP_NATIVE_COLLECTIVES=1 (to test this dispatch on the CPU — Gloo's own reduce-scatter is an all-reduce
-  // with twice the bytes, so the exchange stays its default).
-  bool native_collectives = false;
-  // The backend averages natively (NCCL's ncclAvg); otherwise Avg = Sum, then divide locally.
-  bool native_avg = false;
-  // Work::wait blocks the CPU until done (Gloo). NCCL's wait only makes the current stream wait for the
-  // collective's stream (no CPU polling); its watchdog enforces the timeout.
-  bool cpu_blocking_wait = true;
+  // How this group's collectives move bytes (comm/collective_backend.h), chosen when the group was created. It
+  // owns the c10d communicator (none for size-1 groups). Declared before `progress` so the progress thread is
+  // joined (its tasks finished) before the communicator goes.
+  std::unique_ptr<comm::CollectiveBackend> collectives;
   CommStats stats;
   int64_t store_exchanges = 0;  // numbers exchange_through_store's calls: the n-th meets the n-th everywhere
   // Point-to-point tag of the next all-gather exchange. Advances identically on every rank of the group
   // because collectives are called in the same order everywhere.
   uint32_t next_p2p_tag = 1;
-  // Drives the reduce-scatter's local reductions off the calling thread; started on first use. Declared
-  // after `backend` so it is joined (its tasks finished) before the backend goes.
   comm::BufferPool scratch;  // reduce-scatter receive slots and accumulators, reused across calls
+  // Drives the reduce-scatter's local reductions off the calling thread; started on first use (see
+  // `collectives` for why it is declared after it).
   std::unique_ptr<comm::ProgressThread> progress;
   comm::ProgressThread& progress_thread();
   std::unique_ptr<comm::Timeline> timeline;  // null unless recording
@@ -115,7 +109,9 @@ struct Work::Impl {
   std::function<void()> on_complete;  // local post-processing once `pending` is done
   std::shared_ptr<comm::TaskState> task;  // work done on the group's progress thread (e.g. the local sums)
   std::chrono::milliseconds timeout{0};
-  bool cpu_blocking_wait = true;  // see ProcessGroup::Impl
+  // Work::wait blocks the CPU until done (Gloo). NCCL's wait only makes the current stream wait for the
+  // collective's stream (no CPU polling); its watchdog enforces the timeout.
+  bool cpu_blocking_wait = true;
   bool done = false;
   std::string error;  // non-empty once failed: later wait() calls rethrow the same failure
   // For the diagnosis of a failure (see comm::stamp): the group's store, members and this collective's number.
@@ -124,7 +120,7 @@ struct Work::Impl {
   int rank = 0;
   uint64_t seq = 0;
   std::shared_ptr<comm::FailureRecord> group_failures;  // the group's record, told of this failure
-  // Recording (ProcessGroup::record_timeline): this collective's span and where it lives.
+  // Recording (record_timeline): this collective's span and where it lives.
   std::shared_ptr<comm::SpanLog> span_log;
   std::shared_ptr<CollectiveSpan> span;
 };
@@ -139,15 +135,23 @@ void stamp(Work::Impl& w, const ProcessGroup::Impl& g);
 // even when the store's host is the rank that is gone.
 std::string missing_ranks(const Work::Impl& w);
 
-// Reduce-scatter as a direct exchange reduced piece by piece as it arrives (comm/reduce_scatter.cpp). Called
-// by ProcessGroup::reduce_scatter_tensor after its checks, for groups of more than one rank and non-empty input.
-Work pipelined_reduce_scatter(ProcessGroup::Impl& g, std::string what, const at::Tensor& output,
-                              const at::Tensor& input, ReduceOp op);
+// Reduce-scatter as a direct exchange over `communicator`'s point-to-point, reduced piece by piece as it arrives
+// (comm/reduce_scatter.cpp). For Gloo groups of more than one rank on CPU tensors, non-empty input.
+Work pipelined_reduce_scatter(ProcessGroup::Impl& g, const c10::intrusive_ptr<c10d::Backend>& communicator,
+                              std::string what, const at::Tensor& output, const at::Tensor& input, ReduceOp op);
 // Called by every collective that communicates, just before it returns its Work: when the group records a
 // timeline, opens the span and hands the waiting on `w.pending` to the timeline's observer thread (the
 // training thread's wait() then waits for the observer, so only one thread ever waits on a transfer). Work
 // that already runs a task (the reduce-scatter) stamps its own completion: pass `own_task`.
 void trace(ProcessGroup::Impl& g, Work::Impl& w, const char* collective, int64_t bytes, bool own_task = false);
 }  // namespace comm
+
+namespace detail {
+// The one door from a public ProcessGroup to its state (friend of ProcessGroup): comm_stats.h's functions and
+// comm/store_exchange.h use it.
+struct ProcessGroupAccess {
+  static ProcessGroup::Impl& impl(const ProcessGroup& group) { return *group.impl_; }
+};
+}  // namespace detail
 
 }  // namespace fsdp

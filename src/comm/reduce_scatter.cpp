@@ -140,10 +140,10 @@ struct Exchange {
 
 }  // namespace
 
-Work pipelined_reduce_scatter(ProcessGroup::Impl& g, std::string what, const at::Tensor& output,
-                              const at::Tensor& input, ReduceOp op) {
+Work pipelined_reduce_scatter(ProcessGroup::Impl& g, const c10::intrusive_ptr<c10d::Backend>& communicator,
+                              std::string what, const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
   auto ex = std::make_shared<Exchange>();
-  ex->backend = g.backend;
+  ex->backend = communicator;
   ex->what = what;
   ex->in_flat = input.view({-1});
   ex->out_flat = output.view({-1});
@@ -174,7 +174,7 @@ Work pipelined_reduce_scatter(ProcessGroup::Impl& g, std::string what, const at:
     const int to = (g.rank + step) % g.size;
     for (int64_t j = 0; j < ex->pieces; ++j) {
       std::vector<at::Tensor> buf{ex->in_flat.narrow(0, static_cast<int64_t>(to) * ex->n + j * ex->piece, ex->len(j))};
-      impl->pending.push_back(launch(impl->what, [&] { return g.backend->send(buf, to, ex->tag(j)); }));
+      impl->pending.push_back(launch(impl->what, [&] { return communicator->send(buf, to, ex->tag(j)); }));
     }
   }
   for (int64_t j = 0; j < ex->depth; ++j) ex->post_recvs(j);

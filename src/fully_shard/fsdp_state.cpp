@@ -1,6 +1,7 @@
 #include "fully_shard/fsdp_state.h"
 #include "autograd/make_node.h"
 #include "autograd/nested_backward.h"
+#include "comm/store_exchange.h"
 #include "util/exception_message.h"
 
 #include <ATen/ATen.h>
@@ -568,14 +569,14 @@ void FSDPState::check_ranks_in_step(const std::vector<std::shared_ptr<FSDPState>
 void FSDPState::check_group_in_step(ProcessGroup& group) {
   // A collective of the group already failed here (timeout, peer gone): the ranks are out of step whatever the
   // store would say, and the store may be what is gone (its host, world rank 0, stopped), so do not ask it.
-  const auto failure = group.first_failure();
+  const auto failure = comm::first_failure(group);
   TORCH_CHECK(!failure, "fsdp: the process group of ", name(), " is unusable after an exception: a collective of "
               "group '", group.name(), "' failed on this rank, so the ranks are out of step. Restart the job "
               "(fsdprun --max-restarts) and resume from a checkpoint. Cause: ", *failure);
   std::vector<std::string> counts;
   try {
-    counts = group.exchange_through_store("FSDP recovery after an exception", std::to_string(group.collectives_called()),
-                                          group.timeout());
+    counts = comm::exchange_through_store(group, "FSDP recovery after an exception",
+                                          std::to_string(collectives_called(group)), group.timeout());
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "fsdp: the process group of ", name(), " is unusable after an exception: not every rank "
                 "abandoned the step (only some ranks raised, so the others are still inside it and will issue "

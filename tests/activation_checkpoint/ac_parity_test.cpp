@@ -8,6 +8,7 @@
 #include "activation_checkpoint/ac_test_model.h"
 
 #include <fsdp/activation_checkpoint.h>
+#include <fsdp/comm_stats.h>
 #include <fsdp/device_mesh.h>
 #include <fsdp/fully_shard.h>
 
@@ -80,7 +81,7 @@ Run train(Mode mode, Sharding sharding) {
   if (sharding == Sharding::SameModuleShardFirst) apply_ac(model, mode, run);
   torch::optim::SGD optim(model->parameters(), torch::optim::SGDOptions(0.1));
   fsdp::reset_checkpoint_stats();
-  group->reset_stats();
+  fsdp::reset_comm_stats(*group);
   for (int64_t step = 0; step < kSteps; ++step) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(500 + 10 * step + rank);
     auto x = torch::randn({kBatch, kSeq, 5}, gen);
@@ -102,7 +103,7 @@ Run train(Mode mode, Sharding sharding) {
     optim.step();
   }
   run.stats = fsdp::checkpoint_stats();
-  run.comm = group->stats();
+  run.comm = fsdp::comm_stats(*group);
   return run;
 }
 

@@ -2,6 +2,7 @@
 // Runs as 1 (by hand), 2, 3 and 4 ranks.
 
 #include "comm/dist_env.h"
+#include <fsdp/comm_stats.h>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -251,38 +252,38 @@ TEST(Collectives, StatsCountCallsAndAlgorithmBytes) {
   auto w = test_world();
   const int s = w->size();
   w->barrier().wait();
-  w->reset_stats();
+  fsdp::reset_comm_stats(*w);
   const int64_t n = 1024;  // per-rank chunk; fp32
   auto in = at::ones({s * n});
   auto out = at::empty({n});
   w->reduce_scatter_tensor(out, in).wait();
   const int64_t input_bytes = s * n * 4;
-  const int64_t rs_bytes = w->stats().bytes_sent;
+  const int64_t rs_bytes = fsdp::comm_stats(*w).bytes_sent;
   // Ring reduce-scatter optimum: (s-1)/s of the input leaves each rank.
   EXPECT_EQ(rs_bytes, (s - 1) * n * 4);
   EXPECT_EQ(rs_bytes * s, (s - 1) * input_bytes);
-  w->reset_stats();
+  fsdp::reset_comm_stats(*w);
   w->all_reduce(in).wait();
   // A ring all-reduce of the same tensor moves twice the bytes of the reduce-scatter.
-  EXPECT_EQ(w->stats().bytes_sent, 2 * rs_bytes);
-  w->reset_stats();
+  EXPECT_EQ(fsdp::comm_stats(*w).bytes_sent, 2 * rs_bytes);
+  fsdp::reset_comm_stats(*w);
   auto gathered = at::empty({s * n});
   w->all_gather_into_tensor(gathered, out).wait();
-  EXPECT_EQ(w->stats().bytes_sent, (s - 1) * n * 4);
-  w->reset_stats();
+  EXPECT_EQ(fsdp::comm_stats(*w).bytes_sent, (s - 1) * n * 4);
+  fsdp::reset_comm_stats(*w);
   w->broadcast(out, 0).wait();
-  EXPECT_EQ(w->stats().bytes_sent, w->rank() == 0 ? (s - 1) * n * 4 : 0);
+  EXPECT_EQ(fsdp::comm_stats(*w).bytes_sent, w->rank() == 0 ? (s - 1) * n * 4 : 0);
   w->all_to_all(gathered, in).wait();
   w->barrier().wait();
-  const auto& st = w->stats();
+  const auto& st = fsdp::comm_stats(*w);
   EXPECT_EQ(st.broadcast_calls, 1);
   EXPECT_EQ(st.all_to_all_calls, 1);
   EXPECT_EQ(st.barrier_calls, 1);
   EXPECT_EQ(st.all_gather_calls, 0);
   EXPECT_EQ(st.reduce_scatter_calls, 0);
-  w->reset_stats();
+  fsdp::reset_comm_stats(*w);
   for (int i = 0; i < 3; ++i) w->all_reduce(out).wait();
-  EXPECT_EQ(w->stats().all_reduce_calls, 3);
+  EXPECT_EQ(fsdp::comm_stats(*w).all_reduce_calls, 3);
 }
 
 TEST(Groups, NewGroupOfEvenRanks) {
@@ -344,9 +345,9 @@ TEST(Groups, SingleRankGroupsTakeTheFastPath) {
   mine->all_reduce(ar, ReduceOp::Avg).wait();
   expect_equal(ar, in, "size-1 all_reduce");
   mine->barrier().wait();
-  EXPECT_EQ(mine->stats().bytes_sent, 0);
-  EXPECT_EQ(mine->stats().all_gather_calls, 1);
-  EXPECT_EQ(mine->stats().reduce_scatter_calls, 1);
+  EXPECT_EQ(fsdp::comm_stats(*mine).bytes_sent, 0);
+  EXPECT_EQ(fsdp::comm_stats(*mine).all_gather_calls, 1);
+  EXPECT_EQ(fsdp::comm_stats(*mine).reduce_scatter_calls, 1);
 }
 
 TEST(Groups, NewGroupValidatesRanks) {

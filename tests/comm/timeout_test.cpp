@@ -4,6 +4,7 @@
 // The stuck op lives on its own group so the world group stays healthy for the final barrier.
 
 #include "comm/dist_env.h"
+#include "comm/store_exchange.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -25,7 +26,7 @@ TEST(Timeout, SkippedCollectiveFailsWithContext) {
   auto ok = at::ones({4});
   g->all_reduce(ok).wait();
   ASSERT_TRUE(at::equal(ok, at::full({4}, static_cast<float>(w->size()))));
-  EXPECT_FALSE(g->first_failure().has_value()) << "a healthy group reports a failure";
+  EXPECT_FALSE(fsdp::comm::first_failure(*g).has_value()) << "a healthy group reports a failure";
 
   if (w->rank() == 0) {
     auto t = at::ones({4});
@@ -49,9 +50,9 @@ TEST(Timeout, SkippedCollectiveFailsWithContext) {
     // Waiting again reports the same failure instead of hanging.
     EXPECT_THROW(work.wait(), c10::Error);
     // The group remembers it (FSDP's recovery check then declares the group unusable without asking the store).
-    ASSERT_TRUE(g->first_failure().has_value());
-    EXPECT_NE(g->first_failure()->find("'timeout-probe'"), std::string::npos) << *g->first_failure();
-    EXPECT_FALSE(w->first_failure().has_value()) << "the failure leaked to another group";
+    ASSERT_TRUE(fsdp::comm::first_failure(*g).has_value());
+    EXPECT_NE(fsdp::comm::first_failure(*g)->find("'timeout-probe'"), std::string::npos) << *fsdp::comm::first_failure(*g);
+    EXPECT_FALSE(fsdp::comm::first_failure(*w).has_value()) << "the failure leaked to another group";
   }
   // Rank 1 skipped the collective; both meet on the healthy world group. Rank 1 waits here (world timeout)
   // while rank 0 runs into the 2 s timeout above.

@@ -2,7 +2,7 @@
 // sharing the one GPU. In forward, the all-gather of block i+1 (prefetched) must be in flight while block i's
 // compute runs on the GPU.
 //
-// Two clocks: the group's timeline (ProcessGroup::record_timeline) stamps each collective on the host's steady
+// Two clocks: the group's timeline (fsdp::record_timeline, fsdp/comm_stats.h) stamps each collective on the host's steady
 // clock (issued; completed = its Gloo transfer finished, stamped by the observer thread), and the block's
 // compute is bracketed by CUDA events on the current stream (c10::Event, timing enabled). They are put on one
 // axis through an anchor: the GPU is synchronised (idle), an anchor event is recorded and the host clock read
@@ -19,6 +19,7 @@
 // taken before that event is recorded (same thread, FSDP's pre-forward): the anchor's own start latency after
 // an idle GPU is the likely cause. So "issued before the kernels started" is not asserted; overlap is.
 #include "device/device_util.h"
+#include <fsdp/comm_stats.h>
 
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -142,11 +143,11 @@ TEST(CudaOverlap, NextAllGatherInFlightDuringGpuCompute) {
     c10::Event anchor(c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT);
     anchor.record(current_stream(device));
     const auto anchor_host = Clock::now();
-    group->record_timeline(true);
+    fsdp::record_timeline(*group, true);
     step();
     torch::cuda::synchronize();  // every event complete before elapsedTime
-    const auto spans = group->timeline();
-    group->record_timeline(false);
+    const auto spans = fsdp::comm_timeline(*group);
+    fsdp::record_timeline(*group, false);
     ASSERT_FALSE(spans.empty()) << "no collective recorded";
     auto on_host = [&](const c10::Event& e) {
       return anchor_host + std::chrono::duration_cast<Clock::duration>(

@@ -3,6 +3,7 @@
 // the same global batch on that GPU. The reference is plain libtorch; it shares no code with fully_shard.
 // Run on an H100 by scripts/gpu-check.sh (docs/comm.md records the runs).
 #include "device/device_util.h"
+#include <fsdp/comm_stats.h>
 
 #include <memory>
 
@@ -36,7 +37,7 @@ TEST(GlooCuda, FullyShardParityAllRanksOnOneGpu) {
   torch::optim::SGD optim(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   // fully_shard communicates on the mesh's own group (a new group per mesh dim), not on the world group.
   const fsdp::ProcessGroupPtr shard_group = opts.mesh.group(0);
-  const int64_t called_before = shard_group->collectives_called();
+  const int64_t called_before = fsdp::collectives_called(*shard_group);
   for (int64_t step = 0; step < kSteps; ++step) {
     fsdp_backward_step(model, optim, step, kGlobalBatch, rank, n, device);
     for (const auto& item : model->named_parameters()) {
@@ -46,7 +47,7 @@ TEST(GlooCuda, FullyShardParityAllRanksOnOneGpu) {
     optim.step();
   }
   // Not vacuous: the steps communicated through Gloo (all-gathers and reduce-scatters on CUDA tensors).
-  const int64_t called = shard_group->collectives_called() - called_before;
+  const int64_t called = fsdp::collectives_called(*shard_group) - called_before;
   if (n > 1) EXPECT_GE(called, 2 * kSteps) << "the training steps issued almost no collectives";
 
   auto got = fsdp::full_state_dict(*model, {/*cpu_offload=*/true, /*rank0_only=*/false});

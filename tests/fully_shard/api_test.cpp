@@ -14,6 +14,7 @@
 #include "fully_shard/fsdp_test_util.h"
 
 #include <fsdp/checkpoint/checkpoint.h>
+#include <fsdp/comm_stats.h>
 #include <fsdp/nn/call_method.h>
 #include <fsdp/sharded_tensor.h>
 
@@ -311,9 +312,9 @@ TEST(UnshardInBackward, SkipsTheBackwardAllGatherAndTrainsTheSame) {
       auto logits = fsdp::nn::call(model, tokens.narrow(1, 0, kSeq));
       auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}),
                                                        tokens.narrow(1, 1, kSeq).reshape({-1}));
-      const int64_t before = group->stats().all_gather_calls;
+      const int64_t before = fsdp::comm_stats(*group).all_gather_calls;
       loss.backward();
-      if (backward_gathers) backward_gathers->push_back(group->stats().all_gather_calls - before);
+      if (backward_gathers) backward_gathers->push_back(fsdp::comm_stats(*group).all_gather_calls - before);
       optim.step();
     }
     return sharded ? full_params(*model, {}) : reference_params(*model);
@@ -355,14 +356,14 @@ TEST(CallMethod, TrainsAndGeneratesWithTheHooks) {
     }
     torch::optim::SGD optim(model->parameters(), torch::optim::SGDOptions(0.2).momentum(0.9));
     auto group = world_mesh().group(0);
-    const int64_t before = group->stats().all_gather_calls;
+    const int64_t before = fsdp::comm_stats(*group).all_gather_calls;
     for (int64_t step = 0; step < 4; ++step) {
       auto [x, y] = global_batch(step, kBatch, 7, 5);
       optim.zero_grad();
       fsdp::nn::call_method(model, &MethodMLPImpl::loss, local_rows(x, sharded), local_rows(y, sharded)).backward();
       optim.step();
     }
-    if (root_gathers) *root_gathers = group->stats().all_gather_calls - before;
+    if (root_gathers) *root_gathers = fsdp::comm_stats(*group).all_gather_calls - before;
     {
       torch::NoGradGuard no_grad;
       auto [x, y] = global_batch(100, kBatch, 7, 5);
@@ -411,9 +412,9 @@ HookRun hook_run(const fsdp::DeviceMesh& mesh, bool force_sum, bool all_reduce =
   }
   auto [x, y] = global_batch(0, kBatch, 7, 5);
   const auto replicate = mesh.ndim() == 2 ? mesh.group(0) : nullptr;
-  const int64_t ar_before = replicate ? replicate->stats().all_reduce_calls : 0;
+  const int64_t ar_before = replicate ? fsdp::comm_stats(*replicate).all_reduce_calls : 0;
   torch::mse_loss(fsdp::nn::call(model, local_rows(x, true)), local_rows(y, true)).backward();
-  run.all_reduces = replicate ? replicate->stats().all_reduce_calls - ar_before : 0;
+  run.all_reduces = replicate ? fsdp::comm_stats(*replicate).all_reduce_calls - ar_before : 0;
   run.grads = full_grads(*model);
   return run;
 }

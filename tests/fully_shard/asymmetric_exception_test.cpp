@@ -9,6 +9,7 @@
 // its final barrier) is a separate communicator and stays healthy.
 
 #include "comm/dist_env.h"
+#include <fsdp/comm_stats.h>
 #include "fully_shard/runtime_test_util.h"
 
 #include <chrono>
@@ -57,14 +58,14 @@ Outcome run(Inject inject) {
     out.first_error = e.what();
   }
   dist.opt->zero_grad();
-  const int64_t before = g->collectives_called();
+  const int64_t before = fsdp::collectives_called(*g);
   try {
     dist.step(batch(3));
     ADD_FAILURE() << "rank " << rank() << ": step 3 ran on an out-of-step process group";
   } catch (const std::exception& e) {
     out.later_error = e.what();
   }
-  out.collectives_in_later_step = g->collectives_called() - before;
+  out.collectives_in_later_step = fsdp::collectives_called(*g) - before;
   out.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   std::cout << "rank " << rank() << ": step 2 -> " << out.first_error.substr(0, 300) << "\n  step 3 -> "
             << out.later_error.substr(0, 400) << "\n  (" << out.seconds << " s)\n";

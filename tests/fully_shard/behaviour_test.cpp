@@ -2,6 +2,7 @@
 // parameter memory, the forgotten-hook error, sharded parameter shapes, frozen/unused parameters, tuple
 // outputs, and explicit unshard/reshard.
 #include "fully_shard/fsdp_test_util.h"
+#include <fsdp/comm_stats.h>
 
 #include <c10/core/CPUAllocator.h>
 
@@ -65,11 +66,11 @@ TEST(FullyShard, CollectiveCountsPerStep) {
     auto x = torch::randn({4, 7});
     // Warm-up step (lazy init, prefetch order recorded).
     fsdp::nn::call(model, x).sum().backward();
-    group->reset_stats();
+    fsdp::reset_comm_stats(*group);
     auto out = fsdp::nn::call(model, x);
-    const int64_t forward_ag = group->stats().all_gather_calls;
+    const int64_t forward_ag = fsdp::comm_stats(*group).all_gather_calls;
     out.sum().backward();
-    const auto& s = group->stats();
+    const auto& s = fsdp::comm_stats(*group);
     EXPECT_EQ(forward_ag, groups) << "reshard=" << reshard;
     // The root's own group is never resharded in backward when reshard=true? It is: all groups use the same
     // explicit setting here, so backward re-gathers every group when reshard is true.
@@ -80,10 +81,10 @@ TEST(FullyShard, CollectiveCountsPerStep) {
 
     // No-sync micro-batch: gathers only, no gradient communication.
     units.back().set_requires_gradient_sync(false);
-    group->reset_stats();
+    fsdp::reset_comm_stats(*group);
     fsdp::nn::call(model, x).sum().backward();
-    EXPECT_EQ(group->stats().reduce_scatter_calls, 0);
-    EXPECT_EQ(group->stats().all_gather_calls, expected_ag);
+    EXPECT_EQ(fsdp::comm_stats(*group).reduce_scatter_calls, 0);
+    EXPECT_EQ(fsdp::comm_stats(*group).all_gather_calls, expected_ag);
     units.back().set_requires_gradient_sync(true);
   }
 }
@@ -374,7 +375,7 @@ TEST(FullyShard, ForwardAndBackwardPrefetch) {
   units[0].set_modules_to_forward_prefetch({units[1], units[2]});
   std::fill(forward_seen.begin(), forward_seen.end(), -1);
   auto group = world_mesh().group(0);
-  group->reset_stats();
+  fsdp::reset_comm_stats(*group);
   bool block2_early = false;
   fsdp::nn::register_forward_pre_hook(*model->blocks[0], [&](torch::nn::Module&, fsdp::nn::TensorList&) {
     block2_early = gather_issued(units[2]);
@@ -382,7 +383,7 @@ TEST(FullyShard, ForwardAndBackwardPrefetch) {
   auto y = fsdp::nn::call(model, x);
   EXPECT_TRUE(block2_early);
   // 4 blocks + root, no duplicate gathers (none at world size 1: nothing to gather)
-  EXPECT_EQ(group->stats().all_gather_calls, world_mesh().size(0) == 1 ? 0 : 5);
+  EXPECT_EQ(fsdp::comm_stats(*group).all_gather_calls, world_mesh().size(0) == 1 ? 0 : 5);
   y.sum().backward();
   MLP reference = make_mlp(41, 4);
   EXPECT_LE(max_rel_diff(fsdp::nn::call(model, x), reference->forward(x)), 1e-5);
@@ -483,13 +484,13 @@ TEST(FullyShard, ExceptionCaughtInsideForwardThenRetried) {
     model->flaky->fail_next = (step % 2 == 0);
     const int64_t per = batch / n;
     opt.zero_grad();
-    group->reset_stats();
+    fsdp::reset_comm_stats(*group);
     auto out = fsdp::nn::call(model, x.narrow(0, rank * per, per));
     // Per rank: the sum over its slice / global batch; FSDP averages over ranks, so scale by n.
     (torch::mse_loss(out, y.narrow(0, rank * per, per), torch::Reduction::Sum) * n / batch).backward();
     opt.step();
     // The failed call and the retry each gathered the block; one reduce-scatter per group all the same.
-    EXPECT_EQ(group->stats().reduce_scatter_calls, n == 1 ? 0 : 2) << "step " << step;
+    EXPECT_EQ(fsdp::comm_stats(*group).reduce_scatter_calls, n == 1 ? 0 : 2) << "step " << step;
   }
   EXPECT_EQ(model->retries, 2);
   auto got = full_params(*model, {});

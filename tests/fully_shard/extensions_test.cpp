@@ -8,6 +8,7 @@
 //   single-process training of that reference.
 #include "fully_shard/fsdp_test_util.h"
 
+#include <fsdp/comm_stats.h>
 #include <fsdp/fully_shard_extensions.h>
 
 using namespace fsdp_test;
@@ -162,14 +163,14 @@ TEST(FullyShardExtensions, Int8FrozenBaseAllGatherSendsAQuarterAndTrainsTheAdapt
   const int64_t root_bytes = align16(chunk(kBaseOut) * kBaseIn * 4) + align16(chunk(kBaseOut) * 4) +
                              align16(chunk(kHead) * kBaseOut * 4) + align16(chunk(kHead) * 4);
   auto x = torch::randn({4, kBaseIn});
-  group.reset_stats();
+  fsdp::reset_comm_stats(group);
   torch::Tensor out;
   {
     torch::NoGradGuard no_grad;
     out = fsdp::nn::call(model, x);
   }
-  EXPECT_EQ(group.stats().all_gather_calls, n > 1 ? 2 : 0);
-  EXPECT_EQ(group.stats().bytes_sent, (n - 1) * (base_int8 + root_bytes));
+  EXPECT_EQ(fsdp::comm_stats(group).all_gather_calls, n > 1 ? 2 : 0);
+  EXPECT_EQ(fsdp::comm_stats(group).bytes_sent, (n - 1) * (base_int8 + root_bytes));
   std::cout << "int8 base all-gather: " << base_int8 << " bytes per rank vs " << base_fp32 << " in fp32 ("
             << static_cast<double>(base_int8) / base_fp32 << ")\n";
   EXPECT_LT(static_cast<double>(base_int8) / base_fp32, 0.3);

@@ -4,6 +4,7 @@
 #include "fully_shard/fsdp_test_util.h"
 
 #include <fsdp/migration.h>
+#include <fsdp/comm_stats.h>
 
 #include <cstdlib>
 
@@ -137,14 +138,14 @@ std::pair<std::map<std::string, torch::Tensor>, Counts> train_net_fsdp(const fsd
     auto [gx, gy] = global_batch(step, kGlobalBatch, kIn, kOut);
     optim.zero_grad();
     if (step == 1) {  // step 0 is the lazy-init step
-      shard_group->reset_stats();
-      if (replicate_group) replicate_group->reset_stats();
+      fsdp::reset_comm_stats(*shard_group);
+      if (replicate_group) fsdp::reset_comm_stats(*replicate_group);
     }
     torch::mse_loss(fsdp::nn::call(model, gx.narrow(0, rank * local, local)), gy.narrow(0, rank * local, local))
         .backward();
     if (step == 1) {
-      counts.shard = shard_group->stats();
-      if (replicate_group) counts.replicate = replicate_group->stats();
+      counts.shard = fsdp::comm_stats(*shard_group);
+      if (replicate_group) counts.replicate = fsdp::comm_stats(*replicate_group);
     }
     optim.step();
   }

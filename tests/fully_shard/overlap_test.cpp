@@ -1,7 +1,7 @@
 // Communication overlaps computation, shown from timestamps (issue 11, "Overlap"): in forward, the
 // all-gather of block i+1 (prefetched) is in flight while block i computes; in backward, the reduce-scatter
 // of block i+1 is in flight while block i's backward computes. The group records a timeline
-// (ProcessGroup::record_timeline): when each collective was issued, when its transfers completed (stamped
+// (fsdp::record_timeline, fsdp/comm_stats.h): when each collective was issued, when its transfers completed (stamped
 // by an observer thread, not when the training thread came to wait), and how long the training thread
 // waited for it. The compute intervals are stamped by the model itself around a parameter-free heavy part
 // (repeated matmuls with a fixed matrix), so they contain no FSDP work.
@@ -9,6 +9,7 @@
 // Blocks have distinct hidden sizes, so every collective is identified by its byte count.
 
 #include "fully_shard/fsdp_test_util.h"
+#include <fsdp/comm_stats.h>
 
 #include <chrono>
 #include <cstdio>
@@ -144,11 +145,11 @@ TEST(Overlap, NextAllGatherDuringForwardAndReduceScatterDuringBackward) {
       net->block(i).forward_compute.clear();
       net->block(i).backward_compute.clear();
     }
-    group->record_timeline(true);
+    fsdp::record_timeline(*group, true);
     const auto start = Clock::now();
     step();
-    const auto spans = group->timeline();
-    group->record_timeline(false);
+    const auto spans = fsdp::comm_timeline(*group);
+    fsdp::record_timeline(*group, false);
     ASSERT_FALSE(spans.empty()) << "no collective recorded";
     // For each prefetched collective: how long its transfers were in flight, how much of that overlapped the
     // neighbouring block's compute, and how long the training thread sat waiting for it (exposed).

@@ -4,6 +4,7 @@
 // (the step is skipped by both sides after zero_grad), freezing and unfreezing a block. The final parameters
 // equal the single-process reference's (1e-5), and every pattern occurred.
 #include "fully_shard/runtime_test_util.h"
+#include <fsdp/comm_stats.h>
 
 #include <c10/core/InferenceMode.h>
 
@@ -59,7 +60,7 @@ TEST(RuntimeRealLoop, FiftyRandomStepsEqualReference) {
         torch::NoGradGuard ng;
         expected = ref.forward(x);
       }
-      g->reset_stats();
+      fsdp::reset_comm_stats(*g);
       out = dist.eval_forward(x, inference);
       EXPECT_LE(rel(out, expected), 1e-5) << at << " eval";
       EXPECT_EQ(counts(g).rs, 0) << at << " eval";
@@ -104,7 +105,7 @@ TEST(RuntimeRealLoop, FiftyRandomStepsEqualReference) {
     if (!accumulate && !repeat) ++seen["plain"];
     const int64_t micro = accumulate ? 2 : 1;
     ref.step(b, micro);
-    g->reset_stats();
+    fsdp::reset_comm_stats(*g);
     dist.step(b, micro);  // set_requires_gradient_sync(false) on all but the last micro-batch
     EXPECT_EQ(counts(g).rs, kGroups - (frozen ? 1 : 0)) << at << ": reductions only on the synchronized backward";
     if (frozen) {

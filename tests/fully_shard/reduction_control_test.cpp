@@ -6,6 +6,8 @@
 // group also all-gathers exactly once per step.
 #include "fully_shard/fsdp_test_util.h"
 
+#include <fsdp/comm_stats.h>
+
 using namespace fsdp_test;
 
 namespace {
@@ -50,7 +52,7 @@ std::map<std::string, torch::Tensor> train_fsdp(Reduce how, bool keep_unsharded,
   for (int64_t step = 0; step < kSteps; ++step) {
     auto [gx, gy] = global_batch(step, kGlobalBatch, kIn, kOut);
     optim.zero_grad();
-    group.reset_stats();
+    fsdp::reset_comm_stats(group);
     for (int m = 0; m < kMicroBatches; ++m) {
       const bool last = m == kMicroBatches - 1;
       // What a pipeline stage does before every micro-batch's backward (torch.distributed.pipelining).
@@ -61,16 +63,16 @@ std::map<std::string, torch::Tensor> train_fsdp(Reduce how, bool keep_unsharded,
       auto x = gx.narrow(0, m * mb + rank * local_mb, local_mb);
       auto y = gy.narrow(0, m * mb + rank * local_mb, local_mb);
       (torch::mse_loss(fsdp::nn::call(model, x), y) / kMicroBatches).backward();
-      if (!last) EXPECT_EQ(group.stats().reduce_scatter_calls, 0) << "micro-batch " << m;
+      if (!last) EXPECT_EQ(fsdp::comm_stats(group).reduce_scatter_calls, 0) << "micro-batch " << m;
     }
     if (how == Reduce::ExplicitPostBackward) {
-      EXPECT_EQ(group.stats().reduce_scatter_calls, 0);
+      EXPECT_EQ(fsdp::comm_stats(group).reduce_scatter_calls, 0);
       root.set_requires_gradient_sync(true);
       root.set_is_last_backward(true);
       root.set_reshard_after_backward(true);
       root.post_backward();  // REDUCE_GRAD: one reduce-scatter per group, here
     }
-    per_step.push_back({group.stats().reduce_scatter_calls, group.stats().all_gather_calls});
+    per_step.push_back({fsdp::comm_stats(group).reduce_scatter_calls, fsdp::comm_stats(group).all_gather_calls});
     if (keep_unsharded) root.set_reshard_after_backward(false);
     optim.step();
   }

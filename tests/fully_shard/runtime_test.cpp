@@ -6,6 +6,7 @@
 #include "fully_shard/runtime_test_util.h"
 
 #include <fsdp/materialize.h>
+#include <fsdp/comm_stats.h>
 #include <fsdp/nn/llama.h>
 
 #include <c10/core/InferenceMode.h>
@@ -30,7 +31,7 @@ void train_with_body(const NetImpl::Body& body, int64_t n_blocks, const Reshard&
   for (int step = 0; step < steps; ++step) {
     auto b = batch(step);
     ref.step(b);
-    g->reset_stats();
+    fsdp::reset_comm_stats(*g);
     dist.step(b);
     auto c = counts(g);
     EXPECT_EQ(c.rs, groups) << what << " step " << step << ": one reduce-scatter per group per backward";
@@ -74,7 +75,7 @@ TEST(RuntimeRepeatedUse, TwoRootForwardsOneBackward) {
       auto b1 = batch(2 * step), b2 = batch(2 * step + 1);
       for (Trainer* t : {&ref, &dist}) {
         t->opt->zero_grad();
-        if (t->sharded) g->reset_stats();
+        if (t->sharded) fsdp::reset_comm_stats(*g);
         auto loss = t->loss(b1) + 0.5 * t->loss(b2);
         loss.backward();
         if (t->sharded) {
@@ -102,11 +103,11 @@ TEST(RuntimeRepeatedUse, RetainGraphThenSecondBackward) {
       for (Trainer* t : {&ref, &dist}) {
         t->opt->zero_grad();
         auto loss = t->loss(b);
-        if (t->sharded) g->reset_stats();
+        if (t->sharded) fsdp::reset_comm_stats(*g);
         loss.backward({}, /*retain_graph=*/true);
         if (t->sharded) {
           EXPECT_EQ(counts(g).rs, 4) << what << " step " << step << " first backward";
-          g->reset_stats();
+          fsdp::reset_comm_stats(*g);
         }
         loss.backward();
         if (t->sharded) {
@@ -141,7 +142,7 @@ TEST(RuntimeRepeatedUse, WithAccumulationAndFrozenBlock) {
       }
       auto b = batch(step);
       ref.step(b, 2);
-      g->reset_stats();
+      fsdp::reset_comm_stats(*g);
       dist.step(b, 2);
       EXPECT_EQ(counts(g).rs, frozen ? 3 : 4) << what << " step " << step;
     }
@@ -172,7 +173,7 @@ TEST(RuntimeEvaluation, NoGradAndInferenceModeBetweenSteps) {
         expected = ref.forward(eval_x);
       }
       const bool inference = step % 2 == 1;
-      g->reset_stats();
+      fsdp::reset_comm_stats(*g);
       torch::Tensor out;
       out = dist.eval_forward(eval_x, inference);
       auto c = counts(g);
@@ -189,7 +190,7 @@ TEST(RuntimeEvaluation, NoGradAndInferenceModeBetweenSteps) {
       }
       auto b = batch(step);
       ref.step(b);
-      g->reset_stats();
+      fsdp::reset_comm_stats(*g);
       dist.step(b);
       EXPECT_EQ(counts(g).rs, 4) << what << " training step " << step;
     }
@@ -232,7 +233,7 @@ TEST(RuntimeEvaluation, RepeatedUseUnderNoGradAndInferenceMode) {
       for (bool inference : {false, true}) {
         const std::string at = what + (inference ? " InferenceMode" : " NoGradGuard") + " step " + std::to_string(step) +
                                (frozen ? " (block 1 frozen)" : "");
-        g->reset_stats();
+        fsdp::reset_comm_stats(*g);
         torch::Tensor out;
         out = dist.eval_forward(x, inference);
         EXPECT_LE(rel(out, expected), 1e-5) << at;
@@ -242,7 +243,7 @@ TEST(RuntimeEvaluation, RepeatedUseUnderNoGradAndInferenceMode) {
       twice = step % 2 == 0;
       auto b = batch(step);
       ref.step(b);
-      g->reset_stats();
+      fsdp::reset_comm_stats(*g);
       dist.step(b);
       EXPECT_EQ(counts(g).rs, frozen ? 3 : 4) << what << " training step " << step;
     }
@@ -296,7 +297,7 @@ void exception_then_continue(Where where, bool use_reset, const Reshard& reshard
       continue;  // the reference skips this step
     }
     ref.step(b);
-    g->reset_stats();
+    fsdp::reset_comm_stats(*g);
     dist.step(b);
     EXPECT_EQ(counts(g).rs, 4) << what << " step " << step;
   }
@@ -351,7 +352,7 @@ void shards_change_between_steps(const Reshard& blocks, const Reshard& root, Cha
     ref.opt->zero_grad();
     dist.opt->zero_grad();
     auto ref_out = ref.forward(b.x);
-    g->reset_stats();
+    fsdp::reset_comm_stats(*g);
     auto out = dist.forward(dist.rows(b.x));
     EXPECT_EQ(counts(g).ag, 4) << what << " step " << step << ": forward gathers every group";
     EXPECT_LE(rel(out, rank_rows(ref_out)), 1e-5) << what << " step " << step << ": forward saw stale parameters";
@@ -422,7 +423,7 @@ TEST(RuntimeStaleData, UnusedPrefetchesNeverLeak) {
       auto out = dist.forward(dist.rows(b.x));
       EXPECT_LE(rel(out, rank_rows(ref_out)), 1e-5) << what << " step " << step_now << ": stale forward";
       torch::mse_loss(ref_out, b.y).backward();
-      g->reset_stats();
+      fsdp::reset_comm_stats(*g);
       torch::mse_loss(out, dist.rows(b.y)).backward();
       const int64_t skipped = step_now % 3 == 2 ? 2 : (step_now % 2 == 1 ? 1 : 0);
       EXPECT_EQ(counts(g).rs, 5 - skipped) << what << " step " << step_now << ": groups with gradients";
@@ -492,7 +493,7 @@ void freeze_unfreeze(bool frozen_before_shard, OptKind opt, const std::string& w
     ref.step(b);
     auto before = snapshot(*dist.net->blocks[1]);
     dist.opt->zero_grad();
-    g->reset_stats();
+    fsdp::reset_comm_stats(*g);
     dist.loss(b).backward();
     EXPECT_EQ(counts(g).rs, frozen ? 3 : 4) << what << " step " << step << ": groups with gradients";
     if (frozen) {
@@ -565,7 +566,7 @@ TEST(RuntimeParamsChange, ZeroDimParameters) {
   for (int step = 0; step < 5; ++step) {
     auto b = batch(step);
     ref.step(b);
-    g->reset_stats();
+    fsdp::reset_comm_stats(*g);
     dist.step(b);
     EXPECT_EQ(counts(g).rs, 3) << "step " << step;
   }
@@ -593,7 +594,7 @@ TEST(RuntimeParamsChange, ToFloat64AfterFullyShard) {
   for (int step = 1; step < 5; ++step) {
     auto b = batch(step, torch::kFloat64);
     ref.step(b);
-    g->reset_stats();
+    fsdp::reset_comm_stats(*g);
     dist.step(b);
     EXPECT_EQ(counts(g).rs, 3) << "step " << step;
     for (const auto& p : dist.net->parameters()) {
@@ -624,8 +625,8 @@ TEST(RuntimeHsdp, PartialAccumulationKeepsReplicasEqual) {
     auto b = batch(step);
     ref.step(b, kMicro);
     dist.opt->zero_grad();
-    shard_g->reset_stats();
-    rep_g->reset_stats();
+    fsdp::reset_comm_stats(*shard_g);
+    fsdp::reset_comm_stats(*rep_g);
     for (int m = 0; m < kMicro; ++m) {
       dist.root().set_requires_all_reduce(m == kMicro - 1);
       dist.loss(b, m, kMicro).backward();
@@ -679,7 +680,7 @@ TEST(RuntimeGroups, TwoModulesOneGroupAnyOrder) {
       pattern = step % 3;
       auto b = batch(step);
       ref.step(b);
-      g->reset_stats();
+      fsdp::reset_comm_stats(*g);
       dist.step(b);
       EXPECT_EQ(counts(g).rs, 3) << what << " step " << step << " pattern " << pattern;
     }
@@ -723,7 +724,7 @@ TEST(RuntimeMetaInit, MixedPrecisionScopeInitIsExactAndGathersNothing) {
   fsdp::fully_shard(model, o);
   fsdp::materialize_module(*model);
   auto g = world_mesh().group(0);
-  g->reset_stats();
+  fsdp::reset_comm_stats(*g);
   model->init_weights(9, fsdp::full_params_init_scope(*model));
   EXPECT_EQ(counts(g).ag, 0) << "initialization all-gathered (uninitialized) parameters";
   for (const auto& p : model->parameters()) EXPECT_EQ(p.scalar_type(), torch::kFloat) << "shards must stay fp32";
@@ -812,7 +813,7 @@ TEST(RuntimeMetaInit, MixedPrecisionInitWithFullParamsIsExact) {
   units.push_back(fsdp::fully_shard(model, o));
   fsdp::materialize_module(*model);
   auto g = world_mesh().group(0);
-  g->reset_stats();
+  fsdp::reset_comm_stats(*g);
   init_all(*model, [&](torch::nn::Module& part, const std::function<void()>& fn) {
     for (size_t i = 0; i < model->blocks->size(); ++i) {
       if (&part == model->blocks[i].get()) return fsdp::init_with_full_params(units[i], fn);
@@ -863,7 +864,7 @@ TEST(RuntimeDiagnosis, ParameterUsedOutsideItsModulesForward) {
       continue;  // the reference skips the failed step
     }
     ref.step(b);
-    g->reset_stats();
+    fsdp::reset_comm_stats(*g);
     dist.step(b);
     EXPECT_EQ(counts(g).rs, 4) << "step " << step;
   }
@@ -892,7 +893,7 @@ TEST(RuntimeDiagnosis, ChildBeforeRootIsAnError) {
   for (int step = 0; step < 4; ++step) {
     auto b = batch(step);
     ref.step(b);
-    g->reset_stats();
+    fsdp::reset_comm_stats(*g);
     dist.step(b);
     EXPECT_EQ(counts(g).rs, 4) << "step " << step;
   }

@@ -15,6 +15,7 @@
 #include "fully_shard/fsdp_test_util.h"
 
 #include <fsdp/sharded_tensor.h>
+#include <fsdp/comm_stats.h>
 #include <fsdp/state_dict.h>
 
 #include <functional>
@@ -285,7 +286,7 @@ struct Counts {
   int64_t ag = 0, rs = 0, ar = 0;
 };
 inline Counts counts(const fsdp::ProcessGroupPtr& g) {
-  const auto& s = g->stats();
+  const auto& s = fsdp::comm_stats(*g);
   return {s.all_gather_calls, s.reduce_scatter_calls, s.all_reduce_calls};
 }
 

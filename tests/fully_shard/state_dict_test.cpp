@@ -3,6 +3,7 @@
 #include "fully_shard/fsdp_test_util.h"
 
 #include <fsdp/sharded_tensor.h>
+#include <fsdp/comm_stats.h>
 #include <fsdp/state_dict.h>
 
 using namespace fsdp_test;
@@ -21,11 +22,11 @@ TEST(StateDict, ShardedIsLocalRowsWithoutCommunication) {
   MLP reference = make_mlp(21);
   MLP model = make_mlp(21);
   shard(model, mesh);
-  mesh.group(0)->reset_stats();
-  world->reset_stats();
+  fsdp::reset_comm_stats(*mesh.group(0));
+  fsdp::reset_comm_stats(*world);
   auto sd = fsdp::sharded_state_dict(*model);
-  EXPECT_EQ(mesh.group(0)->stats().all_gather_calls + mesh.group(0)->stats().all_reduce_calls, 0);
-  EXPECT_EQ(world->stats().bytes_sent, 0);
+  EXPECT_EQ(fsdp::comm_stats(*mesh.group(0)).all_gather_calls + fsdp::comm_stats(*mesh.group(0)).all_reduce_calls, 0);
+  EXPECT_EQ(fsdp::comm_stats(*world).bytes_sent, 0);
   auto ref = reference->named_parameters();
   ASSERT_EQ(sd.size(), ref.size());
   for (const auto& item : ref) {

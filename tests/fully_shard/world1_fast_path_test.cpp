@@ -3,6 +3,7 @@
 // produced becomes the sharded .grad — and training is bit for bit the training of the plain model.
 // With a cast (bf16 compute) the regular path runs and still trains.
 #include "fully_shard/fsdp_test_util.h"
+#include <fsdp/comm_stats.h>
 
 #include "fully_shard/fsdp_state.h"
 
@@ -52,11 +53,11 @@ TEST(World1FastPath, NoCopiesNoCollectives) {
     item.value().register_hook([&produced, name](const torch::Tensor& g) { produced[name] = g.data_ptr(); });
   }
   auto group = mesh1().group(0);
-  group->reset_stats();
+  fsdp::reset_comm_stats(*group);
   auto x = torch::randn({4, 7});
   fsdp::nn::call(model, x).sum().backward();
   EXPECT_EQ(checked_forward, 4);
-  const auto& s = group->stats();
+  const auto& s = fsdp::comm_stats(*group);
   EXPECT_EQ(s.all_gather_calls, 0);
   EXPECT_EQ(s.reduce_scatter_calls, 0);
   EXPECT_EQ(s.all_reduce_calls, 0);
@@ -111,11 +112,11 @@ TEST(World1FastPath, MixedPrecisionTakesTheRegularPath) {
   mp.reduce_dtype = torch::kFloat32;
   auto units = shard(model, mp);
   auto group = mesh1().group(0);
-  group->reset_stats();
+  fsdp::reset_comm_stats(*group);
   auto x = torch::randn({4, 7});
   fsdp::nn::call(model, x).sum().backward();
-  EXPECT_GE(group->stats().all_gather_calls, 4);  // every group in forward, resharded blocks again in backward
-  EXPECT_EQ(group->stats().reduce_scatter_calls, 4);
+  EXPECT_GE(fsdp::comm_stats(*group).all_gather_calls, 4);  // every group in forward, resharded blocks again in backward
+  EXPECT_EQ(fsdp::comm_stats(*group).reduce_scatter_calls, 4);
   for (const auto& u : units) {
     EXPECT_FALSE(fsdp::detail::FSDPModuleAccess::state(u).param_group()->unshards_locally());
   }

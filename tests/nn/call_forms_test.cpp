@@ -3,6 +3,7 @@
 // (list->ptr<Impl>(i), list[i]->as<Impl>(), list[i]->as<Holder>(), dict[key]->as<Impl>(), dict->at<Impl>(key)).
 // Each runs the hooks (counted as all-gathers) and the model trains like single-process libtorch.
 #include "nn/nn_test_util.h"
+#include <fsdp/comm_stats.h>
 
 using namespace nn_test;
 
@@ -163,9 +164,9 @@ TEST(CallForms, AnyModuleReturnTypes) {
   fsdp::fully_shard(pair, shard_options());
   torch::nn::AnyModule any(pair);
   auto group = world_mesh().group(0);
-  group->reset_stats();
+  fsdp::reset_comm_stats(*group);
   auto [u, v] = fsdp::nn::call<std::tuple<torch::Tensor, torch::Tensor>>(any, torch::ones({2, 3}));
-  EXPECT_EQ(group->stats().all_gather_calls, 1);
+  EXPECT_EQ(fsdp::comm_stats(*group).all_gather_calls, 1);
   EXPECT_TRUE(torch::allclose(v, u * 2));
   (u.sum() + v.sum()).backward();
   try {

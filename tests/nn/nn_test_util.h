@@ -7,6 +7,7 @@
 #include "fully_shard/fsdp_test_util.h"
 
 #include <fsdp/device_mesh.h>
+#include <fsdp/comm_stats.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/nn/module_call.h>
 #include <fsdp/nn/sequential.h>
@@ -112,11 +113,11 @@ inline FsdpRun train_fsdp(torch::nn::Module& model, const std::function<torch::T
   for (int64_t step = 0; step < steps; ++step) {
     auto [gx, gy] = global_batch(step);
     optim->zero_grad();
-    group->reset_stats();
+    fsdp::reset_comm_stats(*group);
     auto out = forward(gx.narrow(0, rank * local, local));
-    run.forward_all_gathers = group->stats().all_gather_calls;
+    run.forward_all_gathers = fsdp::comm_stats(*group).all_gather_calls;
     torch::mse_loss(out, gy.narrow(0, rank * local, local)).backward();
-    run.reduce_scatters = group->stats().reduce_scatter_calls;
+    run.reduce_scatters = fsdp::comm_stats(*group).reduce_scatter_calls;
     optim->step();
   }
   run.params = fsdp::full_state_dict(model, {/*cpu_offload=*/true, /*rank0_only=*/false});

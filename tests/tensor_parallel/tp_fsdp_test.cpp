@@ -6,6 +6,7 @@
 #include "tensor_parallel/tp_test_util.h"
 
 #include <fsdp/clip_grad.h>
+#include <fsdp/comm_stats.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/nn/llama.h>
 #include <fsdp/nn/llama_tp_plan.h>
@@ -93,13 +94,13 @@ void run_2d(const Layout& c) {
 
     // This data-parallel rank's half of the batch; both TP ranks of it see the same sequences.
     auto my_tokens = tokens.chunk(2, 0)[dp_rank], my_targets = targets.chunk(2, 0)[dp_rank];
-    tp_group->reset_stats();
+    fsdp::reset_comm_stats(*tp_group);
     opt.zero_grad();
     auto logits = fsdp::nn::call(model, my_tokens);
     auto loss = c.loss_parallel ? fsdp::loss_parallel_cross_entropy(logits, my_targets, tp)
                                 : torch::cross_entropy_loss(logits.flatten(0, 1), my_targets.flatten());
     loss.backward();
-    const auto tp_stats = tp_group->stats();
+    const auto tp_stats = fsdp::comm_stats(*tp_group);
     auto norm = fsdp::clip_grad_norm_(*model, 1e9);
     opt.step();
     // fp32 sums of squares in another order (per shard, then across ranks): relative 1e-4, as the trainer tests.
@@ -117,9 +118,9 @@ void run_2d(const Layout& c) {
   }
   // FSDP ran over the data-parallel groups: all-gathers over dp_shard, or all-reduces over the replicas.
   if (c.replicate) {
-    EXPECT_GT(mesh.group("dp_replicate")->stats().all_reduce_calls, 0) << "HSDP did not all-reduce over replicas";
+    EXPECT_GT(fsdp::comm_stats(*mesh.group("dp_replicate")).all_reduce_calls, 0) << "HSDP did not all-reduce over replicas";
   } else {
-    EXPECT_GT(mesh.group("dp_shard")->stats().all_gather_calls, 0) << "FSDP did not all-gather over dp_shard";
+    EXPECT_GT(fsdp::comm_stats(*mesh.group("dp_shard")).all_gather_calls, 0) << "FSDP did not all-gather over dp_shard";
   }
   EXPECT_GT(max_change(initial, snapshot(*ref)), 1e-3) << "the reference did not train";
   auto full = fsdp::full_state_dict(*model, {/*cpu_offload=*/true, /*rank0_only=*/false});

@@ -6,6 +6,7 @@
 #include "tensor_parallel/tp_test_util.h"
 
 #include <fsdp/nn/llama.h>
+#include <fsdp/comm_stats.h>
 #include <fsdp/nn/llama_tp_plan.h>
 #include <fsdp/nn/module_call.h>
 
@@ -33,7 +34,7 @@ struct Counts {
   int64_t all_gather = 0, reduce_scatter = 0, all_reduce = 0, bytes = 0;
 };
 Counts counts_of(const fsdp::ProcessGroupPtr& g) {
-  const auto& s = g->stats();
+  const auto& s = fsdp::comm_stats(*g);
   return {s.all_gather_calls, s.reduce_scatter_calls, s.all_reduce_calls, s.bytes_sent};
 }
 void expect_counts(const Counts& got, const Counts& want, const std::string& what) {
@@ -79,7 +80,7 @@ TEST(TensorParallel, MlpColwiseRowwiseMatchesSingleProcess) {
     auto ref_loss = torch::mse_loss(ref->forward(x), y);
     ref_loss.backward();
     ref_opt.step();
-    g->reset_stats();
+    fsdp::reset_comm_stats(*g);
     opt.zero_grad();
     auto loss = torch::mse_loss(fsdp::nn::call(model, x), y);
     loss.backward();
@@ -125,7 +126,7 @@ void run_llama_case(const LlamaCase& c) {
     ref_loss.backward();
     ref_opt.step();
 
-    g->reset_stats();
+    fsdp::reset_comm_stats(*g);
     opt.zero_grad();
     auto logits = fsdp::nn::call(model, tokens);
     auto loss = c.loss_parallel ? fsdp::loss_parallel_cross_entropy(logits, targets, mesh)

@@ -62,6 +62,7 @@ TEST(Config, TorchTitanDefaultsWhenKeysAreAbsent) {
   EXPECT_DOUBLE_EQ(c.training.max_norm, 1.0);
   EXPECT_EQ(c.training.mixed_precision_param, "bfloat16");
   EXPECT_EQ(c.training.mixed_precision_reduce, "float32");
+  EXPECT_EQ(c.training.device, "cpu");
   EXPECT_EQ(c.parallelism.data_parallel_replicate_degree, 1);
   EXPECT_EQ(c.parallelism.data_parallel_shard_degree, -1);
   EXPECT_EQ(c.parallelism.fsdp_reshard_after_forward, "default");
@@ -135,6 +136,10 @@ TEST(Config, InvalidValuesNameTheChoices) {
   expect_config_error([] { load_config({"--parallelism.fsdp_reshard_after_forward", "sometimes"}); },
                       {"parallelism.fsdp_reshard_after_forward", "default | always | never"});
   expect_config_error([] { load_config({"--training.local_batch_size", "0"}); }, {"training.local_batch_size", "> 0"});
+  expect_config_error([] { load_config({"--training.device", "gpu"}); },
+                      {"training.device", "\"cpu\", \"cuda\" or \"cuda:N\"", "\"gpu\""});
+  expect_config_error([] { load_config({"--training.device", "cuda:x"}); }, {"training.device", "\"cuda:x\""});
+  EXPECT_EQ(load_config({"--training.device", "cuda:1"}).training.device, "cuda:1");  // the form only: no CUDA asked
 }
 
 TEST(Config, ActivationCheckpointKeys) {

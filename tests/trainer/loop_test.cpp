@@ -3,6 +3,7 @@
 #include "config.h"
 #include "trainer.h"
 
+#include <ATen/Context.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -55,4 +56,18 @@ TEST(TrainingLoop, DeterministicAndAccumulationInvariant) {
   const TrainSummary c = run_training(tiny("acc2", 4, 8, 6), quiet(), false);
   ASSERT_EQ(a.losses.size(), c.losses.size());
   for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_NEAR(a.losses[i], c.losses[i], 1e-5 * a.losses[i]) << "step " << i + 1;
+}
+
+// training.device names the mesh's device; one this process does not have is a ConfigError at start, naming the key.
+TEST(TrainingLoop, UnavailableDeviceIsAConfigErrorNamingTheKey) {
+  if (at::hasCUDA()) GTEST_SKIP() << "CUDA is available here";
+  JobConfig c = tiny("no_cuda", 4, 8, 2);
+  c.training.device = "cuda";
+  try {
+    run_training(c, quiet());
+    FAIL() << "training.device = cuda ran without CUDA";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("training.device = \"cuda\": CUDA is not available"), std::string::npos)
+        << e.what();
+  }
 }
