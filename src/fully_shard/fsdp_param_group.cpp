@@ -10,6 +10,16 @@
 
 namespace fsdp::detail {
 
+std::string mesh_identity(const DeviceMesh& mesh) {
+  const DeviceMesh root = mesh.root();
+  std::string out = c10::str(c10::DeviceTypeName(mesh.device_type(), /*lower_case=*/true), " root ",
+                             c10::IntArrayRef(root.shape()), " [");
+  for (const auto& n : root.dim_names()) out += n + ",";
+  out += c10::str("] ranks ", c10::ArrayRef<int>(root.ranks()), " dims [");
+  for (const auto& n : mesh.dim_names()) out += n + ",";
+  return out + "]";
+}
+
 GradientDivision gradient_division(c10::ScalarType reduce_dtype, int64_t shard_size, int64_t replicate_size,
                                    std::optional<double> factor, bool force_sum) {
   GradientDivision d;

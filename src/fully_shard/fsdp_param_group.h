@@ -35,6 +35,13 @@ struct MeshInfo {
   c10::Device device{c10::kCPU};
 };
 
+// A mesh's identity, the same on every rank: its device type, the layout of its root mesh (shape, dim names,
+// row-major ranks) and the dims it keeps. Sub-meshes with equal identities hold the same process groups (or,
+// from two identically built roots, groups over the same ranks): fully_shard puts the parameters placed on
+// them in one group, and clip_grad_norm_ keys its reductions by it (dim names alone are not enough: an expert
+// mesh and the dense mesh may both call their shard dim "shard").
+std::string mesh_identity(const DeviceMesh& mesh);
+
 // How gradients are divided by the data-parallel size (Python's _get_gradient_divide_factors): inside the
 // collectives (Avg, or a pre-multiplied sum), or as Sum with a division before (fp16: ~sqrt(N), against
 // overflow) and after.
