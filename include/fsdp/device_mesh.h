@@ -43,6 +43,10 @@ class DeviceMesh {
 
   std::string to_string() const;
 
+  // The mesh this one was sliced from (operator[], slice, concatenate); itself for a mesh the constructor
+  // built. Two sub-meshes of one root over the same dims hold the same process groups on every rank.
+  DeviceMesh root() const;
+
   // The mesh over the dims of `meshes` (in order), all sub-meshes of one parent mesh (e.g. mesh["dp_shard"]
   // and mesh["tp"] -> a 2-D mesh like mesh.slice({"dp_shard", "tp"})). No new communicators. Error if they
   // come from different parents or share a dim. PyTorch's DeviceMesh._concatenate.

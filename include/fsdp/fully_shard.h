@@ -62,6 +62,21 @@ struct OffloadPolicy {
 //           N must divide the shard-group size; 1 == false, shard size == true.
 using ReshardAfterForward = std::variant<bool, int>;
 
+// What shard_placement_fn chooses for one parameter (PyTorch's Shard(dim), or its ShardPlacementResult with a
+// mesh): the dim to shard on, and the mesh to shard over. An invalid mesh (default) = the call's mesh. A
+// parameter on another mesh goes to a parameter group of its own — one per distinct mesh, all in the one
+// FSDP state of the call — so e.g. a MoE block's experts shard over an expert mesh and its dense layers over
+// the data-parallel mesh, with one all-gather and one reduce-scatter per mesh. The mesh must be 1-D or 2-D
+// (HSDP: replicate, shard) on the call's device type. Converts implicitly from a dim, so a function returning
+// std::optional<int64_t> still fits.
+struct ShardPlacement {
+  ShardPlacement() = default;
+  ShardPlacement(int64_t shard_dim) : dim(shard_dim) {}  // NOLINT(google-explicit-constructor): Shard(dim)
+  ShardPlacement(int64_t shard_dim, DeviceMesh shard_mesh) : dim(shard_dim), mesh(std::move(shard_mesh)) {}
+  int64_t dim = 0;
+  DeviceMesh mesh;
+};
+
 struct FullyShardOptions {
   DeviceMesh mesh;  // invalid (default) = 1-D mesh over the world; 2-D = HSDP (replicate, shard)
   std::optional<ReshardAfterForward> reshard_after_forward;  // nullopt = true for non-root, false for root
@@ -70,10 +85,11 @@ struct FullyShardOptions {
   // Not sharded, not moved, gradients not reduced (e.g. parameters managed by another scheme). Also kept
   // out of the groups of later fully_shard calls on ancestors.
   std::vector<at::Tensor> ignored_params;
-  // Python's shard_placement_fn: the dim to shard each parameter on (Shard(dim)); nullopt or no function =
-  // dim 0. Negative dims count from the end. Uneven sizes are allowed on any dim (padded internally; PyTorch
-  // requires even sizes on dims other than 0). State dicts report Shard(dim).
-  std::function<std::optional<int64_t>(const at::Tensor& param)> shard_placement_fn;
+  // Python's shard_placement_fn: the dim to shard each parameter on (Shard(dim)) and, optionally, the mesh
+  // (ShardPlacement above); nullopt or no function = dim 0 on the call's mesh. Negative dims count from the
+  // end. Uneven sizes are allowed on any dim (padded internally; PyTorch requires even sizes on dims other
+  // than 0). State dicts report Shard(dim) on the parameter's mesh.
+  std::function<std::optional<ShardPlacement>(const at::Tensor& param)> shard_placement_fn;
   // What a parameter sends in the all-gather instead of its shard, and how it is rebuilt (PyTorch's
   // fsdp_pre_all_gather / fsdp_post_all_gather): null or no function = its shard. Dim-0 sharded parameters only.
   // E.g. a frozen base as int8: [](const at::Tensor& p) { return p.requires_grad() ? nullptr :
@@ -131,13 +147,13 @@ class FSDPModule {
   // false: backward does not all-gather this module's parameters (nor prefetch them); their gradients are
   // still computed and reduced. Only for parameters that backward does not read (e.g. an embedding table):
   // backward sees them full-sized but without data. (No effect while they are still unsharded from forward,
-  // i.e. reshard_after_forward=false.) Applies to this module's group, as in PyTorch.
+  // i.e. reshard_after_forward=false.) Applies to this module's groups (one per mesh), not to its children.
   void set_unshard_in_backward(bool unshard_in_backward);
   // Called with this module's group's reduced gradients — the flat reduce-scatter output (FSDP) or, for HSDP,
   // the output of the replicate all-reduce — before they are divided (when the division is not part of the
   // collective: see set_force_sum_reduction_for_comms) and added to the sharded .grad. May modify the tensor
   // in place. Python's set_all_reduce_hook (torchft runs its own cross-replica all-reduce here). Empty
-  // function = none.
+  // function = none. An error on a module whose parameters span several meshes (several groups), as in PyTorch.
   using AllReduceHook = std::function<void(at::Tensor& reduce_output)>;
   void set_all_reduce_hook(AllReduceHook hook);
   // A user object that allocates this module's group's all-gather output and runs the all-gather (or its

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <optional>
 #include <unordered_map>
 
 namespace fsdp {
@@ -28,44 +29,53 @@ at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm, double norm
   // summed. Parameters not managed by FSDP are replicated: their norm counts once, locally.
   // Tensor-parallel parameters are also split over their TP group (Shard placements; a Replicate one, e.g. a
   // sequence-parallel norm weight, is whole on every TP rank and not summed there). A partial is summed over
-  // every group that splits its parameters, in turn. Keys name the mesh dims (not the slice: "mesh[tp]#1" on
-  // one rank is "mesh[tp]#0" on another), so every rank runs the same all-reduces in the same order.
-  auto dim_key = [](const ProcessGroupPtr& g) { return g->name().substr(0, g->name().rfind('#')); };
+  // every group that splits its parameters, in turn. Keys name the mesh dim by its root mesh's layout and the
+  // dim's name, the same on every rank (not the slice: "mesh[tp]#1" on one rank is "mesh[tp]#0" on another),
+  // so every rank runs the same all-reduces in the same order; and a dim of two different meshes with the same
+  // name (a dense and an expert mesh both calling it "shard": per-parameter meshes) stays two reductions
+  // instead of one summed over the wrong ranks (PyTorch's clip_grad_norm_ fails on mixed meshes, pytorch#180346).
+  using MeshDim = std::pair<DeviceMesh, int64_t>;
+  auto dim_key = [](const MeshDim& d) {
+    return c10::str(detail::mesh_identity(d.first.root()), "/", d.first.dim_names()[d.second]);
+  };
   std::unordered_map<const c10::TensorImpl*, std::string> group_of;  // -> key of its reduction groups
   std::map<std::string, std::vector<ProcessGroupPtr>> groups;
   const auto tp_specs = tp::collect_specs(root);
-  auto add = [&](const at::Tensor& param, std::vector<ProcessGroupPtr> reduce_over) {
+  auto add = [&](const c10::TensorImpl* param, const std::vector<MeshDim>& reduce_over) {
     std::string key;
-    for (const auto& g : reduce_over) key += (key.empty() ? "" : "|") + dim_key(g);
-    groups.emplace(key, std::move(reduce_over));
-    group_of[param.unsafeGetTensorImpl()] = key;
+    std::vector<ProcessGroupPtr> over;
+    for (const auto& d : reduce_over) {
+      key += (key.empty() ? "" : "|") + dim_key(d);
+      over.push_back(d.first.group(d.second));
+    }
+    groups.emplace(key, std::move(over));
+    group_of[param] = key;
   };
-  auto tp_group = [&](const at::Tensor& param) -> ProcessGroupPtr {
+  auto tp_dim = [&](const at::Tensor& param) -> std::optional<MeshDim> {
     auto it = tp_specs.find(param.unsafeGetTensorImpl());
-    if (it == tp_specs.end() || !it->second.placements.front().is_shard()) return nullptr;
-    return it->second.mesh.group(0);
+    if (it == tp_specs.end() || !it->second.placements.front().is_shard()) return std::nullopt;
+    return MeshDim{it->second.mesh, 0};
   };
   for (const auto& sub : root.modules(/*include_self=*/true)) {
     auto s = detail::find_state(*sub);
-    if (!s || !s->param_group()) continue;
-    const auto& g = s->param_group()->mesh_info().shard_group;
-    for (auto* p : s->param_group()->params()) {
-      std::vector<ProcessGroupPtr> over;
-      // A 0-dim parameter is held whole by every rank of its group: it counts once, like a replicated one.
-      if (!p->is_replicated()) over.push_back(g);
-      if (auto t = tp_group(p->param())) over.push_back(t);
-      if (!over.empty()) add(p->param(), std::move(over));
+    if (!s) continue;
+    for (auto* group : s->param_groups()) {  // one per mesh of the state
+      const DeviceMesh& mesh = group->mesh_info().mesh;
+      for (auto* p : group->params()) {
+        std::vector<MeshDim> over;
+        // A 0-dim parameter is held whole by every rank of its group: it counts once, like a replicated one.
+        if (!p->is_replicated()) over.emplace_back(mesh, mesh.ndim() - 1);  // the shard dim
+        if (auto t = tp_dim(p->param())) over.push_back(*t);
+        if (!over.empty()) add(p->param().unsafeGetTensorImpl(), over);
+      }
     }
   }
   for (const auto& [impl, spec] : tp_specs) {  // TP without FSDP on its module
     if (group_of.count(impl) || !spec.placements.front().is_shard()) continue;
-    const std::vector<ProcessGroupPtr> over{spec.mesh.group(0)};
-    std::string key = dim_key(over.front());
-    groups.emplace(key, over);
-    group_of[impl] = key;
+    add(impl, {MeshDim{spec.mesh, 0}});
   }
 
-  // Keyed by group name so that every rank runs the all-reduces in the same order.
+  // Keyed by mesh identity so that every rank runs the all-reduces in the same order.
   std::map<std::string, at::Tensor> sharded_partials;  // per shard group: sum |g|^p (or max |g|)
   at::Tensor replicated_partial = at::zeros({}, at::kFloat);
   std::vector<at::Tensor> grads;

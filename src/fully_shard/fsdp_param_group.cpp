@@ -10,6 +10,16 @@
 
 namespace fsdp::detail {
 
+std::string mesh_identity(const DeviceMesh& mesh) {
+  const DeviceMesh root = mesh.root();
+  std::string out = c10::str(c10::DeviceTypeName(mesh.device_type(), /*lower_case=*/true), " root ",
+                             c10::IntArrayRef(root.shape()), " [");
+  for (const auto& n : root.dim_names()) out += n + ",";
+  out += c10::str("] ranks ", c10::ArrayRef<int>(root.ranks()), " dims [");
+  for (const auto& n : mesh.dim_names()) out += n + ",";
+  return out + "]";
+}
+
 FSDPParamGroup::FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params, MeshInfo mesh_info,
                                FullyShardOptions options)
     : params_(std::move(params)), mesh_info_(std::move(mesh_info)), options_(std::move(options)) {

@@ -24,6 +24,13 @@
 
 namespace fsdp::detail {
 
+// A mesh's identity, the same on every rank: its device type, the layout of its root mesh (shape, dim names,
+// row-major ranks) and the dims it keeps. Sub-meshes with equal identities hold the same process groups (or,
+// from two identically built roots, groups over the same ranks): fully_shard puts the parameters placed on
+// them in one group, and clip_grad_norm_ keys its reductions by it (dim names alone are not enough: an expert
+// mesh and the dense mesh may both call their shard dim "shard").
+std::string mesh_identity(const DeviceMesh& mesh);
+
 class FSDPParamGroup {
  public:
   FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params, MeshInfo mesh_info, FullyShardOptions options);

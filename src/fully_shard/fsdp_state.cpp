@@ -56,9 +56,36 @@ std::string used_outside_forward_message(const FSDPParam& p, const FSDPState& s)
 }  // namespace detail
 
 FSDPState::FSDPState(std::vector<std::weak_ptr<torch::nn::Module>> modules,
-                     std::unique_ptr<detail::FSDPParamGroup> group, FullyShardOptions options)
-    : modules_(std::move(modules)), param_group_(std::move(group)), options_(std::move(options)) {
+                     std::vector<std::unique_ptr<detail::FSDPParamGroup>> groups, FullyShardOptions options)
+    : modules_(std::move(modules)), param_groups_(std::move(groups)), options_(std::move(options)) {
+  for (auto& g : param_groups_) {
+    TORCH_INTERNAL_ASSERT(g, "fsdp: FSDPState given a null parameter group");
+    group_ptrs_.push_back(g.get());
+  }
   name_ = module().name();
+  name_groups();
+}
+
+void FSDPState::name_groups() {
+  for (detail::FSDPParamGroup* g : group_ptrs_) {
+    if (group_ptrs_.size() == 1) {
+      g->set_name(name_);
+      continue;
+    }
+    const DeviceMesh& mesh = g->mesh_info().mesh;
+    std::string dims;
+    for (int64_t d = 0; d < mesh.ndim(); ++d) dims += c10::str(d ? ", " : "", mesh.dim_names()[d], "=", mesh.size(d));
+    g->set_name(c10::str(name_, " on mesh [", dims, "]"));
+  }
+}
+
+detail::Phase FSDPState::training_state() const {
+  // The groups move together (every hook applies the same event to each); they can only disagree after an
+  // exception between two groups' steps, which the next reset() repairs.
+  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(std::all_of(group_ptrs_.begin(), group_ptrs_.end(), [this](const auto* g) {
+    return g->phase() == machine().phase();
+  }), "fsdp: the parameter groups of ", name_, " are in different phases");
+  return machine().phase();
 }
 
 torch::nn::Module& FSDPState::module() const {
@@ -82,28 +109,29 @@ void FSDPState::attach() {
       if (auto s = weak.lock()) s->on_forward_exception(mod);
     });
   }
-  if (!param_group_) return;
   // The gradient guard: a gradient can only legitimately reach a parameter while it shows its full
-  // (unsharded) data, i.e. between pre-forward/pre-backward and reshard. Registered on every parameter (a
-  // frozen one gets it too: requires_grad may be turned on later; the hook then starts firing).
-  for (detail::FSDPParam* p : param_group_->params()) {
-    const bool frozen = !p->param().requires_grad();
-    // register_hook needs requires_grad; flip it around the registration for frozen parameters.
-    if (frozen) p->param().requires_grad_(true);
-    p->param().register_hook([weak, p](const at::Tensor&) {
-      auto s = weak.lock();
-      if (!s || p->state() == detail::ShardedState::Unsharded) return;
-      const bool ran_forward_this_step = s->training_state() != Phase::Idle ||
-                                         (s->ctx_ && std::find(s->ctx_->backward_order.begin(),
-                                                               s->ctx_->backward_order.end(),
-                                                               s.get()) != s->ctx_->backward_order.end());
-      TORCH_CHECK(!ran_forward_this_step, detail::used_outside_forward_message(*p, *s));
-      TORCH_CHECK(false, "fsdp: parameter '", p->fqn(), "' of FSDP module ", s->name(),
-                  " received a gradient while sharded: the module was run without its FSDP hooks. Invoke modules "
-                  "given to fully_shard with fsdp::nn::call(module, args...) instead of module->forward(args...) "
-                  "(see docs/hooks.md)");
-    });
-    if (frozen) p->param().requires_grad_(false);
+  // (unsharded) data, i.e. between pre-forward/pre-backward and reshard. Registered on every parameter of
+  // every group (a frozen one gets it too: requires_grad may be turned on later; the hook then starts firing).
+  for (detail::FSDPParamGroup* group : group_ptrs_) {
+    for (detail::FSDPParam* p : group->params()) {
+      const bool frozen = !p->param().requires_grad();
+      // register_hook needs requires_grad; flip it around the registration for frozen parameters.
+      if (frozen) p->param().requires_grad_(true);
+      p->param().register_hook([weak, p](const at::Tensor&) {
+        auto s = weak.lock();
+        if (!s || p->state() == detail::ShardedState::Unsharded) return;
+        const bool ran_forward_this_step = s->training_state() != Phase::Idle ||
+                                           (s->ctx_ && std::find(s->ctx_->backward_order.begin(),
+                                                                 s->ctx_->backward_order.end(),
+                                                                 s.get()) != s->ctx_->backward_order.end());
+        TORCH_CHECK(!ran_forward_this_step, detail::used_outside_forward_message(*p, *s));
+        TORCH_CHECK(false, "fsdp: parameter '", p->fqn(), "' of FSDP module ", s->name(),
+                    " received a gradient while sharded: the module was run without its FSDP hooks. Invoke modules "
+                    "given to fully_shard with fsdp::nn::call(module, args...) instead of module->forward(args...) "
+                    "(see docs/hooks.md)");
+      });
+      if (frozen) p->param().requires_grad_(false);
+    }
   }
 }
 
@@ -156,15 +184,16 @@ void FSDPState::lazy_init() {
     TORCH_CHECK(s.get() == this || !s->is_root_.has_value(), "fsdp: FSDP module ", s->name_,
                 " already ran forward as its own root before its ancestor ", name_,
                 " did. FSDP requires running forward through the root first");
-    if (!s->param_group_) continue;
-    for (detail::FSDPParam* p : s->param_group_->params()) {
-      const c10::TensorImpl* impl = p->param().unsafeGetTensorImpl();
-      auto it = fqn_of.find(impl);
-      const std::string& fqn = it != fqn_of.end() ? it->second : p->fqn();
-      TORCH_CHECK(owned.insert(impl).second, "fsdp: parameter '", fqn, "' belongs to two FSDP parameter groups");
-      TORCH_CHECK(!p->param().is_meta(), "fsdp: parameter '", fqn,
-                  "' is still on the meta device at the first forward; materialize the model first "
-                  "(fsdp::materialize_module, then initialize it)");
+    for (detail::FSDPParamGroup* g : s->group_ptrs_) {
+      for (detail::FSDPParam* p : g->params()) {
+        const c10::TensorImpl* impl = p->param().unsafeGetTensorImpl();
+        auto it = fqn_of.find(impl);
+        const std::string& fqn = it != fqn_of.end() ? it->second : p->fqn();
+        TORCH_CHECK(owned.insert(impl).second, "fsdp: parameter '", fqn, "' belongs to two FSDP parameter groups");
+        TORCH_CHECK(!p->param().is_meta(), "fsdp: parameter '", fqn,
+                    "' is still on the meta device at the first forward; materialize the model first "
+                    "(fsdp::materialize_module, then initialize it)");
+      }
     }
   }
   is_root_ = true;
@@ -174,8 +203,8 @@ void FSDPState::lazy_init() {
   // every group of a tree on its mesh's device). A tree without parameters has nothing to communicate.
   c10::Device device(c10::kCPU);
   for (auto& s : states) {
-    if (s->param_group_) {
-      device = s->param_group_->mesh_info().device;
+    if (!s->group_ptrs_.empty()) {
+      device = s->group_ptrs_.front()->mesh_info().device;
       break;
     }
   }
@@ -186,13 +215,14 @@ void FSDPState::lazy_init() {
     ctx_->states.push_back(s);
     auto path = module_path.find(&s->module());
     if (path != module_path.end() && !path->second.empty()) s->name_ = path->second + " (" + s->module().name() + ")";
-    if (!s->param_group_) continue;
-    s->param_group_->set_comm_context(ctx_->comm);
-    s->param_group_->set_default_reshard_after_forward(s.get() == this);
-    s->param_group_->set_name(s->name_);
-    for (detail::FSDPParam* p : s->param_group_->params()) {
-      auto it = fqn_of.find(p->param().unsafeGetTensorImpl());
-      if (it != fqn_of.end()) p->set_fqn(it->second);
+    s->name_groups();
+    for (detail::FSDPParamGroup* g : s->group_ptrs_) {
+      g->set_comm_context(ctx_->comm);
+      g->set_default_reshard_after_forward(s.get() == this);
+      for (detail::FSDPParam* p : g->params()) {
+        auto it = fqn_of.find(p->param().unsafeGetTensorImpl());
+        if (it != fqn_of.end()) p->set_fqn(it->second);
+      }
     }
   }
 }
@@ -228,7 +258,9 @@ void FSDPState::root_post_forward() {
     if (s.get() != this && s->training_state() == Phase::Forward && s->members_running_.empty()) {
       s->finish_forward();
     }
-    if (s->param_group_ && s->training_state() == Phase::Idle) s->param_group_->drop_unused_unshard();
+    if (s->training_state() == Phase::Idle) {
+      for (detail::FSDPParamGroup* g : s->group_ptrs_) g->drop_unused_unshard();
+    }
   }
   ctx_->last_forward_order = ctx_->forward_order;
   // The last group's all-gather output was kept for a next group's copy-out that will not come in this forward.
@@ -237,8 +269,10 @@ void FSDPState::root_post_forward() {
   // the shard's shape (autograd then fails in backward with a shape error that names no module). Say so now.
   if (c10::GradMode::is_enabled()) {
     for (auto& s : states) {
-      const detail::FSDPParam* p = s->param_group_ ? s->param_group_->used_outside_forward() : nullptr;
-      TORCH_CHECK(p == nullptr, detail::used_outside_forward_message(*p, *s));
+      for (detail::FSDPParamGroup* g : s->group_ptrs_) {
+        const detail::FSDPParam* p = g->used_outside_forward();
+        TORCH_CHECK(p == nullptr, detail::used_outside_forward_message(*p, *s));
+      }
     }
   }
 }
@@ -264,7 +298,8 @@ void FSDPState::pre_forward(torch::nn::Module& module, nn::TensorList& inputs) {
     // The first member of this call group to run: gather the parameters.
     forward_grad_enabled_ = c10::GradMode::is_enabled();
     apply_without_group(Event::PreForward);
-    if (param_group_) param_group_->pre_forward();
+    issue_gathers(/*for_backward=*/false);
+    for (detail::FSDPParamGroup* g : group_ptrs_) g->pre_forward();
     prefetch_for_forward();
     ++forward_calls_this_root_forward_;
   }
@@ -272,12 +307,17 @@ void FSDPState::pre_forward(torch::nn::Module& module, nn::TensorList& inputs) {
   members_ran_.insert(&module);
   const auto& mp = options_.mp_policy;
   if (mp.cast_forward_inputs && mp.param_dtype) cast_tensors(inputs, *mp.param_dtype);
-  if (c10::GradMode::is_enabled() && param_group_) {
+  if (c10::GradMode::is_enabled() && !group_ptrs_.empty()) {
     bool any_requires_grad = false;
-    for (detail::FSDPParam* p : param_group_->params()) any_requires_grad = any_requires_grad || p->requires_grad();
+    for (detail::FSDPParamGroup* g : group_ptrs_) {
+      for (detail::FSDPParam* p : g->params()) any_requires_grad = any_requires_grad || p->requires_grad();
+    }
     if (any_requires_grad) {
+      // One post-backward node per call: when it fires, every group's gradients of this use are complete.
+      // Every group counts the use (the groups move together; one whose parameters are all frozen reduces
+      // nothing and just reshards).
       const bool registered = register_post_backward(inputs);
-      param_group_->record_use(registered);
+      for (detail::FSDPParamGroup* g : group_ptrs_) g->record_use(registered);
       calls_.push_back(registered ? CallRecord::UseWithNode : CallRecord::Use);
       return;
     }
@@ -300,7 +340,9 @@ void FSDPState::on_forward_exception(torch::nn::Module& module) {
   const std::optional<CallRecord> call = end_call(module);
   if (!call) return;
   // The failed call has no outputs, so no backward will ever complete its use.
-  if (param_group_ && *call != CallRecord::NoUse) param_group_->forget_use(*call == CallRecord::UseWithNode);
+  if (*call != CallRecord::NoUse) {
+    for (detail::FSDPParamGroup* g : group_ptrs_) g->forget_use(*call == CallRecord::UseWithNode);
+  }
   if (!members_running_.empty()) return;
   if (is_root()) {
     // The whole forward is abandoned: release everything now rather than at the next forward.
@@ -310,7 +352,7 @@ void FSDPState::on_forward_exception(torch::nn::Module& module) {
   // The caller may carry on (catch and retry with a smaller batch): give the parameters back as a forward
   // without gradients would, and return to idle.
   if (training_state() == Phase::Forward) {
-    if (param_group_) param_group_->post_forward(/*grad_enabled=*/false);
+    for (detail::FSDPParamGroup* g : group_ptrs_) g->post_forward(/*grad_enabled=*/false);
     apply_without_group(Event::PostForward);
     members_ran_.clear();
   }
@@ -330,7 +372,7 @@ void FSDPState::post_forward(torch::nn::Module& module, const nn::TensorList& in
 
 void FSDPState::finish_forward() {
   members_ran_.clear();
-  if (param_group_) param_group_->post_forward(forward_grad_enabled_);
+  for (detail::FSDPParamGroup* g : group_ptrs_) g->post_forward(forward_grad_enabled_);
   apply_without_group(Event::PostForward);
   ctx_->forward_order.push_back(this);
   if (forward_grad_enabled_) {
@@ -369,7 +411,7 @@ void FSDPState::prefetch_for_forward() {
     }
   }
   for (FSDPState* s : targets) {
-    if (s->param_group_ && s != this && s->training_state() == Phase::Idle) s->param_group_->unshard();
+    if (s != this && s->training_state() == Phase::Idle) s->issue_gathers(/*for_backward=*/false);
   }
 }
 
@@ -428,7 +470,8 @@ void FSDPState::pre_backward() {
   if (training_state() == Phase::PreBackward) return;
   // Idle (first use reached in this backward) or PostBackward (an earlier use of this group: re-armed).
   apply_without_group(Event::PreBackward);
-  if (param_group_) param_group_->pre_backward();
+  issue_gathers(/*for_backward=*/true);
+  for (detail::FSDPParamGroup* g : group_ptrs_) g->pre_backward();
   prefetch_for_backward();
 }
 
@@ -445,24 +488,31 @@ void FSDPState::prefetch_for_backward() {
     targets.push_back(ctx_->backward_order[*position - 1]);
   }
   for (FSDPState* s : targets) {
-    if (s == this || !s->param_group_) continue;
-    if (s->training_state() == Phase::PreBackward) continue;
-    s->param_group_->unshard_for_backward();  // no-op when already unsharded or in flight
+    if (s == this || s->training_state() == Phase::PreBackward) continue;
+    s->issue_gathers(/*for_backward=*/true);  // no-op when already unsharded or in flight
   }
 }
 
 void FSDPState::post_backward() {
   queue_final_callback();
   apply_without_group(Event::PostBackward);
-  if (!param_group_) return;
-  // At most one reduction in flight across the tree: finishing the previous group's here bounds gradient
-  // memory while its communication still overlapped this group's backward compute.
-  if (ctx_->group_with_pending_reduce && ctx_->group_with_pending_reduce != param_group_.get()) {
-    ctx_->group_with_pending_reduce->finish_pending_reduce();
-    ctx_->group_with_pending_reduce = nullptr;
+  if (group_ptrs_.empty()) return;
+  // At most one state's reductions in flight across the tree: finishing the previous state's here bounds
+  // gradient memory while its communication still overlapped this state's backward compute.
+  auto& pending = ctx_->groups_with_pending_reduce;
+  auto mine = [this](detail::FSDPParamGroup* g) {
+    return std::find(group_ptrs_.begin(), group_ptrs_.end(), g) != group_ptrs_.end();
+  };
+  for (detail::FSDPParamGroup* g : pending) {
+    if (!mine(g)) g->finish_pending_reduce();
   }
-  param_group_->post_backward_from_node();
-  if (param_group_->has_pending_reduce()) ctx_->group_with_pending_reduce = param_group_.get();
+  pending.erase(std::remove_if(pending.begin(), pending.end(), [&](auto* g) { return !mine(g); }), pending.end());
+  // The node fires once per use of the state: every group's gradients of that use are complete. Each
+  // group's reduction is issued before the next group's starts, so groups on different meshes overlap.
+  for (detail::FSDPParamGroup* g : group_ptrs_) {
+    g->post_backward_from_node();
+    if (g->has_pending_reduce() && std::find(pending.begin(), pending.end(), g) == pending.end()) pending.push_back(g);
+  }
 }
 
 void FSDPState::root_final_callback() {
@@ -473,7 +523,7 @@ void FSDPState::root_final_callback() {
   auto states = context_states();
   for (auto it = states.rbegin(); it != states.rend(); ++it) {
     FSDPState& s = **it;
-    if (s.param_group_) s.param_group_->finish_backward(keep_graph, /*finalize=*/last);
+    for (detail::FSDPParamGroup* g : s.group_ptrs_) g->finish_backward(keep_graph, /*finalize=*/last);
     s.apply_without_group(Event::EndBackward);
     if (!keep_graph && last) s.backward_order_indices_.clear();
   }
@@ -490,7 +540,7 @@ void FSDPState::root_final_callback() {
   } else {
     ctx_->backward_order.clear();
   }
-  ctx_->group_with_pending_reduce = nullptr;
+  ctx_->groups_with_pending_reduce.clear();
   ctx_->backward_graph_task = -1;
   release_held_buffers();  // the last reduce-scatter's input: the current stream now waits for it
 }
@@ -514,10 +564,12 @@ void FSDPState::reset() {
   for (auto& s : states) abandoned = abandoned || s->training_state() != Phase::Idle;
   std::exception_ptr failure;
   for (auto& s : states) {
-    try {
-      if (s->param_group_) s->param_group_->reset();
-    } catch (...) {
-      if (!failure) failure = std::current_exception();
+    for (detail::FSDPParamGroup* g : s->group_ptrs_) {
+      try {
+        g->reset();
+      } catch (...) {
+        if (!failure) failure = std::current_exception();
+      }
     }
     s->apply_without_group(Event::Reset);
     s->members_running_.clear();
@@ -529,7 +581,7 @@ void FSDPState::reset() {
     release_held_buffers();
     ctx_->backward_order.clear();
     ctx_->forward_order.clear();
-    ctx_->group_with_pending_reduce = nullptr;
+    ctx_->groups_with_pending_reduce.clear();
     ctx_->backward_graph_task = -1;
   }
   if (failure) {
@@ -553,9 +605,10 @@ void FSDPState::reset() {
 void FSDPState::check_ranks_in_step(const std::vector<std::shared_ptr<FSDPState>>& states) {
   std::vector<ProcessGroupPtr> groups;
   for (auto& s : states) {
-    if (!s->param_group_) continue;
-    for (const auto& g : {s->param_group_->mesh_info().shard_group, s->param_group_->mesh_info().replicate_group}) {
-      if (g && g->size() > 1 && std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
+    for (detail::FSDPParamGroup* pg : s->group_ptrs_) {
+      for (const auto& g : {pg->mesh_info().shard_group, pg->mesh_info().replicate_group}) {
+        if (g && g->size() > 1 && std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
+      }
     }
   }
   try {
@@ -618,13 +671,15 @@ void FSDPState::explicit_post_backward() {
   }
   for (auto it = states.rbegin(); it != states.rend(); ++it) {
     FSDPState& s = **it;
-    if (s.param_group_) s.param_group_->finish_backward(/*keep_graph=*/false, /*finalize=*/true, /*force_sync=*/true);
+    for (detail::FSDPParamGroup* g : s.group_ptrs_) {
+      g->finish_backward(/*keep_graph=*/false, /*finalize=*/true, /*force_sync=*/true);
+    }
     s.apply_without_group(Event::EndBackward);
     s.backward_order_indices_.clear();
   }
   if (ctx_ && is_root()) {
     ctx_->backward_order.clear();
-    ctx_->group_with_pending_reduce = nullptr;
+    ctx_->groups_with_pending_reduce.clear();
     release_held_buffers();
   }
 }
@@ -658,22 +713,32 @@ void FSDPState::wait_for_post_optim_event() {
   event.block(guard.getStream(c10::Device(event.device_type(), event.device_index())));
 }
 
+void FSDPState::issue_gathers(bool for_backward) {
+  for (detail::FSDPParamGroup* g : group_ptrs_) {
+    if (for_backward) {
+      g->unshard_for_backward();  // not with set_unshard_in_backward(false)
+    } else {
+      g->unshard();
+    }
+  }
+}
+
 void FSDPState::unshard(bool async_op) {
-  if (!param_group_) return;
-  param_group_->unshard(/*on_comm_streams=*/false);  // explicit: on the current stream, as in Python
-  if (!async_op) param_group_->wait_for_unshard();
+  // Explicit: on the current stream, as in Python; every group's gather issued before any is waited.
+  for (detail::FSDPParamGroup* g : group_ptrs_) g->unshard(/*on_comm_streams=*/false);
+  if (!async_op) wait_for_unshard();
 }
 
 void FSDPState::wait_for_unshard() {
-  if (param_group_) param_group_->wait_for_unshard();
+  for (detail::FSDPParamGroup* g : group_ptrs_) g->wait_for_unshard();
 }
 
 void FSDPState::reshard() {
-  if (param_group_) param_group_->reshard();
+  for (detail::FSDPParamGroup* g : group_ptrs_) g->reshard();
 }
 
 void FSDPState::convert_dtype(c10::ScalarType dtype) {
-  if (param_group_) param_group_->convert_dtype(dtype, options_.mp_policy);
+  for (detail::FSDPParamGroup* g : group_ptrs_) g->convert_dtype(dtype, options_.mp_policy);
 }
 
 }  // namespace fsdp

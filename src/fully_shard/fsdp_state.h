@@ -1,11 +1,14 @@
 #pragma once
 // FSDPState: what fully_shard attaches to a module (Python's FSDPState): the forward hooks that unshard and
-// reshard its parameter group, the autograd hooks that run pre-/post-backward, and — for the root, the
+// reshard its parameter groups, the autograd hooks that run pre-/post-backward, and — for the root, the
 // first state to run forward — the context shared by every state under it (forward order for prefetching,
 // the end-of-backward callback, recovery after exceptions).
 //
-// A state's phase is its group's (read from the group's StateMachine, state_machine.h); a state without
-// parameters keeps a machine of its own. docs/fully_shard.md draws the transitions.
+// A state has one parameter group per mesh its parameters are sharded over (usually one; shard_placement_fn
+// may put some parameters on another mesh, e.g. MoE experts). Its groups move through the phases together:
+// every hook applies the same event to each of them, in group order. A state's phase is its groups' (read
+// from the first group's StateMachine, state_machine.h); a state without parameters keeps a machine of its
+// own. docs/fully_shard.md draws the transitions.
 
 #include "fully_shard/fsdp_param_group.h"
 #include "fully_shard/state_holder.h"
@@ -39,8 +42,9 @@ struct RootContext {
   // The backward pass whose end-of-backward callback is queued (-1: none). A callback queued for a pass that
   // is no longer running never ran: that backward failed.
   int backward_graph_task = -1;
-  // The group whose gradient reduction is in flight: at most one across the tree bounds gradient memory.
-  FSDPParamGroup* group_with_pending_reduce = nullptr;
+  // The groups whose gradient reductions are in flight, all of one state: at most one state's across the tree
+  // bounds gradient memory (a state with groups on two meshes reduces both at once, on different communicators).
+  std::vector<FSDPParamGroup*> groups_with_pending_reduce;
   // The communication streams and the buffers held across them (fsdp_streams.h), shared by every group.
   std::shared_ptr<CommContext> comm;
   // FSDPModule::set_post_optim_event: waited on (once) by the next root forward's all-gathers.
@@ -63,18 +67,23 @@ struct FSDPModuleAccess {
 
 class FSDPState : public std::enable_shared_from_this<FSDPState> {
  public:
-  FSDPState(std::vector<std::weak_ptr<torch::nn::Module>> modules, std::unique_ptr<detail::FSDPParamGroup> group,
-            FullyShardOptions options);
+  // groups: one per mesh, the call's mesh first (none for a module without parameters to manage).
+  FSDPState(std::vector<std::weak_ptr<torch::nn::Module>> modules,
+            std::vector<std::unique_ptr<detail::FSDPParamGroup>> groups, FullyShardOptions options);
 
   // Installs the forward hooks and the gradient guards; called once by fully_shard.
   void attach();
 
   torch::nn::Module& module() const;  // the first module
-  detail::FSDPParamGroup* param_group() const { return param_group_.get(); }
+  // Every parameter group of this state, one per mesh (empty without parameters).
+  const std::vector<detail::FSDPParamGroup*>& param_groups() const { return group_ptrs_; }
+  // The first group (on the call's mesh, unless none of the parameters is), or null. For single-mesh states;
+  // code that walks a state's parameters uses param_groups().
+  detail::FSDPParamGroup* param_group() const { return group_ptrs_.empty() ? nullptr : group_ptrs_.front(); }
   bool is_root() const { return is_root_.value_or(false); }
   const std::string& name() const { return name_; }
   const FullyShardOptions& options() const { return options_; }
-  detail::Phase training_state() const { return machine().phase(); }
+  detail::Phase training_state() const;
   // fully_shard of an ancestor: this state must not become a root by running forward first.
   void set_has_fsdp_ancestor(std::string ancestor) { fsdp_ancestor_ = std::move(ancestor); }
 
@@ -128,15 +137,23 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // Completes the forward of the group (all members that ran have returned).
   void finish_forward();
   std::vector<std::shared_ptr<FSDPState>> context_states() const;
-  // The machine that holds this state's phase: its group's, or its own when it has no parameters.
-  const detail::StateMachine& machine() const { return param_group_ ? param_group_->state_machine() : own_machine_; }
-  // A phase event for a state without parameters (with a group, the group's step methods apply it).
-  void apply_without_group(detail::Event event) {
-    if (!param_group_) own_machine_.apply(event);
+  // The machine that holds this state's phase: its first group's, or its own when it has no parameters.
+  const detail::StateMachine& machine() const {
+    return group_ptrs_.empty() ? own_machine_ : group_ptrs_.front()->state_machine();
   }
+  // A phase event for a state without parameters (with groups, the groups' step methods apply it).
+  void apply_without_group(detail::Event event) {
+    if (group_ptrs_.empty()) own_machine_.apply(event);
+  }
+  // Names the groups after the state: the state's name, plus the mesh when there are several.
+  void name_groups();
+  // Issues every group's all-gather before any is waited: groups on different meshes use different
+  // communicators, so their gathers overlap.
+  void issue_gathers(bool for_backward);
 
   std::vector<std::weak_ptr<torch::nn::Module>> modules_;
-  std::unique_ptr<detail::FSDPParamGroup> param_group_;
+  std::vector<std::unique_ptr<detail::FSDPParamGroup>> param_groups_;
+  std::vector<detail::FSDPParamGroup*> group_ptrs_;  // param_groups_, as the accessor hands them out
   FullyShardOptions options_;
   std::string name_;
   std::optional<bool> is_root_;

@@ -95,6 +95,47 @@ std::string module_list(const std::vector<std::shared_ptr<torch::nn::Module>>& m
   return modules.size() > 1 ? "{" + out + "}" : out;
 }
 
+// The parameters of one fully_shard call that shard over one mesh: they become one FSDPParamGroup.
+struct MeshBucket {
+  DeviceMesh mesh;
+  std::string identity;  // detail::mesh_identity(mesh)
+  std::vector<size_t> params;  // indices into the call's parameters to shard
+};
+
+// A mesh that shard_placement_fn chose for `fqn`: one FSDPParamGroup can use it, beside the call's mesh.
+void check_param_mesh(const DeviceMesh& mesh, const FullyShardOptions& opts, const std::string& fqn,
+                      const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
+  TORCH_CHECK(mesh.ndim() == 1 || mesh.ndim() == 2, "fully_shard(", module_list(modules), "): shard_placement_fn "
+              "put parameter '", fqn, "' on ", mesh.to_string(), ", but a parameter's mesh must be 1-D (FSDP) or "
+              "2-D (HSDP: replicate, shard)");
+  TORCH_CHECK(mesh.device_type() == opts.mesh.device_type(), "fully_shard(", module_list(modules),
+              "): shard_placement_fn put parameter '", fqn, "' on ", mesh.to_string(), ", but the call's mesh is ",
+              opts.mesh.to_string(), ": the parameters of one call compute on one device type");
+  if (opts.reshard_after_forward) {
+    if (const int* n = std::get_if<int>(&*opts.reshard_after_forward)) {
+      const int64_t shard = mesh.size(mesh.ndim() - 1);
+      TORCH_CHECK(*n >= 1 && shard % *n == 0, "fully_shard(", module_list(modules), "): reshard_after_forward=", *n,
+                  " must be a positive divisor of the shard group size of every mesh of the call, but parameter '",
+                  fqn, "' is on ", mesh.to_string(), " whose shard dim has ", shard, " ranks");
+    }
+  }
+}
+
+// The bucket of `mesh`, added after the others if new. Meshes are the same when their device type, shape,
+// dim names and ranks here are, and so is their identity (the root layout: then they are the same on every
+// rank too, so every rank builds the same groups in the same order).
+MeshBucket& bucket_of(std::vector<MeshBucket>& buckets, const DeviceMesh& mesh) {
+  const std::string identity = detail::mesh_identity(mesh);
+  for (auto& b : buckets) {
+    if (b.identity == identity && b.mesh.device_type() == mesh.device_type() && b.mesh.shape() == mesh.shape() &&
+        b.mesh.dim_names() == mesh.dim_names() && b.mesh.ranks() == mesh.ranks()) {
+      return b;
+    }
+  }
+  buckets.push_back(MeshBucket{mesh, identity, {}});
+  return buckets.back();
+}
+
 }  // namespace
 
 FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options) {
@@ -125,8 +166,8 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
     for (const auto& sub : m->modules(/*include_self=*/false)) {
       auto s = detail::find_state(*sub);
       if (!s) continue;
-      if (s->param_group()) {
-        for (auto* p : s->param_group()->params()) excluded.insert(p->param().unsafeGetTensorImpl());
+      for (auto* g : s->param_groups()) {
+        for (auto* p : g->params()) excluded.insert(p->param().unsafeGetTensorImpl());
       }
       for (const auto& t : s->options().ignored_params) excluded.insert(t.unsafeGetTensorImpl());
       for (const auto& [buffer, dtype] : s->cast_buffers) buffers_done.insert(buffer.unsafeGetTensorImpl());
@@ -135,6 +176,9 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
   // Validate before changing anything: a refused call leaves every parameter as it was.
   std::vector<std::pair<std::string, at::Tensor>> to_shard;
   std::vector<int64_t> shard_dims;
+  // One group per mesh: the call's mesh first, then the meshes shard_placement_fn chose, in order of first use.
+  std::vector<MeshBucket> buckets;
+  bucket_of(buckets, opts.mesh);
   std::unordered_set<const c10::TensorImpl*> seen;
   {
     std::lock_guard<std::mutex> lock(param_owners_mutex());
@@ -156,16 +200,22 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
                       " is an ancestor of this module, apply fully_shard bottom-up: submodules first.)");
         }
         int64_t dim = 0;
+        DeviceMesh mesh = opts.mesh;
         if (opts.shard_placement_fn) {
-          std::optional<int64_t> chosen = opts.shard_placement_fn(p);
+          std::optional<ShardPlacement> chosen = opts.shard_placement_fn(p);
           if (chosen) {
             const int64_t ndim = p.dim();
-            TORCH_CHECK(ndim > 0 ? (*chosen >= -ndim && *chosen < ndim) : *chosen == 0, "fully_shard: "
-                        "shard_placement_fn chose dim ", *chosen, " for parameter '", prefix + item.key(),
+            TORCH_CHECK(ndim > 0 ? (chosen->dim >= -ndim && chosen->dim < ndim) : chosen->dim == 0, "fully_shard: "
+                        "shard_placement_fn chose dim ", chosen->dim, " for parameter '", prefix + item.key(),
                         "' of shape ", p.sizes(), ", which has no such dim");
-            dim = *chosen;
+            dim = chosen->dim;
+            if (chosen->mesh.valid()) {
+              mesh = chosen->mesh;
+              check_param_mesh(mesh, opts, prefix + item.key(), modules);
+            }
           }
         }
+        bucket_of(buckets, mesh).params.push_back(to_shard.size());
         to_shard.emplace_back(prefix + item.key(), p);
         shard_dims.push_back(dim);
       }
@@ -174,15 +224,22 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
   // Tensor-parallel parameters (parallelize_module ran first): FSDP shards their local TP piece.
   std::unordered_map<const c10::TensorImpl*, TensorParallelSpec> tp_specs;
   for (const auto& m : modules) tp_specs.merge(tp::collect_specs(*m));
-  std::vector<std::unique_ptr<detail::FSDPParam>> params;
-  for (size_t i = 0; i < to_shard.size(); ++i) {
-    std::shared_ptr<const AllGatherTransform> transform =
-        opts.all_gather_transform_fn ? opts.all_gather_transform_fn(to_shard[i].second) : nullptr;
-    params.push_back(std::make_unique<detail::FSDPParam>(to_shard[i].second, to_shard[i].first, mesh_info.shard_rank,
-                                                         mesh_info.shard_size, mesh_info.device, opts.mp_policy,
-                                                         opts.offload_policy, shard_dims[i], std::move(transform)));
-    auto tp = tp_specs.find(to_shard[i].second.unsafeGetTensorImpl());
-    if (tp != tp_specs.end()) params.back()->set_tensor_parallel(tp->second, opts.mesh);
+  std::vector<std::unique_ptr<detail::FSDPParamGroup>> groups;
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    const MeshBucket& bucket = buckets[b];
+    if (bucket.params.empty()) continue;  // e.g. every parameter went to another mesh
+    const detail::MeshInfo info = b == 0 ? mesh_info : make_mesh_info(bucket.mesh);
+    std::vector<std::unique_ptr<detail::FSDPParam>> params;
+    for (size_t i : bucket.params) {
+      std::shared_ptr<const AllGatherTransform> transform =
+          opts.all_gather_transform_fn ? opts.all_gather_transform_fn(to_shard[i].second) : nullptr;
+      params.push_back(std::make_unique<detail::FSDPParam>(to_shard[i].second, to_shard[i].first, info.shard_rank,
+                                                           info.shard_size, info.device, opts.mp_policy,
+                                                           opts.offload_policy, shard_dims[i], std::move(transform)));
+      auto tp = tp_specs.find(to_shard[i].second.unsafeGetTensorImpl());
+      if (tp != tp_specs.end()) params.back()->set_tensor_parallel(tp->second, bucket.mesh);
+    }
+    groups.push_back(std::make_unique<detail::FSDPParamGroup>(std::move(params), info, opts));
   }
   // Buffers are not sharded; like PyTorch, FSDP moves them to the mesh's device (and, with buffer_dtype,
   // keeps the floating-point ones of this call in that dtype).
@@ -203,15 +260,14 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
       }
     }
   }
-  std::unique_ptr<detail::FSDPParamGroup> group;
-  if (!params.empty()) group = std::make_unique<detail::FSDPParamGroup>(std::move(params), mesh_info, opts);
-
   std::vector<std::weak_ptr<torch::nn::Module>> weak_modules(modules.begin(), modules.end());
-  auto state = std::make_shared<FSDPState>(std::move(weak_modules), std::move(group), opts);
+  auto state = std::make_shared<FSDPState>(std::move(weak_modules), std::move(groups), opts);
   state->cast_buffers = std::move(cast_buffers);
-  if (state->param_group()) {
+  {
     std::lock_guard<std::mutex> lock(param_owners_mutex());
-    for (auto* p : state->param_group()->params()) param_owners().add(p->param(), state, p->fqn());
+    for (auto* g : state->param_groups()) {
+      for (auto* p : g->params()) param_owners().add(p->param(), state, p->fqn());
+    }
   }
   // States below (sharded first, bottom-up) must not run forward before this one: FSDP initializes from the root.
   for (const auto& m : modules) {
@@ -219,7 +275,6 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
       if (auto s = detail::find_state(*sub)) s->set_has_fsdp_ancestor(state->name());
     }
   }
-  if (state->param_group()) state->param_group()->set_name(state->name());
   state->attach();
   for (const auto& m : modules) {
     auto holder = std::make_shared<detail::FSDPStateHolder>();
@@ -261,38 +316,33 @@ void FSDPModule::set_is_last_backward(bool is_last_backward) { state_of(*this).s
 void FSDPModule::post_backward() { state_of(*this).explicit_post_backward(); }
 
 namespace {
+// f(group) for every parameter group (one per mesh) of the state, and with recurse of every state below it.
 template <class F>
-void for_states(FSDPState& state, bool recurse, F&& f) {
+void for_groups(FSDPState& state, bool recurse, F&& f) {
   if (!recurse) {
-    f(state);
+    for (auto* g : state.param_groups()) f(*g);
     return;
   }
-  for (auto& s : state.subtree_states()) f(*s);
+  for (auto& s : state.subtree_states()) {
+    for (auto* g : s->param_groups()) f(*g);
+  }
 }
 }  // namespace
 
 void FSDPModule::set_requires_gradient_sync(bool requires_sync, bool recurse) {
-  for_states(state_of(*this), recurse, [&](FSDPState& s) {
-    if (s.param_group()) s.param_group()->requires_gradient_sync = requires_sync;
-  });
+  for_groups(state_of(*this), recurse, [&](detail::FSDPParamGroup& g) { g.requires_gradient_sync = requires_sync; });
 }
 
 void FSDPModule::set_requires_all_reduce(bool requires_all_reduce, bool recurse) {
-  for_states(state_of(*this), recurse, [&](FSDPState& s) {
-    if (s.param_group()) s.param_group()->requires_all_reduce = requires_all_reduce;
-  });
+  for_groups(state_of(*this), recurse, [&](detail::FSDPParamGroup& g) { g.requires_all_reduce = requires_all_reduce; });
 }
 
 void FSDPModule::set_reshard_after_forward(ReshardAfterForward value, bool recurse) {
-  for_states(state_of(*this), recurse, [&](FSDPState& s) {
-    if (s.param_group()) s.param_group()->set_reshard_after_forward(value);
-  });
+  for_groups(state_of(*this), recurse, [&](detail::FSDPParamGroup& g) { g.set_reshard_after_forward(value); });
 }
 
 void FSDPModule::set_reshard_after_backward(bool value, bool recurse) {
-  for_states(state_of(*this), recurse, [&](FSDPState& s) {
-    if (s.param_group()) s.param_group()->reshard_after_backward = value;
-  });
+  for_groups(state_of(*this), recurse, [&](detail::FSDPParamGroup& g) { g.reshard_after_backward = value; });
 }
 
 void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) {
@@ -306,32 +356,49 @@ void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>&
 }
 
 void FSDPModule::set_unshard_in_backward(bool unshard_in_backward) {
-  if (state_of(*this).param_group()) state_of(*this).param_group()->unshard_in_backward = unshard_in_backward;
+  for_groups(state_of(*this), /*recurse=*/false,
+             [&](detail::FSDPParamGroup& g) { g.unshard_in_backward = unshard_in_backward; });
 }
 
+namespace {
+// A custom collective sees one group's flat buffer: refused on a module with several groups, as PyTorch does.
+detail::FSDPParamGroup* single_group(FSDPState& state, const char* what) {
+  TORCH_CHECK(state.param_groups().size() <= 1, "fsdp: ", what, " on FSDP module ", state.name(), ", whose parameters "
+              "shard over ", state.param_groups().size(), " meshes (one parameter group each, from shard_placement_fn): "
+              "a custom collective needs a module with a single parameter group. Shard the parameters on the other mesh "
+              "in a separate fully_shard call on their submodule and set it on each");
+  return state.param_group();
+}
+}  // namespace
+
 void FSDPModule::set_custom_all_gather(std::shared_ptr<FSDPAllGather> comm) {
-  if (state_of(*this).param_group()) state_of(*this).param_group()->set_custom_all_gather(std::move(comm));
+  if (auto* g = single_group(state_of(*this), "set_custom_all_gather")) g->set_custom_all_gather(std::move(comm));
 }
 
 void FSDPModule::set_custom_reduce_scatter(std::shared_ptr<FSDPReduceScatter> comm) {
-  if (state_of(*this).param_group()) state_of(*this).param_group()->set_custom_reduce_scatter(std::move(comm));
+  if (auto* g = single_group(state_of(*this), "set_custom_reduce_scatter")) g->set_custom_reduce_scatter(std::move(comm));
 }
 
 void FSDPModule::set_all_reduce_hook(AllReduceHook hook) {
-  if (state_of(*this).param_group()) state_of(*this).param_group()->all_reduce_hook = std::move(hook);
+  FSDPState& state = state_of(*this);
+  // One hook sees one group's flat reduce output; with several meshes there are several outputs, of different
+  // layouts and reduced over different ranks (PyTorch refuses it too: "not supported with multiple param groups").
+  TORCH_CHECK(state.param_groups().size() <= 1, "fsdp: set_all_reduce_hook on FSDP module ", state.name(),
+              ", whose parameters shard over ", state.param_groups().size(), " meshes (one parameter group each, "
+              "from shard_placement_fn): an all-reduce hook needs a module with a single parameter group. Shard the "
+              "parameters on the other mesh in a separate fully_shard call on their submodule and set the hook on each");
+  for (auto* g : state.param_groups()) g->all_reduce_hook = std::move(hook);
 }
 
 void FSDPModule::set_force_sum_reduction_for_comms(bool enable, bool recurse) {
-  for_states(state_of(*this), recurse, [&](FSDPState& s) {
-    if (s.param_group()) s.param_group()->force_sum_reduction_for_comms = enable;
-  });
+  for_groups(state_of(*this), recurse, [&](detail::FSDPParamGroup& g) { g.force_sum_reduction_for_comms = enable; });
 }
 
 void FSDPModule::set_post_optim_event(c10::Event event) { state_of(*this).set_post_optim_event(std::move(event)); }
 
 void FSDPModule::set_gradient_divide_factor(double factor) {
   TORCH_CHECK(factor > 0, "fsdp: gradient divide factor must be positive, got ", factor);
-  if (state_of(*this).param_group()) state_of(*this).param_group()->gradient_divide_factor = factor;
+  for_groups(state_of(*this), /*recurse=*/false, [&](detail::FSDPParamGroup& g) { g.gradient_divide_factor = factor; });
 }
 
 

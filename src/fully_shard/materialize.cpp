@@ -17,9 +17,11 @@ void materialize_module(torch::nn::Module& root, c10::Device device) {
   std::unordered_set<const c10::TensorImpl*> managed;
   for (const auto& sub : root.modules(/*include_self=*/true)) {
     auto s = detail::find_state(*sub);
-    if (!s || !s->param_group()) continue;
-    s->param_group()->materialize();
-    for (auto* p : s->param_group()->params()) managed.insert(p->param().unsafeGetTensorImpl());
+    if (!s) continue;
+    for (auto* g : s->param_groups()) {
+      g->materialize();
+      for (auto* p : g->params()) managed.insert(p->param().unsafeGetTensorImpl());
+    }
   }
   auto materialize_plain = [&](at::Tensor t) {
     if (t.is_meta() && !managed.count(t.unsafeGetTensorImpl())) {
@@ -31,36 +33,40 @@ void materialize_module(torch::nn::Module& root, c10::Device device) {
 }
 
 namespace {
-// Runs `init` while the group's parameters (only those of `part` when given) show full data.
-void with_full_params(detail::FSDPParamGroup* group, const torch::nn::Module* part, const std::function<void()>& init) {
-  if (!group) {
-    c10::NoGradGuard no_grad;
-    init();
-    return;
-  }
-  for (auto* p : group->params()) {
-    TORCH_CHECK(!p->param().is_meta(), "fsdp::init_with_full_params: parameter '", p->fqn(),
-                "' is still on meta; call fsdp::materialize_module first");
+// Runs `init` while the state's parameters — every group's, one per mesh; only those of `part` when given —
+// show full data.
+void with_full_params(const FSDPState& state, const torch::nn::Module* part, const std::function<void()>& init) {
+  const auto& groups = state.param_groups();
+  for (auto* group : groups) {
+    for (auto* p : group->params()) {
+      TORCH_CHECK(!p->param().is_meta(), "fsdp::init_with_full_params: parameter '", p->fqn(),
+                  "' is still on meta; call fsdp::materialize_module first");
+    }
   }
   std::unordered_set<const c10::TensorImpl*> part_params;
   if (part) {
     for (const auto& t : part->parameters(/*recurse=*/true)) part_params.insert(t.unsafeGetTensorImpl());
   }
   // Full parameters in their original dtype, no all-gather for freshly materialized shards (known zeros).
-  group->begin_full_init(part ? &part_params : nullptr);
+  // Groups that began are ended whatever happens, in reverse order.
+  size_t begun = 0;
+  auto end_begun = [&] {
+    while (begun > 0) groups[--begun]->end_full_init();
+  };
   try {
+    for (; begun < groups.size(); ++begun) groups[begun]->begin_full_init(part ? &part_params : nullptr);
     c10::NoGradGuard no_grad;
     init();
   } catch (...) {
-    group->end_full_init();
+    end_begun();
     throw;
   }
-  group->end_full_init();
+  end_begun();
 }
 }  // namespace
 
 void init_with_full_params(const FSDPModule& unit, const std::function<void()>& init) {
-  with_full_params(detail::FSDPModuleAccess::state(unit).param_group(), nullptr, init);
+  with_full_params(detail::FSDPModuleAccess::state(unit), nullptr, init);
 }
 
 std::function<void(torch::nn::Module&, const std::function<void()>&)> full_params_init_scope(torch::nn::Module& root) {
@@ -72,7 +78,7 @@ std::function<void(torch::nn::Module&, const std::function<void()>&)> full_param
   return [parent](torch::nn::Module& part, const std::function<void()>& fn) {
     for (const torch::nn::Module* m = &part; m != nullptr;) {
       if (auto state = detail::find_state(*m)) {
-        with_full_params(state->param_group(), &part, fn);
+        with_full_params(*state, &part, fn);
         return;
       }
       auto it = parent->find(m);

@@ -43,14 +43,16 @@ ModelIndex index_model(torch::nn::Module& root, const char* what) {
     if (s) {
       for (const auto& [buffer, dtype] : s->cast_buffers) index.buffer_orig_dtype[buffer.unsafeGetTensorImpl()] = dtype;
     }
-    if (!s || !s->param_group()) continue;
-    detail::FSDPParamGroup* g = s->param_group();
-    // A group left unsharded after forward (the root keeps its parameters until backward by default, an
-    // explicit unshard()) is resharded: the state dict describes shards. A later backward re-gathers.
-    if (g->is_unsharded() || g->unshard_in_flight()) g->reshard();
-    if (!index.any_mesh.valid()) index.any_mesh = g->mesh_info().mesh;
-    index.groups.push_back(g);
-    for (auto* p : g->params()) index.managed[p->param().unsafeGetTensorImpl()] = {p, &g->mesh_info()};
+    if (!s) continue;
+    // Every group of the state (one per mesh): each parameter is described over its own group's mesh.
+    for (detail::FSDPParamGroup* g : s->param_groups()) {
+      // A group left unsharded after forward (the root keeps its parameters until backward by default, an
+      // explicit unshard()) is resharded: the state dict describes shards. A later backward re-gathers.
+      if (g->is_unsharded() || g->unshard_in_flight()) g->reshard();
+      if (!index.any_mesh.valid()) index.any_mesh = g->mesh_info().mesh;
+      index.groups.push_back(g);
+      for (auto* p : g->params()) index.managed[p->param().unsafeGetTensorImpl()] = {p, &g->mesh_info()};
+    }
   }
   index.tp_specs = tp::collect_specs(root);
   TORCH_CHECK(index.any_mesh.valid(), "fsdp::", what, ": no fully_shard module with parameters under ", root.name());

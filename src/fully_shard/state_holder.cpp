@@ -26,15 +26,17 @@ std::shared_ptr<torch::nn::Module> FSDPStateHolder::clone(const std::optional<c1
 void FSDPStateHolder::save(torch::serialize::OutputArchive&) const {}
 
 void FSDPStateHolder::load(torch::serialize::InputArchive&) {
-  if (!state || !state->param_group()) return;
+  if (!state || state->param_groups().empty()) return;
   c10::NoGradGuard no_grad;
+  std::vector<FSDPParam*> params;  // every group's (one per mesh)
+  for (FSDPParamGroup* g : state->param_groups()) params.insert(params.end(), g->params().begin(), g->params().end());
   struct Loaded {
     FSDPParam* param;
     at::Tensor rows;  // what goes into the shard
   };
   std::vector<Loaded> loaded;
   std::string error;
-  for (FSDPParam* p : state->param_group()->params()) {
+  for (FSDPParam* p : params) {
     const at::Tensor& param = p->param();
     const at::Tensor& shard = p->sharded_local();
     if (param.storage().is_alias_of(shard.storage())) continue;  // not loaded (or loaded in place)
@@ -58,8 +60,8 @@ void FSDPStateHolder::load(torch::serialize::InputArchive&) {
     }
   }
   if (!error.empty()) {
-    // Nothing of this group is half-loaded: every parameter shows its unchanged shard again.
-    for (FSDPParam* p : state->param_group()->params()) {
+    // Nothing of this state is half-loaded: every parameter shows its unchanged shard again.
+    for (FSDPParam* p : params) {
       if (p->state() == ShardedState::Sharded) p->param().set_data(p->sharded_local());
     }
     TORCH_CHECK(false, "fsdp: torch::load into FSDP module ", state->name(), ": ", error);
@@ -76,9 +78,14 @@ void FSDPStateHolder::pretty_print(std::ostream& stream) const {
     stream << "inert)";
     return;
   }
-  const auto* group = state->param_group();
-  stream << "params=" << (group ? group->params().size() : 0);
-  if (group) stream << ", shard_size=" << group->mesh_info().shard_size;
+  const auto& groups = state->param_groups();
+  size_t params = 0;
+  for (const auto* g : groups) params += g->params().size();
+  stream << "params=" << params;
+  if (!groups.empty()) {
+    stream << ", shard_size=" << groups.front()->mesh_info().shard_size;
+    for (size_t i = 1; i < groups.size(); ++i) stream << "/" << groups[i]->mesh_info().shard_size;
+  }
   stream << ")";
 }
 

@@ -6,15 +6,18 @@ namespace fsdp::detail {
 namespace {
 
 void check_device(const FSDPState& state, torch::Device device) {
-  const detail::FSDPParamGroup* group = state.param_group();
-  if (!group) return;
-  const c10::Device mesh_device = group->mesh_info().device;
+  const auto& groups = state.param_groups();
+  if (groups.empty()) return;
+  // Every group of a state computes on one device type (fully_shard checks the meshes).
+  const c10::Device mesh_device = groups.front()->mesh_info().device;
   const bool same = device.type() == mesh_device.type() && (!device.has_index() || device == mesh_device);
   if (same) return;
   // Parameters in child modules visited before this holder were re-pointed to copies on `device`: show the
   // shards again, so that the rejected call leaves FSDP's parameters as they were.
-  for (FSDPParam* p : group->params()) {
-    if (!p->param().is_alias_of(p->sharded_local())) p->param().set_data(p->sharded_local());
+  for (const detail::FSDPParamGroup* group : groups) {
+    for (FSDPParam* p : group->params()) {
+      if (!p->param().is_alias_of(p->sharded_local())) p->param().set_data(p->sharded_local());
+    }
   }
   TORCH_CHECK(false, "fsdp: module->to(", device, ") on FSDP module ", state.name(), " whose mesh is on ", mesh_device,
               ": FSDP keeps shards and gathered parameters on the mesh's device. Move the model before fully_shard "

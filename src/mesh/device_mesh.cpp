@@ -224,6 +224,11 @@ DeviceMesh DeviceMesh::concatenate(const std::vector<DeviceMesh>& meshes) {
   return DeviceMesh(root).slice(names);  // slice() rejects a dim named twice
 }
 
+DeviceMesh DeviceMesh::root() const {
+  TORCH_CHECK(impl_, "fsdp: empty DeviceMesh");
+  return impl_->root ? DeviceMesh(impl_->root) : *this;
+}
+
 std::string DeviceMesh::to_string() const {
   if (!impl_) return "DeviceMesh(empty)";
   std::ostringstream os;
