@@ -1,7 +1,7 @@
 // ColwiseParallel: output features (Linear) or embedding dims (Embedding) split over the TP ranks.
 
 #include "tensor_parallel/collectives.h"
-#include "tensor_parallel/param_spec.h"
+#include "tensor/param_spec.h"
 #include "tensor_parallel/styles.h"
 
 #include <fsdp/nn/module_call.h>

@@ -2,7 +2,7 @@
 // output is a partial sum, reduced to the output layout.
 
 #include "tensor_parallel/collectives.h"
-#include "tensor_parallel/param_spec.h"
+#include "tensor/param_spec.h"
 #include "tensor_parallel/styles.h"
 
 #include <fsdp/nn/module_call.h>
