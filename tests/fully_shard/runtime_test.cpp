@@ -6,7 +6,7 @@
 #include "fully_shard/runtime_test_util.h"
 
 #include <fsdp/materialize.h>
-#include <fsdp/nn/llama.h>
+#include <fsdp/models/llama.h>
 
 #include <c10/core/InferenceMode.h>
 
