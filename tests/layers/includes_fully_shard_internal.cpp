@@ -1,5 +1,5 @@
-// Layer probe (tests/layers/CMakeLists.txt): fully_shard's internal header. Compiles with fully_shard's flags,
-// not with those of a lower layer (comm).
-#include "fully_shard/fsdp_state.h"
+// Layer probe (tests/layers/CMakeLists.txt): fully_shard's internal header — the one src/nn/sequential.cpp used
+// to include. Compiles with fully_shard's flags, not with those of a lower layer (comm).
+#include "fully_shard/state_holder.h"
 
-int layers_probe_internal() { return sizeof(fsdp::FSDPState) > 0 ? 0 : 1; }
+int layers_probe_internal() { return sizeof(fsdp::detail::FSDPStateHolder) > 0 ? 0 : 1; }
