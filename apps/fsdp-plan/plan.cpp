@@ -19,7 +19,7 @@ struct ParamShape {
   int64_t dim0, row;  // [dim0, row] (1-D: row = 1)
 };
 
-// The parameters of one block / of the root, in registration order (src/nn/llama.cpp), as one TP rank holds
+// The parameters of one block / of the root, in registration order (src/models/llama.cpp), as one TP rank holds
 // them (TorchTitan's plan: colwise wq wk wv w1 w3 split dim 0, rowwise wo w2 split dim 1, the embedding and
 // the output projection split the vocabulary, norms replicated; rank 0's torch.chunk piece, the largest).
 std::vector<ParamShape> block_params(const nn::llama::LlamaArgs& a, int64_t tp = 1) {

@@ -1,10 +1,10 @@
 #pragma once
 // fsdp-plan: per-rank memory and communication of FSDP (fully_shard per transformer block + root) training
 // of a Llama 3 model, from the model args alone (no allocation; any size, 405B included). The formulas are
-// documented in docs/planner.md and mirror what our fully_shard and src/nn/llama.cpp actually allocate;
+// documented in docs/planner.md and mirror what our fully_shard and src/models/llama.cpp actually allocate;
 // tests/plan/ checks them against measured peaks of small models.
 
-#include <fsdp/nn/llama.h>
+#include <fsdp/models/llama.h>
 
 #include <c10/core/ScalarType.h>
 

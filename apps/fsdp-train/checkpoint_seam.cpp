@@ -6,9 +6,9 @@
 
 #include <fsdp/checkpoint/async_save.h>
 #include <fsdp/checkpoint/checkpoint.h>
-#include <fsdp/checkpoint/hf_llama.h>
+#include <fsdp/models/hf_llama.h>
 #include <fsdp/checkpoint/optimizer.h>
-#include <fsdp/nn/llama.h>
+#include <fsdp/models/llama.h>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>

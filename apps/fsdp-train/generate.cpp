@@ -4,7 +4,7 @@
 #include "tokenizer.h"
 
 #include <fsdp/checkpoint/checkpoint.h>
-#include <fsdp/nn/llama.h>
+#include <fsdp/models/llama.h>
 
 #include <torch/torch.h>
 

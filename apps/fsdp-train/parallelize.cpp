@@ -2,7 +2,7 @@
 #include "parallelize.h"
 
 #include <fsdp/activation_checkpoint.h>
-#include <fsdp/nn/llama_tp_plan.h>
+#include <fsdp/models/llama_tp_plan.h>
 #include <fsdp/replicate.h>
 #include <fsdp/tensor_parallel.h>
 

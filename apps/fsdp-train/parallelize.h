@@ -1,5 +1,5 @@
 #pragma once
-// TorchTitan's declarative split between the model and its parallelisation: the model (fsdp/nn/llama.h) knows
+// TorchTitan's declarative split between the model and its parallelisation: the model (fsdp/models/llama.h) knows
 // nothing of FSDP; this step applies fsdp::fully_shard to every transformer block and then to the root, from
 // the [parallelism] and [training] keys:
 //   mesh            1-D over the data-parallel ranks, or 2-D ("dp_replicate", "dp_shard") = HSDP; on the device
@@ -22,7 +22,7 @@
 
 #include <fsdp/device_mesh.h>
 #include <fsdp/fully_shard.h>
-#include <fsdp/nn/llama.h>
+#include <fsdp/models/llama.h>
 #include <fsdp/process_group.h>
 
 #include <c10/core/Device.h>

@@ -13,7 +13,7 @@
 #include <fsdp/clip_grad.h>
 #include <fsdp/materialize.h>
 #include <fsdp/tensor_parallel.h>
-#include <fsdp/nn/llama.h>
+#include <fsdp/models/llama.h>
 #include <fsdp/nn/module_call.h>
 #include <fsdp/launch_check.h>
 

@@ -3,7 +3,7 @@
 
 #include "data.h"
 
-#include <fsdp/nn/llama.h>
+#include <fsdp/models/llama.h>
 #include <fsdp/nn/module_call.h>
 
 #include <torch/torch.h>

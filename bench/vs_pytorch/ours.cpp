@@ -16,7 +16,7 @@
 #include <fsdp/comm_stats.h>
 #include <fsdp/device_mesh.h>
 #include <fsdp/fully_shard.h>
-#include <fsdp/nn/llama.h>
+#include <fsdp/models/llama.h>
 #include <fsdp/nn/module_call.h>
 #include <fsdp/process_group.h>
 

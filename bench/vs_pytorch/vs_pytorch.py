@@ -1,6 +1,6 @@
 """PyTorch FSDP2 side of the side-by-side benchmark (run under torchrun; run.py drives both sides).
 
-The model is a line-by-line transcription of our C++ Llama 3 (src/nn/llama.cpp), not TorchTitan's code:
+The model is a line-by-line transcription of our C++ Llama 3 (src/models/llama.cpp), not TorchTitan's code:
   - RMSNorm: normalise in float32, x * rsqrt(mean(x^2) + eps), cast back, times weight;
   - RoPE: interleaved pairs (x[2i], x[2i+1]) rotated as complex numbers, tables cos/sin of
     pos * theta^(-2i/head_dim) computed in float64 and rounded to float32 (TorchTitan's freqs_cis convention),

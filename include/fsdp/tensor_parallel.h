@@ -28,6 +28,7 @@
 
 #include <fsdp/device_mesh.h>
 #include <fsdp/sharded_tensor.h>
+#include <fsdp/tensor_parallel_spec.h>
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
@@ -41,6 +42,10 @@
 #include <vector>
 
 namespace fsdp {
+
+// "Linear" and "Embedding" below: torch::nn::Linear / torch::nn::Embedding, or a module of any class that states
+// its weight's layout by deriving from fsdp::nn::HasWeightLayout (<fsdp/nn/weight_layout.h>; the Llama model's
+// own layers do).
 
 // Linear: weight (and bias) Shard(0) — output features split; Embedding: weight Shard(1).
 // Input is made input_layout -> Replicate; output leaves as Shard(-1) or is gathered to output_layout.
@@ -88,15 +93,8 @@ void parallelize_module(const Holder& module, const DeviceMesh& tp_mesh, const P
   parallelize_module(std::static_pointer_cast<torch::nn::Module>(module.ptr()), tp_mesh, plan);
 }
 
-// What parallelize_module recorded for a parameter: the global tensor of `global_shape`, placed over `mesh`
-// (the TP mesh) by `placements`; the parameter holds this rank's piece.
-struct TensorParallelSpec {
-  DeviceMesh mesh;
-  Placements placements;
-  std::vector<int64_t> global_shape;
-};
-// The spec of `param` (one of `root`'s parameters, found by identity), or nullopt when it is not TP-sharded.
-std::optional<TensorParallelSpec> tensor_parallel_spec(const torch::nn::Module& root, const at::Tensor& param);
+// What parallelize_module records for each parameter it shards (TensorParallelSpec, tensor_parallel_spec()):
+// <fsdp/tensor_parallel_spec.h>.
 
 enum class LossReduction { Mean, Sum };
 

@@ -2,7 +2,7 @@
 #include <fsdp/clip_grad.h>
 
 #include "fully_shard/fsdp_state.h"
-#include "tensor_parallel/param_spec.h"
+#include "tensor/param_spec.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>

@@ -12,7 +12,7 @@
 #include <fsdp/fully_shard.h>
 #include <fsdp/fully_shard_extensions.h>
 #include <fsdp/process_group.h>
-#include <fsdp/tensor_parallel.h>
+#include <fsdp/tensor_parallel_spec.h>
 
 #include <ATen/core/Tensor.h>
 

@@ -4,7 +4,7 @@
 
 #include "fully_shard/fsdp_state.h"
 #include "fully_shard/mesh_cache.h"
-#include "tensor_parallel/param_spec.h"
+#include "tensor/param_spec.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>

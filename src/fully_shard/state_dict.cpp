@@ -1,9 +1,9 @@
 // Sharded and full state dicts of fully_shard models.
 #include <fsdp/state_dict.h>
-#include <fsdp/tensor_parallel.h>
+#include <fsdp/tensor_parallel_spec.h>
 
 #include "fully_shard/fsdp_state.h"
-#include "tensor_parallel/param_spec.h"
+#include "tensor/param_spec.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>

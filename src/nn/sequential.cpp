@@ -1,7 +1,5 @@
 #include <fsdp/nn/sequential.h>
 
-#include "fully_shard/state_holder.h"
-
 #include <unordered_set>
 
 namespace fsdp::nn {
@@ -19,7 +17,9 @@ SequentialImpl::SequentialImpl(std::initializer_list<torch::nn::NamedAnyModule> 
 SequentialImpl::SequentialImpl(const torch::nn::Sequential& sequential) {
   TORCH_CHECK(!sequential.is_empty(), "fsdp::nn::Sequential: converting an empty torch::nn::Sequential holder");
   const torch::nn::SequentialImpl& source = *sequential;
-  TORCH_CHECK(!fsdp::detail::find_state(source) && !has_forward_hooks(source),
+  // fully_shard registers its forward hooks on every module it is given (FSDPState::attach), so "has hooks"
+  // also covers "was given to fully_shard" without the nn layer knowing fully_shard (docs/architecture.md).
+  TORCH_CHECK(!has_forward_hooks(source),
               "fsdp::nn::Sequential: the torch::nn::Sequential to convert was given to fully_shard (or has hooks); ",
               "convert it before fully_shard");
   // Element names: each element is a child registered under its name; match by identity, in order (the same

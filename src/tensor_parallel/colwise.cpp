@@ -1,7 +1,7 @@
 // ColwiseParallel: output features (Linear) or embedding dims (Embedding) split over the TP ranks.
 
 #include "tensor_parallel/collectives.h"
-#include "tensor_parallel/param_spec.h"
+#include "tensor/param_spec.h"
 #include "tensor_parallel/styles.h"
 
 #include <fsdp/nn/module_call.h>
@@ -12,7 +12,8 @@ void apply_colwise(torch::nn::Module& module, const std::string& fqn, const Devi
                    const ColwiseParallel& style) {
   const ModuleKind kind = module_kind(module);
   TORCH_CHECK(kind != ModuleKind::Other, "fsdp::parallelize_module: ColwiseParallel applies to Linear and Embedding "
-              "modules, but '", fqn, "' is ", module.name());
+              "modules (torch::nn::Linear, torch::nn::Embedding, or a module deriving from "
+              "fsdp::nn::HasWeightLayout), but '", fqn, "' is ", module.name());
   TORCH_CHECK(!style.input_layout.is_partial(), "fsdp::parallelize_module: ColwiseParallel on '", fqn,
               "': input layout must be Replicate() or Shard(d), got ", style.input_layout.to_string());
   const bool gather_output = style.output_layout.is_replicate();

@@ -2,7 +2,7 @@
 // output is a partial sum, reduced to the output layout.
 
 #include "tensor_parallel/collectives.h"
-#include "tensor_parallel/param_spec.h"
+#include "tensor/param_spec.h"
 #include "tensor_parallel/styles.h"
 
 #include <fsdp/nn/module_call.h>
@@ -25,7 +25,8 @@ void apply_rowwise(torch::nn::Module& module, const std::string& fqn, const Devi
                    const RowwiseParallel& style) {
   const ModuleKind kind = module_kind(module);
   TORCH_CHECK(kind != ModuleKind::Other, "fsdp::parallelize_module: RowwiseParallel applies to Linear and Embedding "
-              "modules, but '", fqn, "' is ", module.name());
+              "modules (torch::nn::Linear, torch::nn::Embedding, or a module deriving from "
+              "fsdp::nn::HasWeightLayout), but '", fqn, "' is ", module.name());
   const Placement output_layout = style.output_layout;
   TORCH_CHECK(output_layout.is_replicate() || output_layout.is_shard(), "fsdp::parallelize_module: RowwiseParallel "
               "on '", fqn, "': output layout must be Replicate() or Shard(d), got ", output_layout.to_string());

@@ -1,7 +1,7 @@
 // SequenceParallel: a norm runs on this rank's slice of the sequence with replicated parameters.
 
 #include "tensor_parallel/collectives.h"
-#include "tensor_parallel/param_spec.h"
+#include "tensor/param_spec.h"
 #include "tensor_parallel/styles.h"
 
 namespace fsdp::tp {

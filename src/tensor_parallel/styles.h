@@ -12,8 +12,9 @@ namespace fsdp::tp {
 
 // What a style needs to know about a module: which layout its "weight" has.
 enum class ModuleKind { Linear, Embedding, Other };
-// Linear: torch::nn::Linear or fsdp::nn::llama::Linear (weight [out, in], optional bias [out]);
-// Embedding: torch::nn::Embedding or fsdp::nn::llama::Embedding (weight [num, dim]).
+// Linear: torch::nn::Linear, or a module declaring nn::WeightLayout::Linear (weight [out, in], optional bias [out]);
+// Embedding: torch::nn::Embedding, or a module declaring nn::WeightLayout::Embedding (weight [num, dim]).
+// (<fsdp/nn/weight_layout.h>: a model's own layers state their layout; this layer knows no model class.)
 ModuleKind module_kind(const torch::nn::Module& module);
 
 // `fqn` names the module in errors.

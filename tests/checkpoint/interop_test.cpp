@@ -9,7 +9,7 @@
 // The Python side is tests/checkpoint/interop/torch_side.py; the rank processes of ours are interop_worker.
 #include <fsdp/checkpoint/checkpoint.h>
 #include <fsdp/checkpoint/safetensors.h>
-#include <fsdp/nn/llama.h>
+#include <fsdp/models/llama.h>
 
 #include "checkpoint/dcp_format.h"
 #include "checkpoint/pickle.h"

@@ -13,12 +13,12 @@
 //       random weights (every tensor), export them as Hugging Face files, write the logits of one batch
 // Exit status 0 = done; messages name what failed.
 #include <fsdp/checkpoint/checkpoint.h>
-#include <fsdp/checkpoint/hf_llama.h>
+#include <fsdp/models/hf_llama.h>
 #include <fsdp/checkpoint/optimizer.h>
 #include <fsdp/checkpoint/safetensors.h>
 #include <fsdp/device_mesh.h>
 #include <fsdp/fully_shard.h>
-#include <fsdp/nn/llama.h>
+#include <fsdp/models/llama.h>
 #include <fsdp/nn/module_call.h>
 #include <fsdp/process_group.h>
 #include <fsdp/state_dict.h>

@@ -4,7 +4,7 @@
 #include "fully_shard/fsdp_test_util.h"
 
 #include <fsdp/materialize.h>
-#include <fsdp/nn/llama.h>
+#include <fsdp/models/llama.h>
 
 using namespace fsdp_test;
 namespace llama = fsdp::nn::llama;

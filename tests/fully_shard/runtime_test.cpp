@@ -6,8 +6,8 @@
 #include "fully_shard/runtime_test_util.h"
 
 #include <fsdp/materialize.h>
+#include <fsdp/models/llama.h>
 #include <fsdp/comm_stats.h>
-#include <fsdp/nn/llama.h>
 
 #include <c10/core/InferenceMode.h>
 

@@ -5,7 +5,7 @@
 #include "fully_shard/fsdp_test_util.h"
 
 #include <fsdp/clip_grad.h>
-#include <fsdp/nn/llama.h>
+#include <fsdp/models/llama.h>
 
 using namespace fsdp_test;
 namespace llama = fsdp::nn::llama;

@@ -9,8 +9,8 @@
 #include <fsdp/checkpoint/checkpoint.h>
 #include <fsdp/checkpoint/optimizer.h>
 #include <fsdp/fully_shard.h>
-#include <fsdp/nn/llama.h>
-#include <fsdp/nn/llama_tp_plan.h>
+#include <fsdp/models/llama.h>
+#include <fsdp/models/llama_tp_plan.h>
 #include <fsdp/nn/module_call.h>
 #include <fsdp/state_dict.h>
 

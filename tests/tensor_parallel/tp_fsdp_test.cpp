@@ -8,8 +8,8 @@
 #include <fsdp/clip_grad.h>
 #include <fsdp/comm_stats.h>
 #include <fsdp/fully_shard.h>
-#include <fsdp/nn/llama.h>
-#include <fsdp/nn/llama_tp_plan.h>
+#include <fsdp/models/llama.h>
+#include <fsdp/models/llama_tp_plan.h>
 #include <fsdp/nn/module_call.h>
 #include <fsdp/state_dict.h>
 

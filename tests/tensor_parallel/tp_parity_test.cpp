@@ -5,10 +5,11 @@
 
 #include "tensor_parallel/tp_test_util.h"
 
-#include <fsdp/nn/llama.h>
+#include <fsdp/models/llama.h>
+#include <fsdp/models/llama_tp_plan.h>
 #include <fsdp/comm_stats.h>
-#include <fsdp/nn/llama_tp_plan.h>
 #include <fsdp/nn/module_call.h>
+#include <fsdp/nn/weight_layout.h>
 
 using namespace fsdp_test;
 
@@ -29,6 +30,19 @@ struct PairMLPImpl : torch::nn::Module {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr}, fc4{nullptr};
 };
 TORCH_MODULE(PairMLP);
+
+// A model's own linear layer (not torch::nn::Linear): the styles know no model class, so they split it only
+// when it states its weight layout (fsdp::nn::HasWeightLayout).
+struct OwnLinearImpl : torch::nn::Module {
+  OwnLinearImpl() { weight = register_parameter("weight", torch::randn({5, 4})); }
+  torch::Tensor forward(const torch::Tensor& x) { return torch::linear(x, weight); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(OwnLinear);
+struct DeclaredOwnLinearImpl : OwnLinearImpl, fsdp::nn::HasWeightLayout {
+  fsdp::nn::WeightLayout weight_layout() const override { return fsdp::nn::WeightLayout::Linear; }
+};
+TORCH_MODULE(DeclaredOwnLinear);
 
 struct Counts {
   int64_t all_gather = 0, reduce_scatter = 0, all_reduce = 0, bytes = 0;
@@ -214,6 +228,32 @@ TEST(TensorParallel, LossParallelMatchesCrossEntropyOnUnevenClasses) {
   EXPECT_NEAR(loss.item<double>(), ref.item<double>(), 1e-6);
   auto want_grad = full.grad().narrow(1, r == 0 ? 0 : 4, r == 0 ? 4 : 3);
   EXPECT_LE((local.grad() - want_grad).abs().max().item<double>(), 1e-6);
+}
+
+TEST(TensorParallel, StylesSplitAnyModuleThatStatesItsWeightLayout) {
+  if (fsdp_test::test_world()->size() != 2) GTEST_SKIP() << "tp 2 needs 2 ranks";
+  auto mesh = tp_mesh();
+  torch::manual_seed(3);
+  OwnLinear undeclared;
+  try {
+    fsdp::parallelize_module(undeclared, mesh, {{"", fsdp::ColwiseParallel{}}});
+    FAIL() << "a module of unknown layout was split";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("applies to Linear and Embedding modules"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(undeclared->weight.sizes(), torch::IntArrayRef({5, 4}));  // left whole
+
+  torch::manual_seed(3);
+  DeclaredOwnLinear declared;
+  const torch::Tensor full_weight = declared->weight.detach().clone();
+  const torch::Tensor x = torch::randn({3, 4});
+  const torch::Tensor want = torch::linear(x, full_weight);  // the unsharded layer
+  fsdp::parallelize_module(declared, mesh, {{"", fsdp::ColwiseParallel{fsdp::Replicate(), fsdp::Replicate()}}});
+  // Colwise on a Linear layout: output rows split 3 + 2 (torch.chunk), the gathered output equals the whole layer's.
+  const int64_t r = mesh.local_rank(0);
+  EXPECT_TRUE(torch::equal(declared->weight, full_weight.chunk(2, 0)[r]));
+  const torch::Tensor y = fsdp::nn::call(declared, x);
+  EXPECT_LE((y - want).abs().max().item<double>(), 1e-6);
 }
 
 TEST(TensorParallel, PlanErrorsNameTheProblem) {

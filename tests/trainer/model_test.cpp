@@ -1,6 +1,6 @@
 // The Llama 3 model: parameter counts against analytic counts (and the published sizes of the real models),
 // TorchTitan's FQNs, tied embeddings, causality, deterministic init, and that blocks run through fsdp::nn::call.
-#include <fsdp/nn/llama.h>
+#include <fsdp/models/llama.h>
 #include <fsdp/nn/module_call.h>
 
 #include <gtest/gtest.h>

@@ -2,8 +2,10 @@
 // Where parallelize_module records each TP-sharded parameter's global shape and placement: a child module of
 // the parameter's owner (libtorch modules have no slot for extra state; a child ties the record's lifetime to
 // the module without a global registry, like the forward-hook store). It holds no parameters or buffers.
+// Tensor layer (docs/architecture.md): tensor_parallel writes the specs, fully_shard and state dicts read them,
+// and neither of those two layers may see the other.
 
-#include <fsdp/tensor_parallel.h>
+#include <fsdp/tensor_parallel_spec.h>
 
 #include <torch/nn/module.h>
 

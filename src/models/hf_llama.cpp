@@ -1,12 +1,12 @@
-// Hugging Face Llama <-> our Llama 3 (see include/fsdp/checkpoint/hf_llama.h).
-#include <fsdp/checkpoint/hf_llama.h>
+// Hugging Face Llama <-> our Llama 3 (see include/fsdp/models/hf_llama.h).
+#include <fsdp/models/hf_llama.h>
 
 #include "checkpoint/model_safetensors_impl.h"
 #include "checkpoint/storage.h"
 
 #include <fsdp/checkpoint/safetensors.h>
 #include <fsdp/fully_shard.h>
-#include <fsdp/nn/llama.h>
+#include <fsdp/models/llama.h>
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>

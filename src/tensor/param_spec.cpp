@@ -1,6 +1,6 @@
 // TP parameter specs: sharding a parameter in place and recording its global layout (see param_spec.h).
 
-#include "tensor_parallel/param_spec.h"
+#include "tensor/param_spec.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>

@@ -1,6 +1,6 @@
-// TorchTitan's Llama 3 TP plan (see <fsdp/nn/llama_tp_plan.h>).
+// TorchTitan's Llama 3 TP plan (see <fsdp/models/llama_tp_plan.h>).
 
-#include <fsdp/nn/llama_tp_plan.h>
+#include <fsdp/models/llama_tp_plan.h>
 
 namespace fsdp::nn::llama {
 

@@ -1,5 +1,5 @@
-// Llama 3 model (see include/fsdp/nn/llama.h). Shapes and initialisation follow TorchTitan's llama3 model.
-#include <fsdp/nn/llama.h>
+// Llama 3 model (see include/fsdp/models/llama.h). Shapes and initialisation follow TorchTitan's llama3 model.
+#include <fsdp/models/llama.h>
 #include <fsdp/nn/module_call.h>
 
 #include <ATen/ATen.h>

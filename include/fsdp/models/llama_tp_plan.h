@@ -2,7 +2,7 @@
 // TorchTitan's tensor-parallel plan for Llama 3 (models/llama3/parallelize.py apply_tp), kept apart from the
 // model code (which knows nothing of parallelism), for fsdp::parallelize_module(model, mesh["tp"], plan).
 
-#include <fsdp/nn/llama.h>
+#include <fsdp/models/llama.h>
 #include <fsdp/tensor_parallel.h>
 
 #include <cstdint>

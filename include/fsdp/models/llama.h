@@ -10,6 +10,12 @@
 //
 // Parameters are created directly on LlamaArgs' device, so a "meta" device builds the real 8B/70B shapes
 // without allocating (for memory planning); init_weights() later fills them wherever they live.
+//
+// Models layer (src/models, docs/architecture.md), with its TP plan (<fsdp/models/llama_tp_plan.h>) and the Hugging
+// Face adapter (<fsdp/models/hf_llama.h>). The model itself uses only the nn layer; its Linear and Embedding state
+// their weight layout (<fsdp/nn/weight_layout.h>) so that tensor-parallel styles can split them.
+
+#include <fsdp/nn/weight_layout.h>
 
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
@@ -86,17 +92,19 @@ class ParamModule : public torch::nn::Module {
 
 // A bias-free linear layer whose weight is created on a chosen device (torch::nn::Linear always allocates on
 // the CPU first, which rules out meta-device construction of large models). FQN: <name>.weight.
-class LinearImpl : public ParamModule {
+class LinearImpl : public ParamModule, public HasWeightLayout {
  public:
   LinearImpl(int64_t in_features, int64_t out_features, const at::TensorOptions& options);
   at::Tensor forward(const at::Tensor& x);
+  WeightLayout weight_layout() const override { return WeightLayout::Linear; }
 };
 TORCH_MODULE(Linear);
 
-class EmbeddingImpl : public ParamModule {
+class EmbeddingImpl : public ParamModule, public HasWeightLayout {
  public:
   EmbeddingImpl(int64_t num_embeddings, int64_t dim, const at::TensorOptions& options);
   at::Tensor forward(const at::Tensor& tokens);
+  WeightLayout weight_layout() const override { return WeightLayout::Embedding; }
 };
 TORCH_MODULE(Embedding);
 
