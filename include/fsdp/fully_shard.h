@@ -97,8 +97,8 @@ struct FullyShardOptions {
   std::function<std::shared_ptr<const AllGatherTransform>(const at::Tensor& param)> all_gather_transform_fn;
 };
 
-class FSDPState;  // internal
 namespace detail {
+class FSDPState;          // internal: what fully_shard attaches to a module
 struct FSDPModuleAccess;  // internal access to the state
 }
 
@@ -106,11 +106,11 @@ struct FSDPModuleAccess;  // internal access to the state
 class UnshardHandle {
  public:
   UnshardHandle() = default;
-  explicit UnshardHandle(std::weak_ptr<FSDPState> state) : state_(std::move(state)) {}
+  explicit UnshardHandle(std::weak_ptr<detail::FSDPState> state) : state_(std::move(state)) {}
   void wait();
 
  private:
-  std::weak_ptr<FSDPState> state_;
+  std::weak_ptr<detail::FSDPState> state_;
 };
 
 // A handle on a module's FSDP state (Python's FSDPModule methods). Cheap to copy. The state itself lives
@@ -118,7 +118,7 @@ class UnshardHandle {
 class FSDPModule {
  public:
   FSDPModule() = default;
-  explicit FSDPModule(std::shared_ptr<FSDPState> state) : state_(std::move(state)) {}
+  explicit FSDPModule(std::shared_ptr<detail::FSDPState> state) : state_(std::move(state)) {}
 
   torch::nn::Module& module() const;
   bool valid() const { return state_ != nullptr; }
@@ -182,7 +182,7 @@ class FSDPModule {
 
  private:
   friend struct detail::FSDPModuleAccess;
-  std::shared_ptr<FSDPState> state_;
+  std::shared_ptr<detail::FSDPState> state_;
 };
 
 FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options = {});

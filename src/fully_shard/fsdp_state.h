@@ -63,7 +63,6 @@ struct FSDPModuleAccess {
   static FSDPState& state(const FSDPModule& module);
   static std::shared_ptr<FSDPState> shared_state(const FSDPModule& module) { return module.state_; }
 };
-}  // namespace detail
 
 class FSDPState : public std::enable_shared_from_this<FSDPState> {
  public:
@@ -173,5 +172,11 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::optional<c10::Event> pending_post_optim_event_;  // set before the root's lazy init
   bool is_last_backward_before_init_ = true;            // likewise for set_is_last_backward
 };
+
+}  // namespace detail
+
+// Internal code of the library names it without the namespace (the public headers do not: FSDPState is no
+// public name).
+using detail::FSDPState;
 
 }  // namespace fsdp

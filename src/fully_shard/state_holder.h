@@ -17,8 +17,8 @@
 #include <ostream>
 
 namespace fsdp {
-class FSDPState;
 namespace detail {
+class FSDPState;
 
 struct FSDPStateHolder : torch::nn::Module {
   FSDPStateHolder() : torch::nn::Module("fsdp::FSDPState") {}
