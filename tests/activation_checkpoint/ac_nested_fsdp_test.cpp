@@ -9,6 +9,7 @@
 #include "comm/dist_env.h"
 #include "activation_checkpoint/ac_test_model.h"
 
+#include <fsdp/comm_stats.h>
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/device_mesh.h>
 #include <fsdp/fully_shard.h>
@@ -66,7 +67,7 @@ Run train(const Case& c, bool checkpoint) {
   if (c.shard_root) fsdp::fully_shard(model, opts);
   torch::optim::SGD optim(model->parameters(), torch::optim::SGDOptions(0.1));
   fsdp::reset_checkpoint_stats();
-  group->reset_stats();
+  fsdp::reset_comm_stats(*group);
   Run run;
   for (int64_t step = 0; step < kSteps; ++step) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(700 + 10 * step + rank);
@@ -88,7 +89,7 @@ Run train(const Case& c, bool checkpoint) {
     optim.step();
   }
   run.stats = fsdp::checkpoint_stats();
-  run.all_gathers = group->stats().all_gather_calls;
+  run.all_gathers = fsdp::comm_stats(*group).all_gather_calls;
   return run;
 }
 

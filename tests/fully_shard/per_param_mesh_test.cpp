@@ -16,6 +16,7 @@
 #include "fully_shard/fsdp_state.h"
 #include "fully_shard/fsdp_test_util.h"
 
+#include <fsdp/comm_stats.h>
 #include <fsdp/checkpoint/checkpoint.h>
 #include <fsdp/checkpoint/optimizer.h>
 #include <fsdp/clip_grad.h>
@@ -284,9 +285,9 @@ TEST(PerParamMesh, OneAllGatherAndReduceScatterPerMeshPerBlock) {
   fsdp::ProcessGroup& expert_shard = *expert_mesh().group("shard");
   fsdp::ProcessGroup& expert_replicate = *expert_mesh().group("replicate");
   for (auto* g : {&dense, &expert_shard, &expert_replicate}) {
-    g->reset_stats();
-    g->record_timeline(false);
-    g->record_timeline(true);
+    fsdp::reset_comm_stats(*g);
+    fsdp::record_timeline(*g, false);
+    fsdp::record_timeline(*g, true);
   }
   // Inside each block's forward (a hook registered after FSDP's), both of its groups show full parameters.
   std::vector<std::string> inside;
@@ -299,25 +300,25 @@ TEST(PerParamMesh, OneAllGatherAndReduceScatterPerMeshPerBlock) {
   auto [x, y] = global_batch(0, kBatch, kIn, kOut);
   auto loss = torch::mse_loss(fsdp::nn::call(model, local_rows(x, true)), local_rows(y, true));
   // Forward: the root's group and one per block on the dense mesh, one per block on the expert mesh.
-  EXPECT_EQ(dense.stats().all_gather_calls, 3);
-  EXPECT_EQ(expert_shard.stats().all_gather_calls, 2);
-  EXPECT_EQ(expert_replicate.stats().all_gather_calls, 0);
+  EXPECT_EQ(fsdp::comm_stats(dense).all_gather_calls, 3);
+  EXPECT_EQ(fsdp::comm_stats(expert_shard).all_gather_calls, 2);
+  EXPECT_EQ(fsdp::comm_stats(expert_replicate).all_gather_calls, 0);
   ASSERT_EQ(inside.size(), 4u);
   for (const auto& s : inside) EXPECT_EQ(s, "forward, unsharded");
   // Block 0's two gathers overlap: the expert one was issued before the dense one was waited.
-  const auto dense_spans = dense.timeline();
-  const auto expert_spans = expert_shard.timeline();
+  const auto dense_spans = fsdp::comm_timeline(dense);
+  const auto expert_spans = fsdp::comm_timeline(expert_shard);
   ASSERT_EQ(dense_spans.size(), 3u);  // root, block 0, block 1
   ASSERT_EQ(expert_spans.size(), 2u);
   EXPECT_LE(expert_spans[0].issued, dense_spans[1].wait_begin);
   loss.backward();
   // Backward: blocks reshard after forward, so each gathers again per mesh (the root kept its parameters);
   // one reduce-scatter per group, and HSDP's all-reduce across the expert replicas.
-  EXPECT_EQ(dense.stats().all_gather_calls, 5);
-  EXPECT_EQ(expert_shard.stats().all_gather_calls, 4);
-  EXPECT_EQ(dense.stats().reduce_scatter_calls, 3);
-  EXPECT_EQ(expert_shard.stats().reduce_scatter_calls, 2);
-  EXPECT_EQ(expert_replicate.stats().all_reduce_calls, 2);
+  EXPECT_EQ(fsdp::comm_stats(dense).all_gather_calls, 5);
+  EXPECT_EQ(fsdp::comm_stats(expert_shard).all_gather_calls, 4);
+  EXPECT_EQ(fsdp::comm_stats(dense).reduce_scatter_calls, 3);
+  EXPECT_EQ(fsdp::comm_stats(expert_shard).reduce_scatter_calls, 2);
+  EXPECT_EQ(fsdp::comm_stats(expert_replicate).all_reduce_calls, 2);
   // Every group of every state back at the start, together.
   for (const auto& u : units) {
     for (auto* g : groups_of(u)) {
@@ -328,7 +329,7 @@ TEST(PerParamMesh, OneAllGatherAndReduceScatterPerMeshPerBlock) {
   // Groups are named after the module and their mesh.
   const auto& block_groups = groups_of(units[0]);
   EXPECT_NE(block_groups[1]->name().find("replicate=2, shard=2"), std::string::npos) << block_groups[1]->name();
-  for (auto* g : {&dense, &expert_shard, &expert_replicate}) g->record_timeline(false);
+  for (auto* g : {&dense, &expert_shard, &expert_replicate}) fsdp::record_timeline(*g, false);
 }
 
 // ---------------------------------------------------------------------------------------------------------

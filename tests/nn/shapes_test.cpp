@@ -6,6 +6,7 @@
 // refused before the module's hooks run, naming the module and the type; without hooks it passes.
 #include "nn/nn_test_util.h"
 
+#include <fsdp/comm_stats.h>
 #include <fsdp/activation_checkpoint.h>
 
 #include <unordered_map>
@@ -162,15 +163,15 @@ void train_and_compare(bool checkpoint) {
   for (int64_t step = 0; step < kSteps; ++step) {
     auto [gx, gy] = global_batch(step);
     optim->zero_grad();
-    group->reset_stats();
+    fsdp::reset_comm_stats(*group);
     auto out = fsdp::nn::call(model, gx.narrow(0, rank * local, local));
-    const int64_t forward_gathers = group->stats().all_gather_calls;
+    const int64_t forward_gathers = fsdp::comm_stats(*group).all_gather_calls;
     torch::mse_loss(out, gy.narrow(0, rank * local, local)).backward();
     // Root + 3 blocks gathered in forward; the 3 blocks (resharded after forward) again in backward — only
     // their pre-backward hooks, armed on the map / struct outputs, do that.
     EXPECT_EQ(forward_gathers, 4) << "step " << step;
-    EXPECT_EQ(group->stats().all_gather_calls - forward_gathers, 3) << "step " << step;
-    EXPECT_EQ(group->stats().reduce_scatter_calls, 4) << "step " << step;
+    EXPECT_EQ(fsdp::comm_stats(*group).all_gather_calls - forward_gathers, 3) << "step " << step;
+    EXPECT_EQ(fsdp::comm_stats(*group).reduce_scatter_calls, 4) << "step " << step;
     optim->step();
   }
   if (checkpoint) {
@@ -221,7 +222,7 @@ TEST(ForwardShapes, HiddenTensorsAreRefusedBeforeTheHooksRun) {
   fsdp::fully_shard(out_module, shard_options());
   fsdp::fully_shard(in_module, shard_options());
   auto group = world_mesh().group(0);
-  group->reset_stats();
+  fsdp::reset_comm_stats(*group);
   const std::string out_error = error_of([&] { fsdp::nn::call(out_module, x); });
   EXPECT_EQ(out_error.rfind("fsdp::nn::call: ", 0), 0u) << out_error;
   EXPECT_NE(out_error.find("OpaqueOutImpl has forward hooks"), std::string::npos) << out_error;
@@ -232,6 +233,6 @@ TEST(ForwardShapes, HiddenTensorsAreRefusedBeforeTheHooksRun) {
   EXPECT_NE(in_error.find("OpaqueInImpl has forward hooks"), std::string::npos) << in_error;
   EXPECT_NE(in_error.find("takes as argument 1"), std::string::npos) << in_error;
   // Refused before the pre-hooks: nothing was gathered, nothing is left to undo.
-  EXPECT_EQ(group->stats().all_gather_calls, 0);
+  EXPECT_EQ(fsdp::comm_stats(*group).all_gather_calls, 0);
   for (const auto& p : out_module->parameters()) EXPECT_LT(p.numel(), kIn * kOut) << "left unsharded";
 }
