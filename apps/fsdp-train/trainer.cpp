@@ -10,6 +10,7 @@
 #include "tensorboard.h"
 #include "validate.h"
 
+#include <fsdp/activation_checkpoint.h>
 #include <fsdp/clip_grad.h>
 #include <fsdp/materialize.h>
 #include <fsdp/tensor_parallel.h>
@@ -410,6 +411,10 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
   if (compute_entropy && main_rank)
     summary.unigram_entropy =
         unigram_entropy_nats(files, tokenizer, args.vocab_size, &summary.epoch_tokens, text_options);
+  const fsdp::CheckpointStats ac = fsdp::checkpoint_stats(*model);
+  summary.ac_forwards = ac.forwards;
+  summary.ac_recomputes = ac.recomputes;
+  summary.ac_mm_reused = ac.mm_reused;
   summary.bad_records = loader.bad_records();
   if (validator) summary.validation_bad_records = validator->bad_records();
   return summary;

@@ -36,6 +36,8 @@ struct TrainSummary {
   double mean_mfu = 0;
   double peak_tflops = 0;
   std::string plan;                 // how the model was parallelised
+  // What activation checkpointing did in this rank's model over the run (fsdp::checkpoint_stats).
+  int64_t ac_forwards = 0, ac_recomputes = 0, ac_mm_reused = 0;
   int64_t bad_records = 0;          // JSON Lines records skipped by this rank's training stream so far
   int64_t validation_bad_records = 0;
   // metrics.tensor_memory: this rank's live CPU tensor bytes of every step (empty otherwise).

@@ -41,7 +41,8 @@ bool is_checkpointed(const torch::nn::Module& module);
 size_t checkpoint_every_kth(const std::vector<std::shared_ptr<torch::nn::Module>>& modules, int64_t k,
                             const CheckpointOptions& options = {});
 
-// Process-wide counters (tests, the trainer's log): how much checkpointing did.
+// How much checkpointing did in one model (tests, the trainer's log): the sum over `root` and every checkpointed
+// module below it. Each checkpointed module keeps its own counters, so two models in a process never mix.
 struct CheckpointStats {
   int64_t forwards = 0;       // checkpointed forwards that recorded a region (grad mode on, something needs grad)
   int64_t recomputes = 0;     // regions recomputed in backward
@@ -49,7 +50,15 @@ struct CheckpointStats {
   int64_t mm_reused = 0;      // SelectiveOp: kept outputs handed back during recomputation (not computed)
   int64_t mm_recomputed = 0;  // SelectiveOp: matmuls computed again during recomputation
 };
-CheckpointStats checkpoint_stats();
-void reset_checkpoint_stats();
+CheckpointStats checkpoint_stats(const torch::nn::Module& root);
+void reset_checkpoint_stats(const torch::nn::Module& root);
+template <class Impl>
+CheckpointStats checkpoint_stats(const torch::nn::ModuleHolder<Impl>& root) {
+  return checkpoint_stats(*root);
+}
+template <class Impl>
+void reset_checkpoint_stats(const torch::nn::ModuleHolder<Impl>& root) {
+  reset_checkpoint_stats(*root);
+}
 
 }  // namespace fsdp

@@ -41,13 +41,6 @@
 #include <vector>
 
 namespace fsdp {
-namespace detail {
-CheckpointCounters& checkpoint_counters() {
-  static CheckpointCounters counters;
-  return counters;
-}
-}  // namespace detail
-
 namespace {
 constexpr const char* kWrapperTag = "fsdp::checkpoint";
 
@@ -65,6 +58,7 @@ struct CheckpointNode : torch::autograd::Node {
   std::optional<c10::Device> device;
   detail::RngStash rng;
   std::shared_ptr<detail::MatmulStash> matmuls;  // SelectiveOp only
+  std::shared_ptr<detail::CheckpointCounters> counters;  // the module's
   std::vector<size_t> differentiable_outputs;    // node input k = region output tensor differentiable_outputs[k]
   size_t n_outputs = 0;
   // Submodules are sharded: no parameter edges; backward accumulates into every leaf (see the file comment).
@@ -102,7 +96,7 @@ struct CheckpointNode : torch::autograd::Node {
       outs = forward(detached);
       scope.check_complete();
     }
-    ++detail::checkpoint_counters().recomputes;
+    ++counters->recomputes;
     TORCH_CHECK(outs.size() == n_outputs, "fsdp: the recomputed forward of ", module_name, " returned ", outs.size(),
                 " tensors, the original forward ", n_outputs);
 
@@ -166,7 +160,8 @@ std::optional<std::string> sharded_descendant(torch::nn::Module& module) {
 }
 
 nn::TensorList checkpoint_forward(torch::nn::Module& module, const nn::TensorList& inputs,
-                                  const nn::ForwardFunction& forward, const CheckpointOptions& options) {
+                                  const nn::ForwardFunction& forward, const CheckpointOptions& options,
+                                  const std::shared_ptr<detail::CheckpointCounters>& counters) {
   if (!c10::GradMode::is_enabled()) return forward(inputs);  // evaluation: nothing to save or recompute
   const std::optional<std::string> sharded = sharded_descendant(module);
   // SelectiveOp's recording forward runs with gradients on and then drops its graph: the sharded submodules'
@@ -184,6 +179,7 @@ nn::TensorList checkpoint_forward(torch::nn::Module& module, const nn::TensorLis
 
   auto node = detail::make_autograd_node<CheckpointNode>();
   node->module_name = module.name();
+  node->counters = counters;
   node->device = region_device(inputs, params);
   if (options.preserve_rng_state) node->rng = detail::RngStash::capture(node->device);
   node->inputs = inputs;
@@ -198,6 +194,7 @@ nn::TensorList checkpoint_forward(torch::nn::Module& module, const nn::TensorLis
     // matmul choose their decomposition by requires_grad, and the two passes must count the same matmuls. The
     // graph built here is dropped with the outputs' history below.
     node->matmuls = std::make_shared<detail::MatmulStash>();
+    node->matmuls->counters = counters;
     nn::TensorList detached(inputs.size());
     for (size_t i = 0; i < inputs.size(); ++i) {
       if (!inputs[i].defined()) continue;
@@ -211,7 +208,7 @@ nn::TensorList checkpoint_forward(torch::nn::Module& module, const nn::TensorLis
     detail::SelectiveOpScope hide(nullptr, detail::SelectiveOpMode::Record);  // not counted by an enclosing op SAC
     outputs = forward(inputs);
   }
-  ++detail::checkpoint_counters().forwards;
+  ++counters->forwards;
 
   torch::autograd::edge_list edges = torch::autograd::collect_next_edges(inputs);
   if (sharded) {
@@ -241,12 +238,13 @@ void checkpoint_module(const std::shared_ptr<torch::nn::Module>& module, const C
   TORCH_CHECK(!is_checkpointed(*module), "fsdp::checkpoint_module: ", module->name(), " is already checkpointed");
   if (options.policy == CheckpointPolicy::SelectiveOp) detail::ensure_selective_op_kernels();
   // The wrapper must not capture the module (the module owns the wrapper).
+  auto counters = std::make_shared<detail::CheckpointCounters>();
   nn::register_forward_wrapper(
       *module,
-      [options](torch::nn::Module& m, const nn::TensorList& inputs, const nn::ForwardFunction& forward) {
-        return checkpoint_forward(m, inputs, forward, options);
+      [options, counters](torch::nn::Module& m, const nn::TensorList& inputs, const nn::ForwardFunction& forward) {
+        return checkpoint_forward(m, inputs, forward, options, counters);
       },
-      kWrapperTag);
+      kWrapperTag, counters);
 }
 
 bool is_checkpointed(const torch::nn::Module& module) { return nn::has_forward_wrapper(module, kWrapperTag); }
@@ -263,19 +261,41 @@ size_t checkpoint_every_kth(const std::vector<std::shared_ptr<torch::nn::Module>
   return n;
 }
 
-CheckpointStats checkpoint_stats() {
-  auto& c = detail::checkpoint_counters();
-  return CheckpointStats{c.forwards.load(), c.recomputes.load(), c.mm_saved.load(), c.mm_reused.load(),
-                         c.mm_recomputed.load()};
+namespace {
+// The counters of every checkpointed module in `root`'s tree (root included).
+std::vector<std::shared_ptr<detail::CheckpointCounters>> counters_in(const torch::nn::Module& root) {
+  std::vector<std::shared_ptr<detail::CheckpointCounters>> found;
+  auto visit = [&](const torch::nn::Module& m) {
+    if (auto state = nn::forward_wrapper_state(m, kWrapperTag)) {
+      found.push_back(std::static_pointer_cast<detail::CheckpointCounters>(state));
+    }
+  };
+  visit(root);
+  for (const auto& child : root.modules(/*include_self=*/false)) visit(*child);
+  return found;
+}
+}  // namespace
+
+CheckpointStats checkpoint_stats(const torch::nn::Module& root) {
+  CheckpointStats total;
+  for (const auto& c : counters_in(root)) {
+    total.forwards += c->forwards.load();
+    total.recomputes += c->recomputes.load();
+    total.mm_saved += c->mm_saved.load();
+    total.mm_reused += c->mm_reused.load();
+    total.mm_recomputed += c->mm_recomputed.load();
+  }
+  return total;
 }
 
-void reset_checkpoint_stats() {
-  auto& c = detail::checkpoint_counters();
-  c.forwards = 0;
-  c.recomputes = 0;
-  c.mm_saved = 0;
-  c.mm_reused = 0;
-  c.mm_recomputed = 0;
+void reset_checkpoint_stats(const torch::nn::Module& root) {
+  for (const auto& c : counters_in(root)) {
+    c->forwards = 0;
+    c->recomputes = 0;
+    c->mm_saved = 0;
+    c->mm_reused = 0;
+    c->mm_recomputed = 0;
+  }
 }
 
 }  // namespace fsdp

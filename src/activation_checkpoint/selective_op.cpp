@@ -35,7 +35,7 @@ void matmul_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torc
     op.redispatchBoxed(below, stack);
     return;
   }
-  auto& counters = checkpoint_counters();
+  CheckpointCounters& counters = *ctx->stash->counters;
   const bool keep = (++ctx->count % 2) == 1;  // TorchTitan: odd-numbered matmuls are MUST_SAVE
   if (ctx->mode == SelectiveOpMode::Record) {
     op.redispatchBoxed(below, stack);

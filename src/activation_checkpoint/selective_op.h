@@ -12,12 +12,15 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace fsdp::detail {
 
 // The matmul outputs one checkpointed call kept at forward.
+struct CheckpointCounters;
+
 struct MatmulStash {
   struct Entry {
     std::string op;
@@ -25,6 +28,7 @@ struct MatmulStash {
   };
   std::vector<Entry> kept;
   int64_t total = 0;  // matmuls counted at forward
+  std::shared_ptr<CheckpointCounters> counters;  // the checkpointed module's (mm_saved / mm_reused / mm_recomputed)
 };
 
 enum class SelectiveOpMode { Record, Replay };

@@ -1,6 +1,7 @@
 #pragma once
-// The process-wide counters behind fsdp::checkpoint_stats() (backward may run on the engine's device threads,
-// hence atomics).
+// The counters behind fsdp::checkpoint_stats(root): one set per checkpointed module, kept with the module's
+// forward wrapper (nn::forward_wrapper_state), so two models in one process never share them. Atomics: backward
+// may run on the engine's device threads.
 
 #include <atomic>
 #include <cstdint>
@@ -13,5 +14,4 @@ struct CheckpointCounters {
   std::atomic<int64_t> mm_reused{0};
   std::atomic<int64_t> mm_recomputed{0};
 };
-CheckpointCounters& checkpoint_counters();
 }  // namespace fsdp::detail

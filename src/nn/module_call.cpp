@@ -45,6 +45,7 @@ struct HookStore : torch::nn::Module {
     uint64_t id;
     ForwardWrapper wrap;
     std::string tag;
+    std::shared_ptr<void> state;
   };
   std::vector<Wrapper> wrappers;
   uint64_t next_id = 1;
@@ -85,7 +86,7 @@ namespace {
 HookHandle add_hook(torch::nn::Module& module, ForwardPreHook pre, ForwardHook post, bool prepend) {
   auto store = get_or_create_store(module);
   auto& list = pre ? store->pre_hooks : store->post_hooks;
-  HookStore::Entry entry{store->next_id++, std::move(pre), std::move(post)};
+  HookStore::Entry entry{store->next_id++, std::move(pre), std::move(post), nullptr};
   const uint64_t id = entry.id;
   list.insert(prepend ? list.begin() : list.end(), std::move(entry));
   return HookHandle(store, id);
@@ -129,11 +130,12 @@ bool has_forward_hooks(const torch::nn::Module& module) {
   return store && (!store->pre_hooks.empty() || !store->post_hooks.empty() || !store->wrappers.empty());
 }
 
-HookHandle register_forward_wrapper(torch::nn::Module& module, ForwardWrapper wrapper, std::string tag) {
+HookHandle register_forward_wrapper(torch::nn::Module& module, ForwardWrapper wrapper, std::string tag,
+                                    std::shared_ptr<void> state) {
   TORCH_CHECK(wrapper, "fsdp::nn::register_forward_wrapper: empty wrapper");
   auto store = get_or_create_store(module);
   const uint64_t id = store->next_id++;
-  store->wrappers.push_back({id, std::move(wrapper), std::move(tag)});
+  store->wrappers.push_back({id, std::move(wrapper), std::move(tag), std::move(state)});
   return HookHandle(store, id);
 }
 
@@ -141,6 +143,15 @@ bool has_forward_wrapper(const torch::nn::Module& module, const std::string& tag
   auto store = find_store(module);
   if (!store) return false;
   return std::any_of(store->wrappers.begin(), store->wrappers.end(), [&](const auto& w) { return w.tag == tag; });
+}
+
+std::shared_ptr<void> forward_wrapper_state(const torch::nn::Module& module, const std::string& tag) {
+  auto store = find_store(module);
+  if (!store) return nullptr;
+  for (const auto& w : store->wrappers) {
+    if (w.tag == tag) return w.state;
+  }
+  return nullptr;
 }
 
 bool has_forward_wrappers(const torch::nn::Module& module) {

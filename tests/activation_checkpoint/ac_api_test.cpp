@@ -71,9 +71,8 @@ TEST(ActivationCheckpoint, AutogradGradRetainGraphAndInputGradients) {
       return first;
     };
     auto g_ref = run(ref);
-    fsdp::reset_checkpoint_stats();
     auto g_ac = run(ac);
-    EXPECT_EQ(fsdp::checkpoint_stats().recomputes, 2);
+    EXPECT_EQ(fsdp::checkpoint_stats(ac).recomputes, 2);
     for (size_t i = 0; i < g_ref.size(); ++i) {
       EXPECT_LE((g_ref[i] - g_ac[i]).abs().max().item<double>(), 1e-6) << i;
       EXPECT_GT(g_ref[i].abs().sum().item<double>(), 0.0);
@@ -91,10 +90,9 @@ TEST(ActivationCheckpoint, DropoutReplaysAndTheGeneratorContinuesAsWithout) {
   fsdp::nn::call(ref, x).sum().backward();
   const auto next_ref = torch::rand({4});
   torch::manual_seed(77);
-  fsdp::reset_checkpoint_stats();
   fsdp::nn::call(ac, x).sum().backward();
   const auto next_ac = torch::rand({4});
-  EXPECT_EQ(fsdp::checkpoint_stats().recomputes, 3);
+  EXPECT_EQ(fsdp::checkpoint_stats(ac).recomputes, 3);
   expect_same_grads(ref, ac);
   EXPECT_TRUE(next_ref.equal(next_ac)) << "recomputation must not advance the global generator";
 
@@ -118,13 +116,32 @@ TEST(ActivationCheckpoint, FqnsUnchangedEvaluationSkipsAndTwiceIsAnError) {
   EXPECT_TRUE(fsdp::is_checkpointed(*ac->blocks[1]));
   EXPECT_EQ(ref->named_parameters().keys(), ac->named_parameters().keys());
   EXPECT_THROW(fsdp::checkpoint_module(ac->blocks[1]), c10::Error);
-  fsdp::reset_checkpoint_stats();
   torch::NoGradGuard no_grad;
   ac->eval();
   ref->eval();
   auto x = torch::randn({2, 5, 5});
   EXPECT_TRUE(fsdp::nn::call(ac, x).equal(fsdp::nn::call(ref, x)));
-  EXPECT_EQ(fsdp::checkpoint_stats().forwards, 0);
+  EXPECT_EQ(fsdp::checkpoint_stats(ac).forwards, 0);
+}
+
+// Each checkpointed module keeps its own counters: two models in one process never see each other's work, a
+// parent sums its checkpointed descendants, and a reset clears only the tree it is given.
+TEST(ActivationCheckpoint, StatsBelongToTheirModel) {
+  Model first = make_model(3);
+  Model second = make_model(2);
+  fsdp::checkpoint_every_kth(blocks_of(first), 1);
+  fsdp::checkpoint_every_kth(blocks_of(second), 1);
+  auto x = torch::randn({2, 5, 5});
+  fsdp::nn::call(first, x).sum().backward();
+  EXPECT_EQ(fsdp::checkpoint_stats(first).forwards, 3);
+  EXPECT_EQ(fsdp::checkpoint_stats(first).recomputes, 3);
+  EXPECT_EQ(fsdp::checkpoint_stats(*first->blocks[1]).recomputes, 1);
+  EXPECT_EQ(fsdp::checkpoint_stats(second).forwards, 0);
+  fsdp::nn::call(second, x).sum().backward();
+  EXPECT_EQ(fsdp::checkpoint_stats(second).recomputes, 2);
+  fsdp::reset_checkpoint_stats(second);
+  EXPECT_EQ(fsdp::checkpoint_stats(second).recomputes, 0);
+  EXPECT_EQ(fsdp::checkpoint_stats(first).recomputes, 3);
 }
 
 namespace {
@@ -148,9 +165,8 @@ TEST(ActivationCheckpoint, SelectiveOpRecomputesOnlyTheMatmulsItDidNotKeep) {
   torch::manual_seed(1);
   auto loss_ref = fsdp::nn::call(ref, x).sum();
   torch::manual_seed(1);
-  fsdp::reset_checkpoint_stats();
   auto loss_ac = fsdp::nn::call(ac, x).sum();
-  const auto at_forward = fsdp::checkpoint_stats();
+  const auto at_forward = fsdp::checkpoint_stats(ac);
   EXPECT_EQ(at_forward.mm_saved, 4 * 2);  // 1st, 3rd, 5th, 7th matmul of each block
   g_matmul_dispatches = 0;
   loss_ref.backward();
@@ -158,7 +174,7 @@ TEST(ActivationCheckpoint, SelectiveOpRecomputesOnlyTheMatmulsItDidNotKeep) {
   loss_ac.backward();
   const int64_t backward_ac = g_matmul_dispatches.exchange(0);
   at::removeCallback(handle);
-  const auto s = fsdp::checkpoint_stats();
+  const auto s = fsdp::checkpoint_stats(ac);
   EXPECT_EQ(s.recomputes, 2);
   EXPECT_EQ(s.mm_reused, 4 * 2);
   EXPECT_EQ(s.mm_recomputed, 3 * 2);

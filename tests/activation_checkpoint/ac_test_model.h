@@ -7,7 +7,12 @@
 
 #include <torch/torch.h>
 
+#include <gtest/gtest.h>
+
+#include <algorithm>
 #include <cmath>
+#include <map>
+#include <string>
 
 namespace ac_test {
 
@@ -67,6 +72,32 @@ TORCH_MODULE(Model);
 inline Model make_model(int64_t n_blocks = 4) {
   torch::manual_seed(11);
   return Model(5, 14, 23, 3, n_blocks);
+}
+
+// One step of a checkpointed run against the same step without checkpointing: the loss within 1e-6 and every
+// gradient, by FQN, within 1e-6 of the gradient's scale. Returns the sum of the reference gradients' norms (the
+// caller checks it is > 0: the reference moved).
+inline double expect_same_step(double loss, double ref_loss, const std::map<std::string, torch::Tensor>& grads,
+                               const std::map<std::string, torch::Tensor>& ref_grads, size_t step) {
+  EXPECT_NEAR(loss, ref_loss, 1e-6 * std::max(1.0, std::abs(ref_loss))) << "step " << step;
+  EXPECT_EQ(grads.size(), ref_grads.size()) << "step " << step;
+  double total_norm = 0;
+  for (const auto& [fqn, g] : ref_grads) {
+    const auto it = grads.find(fqn);
+    if (it == grads.end()) {
+      ADD_FAILURE() << fqn << " has no gradient at step " << step;
+      continue;
+    }
+    const torch::Tensor& h = it->second;
+    if (h.sizes() != g.sizes()) {
+      ADD_FAILURE() << fqn << ": gradient of shape " << h.sizes() << ", the reference's " << g.sizes();
+      continue;
+    }
+    const double scale = std::max(1.0, g.abs().max().item<double>());
+    EXPECT_LE((h - g).abs().max().item<double>(), 1e-6 * scale) << fqn << " step " << step;
+    total_norm += g.norm().item<double>();
+  }
+  return total_norm;
 }
 
 }  // namespace ac_test

@@ -3,6 +3,7 @@
 // weights are sharded with their common parent; removed FSDP1 arguments are mapped or rejected with the reason.
 #include "fully_shard/fsdp_test_util.h"
 
+#include <fsdp/activation_checkpoint.h>
 #include <fsdp/migration.h>
 #include <fsdp/comm_stats.h>
 
@@ -118,6 +119,7 @@ std::map<std::string, torch::Tensor> train_net_reference() {
 
 struct Counts {
   fsdp::CommStats shard, replicate;  // replicate: 2-D meshes only
+  fsdp::CheckpointStats checkpointing;  // what activation checkpointing did over the run
 };
 
 // Trains with prepare_fully_shard(cfg); returns the full parameters and the collectives of one steady step.
@@ -149,6 +151,7 @@ std::pair<std::map<std::string, torch::Tensor>, Counts> train_net_fsdp(const fsd
     }
     optim.step();
   }
+  counts.checkpointing = fsdp::checkpoint_stats(model);
   auto params = full_params(*model, prepared.units);
   params.erase("scale");  // the full state dict also holds buffers
   return {params, counts};
@@ -252,10 +255,9 @@ TEST_F(Strategies, ActivationCheckpointing) {
   fsdp::plan_fully_shard(*probe, cfg, &notes);
   ASSERT_EQ(notes.size(), 1u);
   EXPECT_EQ(notes[0], "activation checkpointing: 'input', 'blocks.0', 'blocks.1', 'output'");
-  fsdp::reset_checkpoint_stats();
   auto [params, c] = train_net_fsdp(cfg);
   expect_equal_params(reference_, params, init_, "FULL_SHARD + activation checkpointing");
-  const auto stats = fsdp::checkpoint_stats();
+  const auto& stats = c.checkpointing;
   EXPECT_EQ(stats.forwards, 4 * kSteps);
   EXPECT_EQ(stats.recomputes, 4 * kSteps);
 
@@ -263,10 +265,9 @@ TEST_F(Strategies, ActivationCheckpointing) {
   sel.activation_checkpointing = fsdp::WrapPolicy(
       [](const std::string& fqn, const torch::nn::Module&) { return fqn.rfind("blocks.", 0) == 0; });
   sel.activation_checkpointing_options.policy = fsdp::CheckpointPolicy::SelectiveOp;
-  fsdp::reset_checkpoint_stats();
   auto [params2, c2] = train_net_fsdp(sel);
   expect_equal_params(reference_, params2, init_, "SHARD_GRAD_OP + op-level SAC on the blocks");
-  EXPECT_EQ(fsdp::checkpoint_stats().recomputes, 2 * kSteps);
+  EXPECT_EQ(c2.checkpointing.recomputes, 2 * kSteps);
 }
 
 TEST(Migration, ActivationCheckpointingOfAShardedParentRejected) {

@@ -154,7 +154,7 @@ void train_and_compare(bool checkpoint) {
   fsdp::fully_shard(model->int_map_block, shard_options());
   fsdp::fully_shard(model->struct_block, shard_options());
   fsdp::fully_shard(model, shard_options());
-  fsdp::reset_checkpoint_stats();
+  fsdp::reset_checkpoint_stats(model);
 
   auto world = test_world();
   const int64_t rank = world->rank(), local = kGlobalBatch / world->size();
@@ -175,7 +175,7 @@ void train_and_compare(bool checkpoint) {
     optim->step();
   }
   if (checkpoint) {
-    EXPECT_EQ(fsdp::checkpoint_stats().recomputes, 2 * kSteps) << "checkpointing did not run";
+    EXPECT_EQ(fsdp::checkpoint_stats(model).recomputes, 2 * kSteps) << "checkpointing did not run";
   }
   const Params got = fsdp::full_state_dict(*model, {/*cpu_offload=*/true, /*rank0_only=*/false});
   expect_parity_1e6(got, ref, init);

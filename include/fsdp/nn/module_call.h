@@ -79,8 +79,12 @@ void run_forward_hooks(torch::nn::Module& module, const TensorList& inputs, Tens
 using ForwardFunction = std::function<TensorList(const TensorList& inputs)>;
 using ForwardWrapper =
     std::function<TensorList(torch::nn::Module& module, const TensorList& inputs, const ForwardFunction& forward)>;
-HookHandle register_forward_wrapper(torch::nn::Module& module, ForwardWrapper wrapper, std::string tag);
+// `state` (optional) is an object the wrapper's owner keeps with the module (activation checkpointing keeps its
+// counters there); forward_wrapper_state(module, tag) hands it back, null when there is none.
+HookHandle register_forward_wrapper(torch::nn::Module& module, ForwardWrapper wrapper, std::string tag,
+                                    std::shared_ptr<void> state = nullptr);
 bool has_forward_wrapper(const torch::nn::Module& module, const std::string& tag);
+std::shared_ptr<void> forward_wrapper_state(const torch::nn::Module& module, const std::string& tag);
 bool has_forward_wrappers(const torch::nn::Module& module);
 // Runs `forward` inside every wrapper of the module (just `forward` when it has none).
 TensorList run_forward_wrappers(torch::nn::Module& module, const TensorList& inputs, const ForwardFunction& forward);
