@@ -111,6 +111,11 @@ void FSDPParamGroup::discard_post_forward_shard() {
 
 void FSDPParamGroup::invalidate_caches() {
   discard_post_forward_shard();
+  forget_cached_shard_copies();
+}
+
+void FSDPParamGroup::forget_cached_shard_copies() {
+  post_forward_shard_ = at::Tensor();
   post_forward_shard_version_ = -1;
   for (FSDPParam* p : param_ptrs_) p->forget_known_zero();
 }
@@ -466,10 +471,8 @@ void FSDPParamGroup::reset() {
   }
   // Whatever a failed drain left behind belongs to the abandoned step.
   all_gather_ = AllGatherResult();
-  post_forward_shard_ = at::Tensor();
-  post_forward_shard_version_ = -1;
   pending_reduce_.reset();
-  for (FSDPParam* p : param_ptrs_) p->forget_known_zero();
+  forget_cached_shard_copies();
   uses_ = uses_with_node_ = nodes_fired_ = 0;
   machine_.apply(Event::Reset);
   if (failure) {

@@ -134,6 +134,9 @@ class FSDPParamGroup {
   void ensure_post_forward_group();
   // Drops the N-way copy kept after forward (stale, or no longer wanted): the group shows its plain shards.
   void discard_post_forward_shard();
+  // Forgets what was cached from the current shards (the hpZ copy's tensor and version, each parameter's
+  // "gradient known zero"), without a state change: shared by invalidate_caches() and reset().
+  void forget_cached_shard_copies();
   CommStreams* streams() const { return comm_ && comm_->streams.separate() ? &comm_->streams : nullptr; }
   // The current stream waits for this group's last reduction (and the host for offloaded gradients' copies).
   void wait_for_post_reduce();

@@ -76,12 +76,7 @@ TEST(FullyShardExtensions, CustomAllGatherAndReduceScatterAreCalledAndEqualTheBu
   std::vector<std::shared_ptr<CountingReduceScatter>> unused_rs, rss;
   const auto builtin = train_mlp(false, unused_ag, unused_rs);
   const auto custom = train_mlp(true, ags, rss);
-  const auto initial = [] {
-    MLP m = make_mlp(42);
-    std::map<std::string, torch::Tensor> out;
-    for (const auto& item : m->named_parameters()) out[item.key()] = item.value().detach().clone();
-    return out;
-  }();
+  const auto initial = initial_mlp_params(42);
   for (const auto& [name, t] : builtin) {
     EXPECT_GT((t - initial.at(name)).abs().max().item<double>(), 1e-3) << name << " did not train";
     EXPECT_TRUE(torch::equal(custom.at(name), t)) << name << ": differs from the built-in path";

@@ -42,6 +42,15 @@ inline std::map<std::string, torch::Tensor> full_params(torch::nn::Module& root,
   return fsdp::full_state_dict(root, {/*cpu_offload=*/true, /*rank0_only=*/false});
 }
 
+// The parameters of a freshly built make_mlp(seed), by FQN: what a trained model is compared with to show the
+// reference (and the run under test) moved.
+inline std::map<std::string, torch::Tensor> initial_mlp_params(uint64_t seed) {
+  MLP m = make_mlp(seed);
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& item : m->named_parameters()) out[item.key()] = item.value().detach().clone();
+  return out;
+}
+
 inline double max_rel_diff(const torch::Tensor& a, const torch::Tensor& b) {
   auto denom = b.abs().max().item<double>();
   return (a - b).abs().max().item<double>() / std::max(denom, 1e-12);

@@ -82,12 +82,7 @@ std::map<std::string, torch::Tensor> train_fsdp(Reduce how, bool keep_unsharded,
 void expect_parity(Reduce how, bool keep_unsharded) {
   auto world = test_world();
   const auto want = train_reference();
-  const auto initial = [] {
-    MLP m = make_mlp(42);
-    std::map<std::string, torch::Tensor> out;
-    for (const auto& item : m->named_parameters()) out[item.key()] = item.value().detach().clone();
-    return out;
-  }();
+  const auto initial = initial_mlp_params(42);
   std::vector<Counts> per_step;
   size_t groups = 0;
   const auto got = train_fsdp(how, keep_unsharded, per_step, groups);
