@@ -1053,9 +1053,10 @@ SimResult simulate(const PipelineSchedule& schedule, const SimCosts& costs) {
               "simulate: SimCosts::stage_scale has ", costs.stage_scale.size(), " entries, expected one per stage (",
               schedule.num_stages, ")");
   // torch's runtime posts a RECV without waiting and waits for it right before the compute that consumes it, so
-  // the wait is charged to the consumer: an early RECV in the list does not stall unrelated work.
+  // by default the wait is charged to the consumer: an early RECV in the list does not stall unrelated work.
   ReplayOptions options;
   options.costs = &costs;
+  options.recv_blocks_rank = costs.recv_waits_in_place;
   const ReplayTimes times = replay(schedule.actions, schedule.stage_to_rank, options);
   SimResult result;
   result.spans = times.spans;

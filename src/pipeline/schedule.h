@@ -135,9 +135,14 @@ std::string format_schedule(const PipelineSchedule& schedule, bool with_comms);
 std::string format_grid(const ComputeGrid& grid, int error_step = -1);
 
 // Costs for simulate(). Compute costs are per action of one stage; stage_scale, when not empty, multiplies them
-// per stage (size num_stages). Communication actions take no time on the rank that issues them; a RECV completes
-// p2p_latency after its SEND was issued. Unshard / reshard / reduce_grad occupy the rank for their cost.
+// per stage (size num_stages). Communication actions take no time on the rank that issues them; a RECV's data
+// arrives p2p_latency after its SEND was issued. Unshard / reshard / reduce_grad occupy the rank for their cost.
 struct SimCosts {
+  // Where a rank waits for received data. false (torch's runtime): the RECV is posted without waiting and the
+  // compute that consumes it waits — the runtime schedules' lowering posts RECVs early, so this matters. true: the
+  // rank stalls at the RECV itself (a runtime that waits on every irecv where it is posted); with torch's lowering
+  // this costs Interleaved1F1B p=4 m=8 a bubble of 0.49 instead of 0.16.
+  bool recv_waits_in_place = false;
   double forward = 1.0;
   double backward = 2.0;        // a full backward B
   double backward_input = 1.0;  // I
@@ -159,7 +164,8 @@ struct SimResult {
 };
 
 // Event replay of the lowered lists: each rank runs its list in order; a compute action takes its cost; SEND is
-// non-blocking; RECV waits until its SEND's time + latency. Throws if the lists deadlock.
+// non-blocking; a RECV's data is there at its SEND's time + latency, and the consumer (or, with
+// recv_waits_in_place, the RECV) waits for it. Throws if the lists deadlock.
 SimResult simulate(const PipelineSchedule& schedule, const SimCosts& costs);
 
 }  // namespace fsdp::pipeline

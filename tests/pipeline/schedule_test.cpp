@@ -57,10 +57,15 @@ std::vector<std::string> split_words(const std::string& line) {
   return words;
 }
 
+std::string golden_command() {
+  return setting("FSDP_TEST_PYTHON", FSDP_TEST_PYTHON) + " " +
+         setting("FSDP_TEST_SCHEDULE_GOLDEN", FSDP_TEST_SCHEDULE_GOLDEN);
+}
+
+// Runs the golden script once per process (about 5 s) and parses its output.
 const std::vector<GoldenCase>& golden() {
   static const std::vector<GoldenCase> cases = [] {
-    const std::string cmd =
-        setting("FSDP_TEST_PYTHON", FSDP_TEST_PYTHON) + " " + setting("FSDP_TEST_SCHEDULE_GOLDEN", FSDP_TEST_SCHEDULE_GOLDEN);
+    const std::string cmd = golden_command();
     std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(cmd.c_str(), "r"), pclose);
     if (!pipe) throw std::runtime_error("cannot run " + cmd);
     std::string text;
@@ -186,6 +191,7 @@ TEST(StageMaps, LoopAndV) {
 
 // The four runtime schedules, compute-only and lowered, against torch's lists at several (pp, v, m).
 TEST(TorchGolden, RuntimeSchedulesMatchTorch) {
+  ASSERT_FALSE(golden().empty()) << "no output from the golden script: " << golden_command();
   int compared = 0, refused = 0;
   std::map<std::string, int> per_kind;
   for (const auto& g : golden()) {
@@ -221,6 +227,7 @@ TEST(TorchGolden, RuntimeSchedulesMatchTorch) {
 // GPipe and 1F1B: torch runs hand-written loops. The golden script ran them against a recording stage; our lowered
 // lists must be exactly that order (plus the UNSHARD/RESHARD the loop leaves to FSDP's hooks).
 TEST(TorchGolden, SingleStageSchedulesMatchTorchRuntimeLoops) {
+  ASSERT_FALSE(golden().empty()) << "no output from the golden script: " << golden_command();
   int compared = 0, refused = 0;
   for (const auto& g : golden()) {
     const ScheduleKind kind = parse_schedule_name(g.name);
@@ -495,6 +502,19 @@ TEST(Simulate, ZeroBubbleIdlesLessThanOneFOneB) {
   EXPECT_LT(zb_half.makespan, one_f_one_b.makespan);
 }
 
+// Why the runtime must wait for a RECV at its consumer, not where the list posts it: torch's lowering posts
+// receives early (to overlap), and stalling there throws most of the interleaving away. 1F1B's receives sit right
+// before their consumers, so it does not care.
+TEST(Simulate, WaitingAtTheRecvItselfCostsTheInterleavedSchedules) {
+  SimCosts in_place;
+  in_place.recv_waits_in_place = true;
+  const auto interleaved = build_schedule({ScheduleKind::Interleaved1F1B, 4, 2, 8});
+  const auto one_f_one_b = build_schedule({ScheduleKind::OneFOneB, 4, 1, 8});
+  EXPECT_NEAR(simulate(interleaved, SimCosts{}).bubble_fraction, 0.158, 1e-3);
+  EXPECT_GT(simulate(interleaved, in_place).bubble_fraction, 0.4);
+  EXPECT_DOUBLE_EQ(simulate(one_f_one_b, in_place).makespan, simulate(one_f_one_b, SimCosts{}).makespan);
+}
+
 TEST(Simulate, LatencyAndStageCosts) {
   const auto s = build_schedule({ScheduleKind::GPipe, 2, 1, 1});
   SimCosts costs;
@@ -510,6 +530,7 @@ TEST(Simulate, LatencyAndStageCosts) {
 
 // Simulating torch's own lowered lists gives the same bubble fractions as ours (the schedules are the same).
 TEST(Simulate, TorchListsSimulateLikeOurs) {
+  ASSERT_FALSE(golden().empty()) << "no output from the golden script: " << golden_command();
   int compared = 0;
   for (const auto& g : golden()) {
     if (!g.error.empty() || g.comms.empty()) continue;
