@@ -890,7 +890,9 @@ ActionLists add_send_recv(const ActionLists& actions, const std::vector<int>& st
   };
   ActionLists out(pp);
   std::vector<std::unordered_set<int64_t>> placed(pp);
-  auto has = [&](int rank, int stage, ActionType type, int mb) { return placed[rank].count(key_of(stage, type, mb)) > 0; };
+  auto has = [&](int rank, int stage, ActionType type, int mb) {
+    return placed[rank].count(key_of(stage, type, mb)) > 0;
+  };
   // A rank never places its own RECVs: the sender appends them. So an action whose input comes from elsewhere
   // waits until its RECV (or, for a same-rank neighbour, the producing action) is already in the rank's list.
   auto ready = [&](int rank, const Action& a) {
