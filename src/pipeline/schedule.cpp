@@ -605,7 +605,6 @@ std::vector<int> validate_compute(const ComputeGrid& compute, int pp, int num_st
               " rank lists, expected pp=", pp);
   TORCH_CHECK(num_stages >= 1 && microbatches >= 1, "validate_compute: num_stages and microbatches must be >= 1");
   std::vector<int> stage_to_rank(num_stages, -1);
-  std::vector<int> first_rank_step(num_stages, -1);
   // Per stage and microbatch: which of F, B, I, W have run.
   enum Seen : unsigned { kF = 1, kB = 2, kI = 4, kW = 8 };
   std::vector<std::vector<unsigned>> seen(num_stages, std::vector<unsigned>(microbatches, 0));
@@ -834,13 +833,21 @@ void validate_lowered(const ActionLists& actions, const std::vector<int>& stage_
 std::vector<Action> add_unshard_reshard(const std::vector<std::optional<Action>>& compute, int max_active_stages) {
   TORCH_CHECK(max_active_stages >= 1, "add_unshard_reshard: max_active_stages must be >= 1, got ",
               max_active_stages);
+  // Last position of each stage: the look-ahead stops once it has seen every stage still to come, so a rank with
+  // fewer stages than max_active_stages does not rescan its whole remaining list at every step.
+  std::map<int, size_t> last_use;
+  for (size_t i = 0; i < compute.size(); ++i)
+    if (compute[i]) last_use[compute[i]->stage] = i;
   std::vector<Action> out;
   std::vector<int> active;  // unsharded stages, in the order they were unsharded
   for (size_t i = 0; i < compute.size(); ++i) {
     if (!compute[i]) continue;
+    size_t stages_to_come = 0;
+    for (const auto& [stage, last] : last_use) stages_to_come += last >= i ? 1 : 0;
+    const size_t wanted = std::min(stages_to_come, static_cast<size_t>(max_active_stages));
     // The next max_active_stages distinct stages to compute, in order of first use: keep exactly these unsharded.
     std::vector<int> upcoming;
-    for (size_t j = i; j < compute.size() && static_cast<int>(upcoming.size()) < max_active_stages; ++j)
+    for (size_t j = i; j < compute.size() && upcoming.size() < wanted; ++j)
       if (compute[j] && std::find(upcoming.begin(), upcoming.end(), compute[j]->stage) == upcoming.end())
         upcoming.push_back(compute[j]->stage);
     for (auto it = active.begin(); it != active.end();) {

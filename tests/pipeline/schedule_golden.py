@@ -37,6 +37,9 @@ DEFAULT_CASES = (
     + [f"{k}:4:2:10" for k in ("Interleaved1F1B", "InterleavedZeroBubble")]  # rounds=2, 5 per round
     + [f"{k}:4:2:2" for k in RUNTIME_KINDS]  # fewer microbatches than ranks
     + ["ZBVZeroBubble:4:2:5", "Interleaved1F1B:4:2:9"]  # 9 % (9//4) != 0: refused
+    + [f"{k}:1:2:4" for k in RUNTIME_KINDS]  # one rank: every neighbour is local
+    + ["ZBVZeroBubble:3:2:7", "Interleaved1F1B:3:2:6", "InterleavedZeroBubble:3:3:6", "LoopedBFS:3:2:1"]
+    + ["Interleaved1F1B:2:2:1", "ZBVZeroBubble:2:2:1", "InterleavedZeroBubble:2:2:1"]  # one microbatch
     + [f"{k}:{pp}:1:{m}" for k in ("GPipe", "1F1B") for pp in (1, 2, 4) for m in (4, 8)]
     + ["1F1B:4:1:3", "GPipe:4:1:2", "1F1B:8:1:16", "GPipe:8:1:16"]
 )

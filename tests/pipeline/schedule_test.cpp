@@ -430,6 +430,14 @@ TEST(ValidateLowered, RejectsMissingRecvDeadlockAndFsdpMistakes) {
   EXPECT_TRUE(Contains(error_of([&] { validate_lowered(local_p2p, v.stage_to_rank, 4); }), "same rank"));
 }
 
+// Thousands of microbatches: every pass is near-linear (the ctest timeout bounds this; it takes well under a second).
+TEST(Scale, LargeSchedulesBuildAndValidate) {
+  const auto looped = build_schedule({ScheduleKind::LoopedBFS, 8, 1, 4096});
+  EXPECT_EQ(looped.actions[0].front().str(), "0UNSHARD");
+  const auto interleaved = build_schedule({ScheduleKind::Interleaved1F1B, 8, 4, 1024});
+  EXPECT_NEAR(simulate(interleaved, SimCosts{}).bubble_fraction, 7.0 / (4 * 1024 + 7), 1e-9);
+}
+
 TEST(Format, GridWithOneColumnPerRank) {
   const auto s = build_schedule({ScheduleKind::Interleaved1F1B, 2, 2, 4});
   const std::string compute = format_schedule(s, false);
