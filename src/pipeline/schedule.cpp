@@ -6,11 +6,8 @@
 #include <array>
 #include <cctype>
 #include <cstdint>
-#include <deque>
 #include <map>
-#include <set>
 #include <sstream>
-#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -46,12 +43,14 @@ bool finishes_weight_grad(ActionType type) {  // what REDUCE_GRAD waits for (tor
   return type == ActionType::Backward || type == ActionType::BackwardWeight;
 }
 
-// A hashable identity for an action (sets of "already happened" actions).
-int64_t key_of(int stage, ActionType type, int microbatch) {
-  return (static_cast<int64_t>(stage) * 16 + static_cast<int64_t>(type)) * (int64_t{1} << 32) +
-         (static_cast<int64_t>(microbatch) + 1);
+// A hashable identity for an action (sets of "already happened" actions). Unsigned arithmetic: a nonsense stage
+// number in a hand-made list must not overflow before validation reports it.
+using ActionKey = uint64_t;
+ActionKey key_of(int stage, ActionType type, int microbatch) {
+  return (static_cast<ActionKey>(static_cast<uint32_t>(stage)) * 16 + static_cast<ActionKey>(type)) << 32 |
+         static_cast<uint32_t>(microbatch + 1);
 }
-int64_t key_of(const Action& a) { return key_of(a.stage, a.type, a.microbatch); }
+ActionKey key_of(const Action& a) { return key_of(a.stage, a.type, a.microbatch); }
 
 std::string lower_case(std::string text) {
   for (char& c : text) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
@@ -166,10 +165,10 @@ RankList interleaved_rank(int rank, int pp, int stages_per_rank, int microbatche
 ComputeGrid add_zero_bubble_idle_steps(const ComputeGrid& lists) {
   ComputeGrid result(lists.size());
   std::vector<size_t> next(lists.size(), 0);
-  std::unordered_set<int64_t> seen;
+  std::unordered_set<ActionKey> seen;
   while (true) {
     bool any_left = false;
-    std::vector<int64_t> seen_this_step;
+    std::vector<ActionKey> seen_this_step;
     for (size_t rank = 0; rank < lists.size(); ++rank) {
       if (next[rank] >= lists[rank].size()) continue;
       any_left = true;
@@ -246,7 +245,7 @@ RankList zbv_rank(int rank, int pp, int microbatches) {
 ComputeGrid space_by_dependencies(const ComputeGrid& dense, int num_stages) {
   ComputeGrid spaced(dense.size());
   std::vector<size_t> next(dense.size(), 0);
-  std::unordered_set<int64_t> done;
+  std::unordered_set<ActionKey> done;
   auto producer_done = [&](const Action& a) {
     switch (a.type) {
       case ActionType::Forward:
@@ -262,7 +261,7 @@ ComputeGrid space_by_dependencies(const ComputeGrid& dense, int num_stages) {
   };
   while (true) {
     bool any_left = false, placed = false;
-    std::vector<int64_t> done_this_step;
+    std::vector<ActionKey> done_this_step;
     for (size_t rank = 0; rank < dense.size(); ++rank) {
       if (next[rank] >= dense[rank].size()) continue;
       any_left = true;
@@ -343,8 +342,8 @@ ReplayTimes replay(const ActionLists& lists, const std::vector<int>& stage_to_ra
   const int pp = static_cast<int>(lists.size());
   const int num_stages = static_cast<int>(stage_to_rank.size());
   std::vector<size_t> next(pp, 0);
-  std::vector<std::unordered_map<int64_t, double>> done(pp);  // per rank: action -> time its data is available
-  std::unordered_map<int64_t, double> issued_sends;            // SEND -> issue time
+  std::vector<std::unordered_map<ActionKey, double>> done(pp);  // per rank: action -> time its data is available
+  std::unordered_map<ActionKey, double> issued_sends;            // SEND -> issue time
   ReplayTimes times;
   times.clock.assign(pp, 0.0);
   times.busy.assign(pp, 0.0);
@@ -461,8 +460,8 @@ void check_spec(const ScheduleSpec& spec) {
   TORCH_CHECK(spec.microbatches >= 1, name, ": microbatches must be >= 1, got ", spec.microbatches);
   TORCH_CHECK(spec.stages_per_rank >= 1, name, ": stages_per_rank must be >= 1, got ", spec.stages_per_rank);
   // Guards against a typo allocating forever: a real schedule is far below this many actions.
-  const int64_t actions = int64_t{3} * spec.pp * spec.stages_per_rank * spec.microbatches;
-  TORCH_CHECK(actions <= 10'000'000, name, ": pp ", spec.pp, " x stages_per_rank ", spec.stages_per_rank,
+  const double actions = 3.0 * spec.pp * spec.stages_per_rank * spec.microbatches;  // no integer overflow
+  TORCH_CHECK(actions <= 1e7, name, ": pp ", spec.pp, " x stages_per_rank ", spec.stages_per_rank,
               " x microbatches ", spec.microbatches, " is implausibly large (", actions, " compute actions)");
   switch (spec.kind) {
     case ScheduleKind::GPipe:
@@ -722,7 +721,7 @@ void validate_lowered(const ActionLists& actions, const std::vector<int>& stage_
 
   // SEND/RECV pairing and order, per ordered pair of ranks. A transfer is named by its SEND.
   std::map<std::pair<int, int>, std::vector<Action>> sent, received;  // (from, to) -> transfers in issue order
-  std::unordered_map<int64_t, std::pair<int, int>> send_position, recv_position;  // transfer -> (rank, step)
+  std::unordered_map<ActionKey, std::pair<int, int>> send_position, recv_position;  // transfer -> (rank, step)
   for (int rank = 0; rank < pp; ++rank) {
     for (int step = 0; step < static_cast<int>(actions[rank].size()); ++step) {
       const Action& a = actions[rank][step];
@@ -896,7 +895,7 @@ ActionLists add_send_recv(const ActionLists& actions, const std::vector<int>& st
     return std::nullopt;
   };
   ActionLists out(pp);
-  std::vector<std::unordered_set<int64_t>> placed(pp);
+  std::vector<std::unordered_set<ActionKey>> placed(pp);
   auto has = [&](int rank, int stage, ActionType type, int mb) {
     return placed[rank].count(key_of(stage, type, mb)) > 0;
   };
@@ -1061,6 +1060,8 @@ SimResult simulate(const PipelineSchedule& schedule, const SimCosts& costs) {
   TORCH_CHECK(costs.stage_scale.empty() || static_cast<int>(costs.stage_scale.size()) == schedule.num_stages,
               "simulate: SimCosts::stage_scale has ", costs.stage_scale.size(), " entries, expected one per stage (",
               schedule.num_stages, ")");
+  // A hand-edited schedule gets the validator's clear errors rather than a replay of nonsense.
+  validate_lowered(schedule.actions, schedule.stage_to_rank, schedule.spec.microbatches);
   // torch's runtime posts a RECV without waiting and waits for it right before the compute that consumes it, so
   // by default the wait is charged to the consumer: an early RECV in the list does not stall unrelated work.
   ReplayOptions options;

@@ -165,7 +165,8 @@ struct SimResult {
 
 // Event replay of the lowered lists: each rank runs its list in order; a compute action takes its cost; SEND is
 // non-blocking; a RECV's data is there at its SEND's time + latency, and the consumer (or, with
-// recv_waits_in_place, the RECV) waits for it. Throws if the lists deadlock.
+// recv_waits_in_place, the RECV) waits for it. Runs validate_lowered first (so a deadlock or a broken hand-edited
+// list is an error, not a result).
 SimResult simulate(const PipelineSchedule& schedule, const SimCosts& costs);
 
 }  // namespace fsdp::pipeline
