@@ -57,9 +57,12 @@ std::string lower_case(std::string text) {
   return text;
 }
 
-constexpr std::array<ScheduleKind, 6> kAllKinds{ScheduleKind::GPipe,           ScheduleKind::OneFOneB,
-                                                ScheduleKind::LoopedBFS,       ScheduleKind::Interleaved1F1B,
-                                                ScheduleKind::InterleavedZeroBubble, ScheduleKind::ZBVZeroBubble};
+constexpr std::array<ScheduleKind, 6> kAllKinds{ScheduleKind::GPipe,
+                                                ScheduleKind::OneFOneB,
+                                                ScheduleKind::LoopedBFS,
+                                                ScheduleKind::Interleaved1F1B,
+                                                ScheduleKind::InterleavedZeroBubble,
+                                                ScheduleKind::ZBVZeroBubble};
 
 // ---------------------------------------------------------------------------------------------------------------
 // Generators. Each returns the compute-only list of one rank, nullopt for an idle step, exactly as torch 2.13's
