@@ -25,7 +25,11 @@ struct CommStats {
   int64_t broadcast_calls = 0;
   int64_t all_to_all_calls = 0;
   int64_t barrier_calls = 0;
-  int64_t bytes_sent = 0;
+  int64_t bytes_sent = 0;       // by every call, point-to-point sends included
+  int64_t send_calls = 0;       // point-to-point
+  int64_t recv_calls = 0;
+  int64_t p2p_bytes_sent = 0;
+  int64_t p2p_bytes_received = 0;
 };
 
 // The group's counters; the reference stays valid (and current) while the group lives.

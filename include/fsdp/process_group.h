@@ -69,6 +69,13 @@ class ProcessGroup {
   Work all_to_all(at::Tensor output, at::Tensor input);
   Work barrier();
 
+  // Point-to-point (pipeline parallelism). `peer` is a group rank other than this one; `tag` (0 <= tag < 2^28)
+  // pairs a send with the receive of the same tag from the same peer, so the two sides may post in different
+  // orders (Gloo matches by tag; NCCL ignores tags and pairs sends and receives in posting order, which the
+  // pipeline schedules keep). The tensor must stay unchanged (send) or unread (recv) until the Work completes.
+  Work send(at::Tensor tensor, int peer, int tag = 0);
+  Work recv(at::Tensor tensor, int peer, int tag = 0);
+
   // Collective timeout for later calls.
   void set_timeout(std::chrono::milliseconds timeout);
   std::chrono::milliseconds timeout() const;

@@ -51,7 +51,14 @@ class LocalCollectives final : public CollectiveBackend {
     return Work();
   }
   Work barrier(ProcessGroup::Impl&) override { return Work(); }
+  Work send(ProcessGroup::Impl& g, at::Tensor, int, int) override { no_peer(g); }
+  Work recv(ProcessGroup::Impl& g, at::Tensor, int, int) override { no_peer(g); }
   void set_timeout(std::chrono::milliseconds) override {}
+
+ private:
+  [[noreturn]] static void no_peer(const ProcessGroup::Impl& g) {
+    TORCH_CHECK(false, "fsdp: point-to-point on ", g.describe(), ", which has no other rank");
+  }
 };
 
 // c10d's own collective for every call.
@@ -63,6 +70,7 @@ class C10dCollectives : public CollectiveBackend {
     bool blocking_wait = true;  // c10d's wait blocks the CPU (Gloo); NCCL's makes the current stream wait
     // Gloo's _reduce_scatter_base always sums, whatever op it is given (PyTorch issue 162338).
     bool reduce_scatter_sums_only = false;
+    bool p2p_host_only = false;  // point-to-point reads and writes host memory only (Gloo)
   };
 
   C10dCollectives(c10::intrusive_ptr<c10d::Backend> communicator, Traits traits)
@@ -137,6 +145,28 @@ class C10dCollectives : public CollectiveBackend {
     return make_work(g, "barrier", 0, what, std::move(w));
   }
 
+  Work send(ProcessGroup::Impl& g, at::Tensor tensor, int peer, int tag) override {
+    const auto what = label(g, "send", c10::str("to rank ", peer, ", ", tensor.numel(), " x ", tensor.scalar_type()));
+    // Gloo's point-to-point reads host memory only: a CUDA tensor goes through a host copy.
+    at::Tensor wire = traits_.p2p_host_only && !tensor.is_cpu() ? tensor.to(at::kCPU) : tensor;
+    std::vector<at::Tensor> ts{wire};
+    auto w = launch(what, [&] { return communicator_->send(ts, peer, tag); });
+    return make_work(g, "send", nbytes(tensor), what, std::move(w), [wire] {}, /*numbered=*/false);
+  }
+
+  Work recv(ProcessGroup::Impl& g, at::Tensor tensor, int peer, int tag) override {
+    const auto what =
+        label(g, "recv", c10::str("from rank ", peer, ", ", tensor.numel(), " x ", tensor.scalar_type()));
+    const bool staged = traits_.p2p_host_only && !tensor.is_cpu();
+    at::Tensor wire = staged ? at::empty(tensor.sizes(), tensor.options().device(at::kCPU)) : tensor;
+    std::vector<at::Tensor> ts{wire};
+    auto w = launch(what, [&] { return communicator_->recv(ts, peer, tag); });
+    std::function<void()> done = [wire, tensor]() mutable {
+      if (!wire.is_same(tensor)) tensor.copy_(wire);
+    };
+    return make_work(g, "recv", nbytes(tensor), what, std::move(w), std::move(done), /*numbered=*/false);
+  }
+
   void set_timeout(std::chrono::milliseconds timeout) override { communicator_->setTimeout(timeout); }
 
  protected:
@@ -148,15 +178,18 @@ class C10dCollectives : public CollectiveBackend {
                 " (c10d Gloo's reduce-scatter only sums; use Sum or Avg, or NCCL)");
   }
 
+  // `numbered`: a collective every rank of the group calls (stamped with the group's sequence number, which
+  // missing-rank reports compare); point-to-point transfers involve two ranks and are not numbered.
   Work make_work(ProcessGroup::Impl& g, const char* collective, int64_t bytes, std::string what,
-                 c10::intrusive_ptr<c10d::Work> w, std::function<void()> on_complete = nullptr) const {
+                 c10::intrusive_ptr<c10d::Work> w, std::function<void()> on_complete = nullptr,
+                 bool numbered = true) const {
     auto impl = std::make_shared<Work::Impl>();
     impl->what = std::move(what);
     impl->pending.push_back(std::move(w));
     impl->on_complete = std::move(on_complete);
     impl->timeout = g.timeout;
     impl->cpu_blocking_wait = traits_.blocking_wait;
-    comm::stamp(*impl, g);
+    if (numbered) comm::stamp(*impl, g);
     comm::trace(g, *impl, collective, bytes);
     return Work(std::move(impl));
   }
@@ -258,10 +291,12 @@ std::unique_ptr<CollectiveBackend> make_collective_backend(c10::intrusive_ptr<c1
   if (kind == "nccl") {
     return std::make_unique<C10dCollectives>(
         std::move(communicator),
-        C10dCollectives::Traits{/*averages=*/true, /*blocking_wait=*/false, /*reduce_scatter_sums_only=*/false});
+        C10dCollectives::Traits{/*averages=*/true, /*blocking_wait=*/false, /*reduce_scatter_sums_only=*/false,
+                                /*p2p_host_only=*/false});
   }
   TORCH_CHECK(kind == "gloo", "fsdp: unknown communicator kind '", kind, "' (expected 'gloo' or 'nccl')");
-  const C10dCollectives::Traits gloo{/*averages=*/false, /*blocking_wait=*/true, /*reduce_scatter_sums_only=*/true};
+  const C10dCollectives::Traits gloo{/*averages=*/false, /*blocking_wait=*/true, /*reduce_scatter_sums_only=*/true,
+                                    /*p2p_host_only=*/true};
   // Gloo on CUDA tensors: c10d Gloo's own collectives (they stage through host memory); the exchanges hand tensor
   // pointers to Gloo's point-to-point send/recv, which read host memory only.
   if (device.is_cuda()) return std::make_unique<C10dCollectives>(std::move(communicator), gloo);

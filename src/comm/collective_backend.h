@@ -37,6 +37,10 @@ class CollectiveBackend {
   virtual Work broadcast(ProcessGroup::Impl& g, at::Tensor tensor, int root) = 0;
   virtual Work all_to_all(ProcessGroup::Impl& g, at::Tensor output, at::Tensor input) = 0;
   virtual Work barrier(ProcessGroup::Impl& g) = 0;
+  // Point-to-point: only the two ranks take part; `tag` is already in the point-to-point tag range (it never
+  // meets the tags of the exchanges, which every rank numbers alike).
+  virtual Work send(ProcessGroup::Impl& g, at::Tensor tensor, int peer, int tag) = 0;
+  virtual Work recv(ProcessGroup::Impl& g, at::Tensor tensor, int peer, int tag) = 0;
   // The communicator's own timeout for later calls (each call also passes the group's timeout explicitly).
   virtual void set_timeout(std::chrono::milliseconds timeout) = 0;
 };

@@ -236,6 +236,39 @@ Work ProcessGroup::broadcast(at::Tensor tensor, int root) {
   return g.collectives->broadcast(g, std::move(tensor), root);
 }
 
+namespace {
+// Point-to-point tags live above the exchanges' (which are below 2^30, numbered alike on every rank).
+constexpr int kP2PTagBase = 1 << 30;
+constexpr int kP2PTagLimit = 1 << 28;
+
+void check_p2p(const ProcessGroup::Impl& g, const char* what, const at::Tensor& tensor, int peer, int tag) {
+  check_tensor(g, what, "tensor", tensor);
+  TORCH_CHECK(peer >= 0 && peer < g.size && peer != g.rank, "fsdp: ", what, " on ", g.describe(), ": peer ", peer,
+              " must be another rank of this group of size ", g.size, " (a group rank, not a world rank)");
+  TORCH_CHECK(tag >= 0 && tag < kP2PTagLimit, "fsdp: ", what, " on ", g.describe(), ": tag ", tag,
+              " is outside [0, 2^28)");
+}
+}  // namespace
+
+Work ProcessGroup::send(at::Tensor tensor, int peer, int tag) {
+  Impl& g = *impl_;
+  check_p2p(g, "send", tensor, peer, tag);
+  g.stats.send_calls++;
+  if (tensor.numel() == 0) return Work();
+  g.stats.bytes_sent += nbytes(tensor);
+  g.stats.p2p_bytes_sent += nbytes(tensor);
+  return g.collectives->send(g, std::move(tensor), peer, kP2PTagBase + tag);
+}
+
+Work ProcessGroup::recv(at::Tensor tensor, int peer, int tag) {
+  Impl& g = *impl_;
+  check_p2p(g, "recv", tensor, peer, tag);
+  g.stats.recv_calls++;
+  if (tensor.numel() == 0) return Work();
+  g.stats.p2p_bytes_received += nbytes(tensor);
+  return g.collectives->recv(g, std::move(tensor), peer, kP2PTagBase + tag);
+}
+
 Work ProcessGroup::all_to_all(at::Tensor output, at::Tensor input) {
   Impl& g = *impl_;
   const char* coll = "all_to_all";
