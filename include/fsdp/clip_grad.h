@@ -4,7 +4,12 @@
 // unsharded gradients (PyTorch issue 170862 is about the local-norm mistake this avoids).
 
 #include <ATen/core/Tensor.h>
+#include <fsdp/process_group.h>
+
 #include <torch/nn/module.h>
+
+#include <memory>
+#include <vector>
 
 namespace fsdp {
 
@@ -14,5 +19,11 @@ namespace fsdp {
 // that are no size of the gradients for them).
 // Collective: every rank of the model's meshes must call it.
 at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm, double norm_type = 2.0);
+
+// The same over several model parts (the pipeline stages this rank holds) and, when `across` is given, over the
+// ranks of that group (the pipeline group: every pp rank holds other parameters): the norm of every gradient of
+// the whole model, and every part clipped by it (TorchTitan's clip_grad_norm_ with pp_mesh).
+at::Tensor clip_grad_norm_(const std::vector<std::shared_ptr<torch::nn::Module>>& parts, double max_norm,
+                           double norm_type = 2.0, const ProcessGroupPtr& across = nullptr);
 
 }  // namespace fsdp

@@ -15,14 +15,20 @@
 
 namespace fsdp {
 
-at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm, double norm_type) {
+namespace {
+
+void check_norm_type(double norm_type) {
   // torch accepts any float here, but only p > 0 clips by a size: p = 0 counts the gradient tensors that have a
   // nonzero entry, p < 0 and -inf give 0 as soon as one entry is 0 (no clipping), NaN turns every gradient into
   // NaN. Those are refused rather than reproduced.
   TORCH_CHECK(norm_type > 0, "fsdp::clip_grad_norm_: norm_type must be > 0 (a p-norm: 1, 2, 3, 0.5, ..., or ",
               "infinity for the max-norm), got ", norm_type);
+}
+
+// The model's sum of |g|^p over every full gradient (max |g| for the inf-norm), as a 0-dim fp32 tensor, reduced
+// over the meshes that shard the gradients; appends the gradients to `grads`. Collective over those meshes.
+at::Tensor norm_partial(torch::nn::Module& root, double norm_type, std::vector<at::Tensor>& grads) {
   const bool inf_norm = std::isinf(norm_type);
-  c10::NoGradGuard no_grad;
 
   // Which shard group each FSDP-managed parameter is sharded over. A gradient shard contributes its partial
   // norm, summed (or max-ed) across that group; the replicate dim of HSDP holds identical copies and is not
@@ -78,7 +84,6 @@ at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm, double norm
   // Keyed by mesh identity so that every rank runs the all-reduces in the same order.
   std::map<std::string, at::Tensor> sharded_partials;  // per shard group: sum |g|^p (or max |g|)
   at::Tensor replicated_partial = at::zeros({}, at::kFloat);
-  std::vector<at::Tensor> grads;
   std::unordered_map<const c10::TensorImpl*, bool> seen;
   for (const auto& p : root.parameters(/*recurse=*/true)) {
     if (!seen.emplace(p.unsafeGetTensorImpl(), true).second) continue;  // tied parameters count once
@@ -112,6 +117,12 @@ at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm, double norm
     for (const auto& g : groups.at(name)) g->all_reduce(buf, inf_norm ? ReduceOp::Max : ReduceOp::Sum).wait();
     total = inf_norm ? at::maximum(total, buf.reshape({}).to(total.device())) : total + buf.reshape({}).to(total.device());
   }
+  return total;
+}
+
+// The p-th root of the summed partials, then every gradient scaled by max_norm / (norm + 1e-6) when below 1.
+at::Tensor clip_with_partial(at::Tensor total, double max_norm, double norm_type, std::vector<at::Tensor>& grads) {
+  const bool inf_norm = std::isinf(norm_type);
   if (!inf_norm && norm_type == 2.0) total = total.sqrt();
   else if (!inf_norm && norm_type != 1.0) total = total.pow(1.0 / norm_type);
   const double total_norm = total.item<double>();
@@ -120,6 +131,38 @@ at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm, double norm
     for (auto& g : grads) g.mul_(clip_coef);
   }
   return total;
+}
+
+}  // namespace
+
+at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm, double norm_type) {
+  check_norm_type(norm_type);
+  c10::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  at::Tensor total = norm_partial(root, norm_type, grads);
+  return clip_with_partial(std::move(total), max_norm, norm_type, grads);
+}
+
+at::Tensor clip_grad_norm_(const std::vector<std::shared_ptr<torch::nn::Module>>& parts, double max_norm,
+                           double norm_type, const ProcessGroupPtr& across) {
+  check_norm_type(norm_type);
+  c10::NoGradGuard no_grad;
+  const bool inf_norm = std::isinf(norm_type);
+  std::vector<at::Tensor> grads;
+  at::Tensor total = at::zeros({}, at::kFloat);
+  for (const auto& part : parts) {
+    TORCH_CHECK(part, "fsdp::clip_grad_norm_: a null model part");
+    at::Tensor partial = norm_partial(*part, norm_type, grads).to(total.device());
+    total = inf_norm ? at::maximum(total, partial) : total + partial;
+  }
+  if (across && across->size() > 1) {
+    // Each pipeline rank holds other parameters: their |g|^p add up (the inf-norm takes the max), as TorchTitan's
+    // clip_grad_norm_ all-reduces over the pp mesh.
+    at::Tensor buf = total.reshape({1}).to(across->device()).contiguous();
+    across->all_reduce(buf, inf_norm ? ReduceOp::Max : ReduceOp::Sum).wait();
+    total = buf.reshape({}).to(at::kCPU);
+  }
+  return clip_with_partial(std::move(total), max_norm, norm_type, grads);
 }
 
 }  // namespace fsdp
