@@ -1,4 +1,4 @@
-#include "pipeline/schedule.h"
+#include <fsdp/pipeline/schedule.h>
 
 #include <c10/util/Exception.h>
 

@@ -1,4 +1,4 @@
-// Pipeline schedules (src/pipeline/schedule.h) against torch 2.13 itself: the venv's torch prints its compute-only
+// Pipeline schedules (include/fsdp/pipeline/schedule.h) against torch 2.13 itself: the venv's torch prints its compute-only
 // and lowered action lists (tests/pipeline/schedule_golden.py), and for GPipe / 1F1B the order in which their
 // hand-written runtime loops compute and issue P2P ops, recorded by running those loops. Plus hand-written orders,
 // validation of broken lists, and the simulator against the reference note's measured bubble fractions.
@@ -6,7 +6,7 @@
 // The script and the python come from FSDP_TEST_PYTHON / FSDP_TEST_SCHEDULE_GOLDEN (compile definitions or
 // environment variables of the same name; the environment wins).
 
-#include "pipeline/schedule.h"
+#include <fsdp/pipeline/schedule.h>
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
