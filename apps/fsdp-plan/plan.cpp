@@ -49,6 +49,72 @@ GroupPlan group_plan(const std::string& name, const std::vector<ParamShape>& par
   return g;
 }
 
+// What autograd saves for a batch of T tokens (docs/planner.md, "Activations"): per block under the configured
+// AC, and for the final norm and the loss. The pipeline planner evaluates it at one microbatch's tokens.
+struct ActivationModel {
+  int64_t full_per_layer = 0;          // a block that saves everything
+  int64_t checkpointed_per_layer = 0;  // a checkpointed block: its input only
+  std::vector<int64_t> layer_saved;    // per block, under the configured AC
+  std::vector<bool> recomputed;        // per block: its backward first recomputes its forward
+  int64_t final_norm = 0;
+  int64_t logits = 0;                  // T x V (per TP rank) in the compute dtype
+  int64_t lsm = 0;                     // T x V x 4: the float32 copy / log-softmax output when upcast
+  int64_t lsm_bytes = 0;               // the log-softmax output
+  int64_t loss_forward = 0;            // logits, log-softmax output and the float32 copy when upcast
+  int64_t grad_workspace = 0;          // gradients in flight through one block's backward
+};
+
+ActivationModel activation_model(const PlanConfig& c, int64_t T) {
+  const auto& a = c.args;
+  const int64_t e = bytes_of(c.compute_dtype), TP = c.tp;
+  ActivationModel out;
+  // With TP, heads and the FFN hidden dim are split (per token of the whole sequence, which the colwise layers
+  // see gathered); norms run on this rank's 1/tp of the tokens (sequence parallel).
+  const int64_t D = a.dim, hq = a.n_heads * a.head_dim() / TP, hkv = a.kv_heads() * a.head_dim() / TP,
+                F = ceil_div(a.ffn_hidden_dim(), TP), heads = a.n_heads / TP;
+  const bool gqa = a.n_heads != a.kv_heads();
+  // RMSNorm: float32 input (the input itself in fp32, an upcast copy otherwise), normalized (compute dtype)
+  // saved for the weight multiply, output saved by the next linear(s). Under TP (sequence parallel) the norm
+  // runs on T/tp tokens and its output is not saved: it is all-gathered (whose backward needs nothing) and the
+  // colwise linears save the gathered [T, D] copy instead.
+  const int64_t norm = TP > 1 ? (4 * D + e * D) / TP + e * D : 4 * D + 2 * e * D;
+  // Attention: q (roped), k and v as SDPA sees them (repeated to n_heads under GQA), SDPA output (= wo
+  // input), log-sum-exp (fp32 per head).
+  const int64_t attn = e * (hq + 2 * (gqa ? hq : hkv) + hq) + 4 * heads;
+  // SwiGLU: w1 out (silu input), silu out, w3 out, product (w2 input).
+  const int64_t ffn = 4 * e * F;
+  const int64_t full_per_token = 2 * norm + attn + ffn;
+  out.full_per_layer = T * full_per_token;
+  out.checkpointed_per_layer = T * e * D / TP;  // the block input only (sequence-sharded under TP)
+  // Op-level SAC: the block input and a copy of every other matmul output (wq, wv, w1, w2); TorchTitan's policy
+  // also keeps the SDPA output and log-sum-exp. Under TP the rowwise w2's matmul output is the full-sequence
+  // partial sum [T, D], saved before its reduce-scatter.
+  const int64_t op_sac_per_token =
+      e * (D / TP + hq + hkv + F + D) + (c.op_sac_saves_attention ? e * hq + 4 * heads : 0);
+  out.layer_saved.assign(a.n_layers, out.full_per_layer);
+  out.recomputed.assign(a.n_layers, false);
+  for (int64_t l = 0; l < a.n_layers; ++l) {
+    if (c.ac == ACMode::Full ||
+        (c.ac == ACMode::Selective && c.selective == SelectiveKind::Layer &&
+         (l + 1) % std::max<int64_t>(c.selective_every, 1) == 0)) {  // TorchTitan: every N-th block
+      out.layer_saved[l] = out.checkpointed_per_layer;
+      out.recomputed[l] = true;
+    } else if (c.ac == ACMode::Selective && c.selective == SelectiveKind::Op) {  // the saved op outputs, the rest recomputed
+      out.layer_saved[l] = T * op_sac_per_token;
+      out.recomputed[l] = true;
+    }
+  }
+  out.final_norm = T * norm;
+  // Logits per rank: vocabulary-sharded under loss parallel, gathered otherwise.
+  const int64_t V = TP > 1 && c.loss_parallel ? ceil_div(a.vocab_size, TP) : a.vocab_size;
+  out.logits = T * V * e;
+  out.lsm = T * V * 4;  // log-softmax output (float32 when upcast; = compute dtype otherwise)
+  out.lsm_bytes = c.loss.upcast_logits ? out.lsm : T * V * e;
+  out.loss_forward = out.logits + out.lsm_bytes + (c.loss.upcast_logits ? out.lsm : 0);
+  out.grad_workspace = T * e * (2 * D / TP + 3 * F);
+  return out;
+}
+
 std::string gib(int64_t b) {
   char buf[64];
   if (std::llabs(b) >= (int64_t{1} << 30)) {
@@ -118,57 +184,23 @@ Plan make_plan(const PlanConfig& c) {
 
   // ---- activations saved per block, per token (docs/planner.md, "Activations") ----
   const int64_t T = c.local_batch * c.seq_len;
-  // With TP, heads and the FFN hidden dim are split (per token of the whole sequence, which the colwise layers
-  // see gathered); norms run on this rank's 1/tp of the tokens (sequence parallel).
-  const int64_t D = a.dim, hq = a.n_heads * a.head_dim() / TP, hkv = a.kv_heads() * a.head_dim() / TP,
-                F = ceil_div(a.ffn_hidden_dim(), TP), heads = a.n_heads / TP;
-  const bool gqa = a.n_heads != a.kv_heads();
-  // RMSNorm: float32 input (the input itself in fp32, an upcast copy otherwise), normalized (compute dtype)
-  // saved for the weight multiply, output saved by the next linear(s). Under TP (sequence parallel) the norm
-  // runs on T/tp tokens and its output is not saved: it is all-gathered (whose backward needs nothing) and the
-  // colwise linears save the gathered [T, D] copy instead.
-  const int64_t norm = TP > 1 ? (4 * D + e * D) / TP + e * D : 4 * D + 2 * e * D;
-  // Attention: q (roped), k and v as SDPA sees them (repeated to n_heads under GQA), SDPA output (= wo
-  // input), log-sum-exp (fp32 per head).
-  const int64_t attn = e * (hq + 2 * (gqa ? hq : hkv) + hq) + 4 * heads;
-  // SwiGLU: w1 out (silu input), silu out, w3 out, product (w2 input).
-  const int64_t ffn = 4 * e * F;
-  const int64_t full_per_token = 2 * norm + attn + ffn;
-  m.act_per_layer_full = T * full_per_token;
-  m.act_per_layer_checkpointed = T * e * D / TP;  // the block input only (sequence-sharded under TP)
-  // Op-level SAC: the block input and a copy of every other matmul output (wq, wv, w1, w2); TorchTitan's policy
-  // also keeps the SDPA output and log-sum-exp. Under TP the rowwise w2's matmul output is the full-sequence
-  // partial sum [T, D], saved before its reduce-scatter.
-  const int64_t op_sac_per_token =
-      e * (D / TP + hq + hkv + F + D) + (c.op_sac_saves_attention ? e * hq + 4 * heads : 0);
-  // Saved bytes of each block, and whether its backward first recomputes its forward (a checkpointed block).
-  std::vector<int64_t> layer_saved(a.n_layers, m.act_per_layer_full);
-  std::vector<bool> recomputed(a.n_layers, false);
-  for (int64_t l = 0; l < a.n_layers; ++l) {
-    if (c.ac == ACMode::Full ||
-        (c.ac == ACMode::Selective && c.selective == SelectiveKind::Layer &&
-         (l + 1) % std::max<int64_t>(c.selective_every, 1) == 0)) {  // TorchTitan: every N-th block
-      layer_saved[l] = m.act_per_layer_checkpointed;
-      recomputed[l] = true;
-    } else if (c.ac == ACMode::Selective && c.selective == SelectiveKind::Op) {  // the saved op outputs, the rest recomputed
-      layer_saved[l] = T * op_sac_per_token;
-      recomputed[l] = true;
-    }
-  }
+  const int64_t D = a.dim, F = ceil_div(a.ffn_hidden_dim(), TP);
+  const ActivationModel act = activation_model(c, T);
+  m.act_per_layer_full = act.full_per_layer;
+  m.act_per_layer_checkpointed = act.checkpointed_per_layer;
+  const std::vector<int64_t>& layer_saved = act.layer_saved;
+  const std::vector<bool>& recomputed = act.recomputed;
   int64_t saved_layers_bytes = 0;
   for (int64_t b : layer_saved) saved_layers_bytes += b;
 
   // ---- root and loss ----
-  const int64_t final_norm = T * norm;
-  // Logits per rank: vocabulary-sharded under loss parallel, gathered otherwise.
-  const int64_t V = TP > 1 && c.loss_parallel ? ceil_div(a.vocab_size, TP) : a.vocab_size;
-  const int64_t logits = T * V * e;
+  const int64_t final_norm = act.final_norm;
+  const int64_t logits = act.logits;
   const int64_t held_logits = c.loss.free_logits_before_backward ? 0 : logits;
-  const int64_t lsm = T * V * 4;  // log-softmax output (float32 when upcast; = compute dtype otherwise)
-  const int64_t lsm_bytes = c.loss.upcast_logits ? lsm : T * V * e;
+  const int64_t lsm_bytes = act.lsm_bytes;
   // log-softmax backward: its saved output, the incoming gradient (nll backward, dense) and its result.
   const int64_t loss_bwd = held_logits + 3 * lsm_bytes;
-  const int64_t loss_fwd = logits + lsm_bytes + (c.loss.upcast_logits ? lsm : 0);
+  const int64_t loss_fwd = act.loss_forward;
   // A shard group of one rank with nothing cast (a TP-only mesh, replicate x shard 1): the unsharded parameters
   // alias the sharded ones and no all-gather or reduce-scatter buffer exists (fully_shard's size-1 fast path).
   const bool alias = S == 1 && e == pb && rb == pb;
