@@ -497,6 +497,36 @@ void plan_pipeline(const PlanConfig& c, Plan& plan) {
   plan.comm = w.comm;
 }
 
+// The pipeline section of format_plan: stages with their layers, per-rank peaks and sends, the bubble.
+void format_pipeline(std::ostringstream& os, const Plan& p) {
+  const PipelinePlan& pl = p.pipeline;
+  char buf[160];
+  os << "pipeline   " << pl.schedule << ", " << pl.num_stages << " stages (" << pl.stages_per_rank << " per rank), "
+     << pl.microbatches << " microbatches\n";
+  for (const auto& st : pl.stages) {
+    std::string parts;
+    auto add = [&](const std::string& part) {
+      if (part.empty()) return;
+      parts += (parts.empty() ? "" : ", ") + part;
+    };
+    if (st.has_embedding) add("tok_embeddings");
+    add(layer_range(st.first_layer, st.num_layers));
+    if (st.has_output) add("norm, output");
+    os << "  stage " << st.stage << " on pp rank " << st.rank << ": " << parts << " (" << st.num_layers
+       << " layers; " << gib(st.activation_bytes_per_microbatch) << " saved per microbatch)\n";
+  }
+  for (const auto& r : pl.ranks) {
+    std::string stages;
+    for (int s : r.stages) stages += (stages.empty() ? "" : ",") + std::to_string(s);
+    os << "  pp rank " << r.rank << ": stages " << stages << ", peak " << r.peak_microbatches_in_flight
+       << " microbatches in flight, peak memory " << gib(r.peak_bytes) << " (" << r.peak_moment << "), sends "
+       << gib(r.pp_send_bytes) << "\n";
+  }
+  std::snprintf(buf, sizeof buf, "%.4f (simulated, F=1 B=2 I=W=1 per effective layer); closed form at equal stages %.4f",
+                pl.bubble_fraction, pl.bubble_closed_form);
+  os << "  bubble fraction " << buf << "\n";
+}
+
 }  // namespace
 
 std::vector<int64_t> split_layers(int64_t num_stages, int64_t num_layers, int64_t first_less, int64_t last_less) {
@@ -754,8 +784,14 @@ std::string format_plan(const Plan& p) {
   const char* ac = c.ac == ACMode::None ? "none" : c.ac == ACMode::Full ? "full" : "selective";
   os << "model      llama3 " << (c.flavor.empty() ? "(custom)" : c.flavor) << ": " << p.num_params << " parameters ("
      << static_cast<double>(p.num_params) / 1e9 << " B), " << c.args.n_layers << " blocks + root\n";
-  os << "mesh       replicate " << c.replicate << " x shard " << c.shard << " x tp " << c.tp << " = "
-     << c.replicate * c.shard * c.tp << " ranks";
+  const PipelinePlan& pl = p.pipeline;
+  if (pl.enabled) {
+    os << "mesh       pp " << c.pp << " x replicate " << c.replicate << " x shard " << c.shard << " x tp " << c.tp
+       << " = " << c.pp * c.replicate * c.shard * c.tp << " ranks";
+  } else {
+    os << "mesh       replicate " << c.replicate << " x shard " << c.shard << " x tp " << c.tp << " = "
+       << c.replicate * c.shard * c.tp << " ranks";
+  }
   if (c.tp > 1) os << " (TP: sequence parallel, " << (c.loss_parallel ? "loss parallel" : "logits gathered") << ")";
   os << "\n";
   os << "dtypes     params " << dt(c.param_dtype) << ", compute " << dt(c.compute_dtype) << ", reduce "
@@ -764,21 +800,45 @@ std::string format_plan(const Plan& p) {
   if (c.ac == ACMode::Selective) {
     os << (c.selective == SelectiveKind::Op ? " (op)" : " (every " + std::to_string(c.selective_every) + " layers)");
   }
-  os << "; blocks reshard_after_forward=" << (c.block_reshard == 0 ? "false" : c.block_reshard == 1 ? "true" : std::to_string(c.block_reshard)) << "\n";
-  os << "memory per rank\n";
-  os << "  params (sharded)        " << gib(m.params) << "\n";
-  os << "  grads (sharded)         " << gib(m.grads) << "  (freed by zero_grad; present at the optimizer step)\n";
-  os << "  optimizer states        " << gib(m.optimizer) << "\n";
-  os << "  sharded grads at peak   " << gib(m.sharded_grads_at_peak) << "\n";
-  os << "  root unsharded params   " << gib(m.root_unsharded) << "\n";
-  os << "  blocks in flight        " << gib(m.unsharded_peak) << "\n";
-  os << "  activations             " << gib(m.activations) << "  (per block: " << gib(m.act_per_layer_full)
-     << " saved, " << gib(m.act_per_layer_checkpointed) << " checkpointed)\n";
-  os << "  loss (logits etc.)      " << gib(m.loss) << "\n";
-  if (m.runtime) os << "  runtime overhead        " << gib(m.runtime) << "\n";
-  os << "  peak                    " << gib(m.total) << "  at: " << m.peak_moment << "\n";
-  os << "  AC: saved activations   " << gib(m.saved_activations) << "  (end of forward above params+optimizer: "
-     << gib(m.end_of_forward) << "; peak above them: " << gib(m.step_peak) << ")\n";
+  if (pl.enabled) {
+    os << "; " << pl.microbatches << " microbatches of " << pl.microbatch_size
+       << "; FSDP keeps parameters unsharded across microbatches (reshard_after_forward=false under PP)\n";
+    format_pipeline(os, p);
+  } else {
+    os << "; blocks reshard_after_forward=" << (c.block_reshard == 0 ? "false" : c.block_reshard == 1 ? "true" : std::to_string(c.block_reshard)) << "\n";
+  }
+  if (pl.enabled) {
+    os << "memory of pp rank " << pl.planned_rank << " (the largest peak)\n";
+    os << "  params (sharded)        " << gib(m.params) << "\n";
+    os << "  grads (sharded)         " << gib(m.grads) << "  (from each stage's REDUCE_GRAD to zero_grad)\n";
+    os << "  optimizer states        " << gib(m.optimizer) << "\n";
+    os << "  sharded grads at peak   " << gib(m.sharded_grads_at_peak) << "\n";
+    os << "  unsharded params        " << gib(pl.unsharded_params_at_peak) << "  (its stages between UNSHARD and RESHARD)\n";
+    os << "  accumulated grads       " << gib(pl.accumulated_grads_at_peak)
+       << "  (unsharded, reduce dtype, first backward to REDUCE_GRAD)\n";
+    os << "  activations             " << gib(pl.activations_at_peak) << "  (" << pl.microbatches_at_peak
+       << " microbatches in flight; per block and microbatch: " << gib(m.act_per_layer_full) << " saved, "
+       << gib(m.act_per_layer_checkpointed) << " checkpointed)\n";
+    os << "  transient               " << gib(pl.transient_at_peak) << "  (the running action's gradients, "
+       << "recomputation, loss or reduce-scatter buffers)\n";
+    if (m.runtime) os << "  runtime overhead        " << gib(m.runtime) << "\n";
+    os << "  peak                    " << gib(m.total) << "  at: " << m.peak_moment << "\n";
+  } else {
+    os << "memory per rank\n";
+    os << "  params (sharded)        " << gib(m.params) << "\n";
+    os << "  grads (sharded)         " << gib(m.grads) << "  (freed by zero_grad; present at the optimizer step)\n";
+    os << "  optimizer states        " << gib(m.optimizer) << "\n";
+    os << "  sharded grads at peak   " << gib(m.sharded_grads_at_peak) << "\n";
+    os << "  root unsharded params   " << gib(m.root_unsharded) << "\n";
+    os << "  blocks in flight        " << gib(m.unsharded_peak) << "\n";
+    os << "  activations             " << gib(m.activations) << "  (per block: " << gib(m.act_per_layer_full)
+       << " saved, " << gib(m.act_per_layer_checkpointed) << " checkpointed)\n";
+    os << "  loss (logits etc.)      " << gib(m.loss) << "\n";
+    if (m.runtime) os << "  runtime overhead        " << gib(m.runtime) << "\n";
+    os << "  peak                    " << gib(m.total) << "  at: " << m.peak_moment << "\n";
+    os << "  AC: saved activations   " << gib(m.saved_activations) << "  (end of forward above params+optimizer: "
+       << gib(m.end_of_forward) << "; peak above them: " << gib(m.step_peak) << ")\n";
+  }
   const auto& cm = p.comm;
   os << "communication per rank per step\n";
   os << "  all-gather              " << gib(cm.all_gather_bytes) << " (" << cm.all_gather_calls << " calls)\n";
@@ -792,6 +852,10 @@ std::string format_plan(const Plan& p) {
        << " calls)\n";
     os << "  tp all-reduce           " << gib(cm.tp_all_reduce_bytes) << " (" << cm.tp_all_reduce_calls << " calls)\n";
     os << "  tp total                " << gib(cm.tp_total_bytes) << "\n";
+  }
+  if (pl.enabled) {
+    os << "  pp send                 " << gib(cm.pp_send_bytes) << " (" << cm.pp_send_calls << " sends of "
+       << gib(pl.boundary_bytes) << ")\n";
   }
   return os.str();
 }
