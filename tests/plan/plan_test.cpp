@@ -264,8 +264,14 @@ TEST(PlanPipeline, DataParallelBytesOfTheRanksStages) {
   const int64_t block_shard = (D / 2) * D * 2 + (kv / 2) * D * 2 + (F / 2) * D * 2 + (D / 2) * F + 2 * (D / 2);
   const StagePlan& st = p.pipeline.stages[p.pipeline.planned_rank];
   int64_t shard = st.num_layers * block_shard, groups = st.num_layers;
-  if (st.has_embedding) shard += (V / 2) * D, groups += 1;
-  if (st.has_output) shard += (D / 2) + (V / 2) * D, groups += 1;
+  if (st.has_embedding) {
+    shard += (V / 2) * D;
+    groups += 1;
+  }
+  if (st.has_output) {
+    shard += (D / 2) + (V / 2) * D;
+    groups += 1;
+  }
   EXPECT_EQ(p.comm.all_gather_calls, groups);
   EXPECT_EQ(p.comm.reduce_scatter_calls, groups);
   EXPECT_EQ(p.comm.all_gather_bytes, shard * 4);     // (S - 1) x fp32 shard
