@@ -1,6 +1,7 @@
 // fsdp-plan: per-rank memory and communication of FSDP training of a Llama 3 flavor (see docs/planner.md).
 //
 //   fsdp-plan --flavor 8B --shard 8 --compute-dtype bf16 --local-batch 2 --seq 8192 --ac selective
+//   fsdp-plan --flavor 70B --pp 4 --schedule Interleaved1F1B --microbatches 8 --shard 8 --local-batch 8
 //   fsdp-plan --torchtitan-8b        TorchTitan's published 8B / 8 x H100 run, next to its measured memory
 #include "plan.h"
 
@@ -80,6 +81,19 @@ int main(int argc, char** argv) {
   app.add_flag("--free-logits", c.loss.free_logits_before_backward, "logits freed before backward (TorchTitan)");
   double overhead_mib = 0;
   app.add_option("--runtime-overhead-mib", overhead_mib, "fixed runtime allocations (libtorch CPU: ~4.5)");
+  app.add_option("--pp", c.pp, "pipeline parallel degree (pp ranks; the world is pp x replicate x shard x tp)");
+  app.add_option("--schedule", c.schedule,
+                 "pipeline schedule (torch's names): GPipe | 1F1B | LoopedBFS | Interleaved1F1B | "
+                 "InterleavedZeroBubble | ZBVZeroBubble");
+  app.add_option("--microbatches", c.microbatches, "pipeline microbatches per step (must divide --local-batch)");
+  app.add_option("--stages-per-rank", c.stages_per_rank, "pipeline stages per pp rank (0: the schedule's default)");
+  int64_t layers_per_stage = 0;
+  app.add_option("--layers-per-stage", layers_per_stage,
+                 "TorchTitan's pipeline_parallel_layers_per_stage (stages = ceil((layers + 2) / this))");
+  app.add_option("--first-stage-less-layers", c.first_stage_less_layers,
+                 "the embedding counts as this many layers in the split (TorchTitan: 1)");
+  app.add_option("--last-stage-less-layers", c.last_stage_less_layers,
+                 "norm + output count as this many layers in the split (TorchTitan: 1)");
   app.add_flag("--torchtitan-8b", tt8b, "TorchTitan's published 8B run, next to its published memory");
   CLI11_PARSE(app, argc, argv);
   c.loss_parallel = !no_loss_parallel;
@@ -97,6 +111,7 @@ int main(int argc, char** argv) {
     TORCH_CHECK(selective == "layer" || selective == "op", "fsdp-plan: --selective must be layer or op");
     c.selective = selective == "op" ? SelectiveKind::Op : SelectiveKind::Layer;
     c.block_reshard = reshard == "true" ? 1 : reshard == "false" ? 0 : std::stoll(reshard);
+    if (layers_per_stage != 0) c.layers_per_stage = layers_per_stage;
     std::cout << format_plan(make_plan(c));
   } catch (const std::exception& e) {
     std::cerr << "fsdp-plan: " << e.what() << "\n";

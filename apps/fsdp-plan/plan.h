@@ -9,6 +9,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -60,6 +61,23 @@ struct PlanConfig {
   // Fixed allocations of the framework's runtime, added to every moment (0 by default; ~4.5 MiB for libtorch
   // on CPU, measured in tests/plan; on CUDA the context lives outside the allocator's statistics).
   int64_t runtime_overhead = 0;
+
+  // Pipeline parallelism (TorchTitan's [parallelism] pipeline keys; docs/planner.md, "Pipeline parallelism").
+  // pp = 1: no pipeline (the other pipeline fields must keep their defaults). The world is
+  // pp x replicate x shard x tp ranks; the memory and communication reported are one pp rank's (the one with
+  // the largest peak), and FSDP under PP keeps parameters unsharded across microbatches (TorchTitan's
+  // reshard_after_forward=false under PP; block_reshard and keep_last_block_unsharded are not used).
+  int64_t pp = 1;
+  std::string schedule = "1F1B";  // torch's names (fsdp::pipeline::parse_schedule_name), case-insensitive
+  int64_t microbatches = 1;       // local_batch is split into this many equal microbatches (must divide)
+  int64_t stages_per_rank = 0;    // 0: the schedule's default (1 for GPipe / 1F1B, 2 for the others)
+  // TorchTitan's pipeline_parallel_layers_per_stage: stages = ceil((layers + first + last less layers) / this),
+  // a multiple of pp; single-stage schedules then need 1 stage per rank, multi-stage ones at least 2.
+  std::optional<int64_t> layers_per_stage;
+  // TorchTitan's pipeline_parallel_{first,last}_stage_less_layers: the embedding / norm + output count as this
+  // many layers when the layers are split over the stages.
+  int64_t first_stage_less_layers = 1;
+  int64_t last_stage_less_layers = 1;
 };
 
 // One parameter group (a transformer block or the root) and its sizes.
@@ -108,6 +126,55 @@ struct CommPlan {
   int64_t tp_all_gather_bytes = 0, tp_reduce_scatter_bytes = 0, tp_all_reduce_bytes = 0;
   int64_t tp_all_gather_calls = 0, tp_reduce_scatter_calls = 0, tp_all_reduce_calls = 0;
   int64_t tp_total_bytes = 0;
+  // Over the PP mesh dim (pp > 1): activations sent to the next stage and gradients sent to the previous one,
+  // when that stage lives on another pp rank (one [local_batch / microbatches, seq, dim] tensor in the compute
+  // dtype each, 1/tp of it under TP). Not in total_bytes.
+  int64_t pp_send_bytes = 0, pp_send_calls = 0;
+};
+
+// One pipeline stage: TorchTitan's split (fsdp::plan::split_layers) and what it costs.
+struct StagePlan {
+  int stage = 0;
+  int rank = 0;                      // pp rank that holds it
+  int64_t first_layer = 0;           // its blocks are layers.first_layer .. layers.(first_layer + num_layers - 1)
+  int64_t num_layers = 0;
+  bool has_embedding = false;        // tok_embeddings (stage 0)
+  bool has_output = false;           // norm + output (the last stage)
+  std::vector<std::string> fqns;     // TorchTitan's module FQNs: "tok_embeddings", "layers.7", ..., "norm", "output"
+  std::vector<GroupPlan> groups;     // its FSDP groups: one per block, then "root" (embedding / norm + output)
+  int64_t numel = 0, shard_numel = 0;
+  int64_t unsharded_param_bytes = 0; // compute dtype, held from its UNSHARD to its RESHARD (0 when aliased)
+  int64_t accumulated_grad_bytes = 0;// unsharded grads in the reduce dtype, from its first B/W to REDUCE_GRAD
+  int64_t activation_bytes_per_microbatch = 0;  // what one microbatch keeps from its F to its B (or W)
+  double cost_scale = 0;             // simulator cost: layers + the less-layers weights it carries
+};
+
+struct PipelineRankPlan {
+  int rank = 0;
+  std::vector<int> stages;
+  int64_t peak_microbatches_in_flight = 0;  // max over its action list of (F so far - B/W so far), all its stages
+  int64_t peak_bytes = 0;                   // its peak memory (Plan::memory.total for the planned rank)
+  std::string peak_moment;
+  int64_t pp_send_bytes = 0, pp_send_calls = 0;
+};
+
+struct PipelinePlan {
+  bool enabled = false;  // pp > 1
+  std::string schedule;  // torch's spelling
+  int64_t pp = 1, stages_per_rank = 1, num_stages = 1, microbatches = 1;
+  int64_t microbatch_size = 0;  // local_batch / microbatches
+  int64_t boundary_bytes = 0;   // one activation (or gradient) sent between stages
+  std::vector<StagePlan> stages;
+  std::vector<PipelineRankPlan> ranks;
+  int planned_rank = 0;         // the rank with the largest peak: Plan::memory and Plan::comm are its
+  // At the planned rank's peak: unsharded params of its active stages, accumulated unsharded grads, the saved
+  // activations of its microbatches in flight, and the transient of the action running then.
+  int64_t unsharded_params_at_peak = 0, accumulated_grads_at_peak = 0, activations_at_peak = 0,
+          transient_at_peak = 0, microbatches_at_peak = 0;
+  // fsdp::pipeline::simulate with F = 1, B = 2 (I = W = 1) per effective layer of the stage, no latency, and
+  // the closed form of the reference table for equal stages ((p-1)/(m+p-1), (p-1)/(v m+p-1),
+  // (p-1)/(3 v m+p-1)).
+  double bubble_fraction = 0, bubble_closed_form = 0;
 };
 
 struct Plan {
@@ -116,12 +183,20 @@ struct Plan {
   std::vector<GroupPlan> groups;  // blocks 0..n-1, then "root"
   MemoryPlan memory;
   CommPlan comm;
+  PipelinePlan pipeline;  // enabled when config.pp > 1
 };
 
 Plan make_plan(const PlanConfig& config);
 
 // Human-readable report (GiB/MiB), one quantity per line.
 std::string format_plan(const Plan& plan);
+
+// TorchTitan's generate_llm_fqn_per_model_part: the number of transformer layers of each of num_stages stages.
+// E = num_layers + first_less + last_less effective layers; each stage gets E / num_stages, the first E % num_stages
+// stages one more; the first stage's embedding counts as first_less of them, the last stage's norm + output as
+// last_less. Throws (as TorchTitan) when a stage would get no effective layer or a weight exceeds E / num_stages.
+std::vector<int64_t> split_layers(int64_t num_stages, int64_t num_layers, int64_t first_less = 1,
+                                  int64_t last_less = 1);
 
 ACMode parse_ac_mode(const std::string& s);          // none | selective | full
 c10::ScalarType parse_dtype(const std::string& s);    // fp32|float32 | bf16|bfloat16 | fp16|float16
