@@ -113,6 +113,11 @@ int main(int argc, char** argv) {
     c.block_reshard = reshard == "true" ? 1 : reshard == "false" ? 0 : std::stoll(reshard);
     if (layers_per_stage != 0) c.layers_per_stage = layers_per_stage;
     std::cout << format_plan(make_plan(c));
+  } catch (const c10::Error& e) {
+    // The message without libtorch's C++ backtrace; it names the problem (and mostly starts with "fsdp-plan:").
+    const std::string msg = e.what_without_backtrace();
+    std::cerr << (msg.rfind("fsdp-plan:", 0) == 0 ? "" : "fsdp-plan: ") << msg << "\n";
+    return 1;
   } catch (const std::exception& e) {
     std::cerr << "fsdp-plan: " << e.what() << "\n";
     return 1;
