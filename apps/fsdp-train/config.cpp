@@ -2,6 +2,7 @@
 #include "config.h"
 
 #include <algorithm>
+#include <cctype>
 
 // toml++ 3.3 (Debian's) marks "impossible" branches with __builtin_unreachable(), and its generated
 // is_non_ascii_horizontal_whitespace() does reach one for some non-ASCII characters (found by fuzzing:
@@ -97,6 +98,21 @@ std::vector<Field> fields(JobConfig& c) {
        "TorchTitan's Llama TP plan with sequence parallel over this many ranks (innermost mesh dim); FSDP over the rest"},
       {"parallelism", "disable_loss_parallel", &c.parallelism.disable_loss_parallel,
        "with TP: gather the logits (Replicate) instead of the vocabulary-sharded loss-parallel cross entropy"},
+      {"parallelism", "pipeline_parallel_degree", &c.parallelism.pipeline_parallel_degree,
+       "pipeline ranks (outermost mesh dim: [pp, dp_replicate, dp_shard, tp]); each holds one or more stages"},
+      {"parallelism", "pipeline_parallel_schedule", &c.parallelism.pipeline_parallel_schedule,
+       "GPipe | 1F1B | LoopedBFS | Interleaved1F1B | InterleavedZeroBubble | ZBVZeroBubble (torch's names)"},
+      {"parallelism", "pipeline_parallel_microbatch_size", &c.parallelism.pipeline_parallel_microbatch_size,
+       "samples per pipeline microbatch: local_batch_size / this microbatches per step"},
+      {"parallelism", "num_pp_microbatches", &c.parallelism.num_pp_microbatches,
+       "microbatches per step (TorchTitan's newer key); 0 = from pipeline_parallel_microbatch_size"},
+      {"parallelism", "pipeline_parallel_layers_per_stage", &c.parallelism.pipeline_parallel_layers_per_stage,
+       "layers per stage (stages = ceil((layers + first + last less) / this), a multiple of the degree); 0 = the "
+       "schedule's stages per rank"},
+      {"parallelism", "pipeline_parallel_first_stage_less_layers",
+       &c.parallelism.pipeline_parallel_first_stage_less_layers, "the embedding counts as this many layers"},
+      {"parallelism", "pipeline_parallel_last_stage_less_layers", &c.parallelism.pipeline_parallel_last_stage_less_layers,
+       "norm + output count as this many layers"},
       {"checkpoint", "enable", &c.checkpoint.enable, "save checkpoints and resume from the latest complete one"},
       {"checkpoint", "folder", &c.checkpoint.folder, "under job.dump_folder; one step-N folder per save"},
       {"checkpoint", "interval", &c.checkpoint.interval, "steps between saves (and the last step)"},
@@ -633,6 +649,41 @@ void validate(const JobConfig& c) {
   check(c.parallelism.data_parallel_shard_degree == -1 || c.parallelism.data_parallel_shard_degree >= 1,
         "parallelism.data_parallel_shard_degree: expected -1 or >= 1, got " +
             std::to_string(c.parallelism.data_parallel_shard_degree));
+  check(c.parallelism.pipeline_parallel_degree >= 1, "parallelism.pipeline_parallel_degree: expected >= 1, got " +
+                                                         std::to_string(c.parallelism.pipeline_parallel_degree));
+  check(c.parallelism.pipeline_parallel_microbatch_size >= 1,
+        "parallelism.pipeline_parallel_microbatch_size: expected >= 1, got " +
+            std::to_string(c.parallelism.pipeline_parallel_microbatch_size));
+  check(c.parallelism.num_pp_microbatches >= 0,
+        "parallelism.num_pp_microbatches: expected >= 0 (0 = from pipeline_parallel_microbatch_size), got " +
+            std::to_string(c.parallelism.num_pp_microbatches));
+  check(c.parallelism.pipeline_parallel_layers_per_stage >= 0,
+        "parallelism.pipeline_parallel_layers_per_stage: expected >= 0 (0 = unset), got " +
+            std::to_string(c.parallelism.pipeline_parallel_layers_per_stage));
+  check(c.parallelism.pipeline_parallel_first_stage_less_layers >= 0 &&
+            c.parallelism.pipeline_parallel_last_stage_less_layers >= 0,
+        "parallelism.pipeline_parallel_first/last_stage_less_layers: expected >= 0");
+  {
+    // torch's schedule names, case-insensitive. This library has no libtorch (fast to build); the trainer's
+    // parallelize step parses the name with fsdp::pipeline::parse_schedule_name, the authority, again.
+    std::string name = c.parallelism.pipeline_parallel_schedule;
+    std::transform(name.begin(), name.end(), name.begin(), [](unsigned char ch) { return std::tolower(ch); });
+    const std::vector<std::string> known{"gpipe", "1f1b", "loopedbfs", "interleaved1f1b", "interleavedzerobubble",
+                                         "zbvzerobubble"};
+    check(std::find(known.begin(), known.end(), name) != known.end(),
+          "parallelism.pipeline_parallel_schedule: expected one of GPipe, 1F1B, LoopedBFS, Interleaved1F1B, "
+          "InterleavedZeroBubble, ZBVZeroBubble (case-insensitive), got '" + c.parallelism.pipeline_parallel_schedule +
+          "'");
+  }
+  check(c.parallelism.pipeline_parallel_degree == 1 || !c.checkpoint.enable,
+        "checkpoint.enable with parallelism.pipeline_parallel_degree > 1: checkpoints of pipeline stages are not "
+        "supported yet (docs/pipeline.md)");
+  check(c.parallelism.pipeline_parallel_degree == 1 || c.checkpoint.initial_load_path.empty(),
+        "checkpoint.initial_load_path with parallelism.pipeline_parallel_degree > 1: loading into pipeline stages is "
+        "not supported yet (docs/pipeline.md)");
+  check(c.parallelism.pipeline_parallel_degree == 1 || !c.validation.enable,
+        "validation.enable with parallelism.pipeline_parallel_degree > 1: validation under pipeline parallelism is "
+        "not supported yet (docs/pipeline.md)");
   check(c.parallelism.tensor_parallel_degree >= 1,
         "parallelism.tensor_parallel_degree: expected >= 1, got " + std::to_string(c.parallelism.tensor_parallel_degree));
   check(c.training.seq_len % c.parallelism.tensor_parallel_degree == 0,
@@ -652,10 +703,16 @@ ParallelDims resolve_parallelism(const JobConfig& c, int64_t world_size) {
   d.world_size = world_size;
   d.dp_replicate = c.parallelism.data_parallel_replicate_degree;
   d.tp = c.parallelism.tensor_parallel_degree;
-  check(world_size % d.tp == 0, "parallelism.tensor_parallel_degree (" + std::to_string(d.tp) +
+  d.pp = c.parallelism.pipeline_parallel_degree;
+  check(world_size % d.pp == 0, "parallelism.pipeline_parallel_degree (" + std::to_string(d.pp) +
                                     ") must divide the world size (" + std::to_string(world_size) + ")");
-  world_size /= d.tp;  // the data-parallel ranks
-  const std::string W = std::to_string(world_size) + (d.tp > 1 ? " = world / tensor_parallel_degree" : ""),
+  check((world_size / d.pp) % d.tp == 0, "parallelism.tensor_parallel_degree (" + std::to_string(d.tp) +
+                                             ") must divide the world size" +
+                                             (d.pp > 1 ? " / pipeline_parallel_degree (" : " (") +
+                                             std::to_string(world_size / d.pp) + ")");
+  world_size /= d.tp * d.pp;  // the data-parallel ranks
+  const std::string W = std::to_string(world_size) +
+                        (d.tp > 1 || d.pp > 1 ? " = world / (pipeline_parallel_degree x tensor_parallel_degree)" : ""),
                     R = std::to_string(d.dp_replicate);
   if (c.parallelism.data_parallel_shard_degree == -1) {
     check(world_size % d.dp_replicate == 0, "parallelism.data_parallel_replicate_degree (" + R +
@@ -681,6 +738,21 @@ ParallelDims resolve_parallelism(const JobConfig& c, int64_t world_size) {
             ") must be a multiple of training.local_batch_size (" + std::to_string(d.local_batch_size) +
             ") x data-parallel degree (" + std::to_string(d.dp_degree()) + ") = " + std::to_string(per_micro));
   d.grad_accum_steps = d.global_batch_size / per_micro;
+  if (d.pp > 1) {
+    const int64_t n = c.parallelism.num_pp_microbatches;
+    const int64_t size = c.parallelism.pipeline_parallel_microbatch_size;
+    if (n > 0) {
+      check(d.local_batch_size % n == 0, "parallelism.num_pp_microbatches (" + std::to_string(n) +
+                                             ") must divide training.local_batch_size (" +
+                                             std::to_string(d.local_batch_size) + ")");
+      d.pp_microbatches = n;
+    } else {
+      check(d.local_batch_size % size == 0, "parallelism.pipeline_parallel_microbatch_size (" + std::to_string(size) +
+                                                ") must divide training.local_batch_size (" +
+                                                std::to_string(d.local_batch_size) + ")");
+      d.pp_microbatches = d.local_batch_size / size;
+    }
+  }
   return d;
 }
 

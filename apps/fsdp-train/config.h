@@ -77,6 +77,14 @@ struct JobConfig {
     std::string fsdp_reshard_after_forward = "default";  // default | always | never
     int64_t tensor_parallel_degree = 1;   // TorchTitan's Llama TP plan (with sequence parallel) over this many ranks
     bool disable_loss_parallel = false;   // with TP: gather the logits instead of a vocabulary-sharded loss
+    // Pipeline parallelism (TorchTitan's keys): the outermost mesh dim.
+    int64_t pipeline_parallel_degree = 1;
+    std::string pipeline_parallel_schedule = "1F1B";  // torch's names, case-insensitive
+    int64_t pipeline_parallel_microbatch_size = 1;    // microbatches = local_batch_size / this
+    int64_t num_pp_microbatches = 0;                  // TorchTitan's newer key; > 0 overrides the line above
+    int64_t pipeline_parallel_layers_per_stage = 0;   // 0 = the schedule's stages per rank
+    int64_t pipeline_parallel_first_stage_less_layers = 1;  // the embedding counts as this many layers
+    int64_t pipeline_parallel_last_stage_less_layers = 1;   // norm + output count as this many layers
   } parallelism;
   struct Checkpoint {
     bool enable = false;
@@ -143,7 +151,11 @@ struct ParallelDims {
   int64_t dp_replicate = 1;
   int64_t dp_shard = 1;
   int64_t tp = 1;  // tensor-parallel degree (innermost mesh dim: ranks r*tp .. r*tp+tp-1 share a data shard)
+  int64_t pp = 1;  // pipeline degree (outermost mesh dim: the pp ranks of a data-parallel rank read the same samples)
+  int64_t pp_microbatches = 1;
   int64_t dp_degree() const { return dp_replicate * dp_shard; }
+  // The data-parallel rank of a world rank (mesh [pp, dp_replicate, dp_shard, tp]).
+  int64_t dp_rank_of(int64_t rank) const { return (rank % (dp_degree() * tp)) / tp; }
   int64_t local_batch_size = 1;
   int64_t global_batch_size = 1;
   int64_t grad_accum_steps = 1;  // global / (local x dp)

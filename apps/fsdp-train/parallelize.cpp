@@ -3,6 +3,7 @@
 
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/models/llama_tp_plan.h>
+#include <fsdp/pipeline/schedule.h>
 #include <fsdp/replicate.h>
 #include <fsdp/tensor_parallel.h>
 
@@ -70,8 +71,129 @@ bool plan_needs_full_init(const ParallelDims& dims, bool has_group) {
   return !has_group || plain_data_parallel(dims) || dims.tp > 1;
 }
 
+namespace {
+
+fsdp::FullyShardOptions fsdp_base_options(const JobConfig& config, const fsdp::DeviceMesh& dp_mesh) {
+  fsdp::FullyShardOptions base;
+  base.mesh = dp_mesh;
+  if (config.training.mixed_precision_param != "float32" || config.training.mixed_precision_reduce != "float32") {
+    base.mp_policy.param_dtype = dtype_of(config.training.mixed_precision_param);
+    base.mp_policy.reduce_dtype = dtype_of(config.training.mixed_precision_reduce);
+  }
+  base.offload_policy.cpu_offload = config.training.enable_cpu_offload;
+  return base;
+}
+
+// TorchTitan's Llama TP plan without the entries for modules this stage does not hold.
+fsdp::ParallelizePlan stage_tp_plan(const fsdp::nn::llama::LlamaArgs& args, int64_t tp, bool loss_parallel,
+                                    const fsdp::nn::llama::LlamaStageImpl& stage) {
+  fsdp::ParallelizePlan all = fsdp::nn::llama::tensor_parallel_plan(args, tp, {true, loss_parallel});
+  fsdp::ParallelizePlan kept;
+  for (auto& entry : all) {
+    const std::string& pattern = entry.first;
+    if (pattern == "tok_embeddings" && !stage.first()) continue;
+    if ((pattern == "norm" || pattern == "output") && !stage.last()) continue;
+    if (pattern.rfind("layers.", 0) == 0 && stage.begin() == stage.end()) continue;
+    kept.push_back(std::move(entry));
+  }
+  return kept;
+}
+
+ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, const JobConfig& config,
+                                        const ParallelDims& dims, const fsdp::ProcessGroupPtr& group) {
+  ParallelPlan plan;
+  plan.dp_group = group;
+  const std::string device = mesh_device(config).is_cuda() ? "cuda" : "cpu";
+  plan.activation_checkpointing = apply_activation_checkpointing(model, config);
+  TORCH_CHECK(group, "pipeline parallelism needs a process group (run under fsdprun)");
+  // Mesh [pp, dp_replicate, dp_shard, tp]: pp outermost (TorchTitan's order), TP innermost.
+  std::vector<int64_t> shape{dims.pp};
+  std::vector<std::string> names{"pp"};
+  if (dims.dp_replicate > 1) {
+    shape.push_back(dims.dp_replicate);
+    names.push_back("dp_replicate");
+  }
+  shape.push_back(dims.dp_shard);
+  names.push_back("dp_shard");
+  if (dims.tp > 1) {
+    shape.push_back(dims.tp);
+    names.push_back("tp");
+  }
+  plan.mesh = fsdp::init_device_mesh(device, shape, names);
+  plan.pp_group = plan.mesh.group("pp");
+  const fsdp::DeviceMesh dp_mesh =
+      dims.dp_replicate > 1 ? plan.mesh.slice({"dp_replicate", "dp_shard"}) : plan.mesh["dp_shard"];
+  if (dims.tp > 1) {
+    plan.tp_mesh = plan.mesh["tp"];
+    plan.loss_parallel = !config.parallelism.disable_loss_parallel;
+  }
+
+  // Stages: TorchTitan's split, placed by the schedule (loop or V).
+  const auto& p = config.parallelism;
+  const auto kind = fsdp::pipeline::parse_schedule_name(p.pipeline_parallel_schedule);
+  const int64_t n_layers = model->args().n_layers;
+  int64_t num_stages = dims.pp * fsdp::pipeline::default_stages_per_rank(kind);
+  if (p.pipeline_parallel_layers_per_stage > 0) {
+    num_stages = fsdp::nn::llama::stages_for_layers_per_stage(n_layers, p.pipeline_parallel_layers_per_stage,
+                                                              p.pipeline_parallel_first_stage_less_layers,
+                                                              p.pipeline_parallel_last_stage_less_layers);
+    if (num_stages % dims.pp != 0) {
+      throw ConfigError("config error: parallelism.pipeline_parallel_layers_per_stage = " +
+                        std::to_string(p.pipeline_parallel_layers_per_stage) + " gives " + std::to_string(num_stages) +
+                        " stages for " + std::to_string(n_layers) + " layers, not a multiple of "
+                        "pipeline_parallel_degree = " + std::to_string(dims.pp));
+    }
+  }
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  fsdp::pipeline::PipelineSchedule schedule;
+  try {
+    ranges = fsdp::nn::llama::split_layers(n_layers, num_stages, p.pipeline_parallel_first_stage_less_layers,
+                                           p.pipeline_parallel_last_stage_less_layers);
+    schedule = fsdp::pipeline::build_schedule({kind, static_cast<int>(dims.pp), static_cast<int>(num_stages / dims.pp),
+                                               static_cast<int>(dims.pp_microbatches)});
+  } catch (const c10::Error& e) {
+    throw ConfigError(std::string("config error: parallelism: ") + e.what_without_backtrace());
+  }
+  plan.num_stages = static_cast<int>(num_stages);
+  plan.stage_indices = schedule.stages_of_rank(plan.pp_group->rank());
+  const fsdp::FullyShardOptions base = fsdp_base_options(config, dp_mesh);
+  const std::string& policy = config.parallelism.fsdp_reshard_after_forward;
+  std::string layers;
+  for (int s : plan.stage_indices) {
+    const auto [begin, end] = ranges[static_cast<size_t>(s)];
+    fsdp::nn::llama::LlamaStage stage(*model, begin, end, s == 0, s == num_stages - 1);
+    if (dims.tp > 1) {
+      fsdp::parallelize_module(stage, plan.tp_mesh, stage_tp_plan(model->args(), dims.tp, plan.loss_parallel, *stage));
+      stage->sequence_shards = dims.tp;  // the plan is sequence parallel: hidden states travel split on the sequence
+    }
+    fsdp::FullyShardOptions opts = base;
+    // Under PP TorchTitan keeps parameters across microbatches (default -> false); "always" reshards anyway.
+    opts.reshard_after_forward = policy == "always";
+    for (auto& block : stage->blocks()) plan.fsdp_modules.push_back(fsdp::fully_shard(block, opts));
+    plan.fsdp_modules.push_back(fsdp::fully_shard(stage, opts));
+    layers += (layers.empty() ? "" : ", ") + std::string("stage ") + std::to_string(s) + " = layers " +
+              std::to_string(begin) + ".." + std::to_string(end - 1) + (s == 0 ? " + tok_embeddings" : "") +
+              (s == num_stages - 1 ? " + norm, output" : "");
+    plan.stages.push_back(stage);
+  }
+  plan.holds_first_stage = plan.stage_indices.front() == 0;
+  plan.holds_last_stage = plan.stage_indices.back() == num_stages - 1;
+  for (auto& m : plan.fsdp_modules) m.set_gradient_divide_factor(1.0);
+  plan.fsdp = true;
+  plan.description = "PP " + std::to_string(dims.pp) + " (" + fsdp::pipeline::schedule_name(kind) + ", " +
+                     std::to_string(num_stages) + " stages, " + std::to_string(dims.pp_microbatches) +
+                     " microbatches; this rank: " + layers + ") + " + (dims.tp > 1 ? "TP " + std::to_string(dims.tp) +
+                     " (sequence parallel) + " : std::string()) + (dims.dp_replicate > 1 ? "HSDP" : "FSDP") +
+                     " mesh " + plan.mesh.to_string() + ", reshard_after_forward " +
+                     (policy == "always" ? "always" : "false (PP)");
+  return plan;
+}
+
+}  // namespace
+
 ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobConfig& config, const ParallelDims& dims,
                                const fsdp::ProcessGroupPtr& group) {
+  if (dims.pp > 1) return parallelize_llama_pipeline(model, config, dims, group);
   ParallelPlan plan;
   plan.dp_group = group;
   const std::string device = mesh_device(config).is_cuda() ? "cuda" : "cpu";  // init_device_mesh takes the type
@@ -117,13 +239,7 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
     plan.mesh = fsdp::init_device_mesh(device, {dims.dp_shard}, {"dp_shard"});
     dp_mesh = plan.mesh;
   }
-  fsdp::FullyShardOptions base;
-  base.mesh = dp_mesh;
-  if (config.training.mixed_precision_param != "float32" || config.training.mixed_precision_reduce != "float32") {
-    base.mp_policy.param_dtype = dtype_of(config.training.mixed_precision_param);
-    base.mp_policy.reduce_dtype = dtype_of(config.training.mixed_precision_reduce);
-  }
-  base.offload_policy.cpu_offload = config.training.enable_cpu_offload;
+  const fsdp::FullyShardOptions base = fsdp_base_options(config, dp_mesh);
   const std::string& policy = config.parallelism.fsdp_reshard_after_forward;
   auto& blocks = model->blocks();
   for (size_t i = 0; i < blocks.size(); ++i) {

@@ -23,6 +23,7 @@
 #include <fsdp/device_mesh.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/models/llama.h>
+#include <fsdp/models/llama_pipeline.h>
 #include <fsdp/process_group.h>
 
 #include <c10/core/Device.h>
@@ -41,6 +42,13 @@ struct ParallelPlan {
   std::string activation_checkpointing;  // what [activation_checkpoint] applied (before fully_shard)
   fsdp::DeviceMesh tp_mesh;              // valid when tensor parallel
   bool loss_parallel = false;            // logits are vocabulary-sharded over tp_mesh
+  // Pipeline parallelism (pipeline_parallel_degree > 1): the stages this rank holds (sharing the whole model's
+  // modules, so FQNs are the whole model's), and the pipeline group (mesh dim "pp").
+  std::vector<fsdp::nn::llama::LlamaStage> stages;
+  std::vector<int> stage_indices;
+  int num_stages = 1;
+  fsdp::ProcessGroupPtr pp_group;
+  bool holds_first_stage = true, holds_last_stage = true;
 };
 
 // The device of the mesh (training.device); a ConfigError when it is not available in this process.
@@ -52,6 +60,10 @@ bool plan_uses_fully_shard(const ParallelDims& dims, bool has_group);
 bool plan_needs_full_init(const ParallelDims& dims, bool has_group);
 
 // `group` is the world group when distributed, or null for a single process (no collectives at all).
+// With pipeline_parallel_degree > 1: mesh [pp, dp_replicate, dp_shard, tp] (dims of size 1 left out but pp), the
+// model split into stages as TorchTitan splits it (fsdp/models/llama_pipeline.h), this rank's stages each given
+// TP, then fully_shard per block and on the stage (reshard_after_forward false unless "always": TorchTitan's
+// default under PP, one all-gather per step).
 ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobConfig& config, const ParallelDims& dims,
                                const fsdp::ProcessGroupPtr& group);
 

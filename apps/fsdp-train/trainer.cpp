@@ -16,6 +16,7 @@
 #include <fsdp/tensor_parallel.h>
 #include <fsdp/models/llama.h>
 #include <fsdp/nn/module_call.h>
+#include <fsdp/pipeline.h>
 #include <fsdp/launch_check.h>
 
 #include <torch/torch.h>
@@ -31,6 +32,7 @@
 #include <iostream>
 #include <sstream>
 #include <thread>
+#include <unordered_set>
 
 namespace fsdp_train {
 namespace {
@@ -127,8 +129,9 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
   fsdp::nn::llama::LlamaArgs args = fsdp::nn::llama::llama3_flavor(config.model.flavor);
   args.vocab_size = tokenizer->vocab_size();  // TorchTitan: the model's vocab follows the tokenizer
   args.max_seq_len = config.training.seq_len;
-  // TP innermost: the tp ranks r*tp .. r*tp+tp-1 form data-parallel rank r and read the same samples.
-  const int64_t dp_rank = env.rank / dims.tp;
+  // Mesh [pp, dp_replicate, dp_shard, tp]: the tp ranks of a data-parallel rank, and its pp ranks, read the
+  // same samples (the first stage needs the tokens, the last the labels).
+  const int64_t dp_rank = dims.dp_rank_of(env.rank);
   const TextOptions text_options{config.training.dataset_text_field, config.training.bad_records == "skip", main_rank};
   DataLoader loader(files, tokenizer, args.vocab_size,
                     {config.training.seq_len, dims.local_batch_size, dims.grad_accum_steps, dp_rank, dims.dp_degree()},
@@ -159,14 +162,62 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
         logits.to(torch::kFloat), labels,
         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(-100));
   };
-  if (meta_init) {
+  if (meta_init && plan.stages.empty()) {
     fsdp::materialize_module(*model);
     model->init_weights(seed, fsdp::full_params_init_scope(*model));
+  } else if (meta_init) {
+    // Pipeline stages: only this rank's stages get storage. The whole model's init runs in full order (one
+    // generator, the same numbers as an unsharded init); the parts of other ranks' stages stay on `meta`, where
+    // the copies are no-ops.
+    std::vector<std::function<void(torch::nn::Module&, const std::function<void()>&)>> scopes;
+    std::vector<std::unordered_set<const torch::nn::Module*>> held;
+    for (auto& stage : plan.stages) {
+      fsdp::materialize_module(*stage);
+      scopes.push_back(fsdp::full_params_init_scope(*stage));
+      held.emplace_back();
+      for (const auto& m : stage->modules(/*include_self=*/true)) held.back().insert(m.get());
+    }
+    model->init_weights(seed, [&](torch::nn::Module& part, const std::function<void()>& fn) {
+      for (size_t i = 0; i < held.size(); ++i) {
+        if (held[i].count(&part)) return scopes[i](part, fn);
+      }
+      fn();
+    });
+  }
+  // Pipeline parallelism: the schedule runs the stages; each microbatch's loss is its summed token loss over the
+  // step's global token count (set before each step), so the microbatches and ranks add up to the batch's mean.
+  double pipeline_global_tokens = 1;
+  std::unique_ptr<fsdp::Pipeline> pipeline;
+  if (!plan.stages.empty()) {
+    std::vector<fsdp::PipelineStage> stages;
+    for (size_t i = 0; i < plan.stages.size(); ++i) {
+      auto stage = plan.stages[i];
+      stages.push_back({plan.stage_indices[i], stage.ptr(),
+                        [stage](const torch::Tensor& x) { return fsdp::nn::call(stage, x); }});
+    }
+    fsdp::PipelineOptions popts;
+    popts.schedule = config.parallelism.pipeline_parallel_schedule;
+    popts.microbatches = static_cast<int>(dims.pp_microbatches);
+    popts.num_stages = plan.num_stages;
+    pipeline = std::make_unique<fsdp::Pipeline>(
+        std::move(stages), plan.pp_group,
+        [&loss_sum_of, &pipeline_global_tokens](const torch::Tensor& logits, const torch::Tensor& labels) {
+          return loss_sum_of(logits.reshape({-1, logits.size(-1)}), labels.reshape({-1})) / pipeline_global_tokens;
+        },
+        popts);
   }
   if (env.group) env.group->set_timeout(std::chrono::seconds(config.comm.init_timeout_seconds));
 
   // ---- optimizer and schedule ----
-  std::vector<torch::Tensor> params = model->parameters();
+  // Under PP only this rank's stages' parameters (the others' stay on `meta`, or are not trained here).
+  std::vector<torch::Tensor> params;
+  if (plan.stages.empty()) {
+    params = model->parameters();
+  } else {
+    for (auto& stage : plan.stages) {
+      for (auto& p : stage->parameters()) params.push_back(p);
+    }
+  }
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   if (config.optimizer.name == "AdamW") {
     optimizer = std::make_unique<torch::optim::AdamW>(
@@ -217,7 +268,9 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
               << args.vocab_size << ", " << n_params << " parameters\n"
               << "  tokenizer " << tokenizer->describe() << "\n"
               << "  data      " << config.training.dataset << ": " << files.size() << " files\n"
-              << "  ranks     " << env.world_size << " (dp replicate " << dims.dp_replicate << " x shard " << dims.dp_shard
+              << "  ranks     " << env.world_size << " ("
+              << (dims.pp > 1 ? "pp " + std::to_string(dims.pp) + " x " : std::string()) << "dp replicate "
+              << dims.dp_replicate << " x shard " << dims.dp_shard
               << (dims.tp > 1 ? " x tp " + std::to_string(dims.tp) : std::string()) << "); " << summary.plan << "\n"
               << "  batch     global " << dims.global_batch_size << " x " << config.training.seq_len << " tokens = local "
               << dims.local_batch_size << " x " << dims.grad_accum_steps << " accumulation x " << dims.dp_degree()
@@ -244,7 +297,8 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
   const int64_t S = config.training.seq_len;
   // Tokens per rank (TorchTitan's tps): the tp ranks of a data-parallel rank share its tokens (each does 1/tp of
   // their FLOPs), so tokens/s per rank x world size = global tokens/s and MFU stays comparable across layouts.
-  const int64_t tokens_per_step_local = dims.local_batch_size * dims.grad_accum_steps * S / dims.tp;
+  // Under PP each pp rank runs 1/pp of the layers of its data-parallel rank's tokens: count them so as well.
+  const int64_t tokens_per_step_local = dims.local_batch_size * dims.grad_accum_steps * S / dims.tp / dims.pp;
   const auto t_start = Clock::now();
   auto t_window = t_start;
   int64_t window_tokens = 0, window_steps = 0;
@@ -266,8 +320,8 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
       for (int64_t l : batches.back().labels) local_tokens += l != -100;
     }
     window_data_s += seconds_since(t_data);
-    // The TP ranks of a data-parallel rank hold the same tokens: count them once.
-    const double global_tokens = all_reduce(env.group, {static_cast<double>(local_tokens)})[0] / dims.tp;
+    // The TP and PP ranks of a data-parallel rank hold the same tokens: count them once.
+    const double global_tokens = all_reduce(env.group, {static_cast<double>(local_tokens)})[0] / dims.tp / dims.pp;
 
     TrainSummary::TensorMemory tmem;
     if (track_tensors) {
@@ -276,6 +330,16 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
     }
     double local_loss_sum = 0;
     for (auto& b : batches) {
+      if (pipeline) {
+        // The first stage takes the tokens, the last the labels; each rank runs its part of the schedule.
+        pipeline_global_tokens = global_tokens;
+        auto inputs = torch::from_blob(b.inputs.data(), {b.batch, b.seq_len}, torch::kLong);
+        auto labels = torch::from_blob(b.labels.data(), {b.batch, b.seq_len}, torch::kLong);
+        const auto result = pipeline->step(plan.holds_first_stage ? inputs : torch::Tensor(),
+                                           plan.holds_last_stage ? labels : torch::Tensor());
+        local_loss_sum += result.loss_sum() * global_tokens;  // 0 off the last stage
+        continue;
+      }
       auto inputs = torch::from_blob(b.inputs.data(), {b.batch, b.seq_len}, torch::kLong);
       auto labels = torch::from_blob(b.labels.data(), {b.batch * b.seq_len}, torch::kLong);
       auto logits = fsdp::nn::call(model, inputs);
@@ -286,7 +350,12 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
       local_loss_sum += loss_sum.item<double>();
     }
     double grad_norm;
-    if (plan.fsdp) {
+    if (pipeline) {
+      // Over every stage of every pp rank (TorchTitan's clip_grad_norm_ with pp_mesh).
+      std::vector<std::shared_ptr<torch::nn::Module>> parts;
+      for (auto& stage : plan.stages) parts.push_back(stage.ptr());
+      grad_norm = fsdp::clip_grad_norm_(parts, config.training.max_norm, 2.0, plan.pp_group).item<double>();
+    } else if (plan.fsdp) {
       grad_norm = fsdp::clip_grad_norm_(*model, config.training.max_norm).item<double>();
     } else {
       grad_norm = torch::nn::utils::clip_grad_norm_(params, config.training.max_norm);
