@@ -681,9 +681,6 @@ void validate(const JobConfig& c) {
   check(c.parallelism.pipeline_parallel_degree == 1 || c.checkpoint.initial_load_path.empty(),
         "checkpoint.initial_load_path with parallelism.pipeline_parallel_degree > 1: loading into pipeline stages is "
         "not supported yet (docs/pipeline.md)");
-  check(c.parallelism.pipeline_parallel_degree == 1 || !c.validation.enable,
-        "validation.enable with parallelism.pipeline_parallel_degree > 1: validation under pipeline parallelism is "
-        "not supported yet (docs/pipeline.md)");
   check(c.parallelism.tensor_parallel_degree >= 1,
         "parallelism.tensor_parallel_degree: expected >= 1, got " + std::to_string(c.parallelism.tensor_parallel_degree));
   check(c.training.seq_len % c.parallelism.tensor_parallel_degree == 0,
@@ -752,6 +749,11 @@ ParallelDims resolve_parallelism(const JobConfig& c, int64_t world_size) {
                                                 std::to_string(d.local_batch_size) + ")");
       d.pp_microbatches = d.local_batch_size / size;
     }
+    // Validation runs the same schedule forward-only: its batch splits into the same number of microbatches.
+    check(!c.validation.enable || c.validation.local_batch_size % d.pp_microbatches == 0,
+          "validation.local_batch_size (" + std::to_string(c.validation.local_batch_size) +
+              ") must be a multiple of the pipeline's microbatches per step (" + std::to_string(d.pp_microbatches) +
+              ") under parallelism.pipeline_parallel_degree > 1");
   }
   return d;
 }

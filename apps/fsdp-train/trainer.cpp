@@ -155,7 +155,7 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
   ParallelPlan plan = parallelize_llama(model, config, dims, env.group);
   // The summed token loss of flattened logits (training and validation alike): with loss parallel the logits are
   // sharded over the vocabulary and the cross entropy reduces over the TP group.
-  const Validator::LossSum loss_sum_of = [&plan](const torch::Tensor& logits, const torch::Tensor& labels) {
+  const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss_sum_of = [&plan](const torch::Tensor& logits, const torch::Tensor& labels) {
     if (plan.loss_parallel)
       return fsdp::loss_parallel_cross_entropy(logits, labels, plan.tp_mesh, -100, fsdp::LossReduction::Sum);
     return torch::nn::functional::cross_entropy(
@@ -403,7 +403,22 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
       m.tensor_peak_bytes = tmem.peak;
     }
     if (validator && validator->should_validate(step)) {
-      const ValidationResult v = validator->validate(*model, env.group, loss_sum_of, dims.tp);
+      Validator::BatchLoss batch_loss;
+      if (pipeline) {
+        // The forward-only schedule: the last stage's ranks get each microbatch's loss (here: the summed token
+        // loss, pipeline_global_tokens = 1).
+        batch_loss = [&](const torch::Tensor& x, const torch::Tensor& y) {
+          pipeline_global_tokens = 1;
+          return pipeline->eval(plan.holds_first_stage ? x : torch::Tensor(), plan.holds_last_stage ? y : torch::Tensor())
+              .loss_sum();
+        };
+      } else {
+        batch_loss = [&](const torch::Tensor& x, const torch::Tensor& y) {
+          auto logits = fsdp::nn::call(model, x);
+          return loss_sum_of(logits.reshape({-1, logits.size(-1)}), y.reshape({-1})).item<double>();
+        };
+      }
+      const ValidationResult v = validator->validate(batch_loss, env.group, dims.tp, dims.tp * dims.pp);
       summary.validation_steps.push_back(step);
       summary.validation_losses.push_back(v.loss);
       jsonl.write_validation(step, v.loss, v.perplexity, v.tokens, v.seconds);

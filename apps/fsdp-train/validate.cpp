@@ -32,8 +32,8 @@ int64_t Validator::batches_per_run() const {
   return (num_samples_ + per_batch - 1) / per_batch;
 }
 
-ValidationResult Validator::validate(fsdp::nn::llama::TransformerImpl& model, const fsdp::ProcessGroupPtr& group,
-                                     const LossSum& loss_sum_of, int64_t tp_degree) const {
+ValidationResult Validator::validate(const BatchLoss& batch_loss, const fsdp::ProcessGroupPtr& group,
+                                     int64_t loss_copies, int64_t token_copies) const {
   const auto t0 = std::chrono::steady_clock::now();
   torch::NoGradGuard no_grad;
   const int64_t L = config_.local_batch_size, S = config_.seq_len, batches = batches_per_run();
@@ -55,17 +55,16 @@ ValidationResult Validator::validate(fsdp::nn::llama::TransformerImpl& model, co
       std::copy(src + 1, src + S + 1, lab);
     }
     auto x = torch::from_blob(inputs.data(), {L, S}, torch::kLong);
-    auto y = torch::from_blob(labels.data(), {L * S}, torch::kLong);
-    auto logits = fsdp::nn::call(model, x);
-    loss_sum += loss_sum_of(logits.reshape({-1, logits.size(-1)}), y).item<double>();
+    auto y = torch::from_blob(labels.data(), {L, S}, torch::kLong);
+    loss_sum += batch_loss(x, y);
     valid += static_cast<double>(y.ne(-100).sum().item<int64_t>());
   }
   double totals[2] = {loss_sum, valid};
   if (group) {
     auto t = torch::tensor({loss_sum, valid}, torch::kDouble);
     group->all_reduce(t, fsdp::ReduceOp::Sum).wait();
-    totals[0] = t[0].item<double>() / static_cast<double>(tp_degree);
-    totals[1] = t[1].item<double>() / static_cast<double>(tp_degree);
+    totals[0] = t[0].item<double>() / static_cast<double>(loss_copies);
+    totals[1] = t[1].item<double>() / static_cast<double>(token_copies);
   }
   ValidationResult r;
   r.tokens = static_cast<int64_t>(totals[1]);

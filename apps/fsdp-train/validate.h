@@ -26,9 +26,6 @@
 namespace at {
 class Tensor;
 }
-namespace fsdp::nn::llama {
-class TransformerImpl;
-}
 
 namespace fsdp_train {
 
@@ -47,14 +44,16 @@ class Validator {
             int64_t dp_rank, int64_t dp_degree, const TextOptions& text = {});
   int64_t bad_records() const { return bad_records_; }
   bool should_validate(int64_t step) const { return step == 1 || step % config_.freq == 0; }
-  // Summed token loss of flattened logits [N, V] against labels [N] (ignore index -100): the training loop's own
-  // loss, so tensor parallel's vocabulary-sharded logits get the loss-parallel cross entropy here too.
-  using LossSum = std::function<at::Tensor(const at::Tensor& logits, const at::Tensor& labels)>;
-  // Collective over `group` (null: one process). `model` is the root module the training loop calls.
-  // `tp_degree`: the tensor-parallel ranks of one data-parallel rank hold the same samples and the same summed
-  // loss, so the group totals count each of them tp_degree times.
-  ValidationResult validate(fsdp::nn::llama::TransformerImpl& model, const fsdp::ProcessGroupPtr& group,
-                            const LossSum& loss_sum, int64_t tp_degree = 1) const;
+  // One held-out batch through the model: inputs [L, S] and labels [L, S] (-100 = not counted) -> this rank's
+  // summed token loss, 0 on a rank that computes none (a pipeline stage other than the last). The trainer runs
+  // its own model here (fsdp::nn::call, or the pipeline's forward-only schedule), with its own loss, so tensor
+  // parallel's vocabulary-sharded logits get the loss-parallel cross entropy too.
+  using BatchLoss = std::function<double(const at::Tensor& inputs, const at::Tensor& labels)>;
+  // Collective over `group` (null: one process). Copies: how many ranks of the group hold each data-parallel
+  // rank's summed loss (its tp ranks: tp) and its tokens (its tp and pp ranks: tp x pp); the totals count each
+  // once.
+  ValidationResult validate(const BatchLoss& batch_loss, const fsdp::ProcessGroupPtr& group, int64_t loss_copies = 1,
+                            int64_t token_copies = 1) const;
   int64_t num_samples() const { return num_samples_; }
   int64_t batches_per_run() const;
   const std::vector<std::string>& files() const { return files_; }

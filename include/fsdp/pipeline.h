@@ -76,7 +76,9 @@ class Pipeline {
   // parameters (and reduced once by fully_shard). `inputs` is used on the rank of the first stage, `targets`
   // on the rank of the last (pass undefined tensors elsewhere). Every rank of the group calls it.
   PipelineStepResult step(const at::Tensor& inputs, const at::Tensor& targets);
-  // Forward only (validation): the microbatches' losses on the last stage's rank, no gradients.
+  // Forward only (validation): the microbatches' losses on the last stage's rank, no gradients. Its batch may
+  // have another shape than training's (shapes are agreed anew for each call); it must split into the same
+  // number of microbatches.
   PipelineStepResult eval(const at::Tensor& inputs, const at::Tensor& targets);
 
   const pipeline::PipelineSchedule& schedule() const;

@@ -368,6 +368,16 @@ struct Pipeline::Impl {
     if (stages.count(0)) input_mbs = split_batch(inputs, "inputs");
     if (stages.count(schedule.num_stages - 1)) target_mbs = split_batch(targets, "targets");
     losses.assign(m, at::Tensor());
+    // Evaluation agrees its own shapes (its batch may differ from training's): it sends the shape headers every
+    // time and leaves the training shapes as they were.
+    std::map<int, std::pair<std::vector<std::optional<Shape>>, std::vector<std::optional<Shape>>>> training_shapes;
+    if (!train) {
+      for (auto& [index, s] : stages) {
+        training_shapes[index] = {std::move(s.in_shapes), std::move(s.out_shapes)};
+        s.in_shapes.clear();
+        s.out_shapes.clear();
+      }
+    }
     for (auto& [index, s] : stages) s.reset_microbatches(m);
     timeline.clear();
     pending_sends.clear();
@@ -391,6 +401,12 @@ struct Pipeline::Impl {
     }
     for (auto& w : pending_sends) w.wait();
     pending_sends.clear();
+    if (!train) {
+      for (auto& [index, s] : stages) {
+        s.in_shapes = std::move(training_shapes[index].first);
+        s.out_shapes = std::move(training_shapes[index].second);
+      }
+    }
     if (train) {
       for (auto& [index, s] : stages) {
         TORCH_CHECK(s.backwards_done == m, "fsdp pipeline: stage ", index, " ran ", s.backwards_done,

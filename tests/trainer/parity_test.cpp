@@ -88,13 +88,22 @@ void expect_pipeline_parity(int64_t pp, int64_t shard, int64_t tp, const std::ve
   if (pp * shard * tp != world->size()) GTEST_SKIP() << "needs pp x shard x tp = world size " << world->size();
   TrainEnv single;
   single.verbose = false;
-  const TrainSummary ref = run_training(base("pp_ref", 1, -1), single, false);
+  // Validation at steps 1, 4 and 8 over 16 held-out samples (4 batches of 4 on 1 rank): under PP the
+  // forward-only schedule, its batch split into the same 4 microbatches.
+  JobConfig ref_config = base("pp_ref", 1, -1, 1, true, /*validate=*/true);
+  ref_config.validation.steps = 4;
+  ref_config.validation.local_batch_size = 4;
+  const TrainSummary ref = run_training(ref_config, single, false);
+  ASSERT_EQ(ref.validation_steps, (std::vector<int64_t>{1, 4, 8}));
+  EXPECT_LT(ref.validation_losses.back(), ref.validation_losses.front());
   for (const auto& schedule : schedules) {
     SCOPED_TRACE(schedule + " pp " + std::to_string(pp) + " x dp_shard " + std::to_string(shard) + " x tp " +
                  std::to_string(tp));
     const std::string name = "pp" + std::to_string(pp) + "_" + std::to_string(shard) + "_" + std::to_string(tp) + "_" +
                              schedule;
-    JobConfig config = base(name, 1, shard, tp);
+    JobConfig config = base(name, 1, shard, tp, true, /*validate=*/true);
+    config.validation.local_batch_size = 4;
+    config.validation.steps = 4 / shard;  // the same 16 held-out samples over the data-parallel ranks
     config.training.local_batch_size = 4;
     config.parallelism.pipeline_parallel_degree = pp;
     config.parallelism.pipeline_parallel_schedule = schedule;
@@ -107,6 +116,11 @@ void expect_pipeline_parity(int64_t pp, int64_t shard, int64_t tp, const std::ve
       EXPECT_NEAR(got.grad_norms[i], ref.grad_norms[i], 1e-5 * ref.grad_norms[i]) << "step " << i + 1;
     }
     EXPECT_LT(got.losses.back(), got.losses.front());
+    ASSERT_EQ(got.validation_steps, ref.validation_steps);
+    for (size_t i = 0; i < ref.validation_losses.size(); ++i) {
+      EXPECT_NEAR(got.validation_losses[i], ref.validation_losses[i], 1e-5 * ref.validation_losses[i])
+          << "validation " << i;
+    }
   }
 }
 }  // namespace
