@@ -14,7 +14,10 @@
 // Rank 0 prints one line `PPBENCH {json}`: per-step losses (sum of microbatch losses, averaged over dp, handed
 // from the last stage to every pp rank), per-step times (max over ranks of zero_grad + Pipeline::step +
 // optimizer step, after a barrier), their median after the warm-up; and the bubble: per rank, the idle time of
-// the last step (its span from first to last action minus the time in F/B/I/W, from last_step_timeline()) next to
+// the last step (its span from first to last action of last_step_timeline() minus its compute in F/B/I/W; the
+// runtime's F/B/I spans include waiting for a received input or gradient and for the all-gather, which are
+// excluded here by noting when the stage forward is really called and when the backward reaches the stage
+// output, so those waits count as idle) next to
 // the simulator's idle for the same pp rank (fsdp::pipeline::simulate on this schedule with the mean measured
 // F, B, I, W, UNSHARD, RESHARD and REDUCE_GRAD durations over all ranks and timed steps; P2P latency 0).
 #include "../vs_pytorch/bench_util.h"

@@ -196,17 +196,21 @@ def render(rows, o, details, with_ours):
          f"alternating), OMP_NUM_THREADS={o.threads} on every rank of both sides", ""]
     if with_ours:
         L += ["| layout | schedule | loss max rel diff | step ours / torch (median) | ratio | torch vs 1 process | "
-              "ours: idle per rank, measured / simulated (last step) | bubble measured / simulated |",
-              "|---|---|---|---|---|---|---|---|"]
+              "ours: idle per rank, measured / simulated (last step) | bubble measured / simulated | ours: mean F/B/I/W |",
+              "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             idle = ", ".join(f"r{k}: {m:.1f}/{r['sim_idle_ms'][r['pp_rank_of_rank'][k]]:.1f}"
                              for k, m in enumerate(r["measured_idle_ms"]))
             L.append(f"| pp{r['pp']} x dp{r['dp']} | {r['schedule']} | {r['max_rel_diff']:.2e} | "
                      f"{r['ours_ms']:.1f} / {r['torch_ms']:.1f} ms | {r['ratio']:.2f} | "
                      f"{r['torch_ref_diff']:.1e} | {idle} ms | "
-                     f"{r['measured_bubble_fraction']:.3f} / {r['sim_bubble_fraction']:.3f} |")
+                     f"{r['measured_bubble_fraction']:.3f} / {r['sim_bubble_fraction']:.3f} | "
+                     f"{'/'.join('%.2f' % r['costs_ms'][k] for k in 'FBIW')} ms |")
         L += ["", "Idle = the rank's last-step span (first action start to last action end, from "
-              "Pipeline::last_step_timeline) minus its time in F/B/I/W; simulated = fsdp::pipeline::simulate on the "
+              "Pipeline::last_step_timeline) minus its compute in F/B/I/W. The runtime's F/B/I spans include the "
+              "waits for a received activation or gradient and for the all-gather; fsdp-bench-pp excludes them by "
+              "noting when the stage's forward is really called and when the backward reaches the stage output (a "
+              "tensor hook), so those waits count as idle. Simulated = fsdp::pipeline::simulate on the "
               "same schedule with our mean measured F/B/I/W/UNSHARD/RESHARD/REDUCE_GRAD durations (all ranks, timed "
               "steps) and zero P2P latency, for the rank's pp rank. Bubble = sum of idle / (ranks x longest span) "
               "(simulated: / (pp x makespan)). 'torch vs 1 process' = max relative loss difference of the torch side "
