@@ -167,9 +167,9 @@ class DistributedCheckpointer final : public Checkpointer {
     for (const auto& k : res.missing) missing.push_back(k);
     TORCH_CHECK(missing.empty(), "checkpoint: ", dir, " lacks ", missing.size(), " entries of this job, e.g. '",
                 missing.front(), "' (a different model or optimizer?)");
-    ckpt::load_model_state_dict(*s.model, sd);
+    ckpt::load_model_state_dict(s.parts, sd);
     if (!model_only) {
-      ckpt::load_optimizer_state_dict(*s.model, *s.optimizer, sd);
+      ckpt::load_optimizer_state_dict(s.parts, *s.optimizer, sd);
       restore_train_state(s, sd, exclude, dir);
     }
     const double dt = since(t0);
@@ -301,9 +301,9 @@ class DistributedCheckpointer final : public Checkpointer {
   }
 
   ckpt::StateDict state_dict(TrainState& s, bool model_only, bool for_save) {
-    ckpt::StateDict sd = ckpt::model_state_dict(*s.model);
+    ckpt::StateDict sd = ckpt::model_state_dict(s.parts);
     if (model_only) return sd;
-    sd.merge(ckpt::optimizer_state_dict(*s.model, *s.optimizer));
+    sd.merge(ckpt::optimizer_state_dict(s.parts, *s.optimizer));
     if (for_save) {
       // TorchTitan's LambdaLR adds initial_lr to every param group; its dcp.load needs the key (we ignore it).
       std::vector<std::string> lr_keys;

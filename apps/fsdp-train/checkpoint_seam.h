@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace torch::nn {
 class Module;
@@ -29,7 +30,9 @@ struct JobConfig;
 // What a checkpoint holds, by reference into the running job.
 struct TrainState {
   int64_t step = 0;  // optimizer steps completed
-  torch::nn::Module* model = nullptr;
+  torch::nn::Module* model = nullptr;  // the whole model (under PP: with other ranks' stages on `meta`)
+  // What this rank trains and checkpoints: {model}, or under PP its stages (they keep the whole model's FQNs).
+  std::vector<torch::nn::Module*> parts;
   torch::optim::Optimizer* optimizer = nullptr;
   DataLoader* data = nullptr;
   int64_t ntokens_seen = 0;  // global tokens consumed

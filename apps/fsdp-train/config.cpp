@@ -675,12 +675,10 @@ void validate(const JobConfig& c) {
           "InterleavedZeroBubble, ZBVZeroBubble (case-insensitive), got '" + c.parallelism.pipeline_parallel_schedule +
           "'");
   }
-  check(c.parallelism.pipeline_parallel_degree == 1 || !c.checkpoint.enable,
-        "checkpoint.enable with parallelism.pipeline_parallel_degree > 1: checkpoints of pipeline stages are not "
-        "supported yet (docs/pipeline.md)");
-  check(c.parallelism.pipeline_parallel_degree == 1 || c.checkpoint.initial_load_path.empty(),
-        "checkpoint.initial_load_path with parallelism.pipeline_parallel_degree > 1: loading into pipeline stages is "
-        "not supported yet (docs/pipeline.md)");
+  check(c.parallelism.pipeline_parallel_degree == 1 || (!c.checkpoint.initial_load_in_hf && !c.checkpoint.last_save_in_hf),
+        "checkpoint.initial_load_in_hf / last_save_in_hf with parallelism.pipeline_parallel_degree > 1: the Hugging "
+        "Face adapter needs the whole model on every rank; not supported under pipeline parallelism yet (save in "
+        "libfsdp or dcp format and convert with fsdp-ckpt)");
   check(c.parallelism.tensor_parallel_degree >= 1,
         "parallelism.tensor_parallel_degree: expected >= 1, got " + std::to_string(c.parallelism.tensor_parallel_degree));
   check(c.training.seq_len % c.parallelism.tensor_parallel_degree == 0,

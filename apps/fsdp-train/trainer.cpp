@@ -289,7 +289,15 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
   }
 
   auto checkpointer = make_checkpointer(config, env.rank, env.group);
-  TrainState state{0, model.ptr().get(), optimizer.get(), &loader};
+  TrainState state;
+  state.model = model.ptr().get();
+  if (plan.stages.empty()) {
+    state.parts = {model.ptr().get()};
+  } else {
+    for (auto& stage : plan.stages) state.parts.push_back(stage.ptr().get());
+  }
+  state.optimizer = optimizer.get();
+  state.data = &loader;
   checkpointer->load(state);
   const int64_t first_step = state.step + 1;
 

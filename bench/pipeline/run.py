@@ -48,7 +48,9 @@ def run_side(cmd, env, log, timeout):
         r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            timeout=timeout)
         f.write(r.stdout)
-    recs = [json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("PPBENCH ")]
+    # fsdprun prefixes every line with "[rank N] "; torch.distributed.run does not.
+    recs = [json.loads(line.split("PPBENCH ", 1)[1]) for line in r.stdout.splitlines()
+            if line.startswith("PPBENCH ") or line.startswith("[rank 0] PPBENCH ")]
     if r.returncode != 0 or not recs:
         sys.stderr.write(r.stdout[-6000:])
         raise SystemExit(f"run.py: command failed ({r.returncode}, {len(recs)} result lines): {' '.join(cmd)} "

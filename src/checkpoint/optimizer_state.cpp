@@ -36,17 +36,19 @@ struct ParamIndex {
   std::unordered_map<const c10::TensorImpl*, Layout> by_impl;
 };
 
-ParamIndex index_params(torch::nn::Module& model) {
+ParamIndex index_params(const ModelParts& parts) {
   ParamIndex idx;
-  idx.model = model_state_dict(model);
-  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
-    const auto* impl = item.value().unsafeGetTensorImpl();
-    if (idx.by_impl.count(impl)) continue;  // tied: first FQN
-    Layout l;
-    l.fqn = item.key();
-    auto it = idx.model.tensors.find(item.key());
-    if (it != idx.model.tensors.end()) l.sharded = &it->second;
-    idx.by_impl.emplace(impl, l);
+  idx.model = model_state_dict(parts);
+  for (torch::nn::Module* model : parts) {
+    for (const auto& item : model->named_parameters(/*recurse=*/true)) {
+      const auto* impl = item.value().unsafeGetTensorImpl();
+      if (idx.by_impl.count(impl)) continue;  // tied: first FQN
+      Layout l;
+      l.fqn = item.key();
+      auto it = idx.model.tensors.find(item.key());
+      if (it != idx.model.tensors.end()) l.sharded = &it->second;
+      idx.by_impl.emplace(impl, l);
+    }
   }
   return idx;
 }
@@ -284,6 +286,21 @@ StateDict model_state_dict(torch::nn::Module& model) {
   return sd;
 }
 
+StateDict model_state_dict(const ModelParts& parts) {
+  TORCH_CHECK(!parts.empty(), "checkpoint::model_state_dict: no model parts");
+  if (parts.size() == 1) return model_state_dict(*parts.front());
+  StateDict sd;
+  for (torch::nn::Module* part : parts) {
+    TORCH_CHECK(part, "checkpoint::model_state_dict: a null model part");
+    sd.merge(model_state_dict(*part));  // an FQN in two parts is an error naming it
+  }
+  return sd;
+}
+
+void load_model_state_dict(const ModelParts& parts, const StateDict& state) {
+  for (torch::nn::Module* part : parts) load_model_state_dict(*part, state);
+}
+
 void load_model_state_dict(torch::nn::Module& model, const StateDict& state) {
   // Only the model's own keys: `state` may also hold optimizer and trainer entries.
   StateDict mine = model_state_dict(model);
@@ -306,7 +323,16 @@ void load_model_state_dict(torch::nn::Module& model, const StateDict& state) {
 }
 
 StateDict optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optim, const std::string& prefix) {
-  const ParamIndex idx = index_params(model);
+  return optimizer_state_dict(ModelParts{&model}, optim, prefix);
+}
+
+void load_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optim, const StateDict& state,
+                               const std::string& prefix) {
+  load_optimizer_state_dict(ModelParts{&model}, optim, state, prefix);
+}
+
+StateDict optimizer_state_dict(const ModelParts& parts, torch::optim::Optimizer& optim, const std::string& prefix) {
+  const ParamIndex idx = index_params(parts);
   StateDict sd;
   c10::NoGradGuard no_grad;
   switch (kind_of(optim)) {
@@ -323,9 +349,9 @@ StateDict optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer
   return sd;
 }
 
-void load_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optim, const StateDict& state,
+void load_optimizer_state_dict(const ModelParts& parts, torch::optim::Optimizer& optim, const StateDict& state,
                                const std::string& prefix) {
-  const ParamIndex idx = index_params(model);
+  const ParamIndex idx = index_params(parts);
   c10::NoGradGuard no_grad;
   switch (kind_of(optim)) {
     case Kind::AdamW:

@@ -12,6 +12,7 @@
 #include <fsdp/checkpoint/checkpoint.h>
 
 #include <string>
+#include <vector>
 
 namespace torch::nn {
 class Module;
@@ -36,6 +37,17 @@ StateDict optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer
 // Applies steps, hyperparameters (per parameter group) and any tensor that does not alias the optimizer's state.
 // Keys absent from `state` (non-strict or excluded loads) leave the optimizer's value as it is.
 void load_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optim, const StateDict& state,
+                               const std::string& prefix = "optimizer");
+
+// A model in parts that share one FQN space (pipeline stages: each part registers its modules under the whole
+// model's names, TorchTitan's ModelWrapper) and one optimizer over all of them. The state dict is the union of
+// the parts' (their keys must not overlap); what the functions above do, over every part.
+using ModelParts = std::vector<torch::nn::Module*>;
+StateDict model_state_dict(const ModelParts& parts);
+void load_model_state_dict(const ModelParts& parts, const StateDict& state);
+StateDict optimizer_state_dict(const ModelParts& parts, torch::optim::Optimizer& optim,
+                               const std::string& prefix = "optimizer");
+void load_optimizer_state_dict(const ModelParts& parts, torch::optim::Optimizer& optim, const StateDict& state,
                                const std::string& prefix = "optimizer");
 
 }  // namespace fsdp::checkpoint
