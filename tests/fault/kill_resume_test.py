@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Kill and resume: fsdp-train on 2 ranks (FSDP, fp32) under `fsdprun --max-restarts 1`, checkpoints every 2 of 8
+"""Kill and resume: fsdp-train on 2 ranks (FSDP, fp32; --nproc 4 --extra "--parallelism.pipeline_parallel_degree 2": pp 2 x
+dp 2) under `fsdprun --max-restarts 1`, checkpoints every 2 of 8
 steps. At 5 random points (a random step, a random rank) one rank is SIGKILLed; then once more while a checkpoint is
 being written (the moment its step-N.partial folder appears, seen through inotify). Each time:
   * the launcher brings the whole group down within 10 s of the kill and restarts it,
@@ -21,6 +22,10 @@ import fault_util as fu  # noqa: E402
 ap = fu.arg_parser(ckpt_tool=True)
 ap.add_argument("--trials", type=int, default=5)
 ap.add_argument("--seed", type=int, default=None)
+ap.add_argument("--nproc", type=int, default=2, help="ranks per job")
+ap.add_argument("--extra", default="", help="more fsdp-train arguments, space-separated (e.g. a pipeline layout)")
+ap.add_argument("--name", default="kill_resume_test", help="the test's name in its report")
+ap.add_argument("--expect-log", default="", help="a regex the reference run's output must match (the layout ran)")
 a = fu.parse_args(ap)
 seed = a.seed if a.seed is not None else random.randrange(1 << 30)
 rng = random.Random(seed)
@@ -31,12 +36,12 @@ TRAIN_ARGS = ["--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--train
               "--training.global_batch_size", "4", "--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", "2",
               "--metrics.peak_tflops", "1", "--metrics.log_freq", "1", "--training.mixed_precision_param", "float32",
               "--checkpoint.enable", "--checkpoint.interval", str(INTERVAL), "--checkpoint.keep_latest_k", "0",
-              "--comm.init_timeout_seconds", "60"]
+              "--comm.init_timeout_seconds", "60"] + a.extra.split()
 
 
 def launch(folder, name, restarts):
     os.makedirs(os.path.join(folder, "checkpoint"), exist_ok=True)
-    return fu.Job([a.fsdprun, "--nproc-per-node", "2", "--max-restarts", str(restarts), "--timeout", "300", a.train]
+    return fu.Job([a.fsdprun, "--nproc-per-node", str(a.nproc), "--max-restarts", str(restarts), "--timeout", "300", a.train]
                   + TRAIN_ARGS + ["--job.dump_folder", folder], name)
 
 
@@ -64,7 +69,9 @@ rc = ref.finish(300)
 fu.check(rc == 0, f"the uninterrupted reference run succeeds (exit {rc})")
 if rc != 0:
     print(ref.text()[-4000:])
-    fu.finish_test("kill_resume_test")
+    fu.finish_test(a.name)
+if a.expect_log:
+    fu.check(bool(ref.grep(a.expect_log)), f"the reference run's output shows /{a.expect_log}/ (the intended layout)")
 reference = final_weights(ref_dir)
 early = final_weights(ref_dir, INTERVAL)
 moved = sum(reference[k][2] != early[k][2] for k in reference)
@@ -78,7 +85,7 @@ def trial(name, kill_at_step=None, kill_in_save=None):
     os.makedirs(os.path.join(folder, "checkpoint"), exist_ok=True)
     watch = Inotify(os.path.join(folder, "checkpoint")) if kill_in_save else None
     job = launch(folder, name, 1)
-    victim = rng.randrange(2)
+    victim = rng.randrange(a.nproc)
     if kill_in_save:
         seen = watch.wait_created(f"step-{kill_in_save}.partial", 120)
         fu.check(seen, f"{name}: the step-{kill_in_save} save started")
@@ -139,4 +146,4 @@ for attempt in range(3):  # the kill must land inside a save at least once
     if landed_in_save:
         break
 fu.check(landed_in_save, "a kill landed inside a save (not complete at the kill) within 3 attempts")
-fu.finish_test("kill_resume_test")
+fu.finish_test(a.name)
