@@ -25,7 +25,8 @@
 namespace fsdp_train {
 namespace {
 
-using FieldPtr = std::variant<bool*, int64_t*, double*, std::string*, std::optional<double>*, std::vector<std::string>*>;
+using FieldPtr = std::variant<bool*, int64_t*, double*, std::string*, std::optional<double>*, std::vector<std::string>*,
+                              std::vector<std::vector<std::string>>*>;
 
 struct Field {
   const char* section;
@@ -109,6 +110,10 @@ std::vector<Field> fields(JobConfig& c) {
       {"parallelism", "pipeline_parallel_layers_per_stage", &c.parallelism.pipeline_parallel_layers_per_stage,
        "layers per stage (stages = ceil((layers + first + last less) / this), a multiple of the degree); 0 = the "
        "schedule's stages per rank"},
+      {"parallelism", "module_fqns_per_model_part", &c.parallelism.module_fqns_per_model_part,
+       "explicit stages: one list of module FQNs per stage, in order ([[\"tok_embeddings\", \"layers.0\"], "
+       "[\"layers.1\", \"norm\", \"output\"]]; on the command line groups split by ';', FQNs by ','); overrides "
+       "layers_per_stage"},
       {"parallelism", "pipeline_parallel_first_stage_less_layers",
        &c.parallelism.pipeline_parallel_first_stage_less_layers, "the embedding counts as this many layers"},
       {"parallelism", "pipeline_parallel_last_stage_less_layers", &c.parallelism.pipeline_parallel_last_stage_less_layers,
@@ -160,7 +165,8 @@ const char* type_name(const FieldPtr& p) {
     case 2: return "float";
     case 3: return "string";
     case 4: return "float (optional)";
-    default: return "array of strings";
+    case 5: return "array of strings";
+    default: return "array of arrays of strings";
   }
 }
 
@@ -199,9 +205,17 @@ std::string value_text(const FieldPtr& p) {
         else if constexpr (std::is_same_v<T, double>) return format_double(*v);
         else if constexpr (std::is_same_v<T, std::string>) return quote(*v);
         else if constexpr (std::is_same_v<T, std::optional<double>>) return v->has_value() ? format_double(**v) : "";
-        else {
+        else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
           std::string s = "[";
           for (size_t i = 0; i < v->size(); ++i) s += (i ? ", " : "") + quote((*v)[i]);
+          return s + "]";
+        } else {
+          std::string s = "[";
+          for (size_t i = 0; i < v->size(); ++i) {
+            s += i ? ", [" : "[";
+            for (size_t j = 0; j < (*v)[i].size(); ++j) s += (j ? ", " : "") + quote((*v)[i][j]);
+            s += "]";
+          }
           return s + "]";
         }
       },
@@ -277,12 +291,23 @@ void set_from_node(const Field& f, const toml::node& n) {
         } else if constexpr (std::is_same_v<T, std::string>) {
           if (!n.is_string()) fail();
           *v = n.as_string()->get();
-        } else {
+        } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
           if (!n.is_array()) fail();
           v->clear();
           for (const auto& e : *n.as_array()) {
             if (!e.is_string()) fail();
             v->push_back(e.as_string()->get());
+          }
+        } else {
+          if (!n.is_array()) fail();
+          v->clear();
+          for (const auto& row : *n.as_array()) {
+            if (!row.is_array()) fail();
+            v->emplace_back();
+            for (const auto& e : *row.as_array()) {
+              if (!e.is_string()) fail();
+              v->back().push_back(e.as_string()->get());
+            }
           }
         }
       },
@@ -320,12 +345,24 @@ void set_from_text(const Field& f, const std::string& text, const std::string& o
           *v = x;
         } else if constexpr (std::is_same_v<T, std::string>) {
           *v = text;
-        } else {
+        } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
           v->clear();
           std::stringstream ss(text);
           std::string item;
           while (std::getline(ss, item, ','))
             if (!item.empty()) v->push_back(item);
+        } else {
+          // On the command line: groups separated by ';', items by ',' ("tok_embeddings,layers.0;layers.1,norm").
+          v->clear();
+          std::stringstream groups(text);
+          std::string group;
+          while (std::getline(groups, group, ';')) {
+            v->emplace_back();
+            std::stringstream items(group);
+            std::string item;
+            while (std::getline(items, item, ','))
+              if (!item.empty()) v->back().push_back(item);
+          }
         }
       },
       f.ptr);

@@ -85,6 +85,8 @@ struct JobConfig {
     int64_t pipeline_parallel_layers_per_stage = 0;   // 0 = the schedule's stages per rank
     int64_t pipeline_parallel_first_stage_less_layers = 1;  // the embedding counts as this many layers
     int64_t pipeline_parallel_last_stage_less_layers = 1;   // norm + output count as this many layers
+    // Explicit stages: the module FQNs of each stage ("tok_embeddings", "layers.3", "norm", "output"), in order.
+    std::vector<std::vector<std::string>> module_fqns_per_model_part;
   } parallelism;
   struct Checkpoint {
     bool enable = false;

@@ -133,7 +133,14 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
   const auto kind = fsdp::pipeline::parse_schedule_name(p.pipeline_parallel_schedule);
   const int64_t n_layers = model->args().n_layers;
   int64_t num_stages = dims.pp * fsdp::pipeline::default_stages_per_rank(kind);
-  if (p.pipeline_parallel_layers_per_stage > 0) {
+  const bool explicit_fqns = !p.module_fqns_per_model_part.empty();
+  if (explicit_fqns) {
+    num_stages = static_cast<int64_t>(p.module_fqns_per_model_part.size());
+    if (num_stages % dims.pp != 0) {
+      throw ConfigError("config error: parallelism.module_fqns_per_model_part lists " + std::to_string(num_stages) +
+                        " stages, not a multiple of pipeline_parallel_degree = " + std::to_string(dims.pp));
+    }
+  } else if (p.pipeline_parallel_layers_per_stage > 0) {
     num_stages = fsdp::nn::llama::stages_for_layers_per_stage(n_layers, p.pipeline_parallel_layers_per_stage,
                                                               p.pipeline_parallel_first_stage_less_layers,
                                                               p.pipeline_parallel_last_stage_less_layers);
@@ -147,8 +154,10 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
   std::vector<std::pair<int64_t, int64_t>> ranges;
   fsdp::pipeline::PipelineSchedule schedule;
   try {
-    ranges = fsdp::nn::llama::split_layers(n_layers, num_stages, p.pipeline_parallel_first_stage_less_layers,
-                                           p.pipeline_parallel_last_stage_less_layers);
+    ranges = explicit_fqns ? fsdp::nn::llama::layers_from_fqns(model->args(), p.module_fqns_per_model_part)
+                           : fsdp::nn::llama::split_layers(n_layers, num_stages,
+                                                           p.pipeline_parallel_first_stage_less_layers,
+                                                           p.pipeline_parallel_last_stage_less_layers);
     schedule = fsdp::pipeline::build_schedule({kind, static_cast<int>(dims.pp), static_cast<int>(num_stages / dims.pp),
                                                static_cast<int>(dims.pp_microbatches)});
   } catch (const c10::Error& e) {

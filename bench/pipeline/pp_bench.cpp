@@ -270,7 +270,36 @@ int run(const Options& o) {
     const double n = cost_sums[1][k].item<double>();
     return n > 0 ? cost_sums[0][k].item<double>() / n : 0.0;
   };
+  // One-way transfer time of one microbatch's activation between two neighbouring pp ranks (half the median
+  // round trip of 21 ping-pongs between pp ranks 0 and 1, after training): the simulator's p2p_latency. Without
+  // it the simulator charges nothing for the transfers, which on Gloo's loopback TCP cost about as much as a
+  // small model's microbatch compute.
+  double p2p_latency = 0;
+  if (o.pp > 1) {
+    at::Tensor buf = at::zeros({local_batch / o.microbatches, o.dim});
+    constexpr int kPing = (1 << 27) + 1, kPong = (1 << 27) + 2;  // above the pipeline's tags
+    std::vector<double> rtts;
+    for (int i = 0; i < 21; ++i) {
+      if (pp_rank == 0) {
+        const auto t0 = std::chrono::steady_clock::now();
+        pp_group->send(buf, 1, kPing).wait();
+        pp_group->recv(buf, 1, kPong).wait();
+        rtts.push_back(seconds(std::chrono::steady_clock::now() - t0));
+      } else if (pp_rank == 1) {
+        pp_group->recv(buf, 0, kPing).wait();
+        pp_group->send(buf, 0, kPong).wait();
+      }
+    }
+    if (!rtts.empty()) {
+      std::sort(rtts.begin(), rtts.end());
+      p2p_latency = rtts[rtts.size() / 2] / 2;
+    }
+    auto l = at::tensor({p2p_latency}, at::kDouble);
+    world->all_reduce(l, fsdp::ReduceOp::Max).wait();
+    p2p_latency = l.item<double>();
+  }
   pl::SimCosts costs;
+  costs.p2p_latency = p2p_latency;
   costs.forward = mean(kF);
   costs.backward = mean(kB);
   costs.backward_input = mean(kI);
@@ -316,7 +345,8 @@ int run(const Options& o) {
       << bench::fmt(costs.forward) << ", \"B\": " << bench::fmt(costs.backward)
       << ", \"I\": " << bench::fmt(costs.backward_input) << ", \"W\": " << bench::fmt(costs.backward_weight)
       << ", \"UNSHARD\": " << bench::fmt(costs.unshard) << ", \"RESHARD\": " << bench::fmt(costs.reshard)
-      << ", \"REDUCE_GRAD\": " << bench::fmt(costs.reduce_grad) << "}}";
+      << ", \"REDUCE_GRAD\": " << bench::fmt(costs.reduce_grad) << ", \"P2P_LATENCY\": " << bench::fmt(costs.p2p_latency)
+      << "}}";
     std::cout << "PPBENCH " << j.str() << std::endl;
   }
   world->barrier().wait();

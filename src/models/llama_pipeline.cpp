@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 namespace fsdp::nn::llama {
 
 std::vector<std::pair<int64_t, int64_t>> split_layers(int64_t n_layers, int64_t num_stages, int64_t first_less,
@@ -39,6 +41,51 @@ int64_t stages_for_layers_per_stage(int64_t n_layers, int64_t layers_per_stage, 
   TORCH_CHECK(layers_per_stage >= 1, "pipeline_parallel_layers_per_stage must be >= 1, got ", layers_per_stage);
   const int64_t effective = n_layers + first_less + last_less;
   return (effective + layers_per_stage - 1) / layers_per_stage;
+}
+
+std::vector<std::pair<int64_t, int64_t>> layers_from_fqns(const LlamaArgs& args,
+                                                          const std::vector<std::vector<std::string>>& fqns_per_stage) {
+  TORCH_CHECK(!fqns_per_stage.empty(), "module_fqns_per_model_part: no stages given");
+  // The chain in order: tok_embeddings, layers.0 .. layers.<n-1>, norm, output (none with tied embeddings).
+  std::vector<std::string> chain{"tok_embeddings"};
+  for (int64_t i = 0; i < args.n_layers; ++i) chain.push_back("layers." + std::to_string(i));
+  chain.push_back("norm");
+  if (!args.tie_embeddings) chain.push_back("output");
+  size_t next = 0;  // position in the chain of the next expected module
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  const size_t last_stage = fqns_per_stage.size() - 1;
+  for (size_t s = 0; s < fqns_per_stage.size(); ++s) {
+    int64_t begin = -1, end = -1;
+    TORCH_CHECK(!fqns_per_stage[s].empty(), "module_fqns_per_model_part: stage ", s, " holds no module");
+    for (const std::string& fqn : fqns_per_stage[s]) {
+      TORCH_CHECK(next < chain.size() && fqn == chain[next], "module_fqns_per_model_part: stage ", s, " lists '", fqn,
+                  "', but the model's next module in order is ",
+                  next < chain.size() ? "'" + chain[next] + "'" : std::string("none (all were placed)"),
+                  "; stages must cover tok_embeddings, layers.0..", args.n_layers - 1,
+                  ", norm and output once each, in that order");
+      if (fqn.rfind("layers.", 0) == 0) {
+        const int64_t layer = static_cast<int64_t>(next) - 1;
+        if (begin < 0) begin = layer;
+        end = layer + 1;
+      }
+      ++next;
+    }
+    if (begin < 0) {  // no layer: an empty range at the position the chain reached
+      begin = end = std::clamp<int64_t>(static_cast<int64_t>(next) - 1, 0, args.n_layers);
+    }
+    ranges.emplace_back(begin, end);
+    if (s == 0) {
+      TORCH_CHECK(!fqns_per_stage[0].empty() && fqns_per_stage[0].front() == "tok_embeddings",
+                  "module_fqns_per_model_part: stage 0 must start with tok_embeddings (it takes the tokens)");
+    }
+    if (s < last_stage) {
+      TORCH_CHECK(next <= static_cast<size_t>(args.n_layers) + 1, "module_fqns_per_model_part: stage ", s,
+                  " holds norm or output, which belong to the last stage (", last_stage, ")");
+    }
+  }
+  TORCH_CHECK(next == chain.size(), "module_fqns_per_model_part: '", chain[std::min(next, chain.size() - 1)],
+              "' and the modules after it are in no stage");
+  return ranges;
 }
 
 LlamaStageImpl::LlamaStageImpl(TransformerImpl& whole, int64_t begin, int64_t end, bool first, bool last)

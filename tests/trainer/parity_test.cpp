@@ -137,6 +137,54 @@ TEST(TrainerParity, PipelineMatchesOneRankWithAccumulation) {
   }
 }
 
+// module_fqns_per_model_part: explicit stages (one module each but the last) give the same curve; bad lists,
+// too few microbatches and a degree that does not divide the world are refused with the reason.
+TEST(TrainerParity, PipelineExplicitStagesAndBadConfigurations) {
+  auto world = fsdp::world();
+  if (world->size() != 2) GTEST_SKIP() << "pp 2 on 2 ranks";
+  TrainEnv single;
+  single.verbose = false;
+  const TrainSummary ref = run_training(base("pp_fqn_ref", 1, -1), single, false);
+  JobConfig config = base("pp_fqn", 1, 1);
+  config.training.local_batch_size = 4;
+  config.parallelism.pipeline_parallel_degree = 2;
+  config.parallelism.pipeline_parallel_schedule = "Interleaved1F1B";
+  config.parallelism.module_fqns_per_model_part = {{"tok_embeddings"}, {"layers.0"}, {"layers.1"}, {"norm", "output"}};
+  const TrainSummary got = run_training(config, test::world_env(), false);
+  EXPECT_NE(got.plan.find("4 stages"), std::string::npos) << got.plan;
+  ASSERT_EQ(ref.losses.size(), got.losses.size());
+  for (size_t i = 0; i < ref.losses.size(); ++i) {
+    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5 * ref.losses[i]) << "step " << i + 1;
+  }
+
+  auto expect_refused = [&](JobConfig c, const std::string& needle) {
+    try {
+      run_training(c, test::world_env(), false);
+      ADD_FAILURE() << "accepted; expected an error mentioning '" << needle << "'";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  JobConfig order = config;
+  order.job.dump_folder += "_order";
+  order.parallelism.module_fqns_per_model_part = {{"tok_embeddings", "layers.1"}, {"layers.0", "norm", "output"}};
+  order.parallelism.pipeline_parallel_schedule = "1F1B";
+  expect_refused(order, "the model's next module in order is 'layers.0'");
+  JobConfig missing = order;
+  missing.parallelism.module_fqns_per_model_part = {{"tok_embeddings", "layers.0"}, {"layers.1", "norm"}};
+  expect_refused(missing, "'output' and the modules after it are in no stage");
+  JobConfig few = config;
+  few.job.dump_folder += "_few";
+  few.parallelism.module_fqns_per_model_part.clear();
+  few.parallelism.pipeline_parallel_schedule = "1F1B";
+  few.training.local_batch_size = 1;  // 1 microbatch for 2 stages
+  few.training.global_batch_size = 1;
+  expect_refused(few, "1F1B needs at least as many microbatches as stages");
+  JobConfig three = config;
+  three.parallelism.pipeline_parallel_degree = 3;
+  expect_refused(three, "pipeline_parallel_degree (3) must divide the world size (2)");
+}
+
 TEST(TrainerParity, PipelineWithFullyShardMatchesOneRankWithAccumulation) {
   if (fsdp::world()->size() != 4) GTEST_SKIP() << "pp 2 x dp_shard 2 needs 4 ranks";
   expect_pipeline_parity(2, 2, 1, {"1F1B", "Interleaved1F1B", "InterleavedZeroBubble"});

@@ -28,6 +28,13 @@ std::vector<std::pair<int64_t, int64_t>> split_layers(int64_t n_layers, int64_t 
 int64_t stages_for_layers_per_stage(int64_t n_layers, int64_t layers_per_stage, int64_t first_less = 1,
                                     int64_t last_less = 1);
 
+// TorchTitan's module_fqns_per_model_part: the layers [begin, end) of each stage given as module FQNs. The stages
+// must form the model's chain: "tok_embeddings" first in stage 0, then "layers.0" ... "layers.<n-1>" each once and
+// in order, "norm" then "output" at the end of the last stage (a stage may hold no layer). Anything else (an
+// unknown or repeated FQN, a gap, a module out of order, an empty stage list) is an error naming it and the stage.
+std::vector<std::pair<int64_t, int64_t>> layers_from_fqns(const LlamaArgs& args,
+                                                          const std::vector<std::vector<std::string>>& fqns_per_stage);
+
 class LlamaStageImpl : public torch::nn::Module {
  public:
   // Shares `whole`'s modules: tok_embeddings when `first`, blocks [begin, end), norm and output when `last`.
