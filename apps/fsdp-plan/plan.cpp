@@ -17,6 +17,21 @@ int64_t bytes_of(c10::ScalarType t) { return static_cast<int64_t>(c10::elementSi
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t align16(int64_t n) { return (n + 15) / 16 * 16; }
 
+// One group's gradient reduction per step: a reduce-scatter over the S shard ranks and, with R > 1 replicas,
+// HSDP's all-reduce of the shard over them (docs/comm.md's byte model); `rb` = bytes per reduce-dtype element.
+void add_gradient_reduction(CommPlan& cm, const GroupPlan& g, int64_t S, int64_t R, int64_t rb) {
+  if (S > 1) {
+    cm.reduce_scatter_bytes += (S - 1) * g.shard_numel * rb;
+    cm.reduce_scatter_calls += 1;
+    cm.optimum_bytes += (S - 1) * g.numel * rb / S;
+  }
+  if (R > 1) {
+    cm.all_reduce_bytes += 2 * (R - 1) * g.shard_numel * rb / R;
+    cm.all_reduce_calls += 1;
+    cm.optimum_bytes += 2 * (R - 1) * (g.numel / S) * rb / R;
+  }
+}
+
 struct ParamShape {
   int64_t dim0, row;  // [dim0, row] (1-D: row = 1)
 };
@@ -245,18 +260,7 @@ RankWalk walk_rank(const PlanConfig& c, const fsdp::pipeline::PipelineSchedule& 
         accumulating[action.stage] = 0;
         reduced[action.stage] = 1;
         evaluate("REDUCE_GRAD of stage " + std::to_string(action.stage), reduce_transient(st));
-        for (const auto& g : st.groups) {
-          if (S > 1) {
-            cm.reduce_scatter_bytes += (S - 1) * g.shard_numel * rb;
-            cm.reduce_scatter_calls += 1;
-            cm.optimum_bytes += (S - 1) * g.numel * rb / S;
-          }
-          if (R > 1) {
-            cm.all_reduce_bytes += 2 * (R - 1) * g.shard_numel * rb / R;
-            cm.all_reduce_calls += 1;
-            cm.optimum_bytes += 2 * (R - 1) * (g.numel / S) * rb / R;
-          }
-        }
+        for (const auto& g : st.groups) add_gradient_reduction(cm, g, S, R, rb);
         break;
       case pl::ActionType::SendF:
       case pl::ActionType::SendB:
@@ -732,15 +736,8 @@ Plan make_plan(const PlanConfig& c) {
         cm.all_gather_calls += 1;
         cm.optimum_bytes += (N - 1) * g.numel * e / N;
       }
-      cm.reduce_scatter_bytes += (S - 1) * g.shard_numel * rb;
-      cm.reduce_scatter_calls += 1;
-      cm.optimum_bytes += (S - 1) * g.numel * rb / S;
     }
-    if (R > 1) {
-      cm.all_reduce_bytes += 2 * (R - 1) * g.shard_numel * rb / R;
-      cm.all_reduce_calls += 1;
-      cm.optimum_bytes += 2 * (R - 1) * (g.numel / S) * rb / R;
-    }
+    add_gradient_reduction(cm, g, S, R, rb);
   }
   (void)n_groups;
   cm.total_bytes = cm.all_gather_bytes + cm.reduce_scatter_bytes + cm.all_reduce_bytes;

@@ -26,18 +26,13 @@ SCHEDULES = ["GPipe", "1F1B", "LoopedBFS", "Interleaved1F1B", "InterleavedZeroBu
 
 
 def machine_details():
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    import torch
-    return (f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, torch {torch.__version__}, Python "
-            f"{platform.python_version()}, load average at start {os.getloadavg()[0]:.1f}")
+    """The machine line of bench/vs_pytorch/run.py (CPU model, cores, RAM, kernel, torch, Python, load)."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vs_pytorch", "run.py")
+    spec = importlib.util.spec_from_file_location("vs_pytorch_run", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # its main() runs only as a script
+    return module.machine_details()
 
 
 def run_side(cmd, env, log, timeout):

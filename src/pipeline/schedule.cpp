@@ -313,6 +313,15 @@ std::string error_with_grid(const std::string& where, const std::string& what, c
   return where + ": " + what + "\n\nFull pipeline schedule:\n" + format_grid(grid, step);
 }
 
+// validate_lowered's error for action `a` at `step` of `rank`'s list, with the grid marked there.
+[[noreturn]] void fail_lowered_at(const ComputeGrid& grid, int rank, int step, const Action& a,
+                                  const std::string& what) {
+  TORCH_CHECK(false, error_with_grid("validate_lowered",
+                                     "rank " + std::to_string(rank) + ", step " + std::to_string(step) + " (" +
+                                         a.str() + "): " + what,
+                                     grid, step));
+}
+
 ComputeGrid as_grid(const ActionLists& lists) {
   ComputeGrid grid(lists.size());
   for (size_t r = 0; r < lists.size(); ++r) grid[r].assign(lists[r].begin(), lists[r].end());
@@ -692,12 +701,7 @@ void validate_lowered(const ActionLists& actions, const std::vector<int>& stage_
   for (int rank = 0; rank < pp; ++rank) {
     for (int step = 0; step < static_cast<int>(actions[rank].size()); ++step) {
       const Action& a = actions[rank][step];
-      auto fail = [&](const std::string& what) {
-        TORCH_CHECK(false, error_with_grid("validate_lowered",
-                                           "rank " + std::to_string(rank) + ", step " + std::to_string(step) +
-                                               " (" + a.str() + "): " + what,
-                                           grid, step));
-      };
+      auto fail = [&](const std::string& what) { fail_lowered_at(grid, rank, step, a, what); };
       if (a.stage < 0 || a.stage >= num_stages) fail("stage out of range");
       if (stage_to_rank[a.stage] != rank)
         fail("stage " + std::to_string(a.stage) + " lives on rank " + std::to_string(stage_to_rank[a.stage]));
@@ -783,12 +787,7 @@ void validate_lowered(const ActionLists& actions, const std::vector<int>& stage_
     std::map<int, int> weight_grads_done, reduced;
     for (int step = 0; step < static_cast<int>(actions[rank].size()); ++step) {
       const Action& a = actions[rank][step];
-      auto fail = [&](const std::string& what) {
-        TORCH_CHECK(false, error_with_grid("validate_lowered",
-                                           "rank " + std::to_string(rank) + ", step " + std::to_string(step) +
-                                               " (" + a.str() + "): " + what,
-                                           grid, step));
-      };
+      auto fail = [&](const std::string& what) { fail_lowered_at(grid, rank, step, a, what); };
       switch (a.type) {
         case ActionType::Unshard:
           if (unsharded[a.stage]) fail("UNSHARD of a stage that is already unsharded");

@@ -83,14 +83,18 @@ namespace {
 // accumulation over the same global batches (loss and grad norm every step). local_batch_size 4 in 4
 // microbatches of 1, so that every schedule has enough microbatches for its stages (cpu_tiny's 2 layers split
 // into up to 4 stages: embedding | layer 0 | layer 1 | norm + output).
-void expect_pipeline_parity(int64_t pp, int64_t shard, int64_t tp, const std::vector<std::string>& schedules) {
+// `flavor`: cpu_tiny (2 layers: up to 4 stages) or debugmodel (6 layers: 8 stages, for the multi-stage schedules
+// at pp 4).
+void expect_pipeline_parity(int64_t pp, int64_t shard, int64_t tp, const std::vector<std::string>& schedules,
+                            const std::string& flavor = "cpu_tiny") {
   auto world = fsdp::world();
   if (pp * shard * tp != world->size()) GTEST_SKIP() << "needs pp x shard x tp = world size " << world->size();
   TrainEnv single;
   single.verbose = false;
   // Validation at steps 1, 4 and 8 over 16 held-out samples (4 batches of 4 on 1 rank): under PP the
   // forward-only schedule, its batch split into the same 4 microbatches.
-  JobConfig ref_config = base("pp_ref", 1, -1, 1, true, /*validate=*/true);
+  JobConfig ref_config = base("pp_ref_" + flavor, 1, -1, 1, true, /*validate=*/true);
+  ref_config.model.flavor = flavor;
   ref_config.validation.steps = 4;
   ref_config.validation.local_batch_size = 4;
   const TrainSummary ref = run_training(ref_config, single, false);
@@ -101,7 +105,8 @@ void expect_pipeline_parity(int64_t pp, int64_t shard, int64_t tp, const std::ve
                  std::to_string(tp));
     const std::string name = "pp" + std::to_string(pp) + "_" + std::to_string(shard) + "_" + std::to_string(tp) + "_" +
                              schedule;
-    JobConfig config = base(name, 1, shard, tp, true, /*validate=*/true);
+    JobConfig config = base(name + "_" + flavor, 1, shard, tp, true, /*validate=*/true);
+    config.model.flavor = flavor;
     config.validation.local_batch_size = 4;
     config.validation.steps = 4 / shard;  // the same 16 held-out samples over the data-parallel ranks
     config.training.local_batch_size = 4;
@@ -134,6 +139,8 @@ TEST(TrainerParity, PipelineMatchesOneRankWithAccumulation) {
                                      "ZBVZeroBubble"});
   } else {
     expect_pipeline_parity(4, 1, 1, {"GPipe", "1F1B"});
+    expect_pipeline_parity(4, 1, 1, {"LoopedBFS", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"},
+                           "debugmodel");
   }
 }
 
@@ -187,12 +194,12 @@ TEST(TrainerParity, PipelineExplicitStagesAndBadConfigurations) {
 
 TEST(TrainerParity, PipelineWithFullyShardMatchesOneRankWithAccumulation) {
   if (fsdp::world()->size() != 4) GTEST_SKIP() << "pp 2 x dp_shard 2 needs 4 ranks";
-  expect_pipeline_parity(2, 2, 1, {"1F1B", "Interleaved1F1B", "InterleavedZeroBubble"});
+  expect_pipeline_parity(2, 2, 1, {"GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble"});
 }
 
 TEST(TrainerParity, PipelineWithFullyShardAndTensorParallelMatchesOneRankWithAccumulation) {
   if (fsdp::world()->size() != 8) GTEST_SKIP() << "pp 2 x dp_shard 2 x tp 2 needs 8 ranks";
-  expect_pipeline_parity(2, 2, 2, {"1F1B", "InterleavedZeroBubble"});
+  expect_pipeline_parity(2, 2, 2, {"GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble"});
 }
 
 TEST(TrainerParity, ReplicateMatchesOneRankWithAccumulation) {
