@@ -41,6 +41,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <iostream>
 #include <map>
 #include <sstream>
@@ -256,6 +257,22 @@ int run(const Options& o) {
       }
     }
     span_last = seconds(last - first);
+    if (step + 1 == o.steps && std::getenv("FSDP_PP_BENCH_BREAKDOWN")) {
+      // Where this rank's last step went, per action type (the span of each action, waits included).
+      std::map<std::string, double> by_type;
+      for (const auto& span : timeline) {
+        const auto action = pl::Action::parse(span.action);
+        by_type[pl::action_type_token(action.type)] += seconds(span.end - span.start);
+        if (std::getenv("FSDP_PP_BENCH_BREAKDOWN")[0] == '2') {
+          std::cerr << "  " << span.action << " " << seconds(span.start - first) * 1e3 << " +"
+                    << seconds(span.end - span.start) * 1e3 << " ms\n";
+        }
+      }
+      std::ostringstream os;
+      os << "rank " << rank << " (pp " << pp_rank << ") last step span " << span_last * 1e3 << " ms:";
+      for (const auto& [type, t] : by_type) os << " " << type << " " << t * 1e3;
+      std::cerr << os.str() << " ms\n";
+    }
     busy_last = busy;
     wait_last = waits;
     idle_last = span_last - busy;
@@ -265,11 +282,24 @@ int run(const Options& o) {
   auto t = at::tensor(times, at::kDouble);
   world->all_reduce(t, fsdp::ReduceOp::Max).wait();
   // Mean cost per action kind over every rank's timed steps.
+  const at::Tensor local_sums = cost_sums.clone();
   world->all_reduce(cost_sums, fsdp::ReduceOp::Sum).wait();
   auto mean = [&](int k) {
     const double n = cost_sums[1][k].item<double>();
     return n > 0 ? cost_sums[0][k].item<double>() / n : 0.0;
   };
+  // Stages differ (the last one computes the loss and starts backward from it): each pp rank's compute time over
+  // what the global means predict for its actions scales its stages' costs in the simulator (SimCosts::
+  // stage_scale; averaged over the dp ranks of a pp rank).
+  double predicted = 0, actual = 0;
+  for (int k : {kF, kB, kI, kW}) {
+    predicted += local_sums[1][k].item<double>() * mean(k);
+    actual += local_sums[0][k].item<double>();
+  }
+  auto ratio_by_pp = at::zeros({2, o.pp}, at::kDouble);
+  ratio_by_pp[0][pp_rank] = predicted > 0 ? actual / predicted : 1.0;
+  ratio_by_pp[1][pp_rank] = 1.0;
+  world->all_reduce(ratio_by_pp, fsdp::ReduceOp::Sum).wait();
   // One-way transfer time of one microbatch's activation between two neighbouring pp ranks (half the median
   // round trip of 21 ping-pongs between pp ranks 0 and 1, after training): the simulator's p2p_latency. Without
   // it the simulator charges nothing for the transfers, which on Gloo's loopback TCP cost about as much as a
@@ -300,6 +330,10 @@ int run(const Options& o) {
   }
   pl::SimCosts costs;
   costs.p2p_latency = p2p_latency;
+  for (int st = 0; st < num_stages; ++st) {
+    const int r = pipe.schedule().stage_to_rank[st];
+    costs.stage_scale.push_back(ratio_by_pp[0][r].item<double>() / ratio_by_pp[1][r].item<double>());
+  }
   costs.forward = mean(kF);
   costs.backward = mean(kB);
   costs.backward_input = mean(kI);
