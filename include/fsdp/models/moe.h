@@ -1,0 +1,98 @@
+#pragma once
+// A mixture-of-experts feed-forward block with TorchTitan's semantics (torchtitan/models/moe; facts in
+// shared/reference/moe-expert-parallel.md): a token-choice top-k router (softmax or sigmoid scores, optional
+// normalisation of the chosen scores and a route scale), DeepSeek-V3's auxiliary-loss-free load balancing (a
+// per-expert bias used only to choose experts, updated between steps from the tokens each expert received),
+// routed experts stored as stacked weights (one tensor per projection, experts on dim 0) computed with grouped
+// GEMM (at::_grouped_mm), and optional shared experts. The expert weights are applied after the experts, as
+// TorchTitan's Qwen3 / DeepSeek-V3 flavors do.
+//
+// Single process for now: expert parallelism (an `ep` mesh dim, all-to-all dispatch) is issue 26's next part.
+//
+// FQNs (TorchTitan's TOML-era names): router.gate.weight [E, D]; experts.w1 [E, F, D], experts.w2 [E, D, F],
+// experts.w3 [E, F, D]; shared_experts.w1/w2/w3.weight; buffer expert_bias [E] (when load balancing is on).
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace fsdp::nn::moe {
+
+struct MoEOptions {
+  int64_t dim = 0;
+  int64_t hidden = 0;        // F of each routed expert
+  int64_t num_experts = 8;   // E
+  int64_t top_k = 1;
+  std::string score_func = "sigmoid";  // "sigmoid" | "softmax"
+  bool route_norm = false;             // divide the chosen scores by their sum (Qwen3's norm_topk_prob)
+  double route_scale = 1.0;
+  // Aux-loss-free load balancing: the bias step size (TorchTitan's load_balance_coeff, 1e-3); nullopt = off.
+  std::optional<double> load_balance_coeff = 1e-3;
+  int64_t num_shared_experts = 0;  // shared SwiGLU on every token with hidden F x this
+  bool use_grouped_mm = true;      // false: a loop over the experts (the reference the benchmark compares with)
+};
+
+// The router's decision for T tokens.
+struct Routing {
+  at::Tensor expert_ids;  // [T, k] int64
+  at::Tensor weights;     // [T, k] fp32: the original scores (no bias), normalised / scaled as configured
+  at::Tensor scores;      // [T, E] fp32: sigmoid or softmax of the gate logits
+};
+
+class TokenChoiceRouterImpl : public torch::nn::Module {
+ public:
+  explicit TokenChoiceRouterImpl(const MoEOptions& options);
+  // x [T, D]; `expert_bias` [E] (or undefined) shifts the choice only.
+  Routing forward(const at::Tensor& x, const at::Tensor& expert_bias);
+  torch::nn::Linear gate{nullptr};
+
+ private:
+  MoEOptions options_;
+};
+TORCH_MODULE(TokenChoiceRouter);
+
+class GroupedExpertsImpl : public torch::nn::Module {
+ public:
+  explicit GroupedExpertsImpl(const MoEOptions& options);
+  // x [R, D], rows grouped by expert in ascending order, `counts` [E] rows per expert (int64) -> [R, D]:
+  // w2 (silu(w1 x) * w3 x) of each row's expert.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& counts);
+  at::Tensor w1, w2, w3;
+
+ private:
+  bool use_grouped_mm_;
+};
+TORCH_MODULE(GroupedExperts);
+
+class MoEImpl : public torch::nn::Module {
+ public:
+  explicit MoEImpl(const MoEOptions& options);
+  // x [..., D] -> [..., D]. In training mode the tokens each expert received are added to tokens_per_expert().
+  at::Tensor forward(const at::Tensor& x);
+  // DeepSeek-V3's bias update (TorchTitan: an optimizer step pre-hook): delta = coeff * sign(mean(c) - c),
+  // centred to mean 0, added to expert_bias; the counts are then zeroed. `counts` defaults to this block's own
+  // (pass the sum over data-parallel ranks when distributed). No-op without load balancing.
+  void update_expert_bias(const at::Tensor& counts = {});
+  const at::Tensor& tokens_per_expert() const { return tokens_per_expert_; }
+  const MoEOptions& options() const { return options_; }
+  // Deterministic init from a generator (TorchTitan: trunc_normal(std) on the gate and the experts).
+  void init_weights(at::Generator& gen, double std = 0.02);
+
+  TokenChoiceRouter router{nullptr};
+  GroupedExperts experts{nullptr};
+  std::shared_ptr<torch::nn::Module> shared_experts;  // w1, w2, w3 Linear without bias; null when none
+  at::Tensor expert_bias;                             // buffer [E] fp32 (undefined without load balancing)
+
+ private:
+  MoEOptions options_;
+  at::Tensor tokens_per_expert_;  // [E] fp32, not part of the state dict (TorchTitan: non-persistent)
+};
+TORCH_MODULE(MoE);
+
+}  // namespace fsdp::nn::moe

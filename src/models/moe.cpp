@@ -1,0 +1,149 @@
+#include <fsdp/models/moe.h>
+
+#include <fsdp/nn/module_call.h>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/functional/activation.h>
+
+#include <cmath>
+
+namespace fsdp::nn::moe {
+namespace {
+
+void check_options(const MoEOptions& o) {
+  TORCH_CHECK(o.dim > 0 && o.hidden > 0, "moe: dim and hidden must be positive, got ", o.dim, " and ", o.hidden);
+  TORCH_CHECK(o.num_experts >= 1, "moe: num_experts must be >= 1, got ", o.num_experts);
+  TORCH_CHECK(o.top_k >= 1 && o.top_k <= o.num_experts, "moe: top_k must be in [1, num_experts = ", o.num_experts,
+              "], got ", o.top_k);
+  TORCH_CHECK(o.score_func == "sigmoid" || o.score_func == "softmax", "moe: score_func must be \"sigmoid\" or ",
+              "\"softmax\", got \"", o.score_func, "\"");
+  TORCH_CHECK(o.num_shared_experts >= 0, "moe: num_shared_experts must be >= 0, got ", o.num_shared_experts);
+  // at::_grouped_mm needs 16-byte row strides: 4 fp32 or 8 bf16 elements.
+  TORCH_CHECK(!o.use_grouped_mm || (o.dim % 8 == 0 && o.hidden % 8 == 0), "moe: grouped GEMM needs dim and hidden ",
+              "to be multiples of 8 (16-byte rows in bf16), got ", o.dim, " and ", o.hidden,
+              "; use such sizes or use_grouped_mm = false");
+}
+
+void trunc_normal(at::Tensor& t, double std, at::Generator& gen) {
+  at::NoGradGuard no_grad;
+  at::Tensor v = at::empty(t.sizes(), t.options().device(at::kCPU).dtype(at::kFloat));
+  v.normal_(0.0, std, gen);
+  v.clamp_(-2 * std, 2 * std);
+  t.copy_(v);
+}
+
+}  // namespace
+
+TokenChoiceRouterImpl::TokenChoiceRouterImpl(const MoEOptions& options) : options_(options) {
+  check_options(options_);
+  gate = register_module("gate", torch::nn::Linear(torch::nn::LinearOptions(options_.dim, options_.num_experts).bias(false)));
+}
+
+Routing TokenChoiceRouterImpl::forward(const at::Tensor& x, const at::Tensor& expert_bias) {
+  Routing r;
+  const at::Tensor logits = fsdp::nn::call(gate, x).to(at::kFloat);
+  r.scores = options_.score_func == "sigmoid" ? at::sigmoid(logits) : at::softmax(logits, -1);
+  // The bias steers the choice only; the weights are the original scores of the chosen experts.
+  const at::Tensor choice = expert_bias.defined() ? r.scores.detach() + expert_bias : r.scores.detach();
+  r.expert_ids = std::get<1>(at::topk(choice, options_.top_k, /*dim=*/-1, /*largest=*/true, /*sorted=*/true));
+  r.weights = r.scores.gather(-1, r.expert_ids);
+  if (options_.route_norm) r.weights = r.weights / (r.weights.sum(-1, /*keepdim=*/true) + 1e-20);
+  if (options_.route_scale != 1.0) r.weights = r.weights * options_.route_scale;
+  return r;
+}
+
+GroupedExpertsImpl::GroupedExpertsImpl(const MoEOptions& options) : use_grouped_mm_(options.use_grouped_mm) {
+  check_options(options);
+  const int64_t E = options.num_experts, F = options.hidden, D = options.dim;
+  w1 = register_parameter("w1", at::empty({E, F, D}));
+  w2 = register_parameter("w2", at::empty({E, D, F}));
+  w3 = register_parameter("w3", at::empty({E, F, D}));
+}
+
+at::Tensor GroupedExpertsImpl::forward(const at::Tensor& x, const at::Tensor& counts) {
+  if (use_grouped_mm_) {
+    // Rows [offs[e-1], offs[e]) use expert e; empty groups are fine (torch 2.13's CPU kernel, measured).
+    const at::Tensor offs = counts.cumsum(0).to(at::kInt);
+    auto gmm = [&](const at::Tensor& a, const at::Tensor& w) { return at::_grouped_mm(a, w.transpose(-2, -1), offs); };
+    const at::Tensor h = at::silu(gmm(x, w1)) * gmm(x, w3);
+    return gmm(h, w2);
+  }
+  // The per-expert loop: one pair of matmuls per expert that received tokens.
+  std::vector<at::Tensor> outs;
+  const auto sizes = counts.to(at::kLong).cpu();
+  int64_t start = 0;
+  for (int64_t e = 0; e < sizes.size(0); ++e) {
+    const int64_t n = sizes[e].item<int64_t>();
+    if (n == 0) continue;
+    const at::Tensor xe = x.narrow(0, start, n);
+    const at::Tensor h = at::silu(at::matmul(xe, w1[e].t())) * at::matmul(xe, w3[e].t());
+    outs.push_back(at::matmul(h, w2[e].t()));
+    start += n;
+  }
+  return outs.empty() ? at::zeros_like(x) : at::cat(outs, 0);
+}
+
+MoEImpl::MoEImpl(const MoEOptions& options) : options_(options) {
+  check_options(options_);
+  router = register_module("router", TokenChoiceRouter(options_));
+  experts = register_module("experts", GroupedExperts(options_));
+  if (options_.num_shared_experts > 0) {
+    const int64_t Fs = options_.hidden * options_.num_shared_experts;
+    auto shared = std::make_shared<torch::nn::Module>("SharedExperts");
+    shared->register_module("w1", torch::nn::Linear(torch::nn::LinearOptions(options_.dim, Fs).bias(false)));
+    shared->register_module("w2", torch::nn::Linear(torch::nn::LinearOptions(Fs, options_.dim).bias(false)));
+    shared->register_module("w3", torch::nn::Linear(torch::nn::LinearOptions(options_.dim, Fs).bias(false)));
+    shared_experts = register_module("shared_experts", shared);
+  }
+  if (options_.load_balance_coeff) expert_bias = register_buffer("expert_bias", at::zeros({options_.num_experts}));
+  tokens_per_expert_ = at::zeros({options_.num_experts});
+}
+
+at::Tensor MoEImpl::forward(const at::Tensor& input) {
+  TORCH_CHECK(input.size(-1) == options_.dim, "moe: input has ", input.size(-1), " features, the block ", options_.dim);
+  const at::Tensor x = input.reshape({-1, options_.dim});
+  const int64_t T = x.size(0), k = options_.top_k, E = options_.num_experts;
+  const Routing r = router->forward(x, expert_bias);
+  // Every (token, choice) slot sorted by expert (stable: tokens keep their order inside an expert's group).
+  const at::Tensor flat_ids = r.expert_ids.reshape({-1});
+  const at::Tensor order = at::argsort(flat_ids, /*stable=*/true);
+  const at::Tensor token_of_slot = at::floor_divide(order, k);
+  const at::Tensor counts = at::bincount(flat_ids, /*weights=*/{}, /*minlength=*/E);
+  if (is_training()) {
+    at::NoGradGuard no_grad;
+    tokens_per_expert_.add_(counts.to(tokens_per_expert_.scalar_type()));
+  }
+  const at::Tensor routed = x.index_select(0, token_of_slot);
+  at::Tensor out = experts->forward(routed, counts);
+  // Weights after the experts (in fp32, as TorchTitan's combine), then summed back into each token's row.
+  const at::Tensor w = r.weights.reshape({-1}).index_select(0, order).unsqueeze(-1);
+  out = (out.to(at::kFloat) * w).to(x.scalar_type());
+  at::Tensor combined = at::zeros({T, options_.dim}, x.options()).index_add(0, token_of_slot, out);
+  if (shared_experts) {
+    auto lin = [&](const char* name) { return shared_experts->named_children()[name]->as<torch::nn::Linear>(); };
+    auto* w1 = lin("w1");
+    auto* w2 = lin("w2");
+    auto* w3 = lin("w3");
+    combined = combined + w2->forward(at::silu(w1->forward(x)) * w3->forward(x));
+  }
+  return combined.reshape(input.sizes());
+}
+
+void MoEImpl::update_expert_bias(const at::Tensor& counts_in) {
+  if (!options_.load_balance_coeff) return;
+  at::NoGradGuard no_grad;
+  const at::Tensor c = (counts_in.defined() ? counts_in : tokens_per_expert_).to(at::kFloat);
+  at::Tensor delta = *options_.load_balance_coeff * at::sign(c.mean() - c);
+  delta = delta - delta.mean();
+  expert_bias.add_(delta.to(expert_bias.device()));
+  tokens_per_expert_.zero_();
+}
+
+void MoEImpl::init_weights(at::Generator& gen, double std) {
+  at::NoGradGuard no_grad;
+  for (auto& p : parameters()) trunc_normal(p, std, gen);
+}
+
+}  // namespace fsdp::nn::moe
