@@ -70,16 +70,19 @@ at::Tensor GroupedExpertsImpl::forward(const at::Tensor& x, const at::Tensor& co
     const at::Tensor h = at::silu(gmm(x, w1)) * gmm(x, w3);
     return gmm(h, w2);
   }
-  // The per-expert loop: one pair of matmuls per expert that received tokens.
+  // The per-expert loop: one set of matmuls per expert that received tokens. unbind (not w1[e]): its backward
+  // stacks the experts' gradients once, where indexing would build a full-size zero gradient per expert.
   std::vector<at::Tensor> outs;
-  const auto sizes = counts.to(at::kLong).cpu();
+  const at::Tensor sizes = counts.to(at::kLong).cpu().contiguous();
+  const int64_t* n_of = sizes.data_ptr<int64_t>();
+  const std::vector<at::Tensor> w1s = w1.unbind(0), w2s = w2.unbind(0), w3s = w3.unbind(0);
   int64_t start = 0;
   for (int64_t e = 0; e < sizes.size(0); ++e) {
-    const int64_t n = sizes[e].item<int64_t>();
+    const int64_t n = n_of[e];
     if (n == 0) continue;
     const at::Tensor xe = x.narrow(0, start, n);
-    const at::Tensor h = at::silu(at::matmul(xe, w1[e].t())) * at::matmul(xe, w3[e].t());
-    outs.push_back(at::matmul(h, w2[e].t()));
+    const at::Tensor h = at::silu(at::matmul(xe, w1s[e].t())) * at::matmul(xe, w3s[e].t());
+    outs.push_back(at::matmul(h, w2s[e].t()));
     start += n;
   }
   return outs.empty() ? at::zeros_like(x) : at::cat(outs, 0);
