@@ -118,6 +118,18 @@ at::Tensor MoEImpl::forward(const at::Tensor& input) {
     at::NoGradGuard no_grad;
     tokens_per_expert_.add_(counts.to(tokens_per_expert_.scalar_type()));
   }
+  aux_loss_ = at::Tensor();
+  if (is_training() && options_.sequence_aux_loss_coeff) {
+    // Sequences are the leading dims of the input up to the last two ([B, S, D]: B sequences of S tokens; a
+    // [T, D] input is one sequence).
+    const int64_t S = input.dim() >= 3 ? input.size(-2) : T;
+    const int64_t B = T / S;
+    const at::Tensor chosen = at::zeros({T, E}, r.scores.options()).scatter_(1, r.expert_ids, 1.0).view({B, S, E});
+    const at::Tensor f = chosen.sum(1) * (static_cast<double>(E) / static_cast<double>(k * S));  // [B, E]
+    const at::Tensor normalised = r.scores / r.scores.sum(-1, /*keepdim=*/true);
+    const at::Tensor P = normalised.view({B, S, E}).mean(1);                                    // [B, E]
+    aux_loss_ = *options_.sequence_aux_loss_coeff * (f * P).sum(-1).mean();
+  }
   const at::Tensor routed = x.index_select(0, token_of_slot);
   at::Tensor out = experts->forward(routed, counts);
   // Weights after the experts (in fp32, as TorchTitan's combine), then summed back into each token's row.

@@ -196,3 +196,44 @@ TEST(MoE, BadOptionsAreRefusedWithTheReason) {
   o.dim = 12;
   expect_error(o, "multiples of 8");
 }
+
+// DeepSeek-V3's sequence-wise balance loss against its definition, token by token: for each sequence,
+// alpha * sum_i f_i P_i, f_i = E / (k S) * #tokens choosing i, P_i = mean_t s_it / sum_j s_jt; mean over sequences.
+TEST(MoE, SequenceAuxLossEqualsItsDefinition) {
+  MoEOptions o = base();
+  o.sequence_aux_loss_coeff = 1e-2;
+  MoE m = make(o);
+  m->train();
+  const int64_t B = 3, S = 5, E = o.num_experts, k = o.top_k;
+  auto x = torch::randn({B, S, o.dim}, at::make_generator<at::CPUGeneratorImpl>(4));
+  m->forward(x);
+  ASSERT_TRUE(m->aux_loss().defined());
+  double want = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<double> f(E, 0.0), P(E, 0.0);
+    for (int64_t t = 0; t < S; ++t) {
+      auto scores = torch::sigmoid(torch::matmul(m->router->gate->weight, x[b][t]));
+      std::vector<int64_t> ids(E);
+      std::iota(ids.begin(), ids.end(), 0);
+      std::stable_sort(ids.begin(), ids.end(), [&](int64_t a, int64_t c) {
+        return scores[a].item<double>() + m->expert_bias[a].item<double>() >
+               scores[c].item<double>() + m->expert_bias[c].item<double>();
+      });
+      for (int64_t j = 0; j < k; ++j) f[ids[j]] += static_cast<double>(E) / static_cast<double>(k * S);
+      const double total = scores.sum().item<double>();
+      for (int64_t i = 0; i < E; ++i) P[i] += scores[i].item<double>() / total / static_cast<double>(S);
+    }
+    double sum = 0;
+    for (int64_t i = 0; i < E; ++i) sum += f[i] * P[i];
+    want += 1e-2 * sum / static_cast<double>(B);
+  }
+  EXPECT_NEAR(m->aux_loss().item<double>(), want, 1e-7);
+  EXPECT_GT(want, 0.0);
+  // It trains the router: its gradient reaches the gate.
+  m->aux_loss().backward();
+  EXPECT_GT(m->router->gate->weight.grad().abs().max().item<double>(), 0.0);
+  // Evaluation computes none.
+  m->eval();
+  m->forward(x);
+  EXPECT_FALSE(m->aux_loss().defined());
+}

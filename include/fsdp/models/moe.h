@@ -35,6 +35,10 @@ struct MoEOptions {
   // Aux-loss-free load balancing: the bias step size (TorchTitan's load_balance_coeff, 1e-3); nullopt = off.
   std::optional<double> load_balance_coeff = 1e-3;
   int64_t num_shared_experts = 0;  // shared SwiGLU on every token with hidden F x this
+  // DeepSeek-V3's sequence-wise balance loss, alpha (1e-4 there); nullopt = off. For each sequence:
+  // alpha * sum_i f_i P_i with f_i = E / (k S) * (tokens choosing i), P_i = mean over the tokens of i's score
+  // normalised per token; the mean over the sequences is aux_loss() after a training forward.
+  std::optional<double> sequence_aux_loss_coeff;
   bool use_grouped_mm = true;      // false: a loop over the experts (the reference the benchmark compares with)
 };
 
@@ -80,6 +84,9 @@ class MoEImpl : public torch::nn::Module {
   // (pass the sum over data-parallel ranks when distributed). No-op without load balancing.
   void update_expert_bias(const at::Tensor& counts = {});
   const at::Tensor& tokens_per_expert() const { return tokens_per_expert_; }
+  // The sequence-wise balance loss of the last training forward (0-dim, differentiable through the router's
+  // scores; add it to the loss); undefined when off or after an evaluation forward.
+  const at::Tensor& aux_loss() const { return aux_loss_; }
   const MoEOptions& options() const { return options_; }
   // Deterministic init from a generator (TorchTitan: trunc_normal(std) on the gate and the experts).
   void init_weights(at::Generator& gen, double std = 0.02);
@@ -92,6 +99,7 @@ class MoEImpl : public torch::nn::Module {
  private:
   MoEOptions options_;
   at::Tensor tokens_per_expert_;  // [E] fp32, not part of the state dict (TorchTitan: non-persistent)
+  at::Tensor aux_loss_;
 };
 TORCH_MODULE(MoE);
 
