@@ -50,6 +50,11 @@ class LocalCollectives final : public CollectiveBackend {
     copy_unless_aliased(output, input);
     return Work();
   }
+  Work all_to_all_uneven(ProcessGroup::Impl&, at::Tensor output, at::Tensor input, std::vector<int64_t>,
+                         std::vector<int64_t>) override {
+    copy_unless_aliased(output, input);  // one rank: its own rows, all of them
+    return Work();
+  }
   Work barrier(ProcessGroup::Impl&) override { return Work(); }
   Work send(ProcessGroup::Impl& g, at::Tensor, int, int) override { no_peer(g); }
   Work recv(ProcessGroup::Impl& g, at::Tensor, int, int) override { no_peer(g); }
@@ -135,6 +140,18 @@ class C10dCollectives : public CollectiveBackend {
       return communicator_->alltoall_base(out_flat, in_flat, equal_splits, equal_splits, opts);
     });
     return make_work(g, "all_to_all", nbytes(input), what, std::move(w));
+  }
+
+  Work all_to_all_uneven(ProcessGroup::Impl& g, at::Tensor output, at::Tensor input,
+                         std::vector<int64_t> output_splits, std::vector<int64_t> input_splits) override {
+    const auto what = label(g, "all_to_all", c10::str("uneven, ", input.size(0), " rows out, ", output.size(0),
+                                                      " rows in, ", input.scalar_type()));
+    c10d::AllToAllOptions opts;
+    opts.timeout = g.timeout;
+    auto w = launch(what, [&] {
+      return communicator_->alltoall_base(output, input, output_splits, input_splits, opts);
+    });
+    return make_work(g, "all_to_all", nbytes(input), what, std::move(w), [output, input] {});
   }
 
   Work barrier(ProcessGroup::Impl& g) override {

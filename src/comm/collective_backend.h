@@ -23,6 +23,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace fsdp::comm {
 
@@ -36,6 +37,10 @@ class CollectiveBackend {
   virtual Work all_reduce(ProcessGroup::Impl& g, at::Tensor tensor, ReduceOp op) = 0;
   virtual Work broadcast(ProcessGroup::Impl& g, at::Tensor tensor, int root) = 0;
   virtual Work all_to_all(ProcessGroup::Impl& g, at::Tensor output, at::Tensor input) = 0;
+  // Uneven splits along dim 0 (rows), as c10d's alltoall_base: input rows [sum(in[:j]), +in[j]) go to rank j,
+  // rank j's rows land at output rows [sum(out[:j]), +out[j]).
+  virtual Work all_to_all_uneven(ProcessGroup::Impl& g, at::Tensor output, at::Tensor input,
+                                 std::vector<int64_t> output_splits, std::vector<int64_t> input_splits) = 0;
   virtual Work barrier(ProcessGroup::Impl& g) = 0;
   // Point-to-point: only the two ranks take part; `tag` is already in the point-to-point tag range (it never
   // meets the tags of the exchanges, which every rank numbers alike).
