@@ -3,6 +3,7 @@
 // steps), each row holding (r, j, row index); the test writes out what every rank must receive from the same
 // rule and checks every value, the byte count, and the argument checks.
 #include "comm/dist_env.h"
+#include "expect_error.h"
 
 #include <fsdp/all_to_all.h>
 #include <fsdp/comm_stats.h>
@@ -52,14 +53,7 @@ TEST(AllToAllUneven, BadSplitsAreRefusedBeforeAnyTransfer) {
   const int64_t n = world->size();
   auto t = torch::zeros({n, 2});
   std::vector<int64_t> ones(static_cast<size_t>(n), 1);
-  auto expect_error = [](const std::function<void()>& f, const std::string& needle) {
-    try {
-      f();
-      ADD_FAILURE() << "no error, expected '" << needle << "'";
-    } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
+  const auto expect_error = fsdp_test::expect_error_containing<c10::Error>;
   std::vector<int64_t> short_splits(static_cast<size_t>(n + 1), 0);
   expect_error([&] { fsdp::all_to_all_single(*world, t, t, ones, short_splits); }, "entries for");
   std::vector<int64_t> too_many = ones;

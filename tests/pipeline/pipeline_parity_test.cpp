@@ -5,6 +5,7 @@
 // bytes = the analytic activation and gradient sizes, zero-bubble = its 1F1B counterpart within 1e-6, the
 // split backward really ran (I and W actions), and bad configurations are refused with the reason.
 #include "comm/dist_env.h"
+#include "expect_error.h"
 
 #include <fsdp/clip_grad.h>
 #include <fsdp/comm_stats.h>
@@ -253,14 +254,7 @@ TEST_F(Pipelines, ZeroBubbleEqualsItsOneFOneBWithin1e6) {
 
 TEST_F(Pipelines, BadConfigurationsAreRefusedWithTheReason) {
   auto world = fsdp_test::test_world();
-  auto expect_error = [](const std::function<void()>& f, const std::string& needle) {
-    try {
-      f();
-      ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
-    } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
+  const auto expect_error = fsdp_test::expect_error_containing<c10::Error>;
   auto loss = [](const at::Tensor& o, const at::Tensor& t) { return (o - t).pow(2).sum(); };
   const int n = world->size();
   Chain part(make_layers(0, 1));
