@@ -27,6 +27,7 @@
 // parameters may be uneven (torch.chunk sizes, as DTensor).
 
 #include <fsdp/device_mesh.h>
+#include <fsdp/expert_parallel.h>
 #include <fsdp/sharded_tensor.h>
 #include <fsdp/tensor_parallel_spec.h>
 
@@ -76,7 +77,9 @@ struct PrepareModuleInput {
   std::vector<std::optional<Placement>> desired_input_layouts;
 };
 
-using ParallelStyle = std::variant<ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput>;
+// ExpertParallel (<fsdp/expert_parallel.h>): routed experts split on dim 0, tokens exchanged by all-to-all.
+using ParallelStyle =
+    std::variant<ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput, ExpertParallel>;
 
 // FQN pattern -> style, applied in order. Patterns match a module's FQN relative to the module given to
 // parallelize_module, dot-separated, each segment fnmatch-style ('*' matches within a segment: "layers.*.

@@ -63,6 +63,8 @@ GroupedExpertsImpl::GroupedExpertsImpl(const MoEOptions& options) : use_grouped_
 }
 
 at::Tensor GroupedExpertsImpl::forward(const at::Tensor& x, const at::Tensor& counts) {
+  TORCH_CHECK(counts.dim() == 1 && counts.size(0) == w1.size(0), "moe: the experts hold ", w1.size(0),
+              " experts but got counts of shape ", counts.sizes());
   if (use_grouped_mm_) {
     // Rows [offs[e-1], offs[e]) use expert e; empty groups are fine (torch 2.13's CPU kernel, measured).
     const at::Tensor offs = counts.cumsum(0).to(at::kInt);
@@ -131,7 +133,8 @@ at::Tensor MoEImpl::forward(const at::Tensor& input) {
     aux_loss_ = *options_.sequence_aux_loss_coeff * (f * P).sum(-1).mean();
   }
   const at::Tensor routed = x.index_select(0, token_of_slot);
-  at::Tensor out = experts->forward(routed, counts);
+  // Through call(): expert parallelism wraps the experts' forward with the token exchange.
+  at::Tensor out = fsdp::nn::call(experts, routed, counts);
   // Weights after the experts (in fp32, as TorchTitan's combine), then summed back into each token's row.
   const at::Tensor w = r.weights.reshape({-1}).index_select(0, order).unsqueeze(-1);
   out = (out.to(at::kFloat) * w).to(x.scalar_type());

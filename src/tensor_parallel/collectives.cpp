@@ -1,31 +1,19 @@
 // Tensor-parallel collectives as autograd functions (see collectives.h). The process group rides in the
-// autograd context as a capsule so backward reaches the same group even after the caller's handles are gone.
+// autograd context (group_capsule.h).
 
 #include "tensor_parallel/collectives.h"
+#include "tensor_parallel/group_capsule.h"
 
 #include <fsdp/sharded_tensor.h>
 
 #include <ATen/ATen.h>
-#include <ATen/core/ivalue.h>
 #include <torch/autograd.h>
-#include <torch/custom_class.h>
 
 namespace fsdp::tp {
 namespace {
 
-struct GroupCapsule : torch::CustomClassHolder {
-  explicit GroupCapsule(ProcessGroupPtr g) : group(std::move(g)) {}
-  ProcessGroupPtr group;
-};
-
-void save_group(torch::autograd::AutogradContext* ctx, const ProcessGroupPtr& group) {
-  ctx->saved_data["group"] = at::IValue::make_capsule(c10::make_intrusive<GroupCapsule>(group));
-}
-
-ProcessGroupPtr saved_group(torch::autograd::AutogradContext* ctx) {
-  auto holder = ctx->saved_data.at("group").toCapsule();
-  return c10::static_intrusive_pointer_cast<GroupCapsule>(holder)->group;
-}
+using detail::saved_group;
+using detail::save_group;
 
 int64_t wrap_dim(int64_t dim, const at::Tensor& x) {
   const int64_t nd = x.dim();

@@ -63,8 +63,10 @@ void parallelize_module(const std::shared_ptr<torch::nn::Module>& module, const 
               tp::apply_rowwise(*m, where, tp_mesh, s);
             } else if constexpr (std::is_same_v<S, SequenceParallel>) {
               tp::apply_sequence_parallel(*m, where, tp_mesh, s);
-            } else {
+            } else if constexpr (std::is_same_v<S, PrepareModuleInput>) {
               tp::apply_prepare_module_input(*m, where, tp_mesh, s);
+            } else {
+              apply_expert_parallel(m, tp_mesh);
             }
           },
           style);

@@ -7,7 +7,8 @@
 // GEMM (at::_grouped_mm), and optional shared experts. The expert weights are applied after the experts, as
 // TorchTitan's Qwen3 / DeepSeek-V3 flavors do.
 //
-// Single process for now: expert parallelism (an `ep` mesh dim, all-to-all dispatch) is issue 26's next part.
+// Expert parallelism: fsdp::apply_expert_parallel(moe->experts, ep_mesh) (<fsdp/expert_parallel.h>) splits the
+// experts over ranks; the block calls its experts through fsdp::nn::call, so nothing here changes.
 //
 // FQNs (TorchTitan's TOML-era names): router.gate.weight [E, D]; experts.w1 [E, F, D], experts.w2 [E, D, F],
 // experts.w3 [E, F, D]; shared_experts.w1/w2/w3.weight; buffer expert_bias [E] (when load balancing is on).
