@@ -41,8 +41,17 @@ std::vector<Field> fields(JobConfig& c) {
   return {
       {"job", "dump_folder", &c.job.dump_folder, "folder for metrics.jsonl, the effective config.toml and checkpoints"},
       {"job", "description", &c.job.description, "free text, printed at startup"},
-      {"model", "name", &c.model.name, "model family; only llama3"},
-      {"model", "flavor", &c.model.flavor, "llama3 flavor: cpu_tiny, cpu_small, cpu_medium, debugmodel, 1B, 3B, 8B, 70B, 405B"},
+      {"model", "name", &c.model.name, "model family: llama3 | qwen3"},
+      {"model", "flavor", &c.model.flavor,
+       "llama3: cpu_tiny, cpu_small, cpu_medium, debugmodel, 1B, 3B, 8B, 70B, 405B; qwen3: cpu_tiny, cpu_small, "
+       "cpu_tiny_moe, cpu_small_moe, debugmodel, debugmodel_moe, 0.6B ... 32B, 30B-A3B, 235B-A22B"},
+      {"model", "moe_score_func", &c.model.moe_score_func, "MoE flavors: \"\" (the flavor's) | softmax | sigmoid"},
+      {"model", "moe_shared_experts", &c.model.moe_shared_experts, "MoE flavors: shared experts; -1 = the flavor's"},
+      {"model", "moe_route_norm", &c.model.moe_route_norm,
+       "MoE flavors: \"\" (the flavor's) | true | false: divide the top-k scores by their sum"},
+      {"model", "moe_route_scale", &c.model.moe_route_scale, "MoE flavors: routed weights scale; 0 = the flavor's"},
+      {"model", "moe_load_balance_coeff", &c.model.moe_load_balance_coeff,
+       "MoE flavors: DeepSeek-V3 aux-loss-free bias step; -1 = the flavor's (1e-3), 0 = off"},
       {"model", "tokenizer_path", &c.model.tokenizer_path,
        "\"\" = byte-level tokenizer (256 bytes + BOS + EOS); else a Hugging Face tokenizer.json (byte-level BPE). "
        "The model's vocab_size is set to the tokenizer's, as TorchTitan does"},
@@ -99,6 +108,9 @@ std::vector<Field> fields(JobConfig& c) {
        "TorchTitan's Llama TP plan with sequence parallel over this many ranks (innermost mesh dim); FSDP over the rest"},
       {"parallelism", "disable_loss_parallel", &c.parallelism.disable_loss_parallel,
        "with TP: gather the logits (Replicate) instead of the vocabulary-sharded loss-parallel cross entropy"},
+      {"parallelism", "expert_parallel_degree", &c.parallelism.expert_parallel_degree,
+       "MoE models: routed experts split over this many ranks of each data-parallel shard group (must divide "
+       "data_parallel_shard_degree and the expert count); experts' FSDP over the shard ranks left"},
       {"parallelism", "pipeline_parallel_degree", &c.parallelism.pipeline_parallel_degree,
        "pipeline ranks (outermost mesh dim: [pp, dp_replicate, dp_shard, tp]); each holds one or more stages"},
       {"parallelism", "pipeline_parallel_schedule", &c.parallelism.pipeline_parallel_schedule,
@@ -623,7 +635,13 @@ std::string to_toml(const JobConfig& config_in) {
 }
 
 void validate(const JobConfig& c) {
-  check_choice("model.name", c.model.name, {"llama3"});
+  check_choice("model.name", c.model.name, {"llama3", "qwen3"});
+  if (!c.model.moe_score_func.empty()) check_choice("model.moe_score_func", c.model.moe_score_func, {"softmax", "sigmoid"});
+  if (!c.model.moe_route_norm.empty()) check_choice("model.moe_route_norm", c.model.moe_route_norm, {"true", "false"});
+  check(c.model.moe_shared_experts >= -1, "model.moe_shared_experts: expected >= 0 (or -1 = the flavor's), got " +
+                                              std::to_string(c.model.moe_shared_experts));
+  check(c.parallelism.expert_parallel_degree >= 1,
+        "parallelism.expert_parallel_degree: expected >= 1, got " + std::to_string(c.parallelism.expert_parallel_degree));
   check_choice("optimizer.name", c.optimizer.name, {"AdamW", "Adam"});
   check_choice("lr_scheduler.decay_type", c.lr_scheduler.decay_type, {"linear", "sqrt", "cosine"});
   const std::vector<std::string> datasets = {"common_licenses", "common_licenses_validation", "text", "jsonl", "tokens"};
@@ -770,6 +788,14 @@ ParallelDims resolve_parallelism(const JobConfig& c, int64_t world_size) {
             ") must be a multiple of training.local_batch_size (" + std::to_string(d.local_batch_size) +
             ") x data-parallel degree (" + std::to_string(d.dp_degree()) + ") = " + std::to_string(per_micro));
   d.grad_accum_steps = d.global_batch_size / per_micro;
+  d.ep = c.parallelism.expert_parallel_degree;
+  if (d.ep > 1) {
+    check(d.dp_shard % d.ep == 0, "parallelism.expert_parallel_degree (" + std::to_string(d.ep) +
+                                      ") must divide the data-parallel shard degree (" + std::to_string(d.dp_shard) +
+                                      "): expert parallelism borrows its ranks from FSDP's shard dim");
+    check(d.tp == 1 && d.pp == 1, "parallelism.expert_parallel_degree > 1 with tensor or pipeline parallelism is "
+                                  "not supported yet (expert parallelism composes with FSDP and HSDP)");
+  }
   if (d.pp > 1) {
     const int64_t n = c.parallelism.num_pp_microbatches;
     const int64_t size = c.parallelism.pipeline_parallel_microbatch_size;

@@ -28,7 +28,14 @@ struct JobConfig {
   struct Model {
     std::string name = "llama3";
     std::string flavor = "debugmodel";
-    std::string tokenizer_path;  // "" = byte-level tokenizer; else a Hugging Face tokenizer.json (byte-level BPE)
+    std::string tokenizer_path;
+    // MoE overrides of the flavor's block (qwen3 *_moe flavors; "" / -1 = the flavor's own): DeepSeek-V3-style
+    // routing is moe_score_func = "sigmoid", moe_shared_experts = 1, moe_route_norm = "true", moe_route_scale.
+    std::string moe_score_func;
+    int64_t moe_shared_experts = -1;
+    std::string moe_route_norm;  // "" | "true" | "false"
+    double moe_route_scale = 0;  // 0 = the flavor's
+    double moe_load_balance_coeff = -1;  // -1 = the flavor's (1e-3); 0 = no aux-loss-free bias  // "" = byte-level tokenizer; else a Hugging Face tokenizer.json (byte-level BPE)
   } model;
   struct Optimizer {
     std::string name = "AdamW";
@@ -77,6 +84,9 @@ struct JobConfig {
     std::string fsdp_reshard_after_forward = "default";  // default | always | never
     int64_t tensor_parallel_degree = 1;   // TorchTitan's Llama TP plan (with sequence parallel) over this many ranks
     bool disable_loss_parallel = false;   // with TP: gather the logits instead of a vocabulary-sharded loss
+    // Expert parallelism (MoE models): routed experts split over this many ranks, borrowed from the data-parallel
+    // shard dim (TorchTitan: ep divides dp_shard); their FSDP shards over the dp_shard / ep ranks left.
+    int64_t expert_parallel_degree = 1;
     // Pipeline parallelism (TorchTitan's keys): the outermost mesh dim.
     int64_t pipeline_parallel_degree = 1;
     std::string pipeline_parallel_schedule = "1F1B";  // torch's names, case-insensitive
@@ -155,6 +165,7 @@ struct ParallelDims {
   int64_t tp = 1;  // tensor-parallel degree (innermost mesh dim: ranks r*tp .. r*tp+tp-1 share a data shard)
   int64_t pp = 1;  // pipeline degree (outermost mesh dim: the pp ranks of a data-parallel rank read the same samples)
   int64_t pp_microbatches = 1;
+  int64_t ep = 1;  // expert-parallel degree (inside dp_shard: ranks r*ep .. r*ep+ep-1 of a shard group split the experts)
   int64_t dp_degree() const { return dp_replicate * dp_shard; }
   // The data-parallel rank of a world rank (mesh [pp, dp_replicate, dp_shard, tp]).
   int64_t dp_rank_of(int64_t rank) const { return (rank % (dp_degree() * tp)) / tp; }

@@ -3,6 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -52,7 +53,16 @@ std::string format_log_line(const StepMetrics& m) {
                 static_cast<long long>(m.step), m.loss, m.grad_norm, m.lr, m.mem_gib, m.mem_max_gib,
                 thousands(m.tps).c_str(), m.tflops, m.mfu, format_duration(m.elapsed_s).c_str(),
                 format_duration(m.eta_s).c_str());
-  return buf;
+  std::string line = buf;
+  if (!m.expert_tokens_max.empty() && m.expert_tokens_mean > 0) {
+    // The busiest expert of the most unbalanced layer against an even split (1.00 = balanced).
+    double worst = 0;
+    for (double v : m.expert_tokens_max) worst = std::max(worst, v / m.expert_tokens_mean);
+    char moe[64];
+    std::snprintf(moe, sizeof moe, "  expert load max/mean: %.2f", worst);
+    line += moe;
+  }
+  return line;
 }
 
 std::string format_validation_line(int64_t step, double loss, double perplexity, double tps, double seconds) {
@@ -88,6 +98,11 @@ void JsonlWriter::write(const StepMetrics& m) {
     j["tensor_peak_bytes"] = m.tensor_peak_bytes;
   }
   if (m.eta_s >= 0) j["eta_s"] = m.eta_s;
+  if (!m.expert_tokens_min.empty()) {
+    j["expert_tokens_min"] = m.expert_tokens_min;  // per MoE layer
+    j["expert_tokens_max"] = m.expert_tokens_max;
+    j["expert_tokens_mean"] = m.expert_tokens_mean;
+  }
   out_ << j.dump() << "\n";
   out_.flush();  // a crash keeps every step written so far
 }

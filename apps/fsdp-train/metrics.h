@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <fstream>
 #include <string>
+#include <vector>
 
 namespace fsdp_train {
 
@@ -27,6 +28,10 @@ struct StepMetrics {
   // metrics.tensor_memory: live CPU tensor bytes of this rank (tensor_memory.h) at the step's start (after
   // zero_grad), at the end of its last forward (loss computed) and the step's peak; -1 = not tracked.
   int64_t tensor_start_bytes = -1, tensor_forward_bytes = -1, tensor_peak_bytes = -1;
+  // MoE models, per MoE layer: the fewest and most tokens one expert received in the step (all ranks), and the
+  // mean per expert (the same for every layer). Empty for dense models.
+  std::vector<double> expert_tokens_min, expert_tokens_max;
+  double expert_tokens_mean = 0;
 };
 
 // Peak resident set size of this process in bytes (VmHWM of /proc/self/status); 0 where unavailable.

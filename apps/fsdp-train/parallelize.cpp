@@ -2,12 +2,16 @@
 #include "parallelize.h"
 
 #include <fsdp/activation_checkpoint.h>
+#include <fsdp/expert_parallel.h>
+#include <fsdp/models/moe.h>
 #include <fsdp/models/llama_tp_plan.h>
 #include <fsdp/pipeline/schedule.h>
 #include <fsdp/replicate.h>
 #include <fsdp/tensor_parallel.h>
 
 #include <ATen/ATen.h>
+
+#include <unordered_set>
 
 namespace fsdp_train {
 namespace {
@@ -32,6 +36,64 @@ std::string apply_activation_checkpointing(fsdp::nn::llama::Transformer& model, 
   const size_t n = fsdp::checkpoint_every_kth(blocks, k);
   return "layer-selective activation checkpointing (every " + std::to_string(k <= 1 ? 1 : k) + " blocks: " +
          std::to_string(n) + " of " + std::to_string(blocks.size()) + ")";
+}
+
+// The MoE block of a transformer block, or null for a dense one (its feed-forward is a child named "moe").
+fsdp::nn::moe::MoEImpl* moe_of(torch::nn::Module& block) {
+  for (const auto& child : block.named_children()) {
+    if (child.key() == "moe") return child.value()->as<fsdp::nn::moe::MoEImpl>();
+  }
+  return nullptr;
+}
+
+// Where a block's routed experts are sharded (TorchTitan's apply_moe_ep + apply_fsdp): with expert parallelism
+// the experts are split over `ep` ranks first and FSDP shards each rank's experts over the data-parallel ranks
+// left (mesh [dp_replicate,] efsdp); without it, over the dense mesh. Shard(1) instead of Shard(0) when the
+// expert weights would be cut in more pieces (efsdp x ep = dp_shard) than there are experts (tt#1561: dim-0
+// shards would be mostly padding; the count excludes dp_replicate, tt#4767).
+struct ExpertSharding {
+  fsdp::DeviceMesh mesh;  // invalid: the block's own (dense) mesh
+  int64_t dim = 0;
+  std::string description;
+};
+
+ExpertSharding apply_expert_parallel_to_blocks(fsdp::nn::llama::Transformer& model, const ParallelDims& dims,
+                                               const std::string& device) {
+  ExpertSharding out;
+  int64_t num_experts = 0;
+  for (auto& block : model->blocks()) {
+    if (auto* moe = moe_of(*block)) num_experts = moe->options().num_experts;
+  }
+  if (num_experts == 0) {
+    if (dims.ep > 1) {
+      throw ConfigError("config error: parallelism.expert_parallel_degree = " + std::to_string(dims.ep) +
+                        " but the model has no MoE layers (use a *_moe flavor)");
+    }
+    return out;
+  }
+  if (num_experts % dims.ep != 0) {
+    throw ConfigError("config error: parallelism.expert_parallel_degree = " + std::to_string(dims.ep) +
+                      " does not divide the model's " + std::to_string(num_experts) + " experts");
+  }
+  out.dim = dims.dp_shard > num_experts ? 1 : 0;
+  if (dims.ep > 1) {
+    std::vector<int64_t> shape{dims.dp_shard / dims.ep, dims.ep};
+    std::vector<std::string> names{"efsdp", "ep"};
+    if (dims.dp_replicate > 1) {
+      shape.insert(shape.begin(), dims.dp_replicate);
+      names.insert(names.begin(), "dp_replicate");
+    }
+    const fsdp::DeviceMesh sparse = fsdp::init_device_mesh(device, shape, names);
+    for (auto& block : model->blocks()) {
+      if (auto* moe = moe_of(*block)) fsdp::apply_expert_parallel(moe->experts.ptr(), sparse["ep"]);
+    }
+    out.mesh = dims.dp_replicate > 1 ? sparse.slice({"dp_replicate", "efsdp"}) : sparse["efsdp"];
+    out.description = "EP " + std::to_string(dims.ep) + " (experts' FSDP over " + out.mesh.to_string() + ", Shard(" +
+                      std::to_string(out.dim) + ")) + ";
+  } else if (out.dim == 1) {
+    out.description = "experts Shard(1) + ";
+  }
+  return out;
 }
 
 // Replicas without sharding or tensor parallelism: TorchTitan's DDP path.
@@ -68,7 +130,7 @@ bool plan_uses_fully_shard(const ParallelDims& dims, bool has_group) {
 bool plan_needs_full_init(const ParallelDims& dims, bool has_group) {
   // Replicas are built whole, then replicate broadcasts replica 0's weights (DDP's guarantee); TP plans need
   // the whole model before they split it.
-  return !has_group || plain_data_parallel(dims) || dims.tp > 1;
+  return !has_group || plain_data_parallel(dims) || dims.tp > 1 || dims.ep > 1;
 }
 
 namespace {
@@ -202,6 +264,19 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
 
 ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobConfig& config, const ParallelDims& dims,
                                const fsdp::ProcessGroupPtr& group) {
+  bool has_moe = false;
+  for (auto& block : model->blocks()) has_moe = has_moe || moe_of(*block) != nullptr;
+  if (has_moe && (dims.pp > 1 || dims.tp > 1)) {
+    throw ConfigError("config error: MoE models (" + config.model.name + " " + config.model.flavor + ") with " +
+                      (dims.pp > 1 ? "pipeline" : "tensor") + " parallelism are not supported yet; use FSDP, HSDP "
+                      "and parallelism.expert_parallel_degree");
+  }
+  if (has_moe && config.activation_checkpoint.mode == "selective" && config.activation_checkpoint.selective_ac_option == "op") {
+    // Op-level SAC runs the forward twice with gradients on: the experts' token counts (load balancing) would
+    // double. Full and layer-selective AC count once (their first pass runs without gradients).
+    throw ConfigError("config error: activation_checkpoint.selective_ac_option = \"op\" with an MoE model is not "
+                      "supported yet; use mode = \"full\" or a layer-selective option");
+  }
   if (dims.pp > 1) return parallelize_llama_pipeline(model, config, dims, group);
   ParallelPlan plan;
   plan.dp_group = group;
@@ -248,11 +323,22 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
     plan.mesh = fsdp::init_device_mesh(device, {dims.dp_shard}, {"dp_shard"});
     dp_mesh = plan.mesh;
   }
+  const ExpertSharding experts = apply_expert_parallel_to_blocks(model, dims, device);
   const fsdp::FullyShardOptions base = fsdp_base_options(config, dp_mesh);
   const std::string& policy = config.parallelism.fsdp_reshard_after_forward;
   auto& blocks = model->blocks();
   for (size_t i = 0; i < blocks.size(); ++i) {
     fsdp::FullyShardOptions opts = base;
+    if (auto* moe = moe_of(*blocks[i]); moe && (experts.mesh.valid() || experts.dim != 0)) {
+      // One fully_shard per block with per-parameter meshes (TorchTitan HEAD): the routed experts go to their
+      // own parameter group, the rest of the block to the dense one.
+      std::unordered_set<const c10::TensorImpl*> expert_params;
+      for (const auto& p : moe->experts->parameters()) expert_params.insert(p.unsafeGetTensorImpl());
+      opts.shard_placement_fn = [expert_params, experts](const at::Tensor& p) -> std::optional<fsdp::ShardPlacement> {
+        if (!expert_params.count(p.unsafeGetTensorImpl())) return std::nullopt;
+        return experts.mesh.valid() ? fsdp::ShardPlacement{experts.dim, experts.mesh} : fsdp::ShardPlacement{experts.dim};
+      };
+    }
     if (policy == "always") opts.reshard_after_forward = true;
     else if (policy == "never") opts.reshard_after_forward = false;
     else opts.reshard_after_forward = i + 1 < blocks.size();  // backward starts with the last block: keep it
@@ -263,7 +349,8 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
   plan.fsdp_modules.push_back(fsdp::fully_shard(model, root));
   for (auto& m : plan.fsdp_modules) m.set_gradient_divide_factor(1.0);
   plan.fsdp = true;
-  plan.description = tp_description + std::string(dims.dp_replicate > 1 ? "HSDP" : "FSDP") + " mesh " + plan.mesh.to_string() +
+  plan.description = tp_description + experts.description + std::string(dims.dp_replicate > 1 ? "HSDP" : "FSDP") +
+                     " mesh " + plan.mesh.to_string() +
                      ", reshard_after_forward " + policy + ", param " + config.training.mixed_precision_param +
                      ", reduce " + config.training.mixed_precision_reduce;
   return plan;

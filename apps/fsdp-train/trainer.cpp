@@ -153,6 +153,7 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
   const double flops_per_token = fsdp::nn::llama::flops_per_token(args, config.training.seq_len);
 
   ParallelPlan plan = parallelize_llama(model, config, dims, env.group);
+  const std::vector<fsdp::nn::moe::MoEImpl*> moe_blocks = moe_layers(*model);
   // The summed token loss of flattened logits (training and validation alike): with loss parallel the logits are
   // sharded over the vocabulary and the cross entropy reduces over the TP group.
   const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss_sum_of = [&plan](const torch::Tensor& logits, const torch::Tensor& labels) {
@@ -368,6 +369,10 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
     } else {
       grad_norm = torch::nn::utils::clip_grad_norm_(params, config.training.max_norm);
     }
+    // MoE: the step's expert load over the data-parallel ranks drives the load-balancing bias (TorchTitan runs
+    // this as an optimizer step pre-hook; gradient accumulation has summed every microbatch's counts).
+    const ExpertLoad expert_load = update_expert_load_balance(moe_blocks, plan.dp_group);
+    if (!expert_load.empty()) summary.expert_loads.push_back(expert_load);
     checkpointer->before_optimizer_step();  // an async save's background snapshot is complete
     optimizer->step();
     if (track_tensors) {
@@ -405,6 +410,9 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
     m.elapsed_s = seconds_since(t_start);
     m.eta_s = m.elapsed_s / static_cast<double>(step - first_step + 1) * static_cast<double>(config.training.steps - step);
     m.tokens_seen = step * dims.global_batch_size * S;
+    m.expert_tokens_min = expert_load.min_tokens;
+    m.expert_tokens_max = expert_load.max_tokens;
+    if (!expert_load.empty()) m.expert_tokens_mean = expert_load.mean_tokens.front();
     if (track_tensors) {
       m.tensor_start_bytes = tmem.start;
       m.tensor_forward_bytes = tmem.forward;
@@ -472,6 +480,11 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
         tb.add_scalar("time_metrics/data_loading(s)", m.data_s / static_cast<double>(window_steps), step);
         tb.add_scalar("time_metrics/data_loading(%)", 100.0 * m.data_s / dt, step);
         tb.add_scalar("memory/max_reserved(GiB)", m.mem_gib, step);  // CPU: this rank's peak RSS
+        for (size_t l = 0; l < m.expert_tokens_min.size(); ++l) {  // per MoE layer, in layer order
+          const std::string tag = "moe/layer_" + std::to_string(l) + "/";
+          tb.add_scalar(tag + "expert_tokens_min", m.expert_tokens_min[l], step);
+          tb.add_scalar(tag + "expert_tokens_max", m.expert_tokens_max[l], step);
+        }
         tb.flush();
       }
       if (say) std::cout << (tty ? "\r\033[K" : "") << format_log_line(m) << std::endl;

@@ -4,6 +4,7 @@
 // GLOBAL valid-token count, clip_grad_norm_, optimizer step; metrics on rank 0.
 
 #include "config.h"
+#include "moe_balance.h"
 
 #include <fsdp/process_group.h>
 
@@ -47,6 +48,8 @@ struct TrainSummary {
     int64_t peak = 0;     // highest during the step (forward, backward, clipping, optimizer step)
   };
   std::vector<TensorMemory> tensor_memory;
+  // MoE models: every step's expert load (all ranks) and bias after the update (empty for dense models).
+  std::vector<ExpertLoad> expert_loads;
 };
 
 // TorchTitan's env handling: init_process_group when WORLD_SIZE > 1 (RANK, MASTER_ADDR, MASTER_PORT from the

@@ -116,8 +116,11 @@ at::Tensor MoEImpl::forward(const at::Tensor& input) {
   const at::Tensor order = at::argsort(flat_ids, /*stable=*/true);
   const at::Tensor token_of_slot = at::floor_divide(order, k);
   const at::Tensor counts = at::bincount(flat_ids, /*weights=*/{}, /*minlength=*/E);
-  if (is_training()) {
+  // Counted in training forwards that record a graph: full activation checkpointing runs the forward once
+  // without gradients and again (recording) in backward, and each token must count once per step.
+  if (is_training() && at::GradMode::is_enabled()) {
     at::NoGradGuard no_grad;
+    if (tokens_per_expert_.device() != counts.device()) tokens_per_expert_ = tokens_per_expert_.to(counts.device());
     tokens_per_expert_.add_(counts.to(tokens_per_expert_.scalar_type()));
   }
   aux_loss_ = at::Tensor();

@@ -78,7 +78,9 @@ TORCH_MODULE(GroupedExperts);
 class MoEImpl : public torch::nn::Module {
  public:
   explicit MoEImpl(const MoEOptions& options);
-  // x [..., D] -> [..., D]. In training mode the tokens each expert received are added to tokens_per_expert().
+  // x [..., D] -> [..., D]. In training mode, with gradients on, the tokens each expert received are added to
+  // tokens_per_expert() (not in a forward without gradients: activation checkpointing's first pass, which its
+  // recomputation repeats with gradients, would count every token twice).
   at::Tensor forward(const at::Tensor& x);
   // DeepSeek-V3's bias update (TorchTitan: an optimizer step pre-hook): delta = coeff * sign(mean(c) - c),
   // centred to mean 0, added to expert_bias; the counts are then zeroed. `counts` defaults to this block's own
