@@ -276,7 +276,9 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
               << "  ranks     " << env.world_size << " ("
               << (dims.pp > 1 ? "pp " + std::to_string(dims.pp) + " x " : std::string()) << "dp replicate "
               << dims.dp_replicate << " x shard " << dims.dp_shard
-              << (dims.tp > 1 ? " x tp " + std::to_string(dims.tp) : std::string()) << "); " << summary.plan << "\n"
+              << (dims.tp > 1 ? " x tp " + std::to_string(dims.tp) : std::string())
+              << (dims.ep > 1 ? ", experts over ep " + std::to_string(dims.ep) + " inside shard" : std::string()) << "); "
+              << summary.plan << "\n"
               << "  batch     global " << dims.global_batch_size << " x " << config.training.seq_len << " tokens = local "
               << dims.local_batch_size << " x " << dims.grad_accum_steps << " accumulation x " << dims.dp_degree()
               << " ranks; " << torch::get_num_threads() << " threads per rank\n"
