@@ -343,3 +343,17 @@ TEST(Qwen3, CachedGenerationEqualsForwardWithMoe) {
   const at::Tensor rest = m->forward_cached(tokens.slice(1, 4, 7), cache);
   EXPECT_LT(max_diff(at::cat({first, rest}, 1), full), 1e-5);
 }
+
+TEST(Qwen3Hf, ExportRefusesSplitExperts) {
+  // What expert parallelism leaves on a rank: half of each layer's experts, no fully_shard.
+  Transformer m(args_of("moe_all"));
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& b : m->blocks()) {
+      for (at::Tensor* w : {&b->moe->experts->w1, &b->moe->experts->w2, &b->moe->experts->w3})
+        w->set_data(w->narrow(0, 0, 2).clone());
+    }
+  }
+  fsdp_test::expect_error_containing<c10::Error>(
+      [&] { hf::export_qwen3(*m, scratch("split_experts").string()); }, "layer 0 holds 2 of its 4 experts");
+}
