@@ -5,6 +5,7 @@
 #include "data.h"
 #include "lr_schedule.h"
 #include "metrics.h"
+#include "metrics_processor.h"
 #include "parallelize.h"
 #include "tensor_memory.h"
 #include "tensorboard.h"
@@ -111,74 +112,169 @@ TrainEnv init_distributed(const JobConfig& config) {
   return env;
 }
 
-TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool compute_entropy) {
-  const bool main_rank = env.rank == 0;
-  const bool say = main_rank && env.verbose;
-  const auto dims = resolve_parallelism(config, env.world_size);
+namespace {
+
+// TorchTitan's Trainer: the constructor builds everything (data, model, parallelisation, optimizer, schedule,
+// metrics, checkpointer) and restores a checkpoint; train() runs the loop, one train_step() per step, with
+// validation, checkpointing and logging as separate steps.
+class Trainer {
+ public:
+  Trainer(const JobConfig& config, const TrainEnv& env);
+  TrainSummary train(bool compute_entropy);
+
+ private:
+  // What one optimizer step produced (before logging).
+  struct StepResult {
+    double loss = 0, grad_norm = 0, lr = 0;
+    double local_loss_sum = 0;  // this rank's summed token loss (for the max-loss metric)
+    int64_t local_tokens = 0;
+    double data_seconds = 0;
+    ExpertLoad expert_load;
+  };
+  void build_model();
+  void build_optimizer();
+  void print_header() const;
+  StepResult train_step(int64_t step);
+  // The step's microbatches through the model (or the pipeline); returns this rank's summed token loss.
+  double forward_backward(std::vector<Batch>& batches, double global_tokens, TrainSummary::TensorMemory& tmem);
+  double clip_gradients();
+  void validate(int64_t step);
+  void log(int64_t step, const StepResult& r, const TrainSummary::TensorMemory& tmem);
+  void set_train_timeouts();
+
+  const JobConfig& config_;
+  const TrainEnv& env_;
+  const bool main_rank_, say_;
+  const ParallelDims dims_;
+  const bool track_tensors_;
+  std::shared_ptr<const Tokenizer> tokenizer_;
+  std::vector<std::string> files_;
+  fsdp::nn::llama::LlamaArgs args_;
+  TextOptions text_options_;
+  std::unique_ptr<DataLoader> loader_;
+  std::unique_ptr<Validator> validator_;
+  fsdp::nn::llama::Transformer model_{nullptr};
+  int64_t n_params_ = 0;
+  double flops_per_token_ = 0;
+  ParallelPlan plan_;
+  std::vector<fsdp::nn::moe::MoEImpl*> moe_blocks_;
+  // The summed token loss of flattened logits (training and validation alike): with loss parallel the logits are
+  // sharded over the vocabulary and the cross entropy reduces over the TP group.
+  std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss_sum_of_;
+  double pipeline_global_tokens_ = 1;
+  std::unique_ptr<fsdp::Pipeline> pipeline_;
+  std::vector<torch::Tensor> params_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::optional<LRSchedule> schedule_;
+  TrainSummary summary_;
+  std::unique_ptr<MetricsProcessor> metrics_;
+  std::unique_ptr<Checkpointer> checkpointer_;
+  TrainState state_;
+  int64_t first_step_ = 1;
+};
+
+Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
+    : config_(config),
+      env_(env),
+      main_rank_(env.rank == 0),
+      say_(main_rank_ && env.verbose),
+      dims_(resolve_parallelism(config, env.world_size)),
+      track_tensors_(config.metrics.tensor_memory) {
   set_threads();
   torch::manual_seed(static_cast<uint64_t>(config.debug.seed));
   if (config.debug.deterministic) at::globalContext().setDeterministicAlgorithms(true, false);
-
   // Before the model exists, so that its storages are counted (tensor_memory.h).
-  const bool track_tensors = config.metrics.tensor_memory;
-  if (track_tensors) tensor_memory::install();
+  if (track_tensors_) tensor_memory::install();
 
-  // ---- tokenizer, data, model ----
-  auto tokenizer = make_tokenizer(config.model.tokenizer_path);
-  const auto files = resolve_dataset_files(config.training.dataset, config.training.dataset_path);
-  fsdp::nn::llama::LlamaArgs args = model_args(config);
-  args.vocab_size = tokenizer->vocab_size();  // TorchTitan: the model's vocab follows the tokenizer
-  args.max_seq_len = config.training.seq_len;
+  // ---- tokenizer, data ----
+  tokenizer_ = make_tokenizer(config.model.tokenizer_path);
+  files_ = resolve_dataset_files(config.training.dataset, config.training.dataset_path);
+  args_ = model_args(config);
+  args_.vocab_size = tokenizer_->vocab_size();  // TorchTitan: the model's vocab follows the tokenizer
+  args_.max_seq_len = config.training.seq_len;
   // Mesh [pp, dp_replicate, dp_shard, tp]: the tp ranks of a data-parallel rank, and its pp ranks, read the
   // same samples (the first stage needs the tokens, the last the labels).
-  const int64_t dp_rank = dims.dp_rank_of(env.rank);
-  const TextOptions text_options{config.training.dataset_text_field, config.training.bad_records == "skip", main_rank};
-  DataLoader loader(files, tokenizer, args.vocab_size,
-                    {config.training.seq_len, dims.local_batch_size, dims.grad_accum_steps, dp_rank, dims.dp_degree()},
-                    text_options);
-  std::unique_ptr<Validator> validator;
+  const int64_t dp_rank = dims_.dp_rank_of(env.rank);
+  text_options_ = TextOptions{config.training.dataset_text_field, config.training.bad_records == "skip", main_rank_};
+  loader_ = std::make_unique<DataLoader>(
+      files_, tokenizer_, args_.vocab_size,
+      LoaderOptions{config.training.seq_len, dims_.local_batch_size, dims_.grad_accum_steps, dp_rank, dims_.dp_degree()},
+      text_options_);
   if (config.validation.enable)
-    validator = std::make_unique<Validator>(config.validation, tokenizer, args.vocab_size, dp_rank, dims.dp_degree(),
-                                            text_options);
+    validator_ = std::make_unique<Validator>(config.validation, tokenizer_, args_.vocab_size, dp_rank, dims_.dp_degree(),
+                                             text_options_);
 
+  build_model();
+  build_optimizer();
+
+  // ---- metrics ----
+  summary_.plan = plan_.description + "; " + plan_.activation_checkpointing;
+  if (config.metrics.peak_tflops > 0) {
+    summary_.peak_tflops = config.metrics.peak_tflops;
+  } else {
+    if (env.group) env.group->barrier().wait();  // all ranks measure together: the peak under the same sharing
+    summary_.peak_tflops = measure_peak_tflops();
+    summary_.peak_tflops = all_reduce(env.group, {summary_.peak_tflops}, fsdp::ReduceOp::Min)[0];
+  }
+  metrics_ = std::make_unique<MetricsProcessor>(config, env.rank, env.verbose);
+  if (main_rank_) {
+    std::filesystem::create_directories(config.job.dump_folder);
+    std::ofstream(std::filesystem::path(config.job.dump_folder) / "config.toml") << to_toml(config);
+  }
+  print_header();
+
+  // ---- checkpoint ----
+  checkpointer_ = make_checkpointer(config, env.rank, env.group);
+  state_.model = model_.ptr().get();
+  if (plan_.stages.empty()) {
+    state_.parts = {model_.ptr().get()};
+  } else {
+    for (auto& stage : plan_.stages) state_.parts.push_back(stage.ptr().get());
+  }
+  state_.optimizer = optimizer_.get();
+  state_.data = loader_.get();
+  checkpointer_->load(state_);
+  first_step_ = state_.step + 1;
+}
+
+void Trainer::build_model() {
+  const auto& config = config_;
   // With FSDP the model is built on `meta` (no full copy on any rank), sharded, then only the local shards are
   // allocated and initialized unit by unit — the same weights as an unsharded init (TorchTitan's flow).
-  const bool meta_init = !plan_needs_full_init(dims, env.group != nullptr);
+  const bool meta_init = !plan_needs_full_init(dims_, env_.group != nullptr);
   const uint64_t seed = static_cast<uint64_t>(config.debug.seed);
-  if (meta_init) args.device = c10::kMeta;
-  fsdp::nn::llama::Transformer model(args);
-  if (env.group) check_launch_matches(config, *model);
-  if (!meta_init) model->init_weights(seed);
-  const int64_t n_params = fsdp::nn::llama::num_params(args);
-  const double flops_per_token = fsdp::nn::llama::flops_per_token(args, config.training.seq_len);
+  if (meta_init) args_.device = c10::kMeta;
+  model_ = fsdp::nn::llama::Transformer(args_);
+  if (env_.group) check_launch_matches(config, *model_);
+  if (!meta_init) model_->init_weights(seed);
+  n_params_ = fsdp::nn::llama::num_params(args_);
+  flops_per_token_ = fsdp::nn::llama::flops_per_token(args_, config.training.seq_len);
 
-  ParallelPlan plan = parallelize_llama(model, config, dims, env.group);
-  const std::vector<fsdp::nn::moe::MoEImpl*> moe_blocks = moe_layers(*model);
-  // The summed token loss of flattened logits (training and validation alike): with loss parallel the logits are
-  // sharded over the vocabulary and the cross entropy reduces over the TP group.
-  const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss_sum_of = [&plan](const torch::Tensor& logits, const torch::Tensor& labels) {
-    if (plan.loss_parallel)
-      return fsdp::loss_parallel_cross_entropy(logits, labels, plan.tp_mesh, -100, fsdp::LossReduction::Sum);
+  plan_ = parallelize_llama(model_, config, dims_, env_.group);
+  moe_blocks_ = moe_layers(*model_);
+  loss_sum_of_ = [this](const torch::Tensor& logits, const torch::Tensor& labels) {
+    if (plan_.loss_parallel)
+      return fsdp::loss_parallel_cross_entropy(logits, labels, plan_.tp_mesh, -100, fsdp::LossReduction::Sum);
     return torch::nn::functional::cross_entropy(
         logits.to(torch::kFloat), labels,
         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(-100));
   };
-  if (meta_init && plan.stages.empty()) {
-    fsdp::materialize_module(*model);
-    model->init_weights(seed, fsdp::full_params_init_scope(*model));
+  if (meta_init && plan_.stages.empty()) {
+    fsdp::materialize_module(*model_);
+    model_->init_weights(seed, fsdp::full_params_init_scope(*model_));
   } else if (meta_init) {
     // Pipeline stages: only this rank's stages get storage. The whole model's init runs in full order (one
     // generator, the same numbers as an unsharded init); the parts of other ranks' stages stay on `meta`, where
     // the copies are no-ops.
     std::vector<std::function<void(torch::nn::Module&, const std::function<void()>&)>> scopes;
     std::vector<std::unordered_set<const torch::nn::Module*>> held;
-    for (auto& stage : plan.stages) {
+    for (auto& stage : plan_.stages) {
       fsdp::materialize_module(*stage);
       scopes.push_back(fsdp::full_params_init_scope(*stage));
       held.emplace_back();
       for (const auto& m : stage->modules(/*include_self=*/true)) held.back().insert(m.get());
     }
-    model->init_weights(seed, [&](torch::nn::Module& part, const std::function<void()>& fn) {
+    model_->init_weights(seed, [&](torch::nn::Module& part, const std::function<void()>& fn) {
       for (size_t i = 0; i < held.size(); ++i) {
         if (held[i].count(&part)) return scopes[i](part, fn);
       }
@@ -187,348 +283,275 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
   }
   // Pipeline parallelism: the schedule runs the stages; each microbatch's loss is its summed token loss over the
   // step's global token count (set before each step), so the microbatches and ranks add up to the batch's mean.
-  double pipeline_global_tokens = 1;
-  std::unique_ptr<fsdp::Pipeline> pipeline;
-  if (!plan.stages.empty()) {
+  if (!plan_.stages.empty()) {
     std::vector<fsdp::PipelineStage> stages;
-    for (size_t i = 0; i < plan.stages.size(); ++i) {
-      auto stage = plan.stages[i];
-      stages.push_back({plan.stage_indices[i], stage.ptr(),
+    for (size_t i = 0; i < plan_.stages.size(); ++i) {
+      auto stage = plan_.stages[i];
+      stages.push_back({plan_.stage_indices[i], stage.ptr(),
                         [stage](const torch::Tensor& x) { return fsdp::nn::call(stage, x); }});
     }
     fsdp::PipelineOptions popts;
     popts.schedule = config.parallelism.pipeline_parallel_schedule;
-    popts.microbatches = static_cast<int>(dims.pp_microbatches);
-    popts.num_stages = plan.num_stages;
-    pipeline = std::make_unique<fsdp::Pipeline>(
-        std::move(stages), plan.pp_group,
-        [&loss_sum_of, &pipeline_global_tokens](const torch::Tensor& logits, const torch::Tensor& labels) {
-          return loss_sum_of(logits.reshape({-1, logits.size(-1)}), labels.reshape({-1})) / pipeline_global_tokens;
+    popts.microbatches = static_cast<int>(dims_.pp_microbatches);
+    popts.num_stages = plan_.num_stages;
+    pipeline_ = std::make_unique<fsdp::Pipeline>(
+        std::move(stages), plan_.pp_group,
+        [this](const torch::Tensor& logits, const torch::Tensor& labels) {
+          return loss_sum_of_(logits.reshape({-1, logits.size(-1)}), labels.reshape({-1})) / pipeline_global_tokens_;
         },
         popts);
   }
-  if (env.group) env.group->set_timeout(std::chrono::seconds(config.comm.init_timeout_seconds));
+  if (env_.group) env_.group->set_timeout(std::chrono::seconds(config.comm.init_timeout_seconds));
+}
 
-  // ---- optimizer and schedule ----
+void Trainer::build_optimizer() {
+  const auto& o = config_.optimizer;
   // Under PP only this rank's stages' parameters (the others' stay on `meta`, or are not trained here).
-  std::vector<torch::Tensor> params;
-  if (plan.stages.empty()) {
-    params = model->parameters();
+  if (plan_.stages.empty()) {
+    params_ = model_->parameters();
   } else {
-    for (auto& stage : plan.stages) {
-      for (auto& p : stage->parameters()) params.push_back(p);
+    for (auto& stage : plan_.stages) {
+      for (auto& p : stage->parameters()) params_.push_back(p);
     }
   }
-  std::unique_ptr<torch::optim::Optimizer> optimizer;
-  if (config.optimizer.name == "AdamW") {
-    optimizer = std::make_unique<torch::optim::AdamW>(
-        params, torch::optim::AdamWOptions(config.optimizer.lr)
-                    .betas({config.optimizer.beta1, config.optimizer.beta2})
-                    .eps(config.optimizer.eps)
-                    .weight_decay(config.optimizer.weight_decay));
+  if (o.name == "AdamW") {
+    optimizer_ = std::make_unique<torch::optim::AdamW>(
+        params_, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
   } else {
-    optimizer = std::make_unique<torch::optim::Adam>(
-        params, torch::optim::AdamOptions(config.optimizer.lr)
-                    .betas({config.optimizer.beta1, config.optimizer.beta2})
-                    .eps(config.optimizer.eps)
-                    .weight_decay(config.optimizer.weight_decay));
+    optimizer_ = std::make_unique<torch::optim::Adam>(
+        params_, torch::optim::AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
   }
-  const double* decay_ratio = config.lr_scheduler.decay_ratio ? &*config.lr_scheduler.decay_ratio : nullptr;
-  const LRSchedule schedule = LRSchedule::build(config.training.steps, config.lr_scheduler.warmup_steps, decay_ratio,
-                                                config.lr_scheduler.decay_type, config.lr_scheduler.min_lr_factor);
+  const auto& s = config_.lr_scheduler;
+  const double* decay_ratio = s.decay_ratio ? &*s.decay_ratio : nullptr;
+  schedule_ = LRSchedule::build(config_.training.steps, s.warmup_steps, decay_ratio, s.decay_type, s.min_lr_factor);
+}
 
-  // ---- metrics ----
-  TrainSummary summary;
-  summary.plan = plan.description + "; " + plan.activation_checkpointing;
-  if (config.metrics.peak_tflops > 0) {
-    summary.peak_tflops = config.metrics.peak_tflops;
+void Trainer::print_header() const {
+  if (!say_) return;
+  const auto& config = config_;
+  const auto& args = args_;
+  const auto& dims = dims_;
+  const std::string tb = metrics_->tensorboard_dir();
+  std::cout << "fsdp-train: " << config.job.description << "\n"
+            << "  model     " << config.model.name << " " << config.model.flavor << ": dim " << args.dim << ", "
+            << args.n_layers << " layers, " << args.n_heads << " heads (" << args.kv_heads() << " kv), "
+            << (args.moe ? std::to_string(args.moe->num_experts) + " experts (top-" + std::to_string(args.moe->top_k) +
+                               ", " + args.moe->score_func + ", hidden " + std::to_string(args.moe->hidden) +
+                               (args.moe->num_shared_experts ? ", shared " + std::to_string(args.moe->num_shared_experts) : "") + ")"
+                         : "ffn " + std::to_string(args.ffn_hidden_dim()))
+            << ", vocab " << args.vocab_size << ", " << n_params_ << " parameters\n"
+            << "  tokenizer " << tokenizer_->describe() << "\n"
+            << "  data      " << config.training.dataset << ": " << files_.size() << " files\n"
+            << "  ranks     " << env_.world_size << " ("
+            << (dims.pp > 1 ? "pp " + std::to_string(dims.pp) + " x " : std::string()) << "dp replicate "
+            << dims.dp_replicate << " x shard " << dims.dp_shard
+            << (dims.tp > 1 ? " x tp " + std::to_string(dims.tp) : std::string())
+            << (dims.ep > 1 ? ", experts over ep " + std::to_string(dims.ep) + " inside shard" : std::string()) << "); "
+            << summary_.plan << "\n"
+            << "  batch     global " << dims.global_batch_size << " x " << config.training.seq_len << " tokens = local "
+            << dims.local_batch_size << " x " << dims.grad_accum_steps << " accumulation x " << dims.dp_degree()
+            << " ranks; " << torch::get_num_threads() << " threads per rank\n"
+            << "  peak      " << summary_.peak_tflops << " TFLOP/s per rank ("
+            << (config.metrics.peak_tflops > 0 ? "metrics.peak_tflops" : "measured") << "), "
+            << flops_per_token_ / 1e6 << " MFLOP per token\n"
+            << "  output    " << config.job.dump_folder << "/metrics.jsonl"
+            << (tb.empty() ? std::string() : ", TensorBoard " + tb) << "\n";
+  if (validator_)
+    std::cout << "  validate  " << config.validation.dataset << ": " << validator_->files().size() << " files, "
+              << validator_->num_samples() << " samples of " << config.validation.seq_len + 1 << " tokens, "
+              << validator_->batches_per_run() << " batches of " << config.validation.local_batch_size
+              << " per rank at step 1 and every " << config.validation.freq << " steps\n";
+  std::cout << std::flush;
+}
+
+double Trainer::forward_backward(std::vector<Batch>& batches, double global_tokens, TrainSummary::TensorMemory& tmem) {
+  double local_loss_sum = 0;
+  for (auto& b : batches) {
+    auto inputs = torch::from_blob(b.inputs.data(), {b.batch, b.seq_len}, torch::kLong);
+    if (pipeline_) {
+      // The first stage takes the tokens, the last the labels; each rank runs its part of the schedule.
+      pipeline_global_tokens_ = global_tokens;
+      auto labels = torch::from_blob(b.labels.data(), {b.batch, b.seq_len}, torch::kLong);
+      const auto result = pipeline_->step(plan_.holds_first_stage ? inputs : torch::Tensor(),
+                                          plan_.holds_last_stage ? labels : torch::Tensor());
+      local_loss_sum += result.loss_sum() * global_tokens;  // 0 off the last stage
+      continue;
+    }
+    auto labels = torch::from_blob(b.labels.data(), {b.batch * b.seq_len}, torch::kLong);
+    auto logits = fsdp::nn::call(model_, inputs);
+    auto loss_sum = loss_sum_of_(logits.reshape({-1, logits.size(-1)}), labels);
+    if (track_tensors_) tmem.forward = tensor_memory::live_bytes();
+    // Divided by the global count: summed over micro-batches and ranks, this is the full-batch gradient.
+    (loss_sum / global_tokens).backward();
+    local_loss_sum += loss_sum.item<double>();
+  }
+  return local_loss_sum;
+}
+
+double Trainer::clip_gradients() {
+  if (pipeline_) {
+    // Over every stage of every pp rank (TorchTitan's clip_grad_norm_ with pp_mesh).
+    std::vector<std::shared_ptr<torch::nn::Module>> parts;
+    for (auto& stage : plan_.stages) parts.push_back(stage.ptr());
+    return fsdp::clip_grad_norm_(parts, config_.training.max_norm, 2.0, plan_.pp_group).item<double>();
+  }
+  if (plan_.fsdp) return fsdp::clip_grad_norm_(*model_, config_.training.max_norm).item<double>();
+  return torch::nn::utils::clip_grad_norm_(params_, config_.training.max_norm);
+}
+
+Trainer::StepResult Trainer::train_step(int64_t step) {
+  StepResult r;
+  r.lr = config_.optimizer.lr * schedule_->factor(step - 1);
+  for (auto& group : optimizer_->param_groups()) group.options().set_lr(r.lr);
+  optimizer_->zero_grad();
+
+  // Data first, so that the global token count is known before any backward.
+  const auto t_data = Clock::now();
+  std::vector<Batch> batches;
+  for (int64_t m = 0; m < dims_.grad_accum_steps; ++m) {
+    batches.push_back(loader_->next());
+    for (int64_t l : batches.back().labels) r.local_tokens += l != -100;
+  }
+  r.data_seconds = seconds_since(t_data);
+  // The TP and PP ranks of a data-parallel rank hold the same tokens: count them once.
+  const double global_tokens =
+      all_reduce(env_.group, {static_cast<double>(r.local_tokens)})[0] / static_cast<double>(dims_.tp * dims_.pp);
+
+  TrainSummary::TensorMemory tmem;
+  if (track_tensors_) {
+    tmem.start = tensor_memory::live_bytes();
+    tensor_memory::reset_peak();
+  }
+  r.local_loss_sum = forward_backward(batches, global_tokens, tmem);
+  r.grad_norm = clip_gradients();
+  // MoE: the step's expert load over the data-parallel ranks drives the load-balancing bias (TorchTitan runs
+  // this as an optimizer step pre-hook; gradient accumulation has summed every microbatch's counts).
+  r.expert_load = update_expert_load_balance(moe_blocks_, plan_.dp_group);
+  if (!r.expert_load.empty()) summary_.expert_loads.push_back(r.expert_load);
+  checkpointer_->before_optimizer_step();  // an async save's background snapshot is complete
+  optimizer_->step();
+  if (track_tensors_) {
+    tmem.peak = tensor_memory::peak_bytes();
+    summary_.tensor_memory.push_back(tmem);
+  }
+  r.loss = all_reduce(env_.group, {r.local_loss_sum})[0] / static_cast<double>(dims_.tp) / global_tokens;
+  summary_.losses.push_back(r.loss);
+  summary_.grad_norms.push_back(r.grad_norm);
+  return r;
+}
+
+// Every group the step uses (the mesh's groups carry FSDP's all-gathers and reduce-scatters), not only the
+// world: a rank that stops participating must make the others fail within comm.train_timeout_seconds.
+void Trainer::set_train_timeouts() {
+  if (!env_.group) return;
+  const std::chrono::seconds t(config_.comm.train_timeout_seconds);
+  env_.group->set_timeout(t);
+  if (plan_.dp_group) plan_.dp_group->set_timeout(t);
+  if (plan_.mesh.valid())
+    for (int64_t d = 0; d < plan_.mesh.ndim(); ++d)
+      if (auto g = plan_.mesh.group(d)) g->set_timeout(t);
+}
+
+void Trainer::validate(int64_t step) {
+  Validator::BatchLoss batch_loss;
+  if (pipeline_) {
+    // The forward-only schedule: the last stage's ranks get each microbatch's loss (here: the summed token loss,
+    // pipeline_global_tokens_ = 1).
+    batch_loss = [this](const torch::Tensor& x, const torch::Tensor& y) {
+      pipeline_global_tokens_ = 1;
+      return pipeline_->eval(plan_.holds_first_stage ? x : torch::Tensor(), plan_.holds_last_stage ? y : torch::Tensor())
+          .loss_sum();
+    };
   } else {
-    if (env.group) env.group->barrier().wait();  // all ranks measure together: the peak under the same sharing
-    summary.peak_tflops = measure_peak_tflops();
-    summary.peak_tflops = all_reduce(env.group, {summary.peak_tflops}, fsdp::ReduceOp::Min)[0];
+    batch_loss = [this](const torch::Tensor& x, const torch::Tensor& y) {
+      auto logits = fsdp::nn::call(model_, x);
+      return loss_sum_of_(logits.reshape({-1, logits.size(-1)}), y.reshape({-1})).item<double>();
+    };
   }
-  JsonlWriter jsonl;
-  if (main_rank || config.metrics.save_for_all_ranks) {
-    const std::string name = main_rank && !config.metrics.save_for_all_ranks ? "metrics.jsonl"
-                                                                              : "metrics_rank" + std::to_string(env.rank) + ".jsonl";
-    jsonl = JsonlWriter((std::filesystem::path(config.job.dump_folder) / name).string());
-  }
-  TensorBoardWriter tb;
-  if (config.metrics.enable_tensorboard && (main_rank || config.metrics.save_for_all_ranks))
-    tb = TensorBoardWriter(tensorboard_log_dir(config.job.dump_folder, config.metrics.save_tb_folder,
-                                               config.metrics.save_for_all_ranks, env.rank));
-  const std::string lr_tag = "lr/" + config.optimizer.name;  // TorchTitan: lr/<optimizer class>
-  if (main_rank) {
-    std::filesystem::create_directories(config.job.dump_folder);
-    std::ofstream(std::filesystem::path(config.job.dump_folder) / "config.toml") << to_toml(config);
-  }
-  if (say) {
-    std::cout << "fsdp-train: " << config.job.description << "\n"
-              << "  model     " << config.model.name << " " << config.model.flavor << ": dim " << args.dim << ", "
-              << args.n_layers << " layers, " << args.n_heads << " heads (" << args.kv_heads() << " kv), "
-              << (args.moe ? std::to_string(args.moe->num_experts) + " experts (top-" + std::to_string(args.moe->top_k) +
-                                 ", " + args.moe->score_func + ", hidden " + std::to_string(args.moe->hidden) +
-                                 (args.moe->num_shared_experts ? ", shared " + std::to_string(args.moe->num_shared_experts) : "") + ")"
-                           : "ffn " + std::to_string(args.ffn_hidden_dim()))
-              << ", vocab " << args.vocab_size << ", " << n_params << " parameters\n"
-              << "  tokenizer " << tokenizer->describe() << "\n"
-              << "  data      " << config.training.dataset << ": " << files.size() << " files\n"
-              << "  ranks     " << env.world_size << " ("
-              << (dims.pp > 1 ? "pp " + std::to_string(dims.pp) + " x " : std::string()) << "dp replicate "
-              << dims.dp_replicate << " x shard " << dims.dp_shard
-              << (dims.tp > 1 ? " x tp " + std::to_string(dims.tp) : std::string())
-              << (dims.ep > 1 ? ", experts over ep " + std::to_string(dims.ep) + " inside shard" : std::string()) << "); "
-              << summary.plan << "\n"
-              << "  batch     global " << dims.global_batch_size << " x " << config.training.seq_len << " tokens = local "
-              << dims.local_batch_size << " x " << dims.grad_accum_steps << " accumulation x " << dims.dp_degree()
-              << " ranks; " << torch::get_num_threads() << " threads per rank\n"
-              << "  peak      " << summary.peak_tflops << " TFLOP/s per rank ("
-              << (config.metrics.peak_tflops > 0 ? "metrics.peak_tflops" : "measured") << "), "
-              << flops_per_token / 1e6 << " MFLOP per token\n"
-              << "  output    " << config.job.dump_folder << "/metrics.jsonl"
-              << (tb.is_open() ? ", TensorBoard " + tb.log_dir() : std::string()) << "\n";
-    if (validator)
-      std::cout << "  validate  " << config.validation.dataset << ": " << validator->files().size() << " files, "
-                << validator->num_samples() << " samples of " << config.validation.seq_len + 1 << " tokens, "
-                << validator->batches_per_run() << " batches of " << config.validation.local_batch_size
-                << " per rank at step 1 and every " << config.validation.freq << " steps\n";
-    std::cout << std::flush;
-  }
+  const ValidationResult v = validator_->validate(batch_loss, env_.group, dims_.tp, dims_.tp * dims_.pp);
+  summary_.validation_steps.push_back(step);
+  summary_.validation_losses.push_back(v.loss);
+  metrics_->log_validation(step, v.loss, v.perplexity, v.tokens, v.tps, v.seconds);
+}
 
-  auto checkpointer = make_checkpointer(config, env.rank, env.group);
-  TrainState state;
-  state.model = model.ptr().get();
-  if (plan.stages.empty()) {
-    state.parts = {model.ptr().get()};
-  } else {
-    for (auto& stage : plan.stages) state.parts.push_back(stage.ptr().get());
+void Trainer::log(int64_t step, const StepResult& r, const TrainSummary::TensorMemory& tmem) {
+  const int64_t S = config_.training.seq_len;
+  StepMetrics m;
+  m.step = step;
+  m.total_steps = config_.training.steps;
+  m.loss = r.loss;
+  m.grad_norm = r.grad_norm;
+  m.lr = r.lr;
+  m.elapsed_s = metrics_->elapsed();
+  m.eta_s = m.elapsed_s / static_cast<double>(step - first_step_ + 1) * static_cast<double>(config_.training.steps - step);
+  m.tokens_seen = step * dims_.global_batch_size * S;
+  m.expert_tokens_min = r.expert_load.min_tokens;
+  m.expert_tokens_max = r.expert_load.max_tokens;
+  if (!r.expert_load.empty()) m.expert_tokens_mean = r.expert_load.mean_tokens.front();
+  if (track_tensors_) {
+    m.tensor_start_bytes = tmem.start;
+    m.tensor_forward_bytes = tmem.forward;
+    m.tensor_peak_bytes = tmem.peak;
   }
-  state.optimizer = optimizer.get();
-  state.data = &loader;
-  checkpointer->load(state);
-  const int64_t first_step = state.step + 1;
+  if (!metrics_->should_log(step, step == config_.training.steps)) return metrics_->progress(m);
+  // Collective: every rank logs the same steps.
+  m.max_loss = all_reduce(env_.group, {r.local_tokens > 0 ? r.local_loss_sum / static_cast<double>(r.local_tokens) : 0.0},
+                          fsdp::ReduceOp::Max)[0];
+  m.mem_gib = static_cast<double>(peak_rss_bytes()) / (1 << 30);
+  m.mem_max_gib = all_reduce(env_.group, {m.mem_gib}, fsdp::ReduceOp::Max)[0];
+  metrics_->log(m, flops_per_token_, summary_.peak_tflops);
+}
 
-  const bool tty = say && isatty(STDOUT_FILENO);
-  const int64_t S = config.training.seq_len;
+TrainSummary Trainer::train(bool compute_entropy) {
+  const int64_t S = config_.training.seq_len;
   // Tokens per rank (TorchTitan's tps): the tp ranks of a data-parallel rank share its tokens (each does 1/tp of
   // their FLOPs), so tokens/s per rank x world size = global tokens/s and MFU stays comparable across layouts.
   // Under PP each pp rank runs 1/pp of the layers of its data-parallel rank's tokens: count them so as well.
-  const int64_t tokens_per_step_local = dims.local_batch_size * dims.grad_accum_steps * S / dims.tp / dims.pp;
-  const auto t_start = Clock::now();
-  auto t_window = t_start;
-  int64_t window_tokens = 0, window_steps = 0;
-  double window_data_s = 0, tps_sum = 0, mfu_sum = 0;
-  int64_t tps_count = 0;
-  bool first_window = true;
-
-  for (int64_t step = state.step + 1; step <= config.training.steps; ++step) {
-    const double lr = config.optimizer.lr * schedule.factor(step - 1);
-    for (auto& group : optimizer->param_groups()) group.options().set_lr(lr);
-    optimizer->zero_grad();
-
-    // Data first, so that the global token count is known before any backward.
-    const auto t_data = Clock::now();
-    std::vector<Batch> batches;
-    int64_t local_tokens = 0;
-    for (int64_t m = 0; m < dims.grad_accum_steps; ++m) {
-      batches.push_back(loader.next());
-      for (int64_t l : batches.back().labels) local_tokens += l != -100;
-    }
-    window_data_s += seconds_since(t_data);
-    // The TP and PP ranks of a data-parallel rank hold the same tokens: count them once.
-    const double global_tokens = all_reduce(env.group, {static_cast<double>(local_tokens)})[0] / dims.tp / dims.pp;
-
-    TrainSummary::TensorMemory tmem;
-    if (track_tensors) {
-      tmem.start = tensor_memory::live_bytes();
-      tensor_memory::reset_peak();
-    }
-    double local_loss_sum = 0;
-    for (auto& b : batches) {
-      if (pipeline) {
-        // The first stage takes the tokens, the last the labels; each rank runs its part of the schedule.
-        pipeline_global_tokens = global_tokens;
-        auto inputs = torch::from_blob(b.inputs.data(), {b.batch, b.seq_len}, torch::kLong);
-        auto labels = torch::from_blob(b.labels.data(), {b.batch, b.seq_len}, torch::kLong);
-        const auto result = pipeline->step(plan.holds_first_stage ? inputs : torch::Tensor(),
-                                           plan.holds_last_stage ? labels : torch::Tensor());
-        local_loss_sum += result.loss_sum() * global_tokens;  // 0 off the last stage
-        continue;
-      }
-      auto inputs = torch::from_blob(b.inputs.data(), {b.batch, b.seq_len}, torch::kLong);
-      auto labels = torch::from_blob(b.labels.data(), {b.batch * b.seq_len}, torch::kLong);
-      auto logits = fsdp::nn::call(model, inputs);
-      auto loss_sum = loss_sum_of(logits.reshape({-1, logits.size(-1)}), labels);
-      if (track_tensors) tmem.forward = tensor_memory::live_bytes();
-      // Divided by the global count: summed over micro-batches and ranks, this is the full-batch gradient.
-      (loss_sum / global_tokens).backward();
-      local_loss_sum += loss_sum.item<double>();
-    }
-    double grad_norm;
-    if (pipeline) {
-      // Over every stage of every pp rank (TorchTitan's clip_grad_norm_ with pp_mesh).
-      std::vector<std::shared_ptr<torch::nn::Module>> parts;
-      for (auto& stage : plan.stages) parts.push_back(stage.ptr());
-      grad_norm = fsdp::clip_grad_norm_(parts, config.training.max_norm, 2.0, plan.pp_group).item<double>();
-    } else if (plan.fsdp) {
-      grad_norm = fsdp::clip_grad_norm_(*model, config.training.max_norm).item<double>();
-    } else {
-      grad_norm = torch::nn::utils::clip_grad_norm_(params, config.training.max_norm);
-    }
-    // MoE: the step's expert load over the data-parallel ranks drives the load-balancing bias (TorchTitan runs
-    // this as an optimizer step pre-hook; gradient accumulation has summed every microbatch's counts).
-    const ExpertLoad expert_load = update_expert_load_balance(moe_blocks, plan.dp_group);
-    if (!expert_load.empty()) summary.expert_loads.push_back(expert_load);
-    checkpointer->before_optimizer_step();  // an async save's background snapshot is complete
-    optimizer->step();
-    if (track_tensors) {
-      tmem.peak = tensor_memory::peak_bytes();
-      summary.tensor_memory.push_back(tmem);
-    }
-    const double loss = all_reduce(env.group, {local_loss_sum})[0] / dims.tp / global_tokens;
-    summary.losses.push_back(loss);
-    summary.grad_norms.push_back(grad_norm);
-    if (step == 1 && env.group) {
-      // Every group the step uses (the mesh's groups carry FSDP's all-gathers and reduce-scatters), not only the
-      // world: a rank that stops participating must make the others fail within comm.train_timeout_seconds.
-      const std::chrono::seconds t(config.comm.train_timeout_seconds);
-      env.group->set_timeout(t);
-      if (plan.dp_group) plan.dp_group->set_timeout(t);
-      if (plan.mesh.valid())
-        for (int64_t d = 0; d < plan.mesh.ndim(); ++d)
-          if (auto g = plan.mesh.group(d)) g->set_timeout(t);
-    }
-
-    state.step = step;
-    state.ntokens_seen = step * dims.global_batch_size * S;
-    const bool last = step == config.training.steps;
-    checkpointer->maybe_save(state, last);
-    if (step == env.stop_after_step) break;  // a test's "crash" right after this step's checkpoint
-
-    window_tokens += tokens_per_step_local;
-    ++window_steps;
-    StepMetrics m;
-    m.step = step;
-    m.total_steps = config.training.steps;
-    m.loss = loss;
-    m.grad_norm = grad_norm;
-    m.lr = lr;
-    m.elapsed_s = seconds_since(t_start);
-    m.eta_s = m.elapsed_s / static_cast<double>(step - first_step + 1) * static_cast<double>(config.training.steps - step);
-    m.tokens_seen = step * dims.global_batch_size * S;
-    m.expert_tokens_min = expert_load.min_tokens;
-    m.expert_tokens_max = expert_load.max_tokens;
-    if (!expert_load.empty()) m.expert_tokens_mean = expert_load.mean_tokens.front();
-    if (track_tensors) {
-      m.tensor_start_bytes = tmem.start;
-      m.tensor_forward_bytes = tmem.forward;
-      m.tensor_peak_bytes = tmem.peak;
-    }
-    if (validator && validator->should_validate(step)) {
-      Validator::BatchLoss batch_loss;
-      if (pipeline) {
-        // The forward-only schedule: the last stage's ranks get each microbatch's loss (here: the summed token
-        // loss, pipeline_global_tokens = 1).
-        batch_loss = [&](const torch::Tensor& x, const torch::Tensor& y) {
-          pipeline_global_tokens = 1;
-          return pipeline->eval(plan.holds_first_stage ? x : torch::Tensor(), plan.holds_last_stage ? y : torch::Tensor())
-              .loss_sum();
-        };
-      } else {
-        batch_loss = [&](const torch::Tensor& x, const torch::Tensor& y) {
-          auto logits = fsdp::nn::call(model, x);
-          return loss_sum_of(logits.reshape({-1, logits.size(-1)}), y.reshape({-1})).item<double>();
-        };
-      }
-      const ValidationResult v = validator->validate(batch_loss, env.group, dims.tp, dims.tp * dims.pp);
-      summary.validation_steps.push_back(step);
-      summary.validation_losses.push_back(v.loss);
-      jsonl.write_validation(step, v.loss, v.perplexity, v.tokens, v.seconds);
-      if (tb.is_open()) {
-        tb.add_scalar("validation_metrics/loss", v.loss, step);
-        tb.add_scalar("validation_metrics/perplexity", v.perplexity, step);
-        tb.add_scalar("validation_metrics/throughput(tps)", v.tps, step);
-        tb.flush();
-      }
-      if (say)
-        std::cout << (tty ? "\r\033[K" : "") << format_validation_line(step, v.loss, v.perplexity, v.tps, v.seconds)
-                  << std::endl;
-      t_window += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(v.seconds));
-    }
-    const bool log_now = step == 1 || step % config.metrics.log_freq == 0 || last;
-    if (log_now) {
-      const double dt = seconds_since(t_window);
-      m.tps = static_cast<double>(window_tokens) / dt;
-      m.tflops = flops_per_token * m.tps / 1e12;
-      m.mfu = 100.0 * m.tflops / summary.peak_tflops;
-      m.data_s = window_data_s;
-      m.step_s = dt / static_cast<double>(window_steps);
-      m.max_loss = all_reduce(env.group, {local_tokens > 0 ? local_loss_sum / static_cast<double>(local_tokens) : 0.0},
-                              fsdp::ReduceOp::Max)[0];
-      m.mem_gib = static_cast<double>(peak_rss_bytes()) / (1 << 30);
-      m.mem_max_gib = all_reduce(env.group, {m.mem_gib}, fsdp::ReduceOp::Max)[0];
-      if (!first_window) {  // the first window holds one-time costs (allocation, lazy init)
-        tps_sum += m.tps * static_cast<double>(window_steps);
-        mfu_sum += m.mfu * static_cast<double>(window_steps);
-        tps_count += window_steps;
-      }
-      first_window = false;
-      jsonl.write(m);
-      if (tb.is_open()) {  // TorchTitan's scalar names
-        tb.add_scalar("loss_metrics/global_avg_loss", m.loss, step);
-        tb.add_scalar("loss_metrics/global_max_loss", m.max_loss, step);
-        tb.add_scalar("grad_norm", m.grad_norm, step);
-        tb.add_scalar(lr_tag, m.lr, step);
-        tb.add_scalar("throughput(tps)", m.tps, step);
-        tb.add_scalar("tflops", m.tflops, step);
-        tb.add_scalar("mfu(%)", m.mfu, step);
-        tb.add_scalar("time_metrics/end_to_end(s)", m.step_s, step);
-        tb.add_scalar("time_metrics/data_loading(s)", m.data_s / static_cast<double>(window_steps), step);
-        tb.add_scalar("time_metrics/data_loading(%)", 100.0 * m.data_s / dt, step);
-        tb.add_scalar("memory/max_reserved(GiB)", m.mem_gib, step);  // CPU: this rank's peak RSS
-        for (size_t l = 0; l < m.expert_tokens_min.size(); ++l) {  // per MoE layer, in layer order
-          const std::string tag = "moe/layer_" + std::to_string(l) + "/";
-          tb.add_scalar(tag + "expert_tokens_min", m.expert_tokens_min[l], step);
-          tb.add_scalar(tag + "expert_tokens_max", m.expert_tokens_max[l], step);
-        }
-        tb.flush();
-      }
-      if (say) std::cout << (tty ? "\r\033[K" : "") << format_log_line(m) << std::endl;
-      t_window = Clock::now();
-      window_tokens = window_steps = 0;
-      window_data_s = 0;
-    } else if (tty) {
-      m.tps = static_cast<double>(window_tokens) / seconds_since(t_window);
-      std::cout << "\r\033[K" << format_progress(m, m.eta_s) << std::flush;
-    }
+  const int64_t tokens_per_step_local = dims_.local_batch_size * dims_.grad_accum_steps * S / dims_.tp / dims_.pp;
+  metrics_->start();
+  for (int64_t step = state_.step + 1; step <= config_.training.steps; ++step) {
+    const StepResult r = train_step(step);
+    if (step == first_step_) set_train_timeouts();
+    state_.step = step;
+    state_.ntokens_seen = step * dims_.global_batch_size * S;
+    const bool last = step == config_.training.steps;
+    checkpointer_->maybe_save(state_, last);
+    if (step == env_.stop_after_step) break;  // a test's "crash" right after this step's checkpoint
+    metrics_->add_step(tokens_per_step_local, r.data_seconds);
+    if (validator_ && validator_->should_validate(step)) validate(step);
+    log(step, r, summary_.tensor_memory.empty() ? TrainSummary::TensorMemory{} : summary_.tensor_memory.back());
   }
 
-  checkpointer->wait();  // a background save or purge finishes (and reports its error) before the job ends
-  summary.seconds = seconds_since(t_start);
-  summary.tokens_seen = state.step * dims.global_batch_size * S;
-  if (main_rank) {
-    const std::filesystem::path dump(config.job.dump_folder);
-    summary.outputs.push_back({"effective config", (dump / "config.toml").string()});
-    if (jsonl.is_open()) summary.outputs.push_back({"metrics (JSON lines)", jsonl.path()});
-    if (tb.is_open()) summary.outputs.push_back({"TensorBoard events", tb.log_dir()});
-    if (config.checkpoint.enable) summary.outputs.push_back({"checkpoints", (dump / config.checkpoint.folder).string()});
+  checkpointer_->wait();  // a background save or purge finishes (and reports its error) before the job ends
+  summary_.seconds = metrics_->elapsed();
+  summary_.tokens_seen = state_.step * dims_.global_batch_size * S;
+  if (main_rank_) {
+    const std::filesystem::path dump(config_.job.dump_folder);
+    summary_.outputs.push_back({"effective config", (dump / "config.toml").string()});
+    for (auto& o : metrics_->outputs()) summary_.outputs.push_back(o);
+    if (config_.checkpoint.enable)
+      summary_.outputs.push_back({"checkpoints", (dump / config_.checkpoint.folder).string()});
   }
-  const size_t n = summary.losses.size(), k = std::min<size_t>(10, n);
-  for (size_t i = n - k; i < n; ++i) summary.final_loss += summary.losses[i] / static_cast<double>(k);
-  if (tps_count > 0) {
-    summary.mean_tps = tps_sum / static_cast<double>(tps_count);
-    summary.mean_mfu = mfu_sum / static_cast<double>(tps_count);
-  }
-  if (compute_entropy && main_rank)
-    summary.unigram_entropy =
-        unigram_entropy_nats(files, tokenizer, args.vocab_size, &summary.epoch_tokens, text_options);
-  const fsdp::CheckpointStats ac = fsdp::checkpoint_stats(*model);
-  summary.ac_forwards = ac.forwards;
-  summary.ac_recomputes = ac.recomputes;
-  summary.ac_mm_reused = ac.mm_reused;
-  summary.bad_records = loader.bad_records();
-  if (validator) summary.validation_bad_records = validator->bad_records();
-  return summary;
+  const size_t n = summary_.losses.size(), k = std::min<size_t>(10, n);
+  for (size_t i = n - k; i < n; ++i) summary_.final_loss += summary_.losses[i] / static_cast<double>(k);
+  summary_.mean_tps = metrics_->mean_tps();
+  summary_.mean_mfu = metrics_->mean_mfu();
+  if (compute_entropy && main_rank_)
+    summary_.unigram_entropy =
+        unigram_entropy_nats(files_, tokenizer_, args_.vocab_size, &summary_.epoch_tokens, text_options_);
+  const fsdp::CheckpointStats ac = fsdp::checkpoint_stats(*model_);
+  summary_.ac_forwards = ac.forwards;
+  summary_.ac_recomputes = ac.recomputes;
+  summary_.ac_mm_reused = ac.mm_reused;
+  summary_.bad_records = loader_->bad_records();
+  if (validator_) summary_.validation_bad_records = validator_->bad_records();
+  return summary_;
+}
+
+}  // namespace
+
+TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool compute_entropy) {
+  return Trainer(config, env).train(compute_entropy);
 }
 
 }  // namespace fsdp_train

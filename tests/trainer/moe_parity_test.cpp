@@ -57,7 +57,8 @@ void expect_parity(const std::string& name, Routing routing, int64_t ep, int64_t
   config.parallelism.data_parallel_replicate_degree = replicate;
   config.parallelism.expert_parallel_degree = ep;
   const TrainSummary got = run_training(config, test::world_env(), false);
-  EXPECT_NE(got.plan.find("EP " + std::to_string(ep) + " ("), std::string::npos) << got.plan;
+  if (ep > 1) EXPECT_NE(got.plan.find("EP " + std::to_string(ep) + " ("), std::string::npos) << got.plan;
+  else EXPECT_EQ(got.plan.find("EP "), std::string::npos) << got.plan;
   EXPECT_NE(got.plan.find(replicate > 1 ? "HSDP" : "FSDP"), std::string::npos) << got.plan;
   ASSERT_EQ(ref.losses.size(), got.losses.size());
   ASSERT_EQ(ref.expert_loads.size(), got.expert_loads.size());
@@ -83,6 +84,12 @@ void expect_parity(const std::string& name, Routing routing, int64_t ep, int64_t
 TEST(TrainerMoE, ExpertParallelEqualsOneRank) {
   // ep = world: 2 ranks (efsdp 1) or 4 ranks (dp_shard 4, ep 4: every rank holds 2 experts)
   expect_parity("ep_world", Routing::Qwen3, fsdp::world()->size());
+}
+
+TEST(TrainerMoE, FullyShardWithoutExpertParallelEqualsOneRank) {
+  // ep 1: the MoE model built on meta, sharded whole over the data-parallel ranks, materialized and initialized
+  // shard by shard.
+  expect_parity("fsdp_no_ep", Routing::DeepSeekV3, 1);
 }
 
 TEST(TrainerMoE, ExpertParallelDeepSeekRoutingEqualsOneRank) {
