@@ -5,9 +5,14 @@
 
 #include <cairo.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -283,4 +288,73 @@ TEST(PlotTrace, BadInputNamesFileAndWhere) {
   EXPECT_NE(m.find("no complete"), std::string::npos) << m;
   m = message("{\"events\": []}");
   EXPECT_NE(m.find("expected a Chrome trace"), std::string::npos) << m;
+}
+
+// A real trace: PyTorch FSDP2 on 2 CPU ranks under PyTorch's profiler (scripts/trace_example.py). The test reads
+// the two files itself: every complete event is drawn, one row per (rank, thread) named by the metadata, and
+// each Gloo collective (gloo:all_gather, gloo:all_reduce) long enough to span a few pixels is red at its middle.
+TEST(PlotTrace, PyTorchFsdp2ProfilerTrace) {
+  const std::string dir = temp("pytorch_trace");
+  std::filesystem::remove_all(dir);
+  const std::string cmd = "MASTER_PORT=" + std::to_string(20000 + getpid() % 20000) + " " + FSDP_TEST_PYTHON + " " +
+                          FSDP_SOURCE_DIR + "/scripts/trace_example.py " + dir + " > " + dir + ".log 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << "see " << dir << ".log";
+  const std::vector<std::string> files = {dir + "/rank0.json", dir + "/rank1.json"};
+  const std::string png = temp("pytorch_trace.png");
+  const PlotFigure f = plot_trace(files, png);
+  const Image img(png);
+
+  struct Event {
+    std::string row;
+    double start, end;
+  };
+  std::vector<Event> gloo;
+  std::map<std::string, int> rows;  // label -> X events
+  double first = 1e300, last = -1e300;
+  int complete = 0;
+  for (size_t r = 0; r < files.size(); ++r) {
+    std::ifstream in(files[r]);
+    const auto j = nlohmann::json::parse(in);
+    std::map<std::string, std::string> process, thread;
+    for (const auto& e : j["traceEvents"]) {
+      if (e.value("ph", "") != "M") continue;
+      if (e["name"] == "process_name") process[e["pid"].dump()] = e["args"]["name"];
+      if (e["name"] == "thread_name") thread[e["pid"].dump() + "/" + e["tid"].dump()] = e["args"]["name"];
+    }
+    for (const auto& e : j["traceEvents"]) {
+      if (e.value("ph", "") != "X") continue;
+      const std::string pid = e["pid"].dump(), tid = e["tid"].dump();
+      const auto unquote = [](std::string s) { return s.size() > 1 && s[0] == '"' ? s.substr(1, s.size() - 2) : s; };
+      const std::string p = process.count(pid) ? process[pid] : "pid " + unquote(pid);
+      const std::string t = thread.count(pid + "/" + tid) ? thread[pid + "/" + tid] : "tid " + unquote(tid);
+      const std::string label = "rank" + std::to_string(r) + ": " + p + " / " + t;
+      const double ts = e["ts"].get<double>(), end = ts + e["dur"].get<double>();
+      first = std::min(first, ts), last = std::max(last, end);
+      ++rows[label], ++complete;
+      const std::string name = e["name"];
+      if (name == "gloo:all_gather" || name == "gloo:all_reduce") gloo.push_back({label, ts, end});
+    }
+  }
+  EXPECT_EQ(f.records, complete);
+  ASSERT_EQ(f.panels.size(), rows.size());
+  std::map<std::string, const PlotPanel*> by_title;
+  for (const auto& p : f.panels) by_title[p.title] = &p;
+  for (const auto& [label, n] : rows) {
+    ASSERT_TRUE(by_title.count(label)) << label;
+    int drawn = 0;
+    for (int k : by_title[label]->points) drawn += k;
+    EXPECT_EQ(drawn, n) << label;
+  }
+  std::map<std::string, int> checked;  // per rank
+  for (const auto& e : gloo) {
+    const PlotPanel& p = *by_title.at(e.row);
+    if ((e.end - e.start) / (last - first) * p.width < 4) continue;  // too narrow to sample its middle cleanly
+    const Rgb c = img.at(static_cast<int>(p.x + ((e.start + e.end) / 2 - first) / (last - first) * p.width),
+                         static_cast<int>(p.y + p.height / 2));
+    EXPECT_TRUE(std::abs(c.r - kComm.r) <= 8 && std::abs(c.g - kComm.g) <= 8 && std::abs(c.b - kComm.b) <= 8)
+        << e.row << " at " << e.start;
+    ++checked[e.row.substr(0, 5)];
+  }
+  EXPECT_GE(checked["rank0"], 2);
+  EXPECT_GE(checked["rank1"], 2);
 }
