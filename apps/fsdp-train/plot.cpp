@@ -206,7 +206,8 @@ PlotFigure plot_metrics(const std::string& jsonl_path, const std::string& out_pa
     try {
       j = nlohmann::json::parse(text);
     } catch (const nlohmann::json::parse_error& e) {
-      throw std::runtime_error("plot: " + jsonl_path + ":" + std::to_string(lineno) + ": not JSON (" + e.what() + ")");
+      throw std::runtime_error("plot: " + jsonl_path + ":" + std::to_string(lineno) + ":" + std::to_string(e.byte) +
+                               ": not JSON: " + json_error_reason(e.what()));
     }
     const RecordReader r(jsonl_path, lineno, j);
     if (!j.is_object()) throw std::runtime_error(r.where() + "expected a JSON object, got " + j.type_name());

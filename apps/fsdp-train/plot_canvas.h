@@ -92,6 +92,10 @@ struct LegendEntry {
 Rect draw_legend(PlotCanvas& canvas, double x, double y, const std::vector<LegendEntry>& entries);
 Rect legend_size(const PlotCanvas& canvas, const std::vector<LegendEntry>& entries);
 
+// nlohmann::json's parse error message without its "[json.exception...] parse error at line L, column C: "
+// prefix (positions within the text it was given, which the callers replace with the file's line and column).
+std::string json_error_reason(const std::string& what);
+
 // The lowercase copy of s (series and event names are matched case-insensitively).
 std::string lowercase(std::string s);
 

@@ -95,7 +95,7 @@ class TraceReader {
       const size_t line_start = text.rfind('\n', at == 0 ? 0 : at - 1);
       const size_t column = at - (line_start == std::string::npos ? 0 : line_start + 1) + 1;
       throw std::runtime_error("plot-trace: " + path + ":" + std::to_string(line) + ":" + std::to_string(column) +
-                               ": not valid JSON (" + e.what() + ")");
+                               ": not JSON: " + json_error_reason(e.what()));
     }
     const nlohmann::json* events = nullptr;
     if (j.is_object() && j.contains("traceEvents")) events = &j["traceEvents"];
