@@ -145,7 +145,9 @@ std::vector<double> nice_ticks(double lo, double hi, int target, double* step) {
     }
   *step = s;
   std::vector<double> ticks;
-  for (double k = std::ceil(lo / s - 1e-9); k * s <= hi + s * 1e-9; k += 1) ticks.push_back(k * s == 0 ? 0 : k * s);
+  // Bounded: where the range is tiny against the values themselves, k + 1 == k in double precision.
+  for (double k = std::ceil(lo / s - 1e-9); k * s <= hi + s * 1e-9 && ticks.size() < 50; k += 1)
+    ticks.push_back(k * s == 0 ? 0 : k * s);
   return ticks;
 }
 
