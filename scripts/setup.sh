@@ -13,6 +13,7 @@ APT_PKGS=(cmake ninja-build ccache g++ python3-venv libgloo-dev libgtest-dev lib
           libtomlplusplus-dev nlohmann-json3-dev libcli11-dev zlib1g-dev libxxhash-dev
           clang  # clang: libFuzzer targets (scripts/fuzz.sh; Debian's clang ships libFuzzer and the sanitizers)
           libprotobuf-dev protobuf-compiler libcrcutil-dev  # fsdp-train's TensorBoard event files
+          pkg-config libcairo2-dev fonts-dejavu-core  # fsdp-train plot / plot-trace (cairo; a font for the labels)
           gdb)  # the fault tests print a hung rank's threads before killing it (tests/fault/fault_util.py)
 missing=()
 for p in "${APT_PKGS[@]}"; do

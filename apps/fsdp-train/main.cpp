@@ -1,7 +1,8 @@
 // fsdp-train: a TorchTitan-style trainer for Llama 3 models on libfsdp.
 //   fsdp-train [--config FILE] [--section.key value ...]      train (the embedded default config without --config)
 //   fsdp-train --print-config [...]                             the effective config as TOML
-//   fsdp-train plot <metrics.jsonl> <out.png>                   loss / throughput / lr charts
+//   fsdp-train plot <metrics.jsonl> <out.png|.svg>              loss, lr, tokens/s, memory (and MoE load) panels
+//   fsdp-train plot-trace <trace.json>... <out.png|.svg>        per-rank timeline of Chrome traces (compute vs comm)
 //   fsdp-train generate --checkpoint DIR --prompt TEXT [...]    sample text from a trained checkpoint (KV cache)
 //   fsdp-train tokenize [--tokenizer PATH] --out FILE.tok IN... pre-tokenize text / JSON Lines (.gz too) into a token file
 // Multi-process: start it with fsdprun (or torchrun-compatible variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
@@ -28,7 +29,8 @@ namespace {
 constexpr const char* kUsage =
     "usage: fsdp-train [--config FILE] [--section.key value ...]\n"
     "       fsdp-train --print-config [--config FILE] [--section.key value ...]\n"
-    "       fsdp-train plot <metrics.jsonl> <out.png>\n"
+    "       fsdp-train plot <metrics.jsonl> <out.png|out.svg>\n"
+    "       fsdp-train plot-trace <trace.json>... <out.png|out.svg>\n"
     "       fsdp-train generate --checkpoint DIR --prompt TEXT [--max_new_tokens N --temperature T --top_k K --seed S]\n"
     "       fsdp-train tokenize [--tokenizer tokenizer.json] [--text-field F] [--bad-records skip|error] --out FILE.tok INPUT...\n"
     "Keys and defaults: docs/trainer.md (TorchTitan's names: job, model, optimizer, lr_scheduler, training,\n"
@@ -36,11 +38,26 @@ constexpr const char* kUsage =
 
 int plot_main(const std::vector<std::string>& args) {
   if (args.size() != 2) {
-    std::cerr << "usage: fsdp-train plot <metrics.jsonl> <out.png>\n";
+    std::cerr << "usage: fsdp-train plot <metrics.jsonl> <out.png|out.svg>\n";
     return 2;
   }
-  const int n = fsdp_train::plot_metrics(args[0], args[1]);
-  std::cout << "wrote " << args[1] << " (" << n << " records)\n";
+  const auto figure = fsdp_train::plot_metrics(args[0], args[1]);
+  std::cout << "wrote " << args[1] << " (" << figure.width << "x" << figure.height << ", " << figure.records
+            << " records; panels:";
+  for (const auto& p : figure.panels) std::cout << " " << p.title << (p.has_data() ? "" : " (no data)") << ";";
+  std::cout << ")\n";
+  return 0;
+}
+
+int plot_trace_main(const std::vector<std::string>& args) {
+  if (args.size() < 2) {
+    std::cerr << "usage: fsdp-train plot-trace <trace.json>... <out.png|out.svg>\n"
+                 "  Chrome trace JSON (PyTorch profiler, Perfetto); several files (one per rank) share the time axis.\n";
+    return 2;
+  }
+  const auto figure = fsdp_train::plot_trace({args.begin(), args.end() - 1}, args.back());
+  std::cout << "wrote " << args.back() << " (" << figure.width << "x" << figure.height << ", " << figure.records
+            << " events on " << figure.panels.size() << " rows)\n";
   return 0;
 }
 
@@ -115,7 +132,7 @@ void print_summary(const fsdp_train::JobConfig& config, const fsdp_train::TrainS
                 static_cast<long long>(s.bad_records), static_cast<long long>(s.validation_bad_records));
   std::printf("outputs:\n");
   for (const auto& [what, where] : s.outputs) std::printf("  %-22s %s\n", what.c_str(), where.c_str());
-  std::printf("  %-22s fsdp-train plot %s/metrics.jsonl loss.png\n", "plot with", config.job.dump_folder.c_str());
+  std::printf("  %-22s fsdp-train plot %s/metrics.jsonl metrics.png\n", "plot with", config.job.dump_folder.c_str());
 }
 
 }  // namespace
@@ -124,6 +141,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   try {
     if (!args.empty() && args[0] == "plot") return plot_main({args.begin() + 1, args.end()});
+    if (!args.empty() && args[0] == "plot-trace") return plot_trace_main({args.begin() + 1, args.end()});
     if (!args.empty() && args[0] == "tokenize") return tokenize_main({args.begin() + 1, args.end()});
     if (!args.empty() && args[0] == "generate") return fsdp_train::generate_main({args.begin() + 1, args.end()});
     for (const auto& a : args)
