@@ -12,6 +12,7 @@
 namespace fsdp::nn::llama {
 
 int64_t LlamaArgs::ffn_hidden_dim() const {
+  if (explicit_ffn_hidden) return *explicit_ffn_hidden;
   // TorchTitan's FeedForward: hidden = int(2 * 4 * dim / 3); optional multiplier; round up to multiple_of.
   int64_t hidden = 4 * dim;
   hidden = static_cast<int64_t>(2 * hidden / 3);
@@ -19,19 +20,52 @@ int64_t LlamaArgs::ffn_hidden_dim() const {
   return multiple_of * ((hidden + multiple_of - 1) / multiple_of);
 }
 
-int64_t num_embedding_params(const LlamaArgs& a) { return a.vocab_size * a.dim; }
-
-int64_t num_params(const LlamaArgs& a) {
-  const int64_t hd = a.head_dim();
-  const int64_t attn = a.dim * a.n_heads * hd + 2 * a.dim * a.kv_heads() * hd + a.n_heads * hd * a.dim;
-  const int64_t ffn = 3 * a.dim * a.ffn_hidden_dim();
-  const int64_t per_layer = attn + ffn + 2 * a.dim;
-  const int64_t output = a.tie_embeddings ? 0 : a.vocab_size * a.dim;
-  return num_embedding_params(a) + a.n_layers * per_layer + a.dim + output;
+bool LlamaArgs::is_moe_layer(int64_t layer) const {
+  if (!moe) return false;
+  for (int64_t d : dense_layers) {
+    if (d == layer) return false;
+  }
+  return (layer + 1) % moe_layer_step == 0;
 }
 
+fsdp::nn::moe::MoEOptions LlamaArgs::moe_options() const {
+  TORCH_CHECK(moe, "llama: moe_options() of a model without MoE layers");
+  fsdp::nn::moe::MoEOptions o = *moe;
+  if (o.dim == 0) o.dim = dim;
+  TORCH_CHECK(o.dim == dim, "llama: the MoE layers' dim ", o.dim, " differs from the model's dim ", dim);
+  return o;
+}
+
+namespace {
+// Parameters of the model, with each MoE layer's routed experts weighted by `expert_fraction` (1: all of them;
+// top_k / E: those one token passes through).
+int64_t count_params(const LlamaArgs& a, bool active_only) {
+  const int64_t hd = a.head_dim();
+  const int64_t attn = a.dim * a.n_heads * hd + 2 * a.dim * a.kv_heads() * hd + a.n_heads * hd * a.dim +
+                       (a.qk_norm ? 2 * hd : 0);
+  int64_t layers = 0;
+  for (int64_t i = 0; i < a.n_layers; ++i) {
+    int64_t ffn = 0;
+    if (a.is_moe_layer(i)) {
+      const auto o = a.moe_options();
+      const int64_t experts = active_only ? o.top_k : o.num_experts;
+      ffn = experts * 3 * a.dim * o.hidden + a.dim * o.num_experts + 3 * a.dim * o.hidden * o.num_shared_experts;
+    } else {
+      ffn = 3 * a.dim * a.ffn_hidden_dim();
+    }
+    layers += attn + ffn + 2 * a.dim;
+  }
+  const int64_t output = a.tie_embeddings ? 0 : a.vocab_size * a.dim;
+  return num_embedding_params(a) + layers + a.dim + output;
+}
+}  // namespace
+
+int64_t num_embedding_params(const LlamaArgs& a) { return a.vocab_size * a.dim; }
+int64_t num_params(const LlamaArgs& a) { return count_params(a, /*active_only=*/false); }
+int64_t num_active_params(const LlamaArgs& a) { return count_params(a, /*active_only=*/true); }
+
 double flops_per_token(const LlamaArgs& a, int64_t seq_len) {
-  const double dense = 6.0 * static_cast<double>(num_params(a) - num_embedding_params(a));
+  const double dense = 6.0 * static_cast<double>(num_active_params(a) - num_embedding_params(a));
   const double attention = 6.0 * a.n_layers * a.n_heads * a.head_dim() * static_cast<double>(seq_len);
   return dense + attention;
 }
@@ -139,9 +173,17 @@ std::pair<at::Tensor, at::Tensor> precompute_rope(int64_t head_dim, int64_t seq_
   return {angles.cos().to(at::kFloat), angles.sin().to(at::kFloat)};
 }
 
-at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  // x: [B, S, H, D] viewed as D/2 complex numbers (re, im) = (x[2i], x[2i+1]); multiply by e^{i*angle}.
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, RopeLayout layout) {
   const auto sizes = x.sizes();
+  if (layout == RopeLayout::HalfSplit) {
+    // Pairs (x[i], x[i + D/2]): rotate_half's x * cos + (-x2, x1) * sin, per half.
+    auto xf = x.to(at::kFloat);
+    auto x1 = xf.narrow(-1, 0, sizes[3] / 2), x2 = xf.narrow(-1, sizes[3] / 2, sizes[3] / 2);
+    auto c = cos.view({1, sizes[1], 1, sizes[3] / 2});
+    auto s = sin.view({1, sizes[1], 1, sizes[3] / 2});
+    return at::cat({x1 * c - x2 * s, x2 * c + x1 * s}, -1).to(x.scalar_type());
+  }
+  // x: [B, S, H, D] viewed as D/2 complex numbers (re, im) = (x[2i], x[2i+1]); multiply by e^{i*angle}.
   auto xf = x.to(at::kFloat).reshape({sizes[0], sizes[1], sizes[2], sizes[3] / 2, 2});
   auto re = xf.select(-1, 0), im = xf.select(-1, 1);
   auto c = cos.view({1, sizes[1], 1, sizes[3] / 2});
@@ -174,8 +216,10 @@ static void normal_(at::Tensor& param, double std, at::Generator& gen) {
 
 
 AttentionImpl::AttentionImpl(const LlamaArgs& a)
-    : n_heads(a.n_heads), n_kv_heads(a.kv_heads()), head_dim(a.head_dim()) {
-  TORCH_CHECK(a.dim % a.n_heads == 0, "llama: dim ", a.dim, " is not divisible by n_heads ", a.n_heads);
+    : n_heads(a.n_heads), n_kv_heads(a.kv_heads()), head_dim(a.head_dim()), rope_layout(a.rope_layout) {
+  TORCH_CHECK(a.explicit_head_dim || a.dim % a.n_heads == 0, "llama: dim ", a.dim, " is not divisible by n_heads ",
+              a.n_heads);
+  TORCH_CHECK(head_dim > 0, "llama: head_dim must be positive, got ", head_dim);
   TORCH_CHECK(n_heads % n_kv_heads == 0, "llama: n_heads ", n_heads, " is not divisible by n_kv_heads ", n_kv_heads);
   TORCH_CHECK(head_dim % 2 == 0, "llama: head_dim ", head_dim, " must be even for RoPE");
   auto opts = at::TensorOptions().device(a.device).dtype(a.dtype);
@@ -183,17 +227,31 @@ AttentionImpl::AttentionImpl(const LlamaArgs& a)
   wk = register_module("wk", Linear(a.dim, n_kv_heads * head_dim, opts));
   wv = register_module("wv", Linear(a.dim, n_kv_heads * head_dim, opts));
   wo = register_module("wo", Linear(n_heads * head_dim, a.dim, opts));
+  if (a.qk_norm) {
+    q_norm = register_module("q_norm", RMSNorm(head_dim, a.norm_eps, opts));
+    k_norm = register_module("k_norm", RMSNorm(head_dim, a.norm_eps, opts));
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> AttentionImpl::qkv(const at::Tensor& x, const at::Tensor& rope_cos,
+                                                                  const at::Tensor& rope_sin, bool hooked) {
+  const int64_t bs = x.size(0), seq = x.size(1);
+  auto run = [hooked](auto& module, const at::Tensor& in) { return hooked ? fsdp::nn::call(module, in) : module(in); };
+  // Head counts come from the projections' outputs (-1), as in TorchTitan: a tensor-parallel wrapper may give
+  // each rank a slice of the heads.
+  auto xq = run(wq, x).view({bs, seq, -1, head_dim});
+  auto xk = run(wk, x).view({bs, seq, -1, head_dim});
+  auto xv = run(wv, x).view({bs, seq, -1, head_dim});
+  if (q_norm) {  // Qwen3: per head, before RoPE
+    xq = run(q_norm, xq);
+    xk = run(k_norm, xk);
+  }
+  return {apply_rope(xq, rope_cos, rope_sin, rope_layout), apply_rope(xk, rope_cos, rope_sin, rope_layout), xv};
 }
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin) {
   const int64_t bs = x.size(0), seq = x.size(1);
-  // Head counts come from the projections' outputs (-1), as in TorchTitan: a tensor-parallel wrapper may give
-  // each rank a slice of the heads.
-  auto xq = fsdp::nn::call(wq, x).view({bs, seq, -1, head_dim});
-  auto xk = fsdp::nn::call(wk, x).view({bs, seq, -1, head_dim});
-  auto xv = fsdp::nn::call(wv, x).view({bs, seq, -1, head_dim});
-  xq = apply_rope(xq, rope_cos, rope_sin);
-  xk = apply_rope(xk, rope_cos, rope_sin);
+  auto [xq, xk, xv] = qkv(x, rope_cos, rope_sin, /*hooked=*/true);
   const int64_t n_rep = xq.size(2) / xk.size(2);
   if (n_rep > 1) {  // grouped-query attention: each kv head serves n_rep query heads (TorchTitan's repeat_kv)
     xk = xk.repeat_interleave(n_rep, /*dim=*/2);
@@ -208,9 +266,7 @@ at::Tensor AttentionImpl::forward_cached(const at::Tensor& x, const at::Tensor& 
                                          at::Tensor& cache_k, at::Tensor& cache_v, int64_t start) {
   const int64_t bs = x.size(0), seq = x.size(1), end = start + seq;
   TORCH_CHECK(end <= cache_k.size(1), "llama: KV cache holds ", cache_k.size(1), " positions, need ", end);
-  auto xq = apply_rope(wq(x).view({bs, seq, n_heads, head_dim}), rope_cos, rope_sin);
-  auto xk = apply_rope(wk(x).view({bs, seq, n_kv_heads, head_dim}), rope_cos, rope_sin);
-  auto xv = wv(x).view({bs, seq, n_kv_heads, head_dim});
+  auto [xq, xk, xv] = qkv(x, rope_cos, rope_sin, /*hooked=*/false);
   cache_k.slice(1, start, end).copy_(xk);
   cache_v.slice(1, start, end).copy_(xv);
   auto keys = cache_k.slice(1, 0, end), values = cache_v.slice(1, 0, end);
@@ -233,6 +289,10 @@ at::Tensor AttentionImpl::forward_cached(const at::Tensor& x, const at::Tensor& 
 void AttentionImpl::init_weights(double init_std, at::Generator& gen) {
   for (auto* l : {&wq, &wk, &wv}) trunc_normal_((*l)->weight(), 0.02, -2.0, 2.0, gen);
   trunc_normal_(wo->weight(), init_std, -2.0, 2.0, gen);
+  if (q_norm) {
+    q_norm->reset_parameters();
+    k_norm->reset_parameters();
+  }
 }
 
 FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t hidden, const at::TensorOptions& opts) {
@@ -251,10 +311,37 @@ void FeedForwardImpl::init_weights(double init_std, at::Generator& gen) {
   trunc_normal_(w3->weight(), init_std, -2.0, 2.0, gen);
 }
 
+namespace {
+// MoE blocks create their parameters as CPU float32; moves them to the model's device and dtype (buffers keep
+// their float32: the load-balancing bias accumulates small steps). Nothing of a fresh block is in an autograd
+// graph yet, so for the meta device (which set_data refuses from CPU) the tensors' metadata and storage are
+// swapped in place, as set_data does after its type check; at::empty's CPU pages were never touched, so a
+// meta build of a large MoE costs no memory.
+void place(torch::nn::Module& m, c10::Device device, c10::ScalarType dtype) {
+  auto move = [&](at::Tensor t, std::optional<c10::ScalarType> to_dtype) {
+    const c10::ScalarType d = to_dtype.value_or(t.scalar_type());
+    if (t.device() == device && t.scalar_type() == d) return;
+    at::Tensor moved = device.is_meta() ? at::empty(t.sizes(), t.options().device(device).dtype(d)) : t.to(device, d);
+    if (device.is_meta()) {
+      t.unsafeGetTensorImpl()->shallow_copy_from(moved.getIntrusivePtr());
+    } else {
+      t.set_data(moved);
+    }
+  };
+  for (auto& p : m.parameters(/*recurse=*/true)) move(p, dtype);
+  for (auto& b : m.buffers(/*recurse=*/true)) move(b, std::nullopt);
+}
+}  // namespace
+
 TransformerBlockImpl::TransformerBlockImpl(int64_t id, const LlamaArgs& a) : layer_id(id) {
   auto opts = at::TensorOptions().device(a.device).dtype(a.dtype);
   attention = register_module("attention", Attention(a));
-  feed_forward = register_module("feed_forward", FeedForward(a.dim, a.ffn_hidden_dim(), opts));
+  if (a.is_moe_layer(id)) {
+    moe = register_module("moe", fsdp::nn::moe::MoE(a.moe_options()));
+    place(*moe, a.device, a.dtype);
+  } else {
+    feed_forward = register_module("feed_forward", FeedForward(a.dim, a.ffn_hidden_dim(), opts));
+  }
   attention_norm = register_module("attention_norm", RMSNorm(a.dim, a.norm_eps, opts));
   ffn_norm = register_module("ffn_norm", RMSNorm(a.dim, a.norm_eps, opts));
   weight_init_std = a.depth_init ? 0.02 / std::sqrt(2.0 * static_cast<double>(id + 1))
@@ -263,6 +350,7 @@ TransformerBlockImpl::TransformerBlockImpl(int64_t id, const LlamaArgs& a) : lay
 
 at::Tensor TransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin) {
   auto h = x + fsdp::nn::call(attention, fsdp::nn::call(attention_norm, x), rope_cos, rope_sin);
+  if (moe) return h + fsdp::nn::call(moe, fsdp::nn::call(ffn_norm, h));
   return h + fsdp::nn::call(feed_forward, fsdp::nn::call(ffn_norm, h));
 }
 
@@ -270,14 +358,20 @@ at::Tensor TransformerBlockImpl::forward_cached(const at::Tensor& x, const at::T
                                                 const at::Tensor& rope_sin, at::Tensor& cache_k, at::Tensor& cache_v,
                                                 int64_t start) {
   auto h = x + attention->forward_cached(attention_norm(x), rope_cos, rope_sin, cache_k, cache_v, start);
-  return h + feed_forward(ffn_norm(h));
+  return h + (moe ? moe(ffn_norm(h)) : feed_forward(ffn_norm(h)));
 }
 
 void TransformerBlockImpl::init_weights(at::Generator& gen) {
   attention_norm->reset_parameters();
   ffn_norm->reset_parameters();
   attention->init_weights(weight_init_std, gen);
-  feed_forward->init_weights(weight_init_std, gen);
+  // MoE: one std for the gate and every expert (MoE::init_weights); the depth-scaled one, which TorchTitan's
+  // Qwen3 gives the gate, w2 and w3 (its w1 keeps 0.02).
+  if (moe) {
+    moe->init_weights(gen, weight_init_std);
+  } else {
+    feed_forward->init_weights(weight_init_std, gen);
+  }
 }
 
 TransformerImpl::TransformerImpl(LlamaArgs a) : args_(std::move(a)) {

@@ -7,6 +7,9 @@
 // styles) sees its forward; head counts are read from the projections' outputs. Module names and parameter FQNs are TorchTitan's:
 //   tok_embeddings.weight, layers.<i>.attention.{wq,wk,wv,wo}.weight, layers.<i>.feed_forward.{w1,w2,w3}.weight,
 //   layers.<i>.attention_norm.weight, layers.<i>.ffn_norm.weight, norm.weight, output.weight   (no biases)
+// and, for Qwen3 (<fsdp/models/qwen3.h>), layers.<i>.attention.{q_norm,k_norm}.weight and in MoE layers
+// layers.<i>.moe.{router.gate.weight, experts.w1, experts.w2, experts.w3} (+ buffer moe.expert_bias) instead of
+// feed_forward.
 //
 // Parameters are created directly on LlamaArgs' device, so a "meta" device builds the real 8B/70B shapes
 // without allocating (for memory planning); init_weights() later fills them wherever they live.
@@ -15,6 +18,7 @@
 // Face adapter (<fsdp/models/hf_llama.h>). The model itself uses only the nn layer; its Linear and Embedding state
 // their weight layout (<fsdp/nn/weight_layout.h>) so that tensor-parallel styles can split them.
 
+#include <fsdp/models/moe.h>
 #include <fsdp/nn/weight_layout.h>
 
 #include <ATen/core/Generator.h>
@@ -29,6 +33,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -45,7 +50,13 @@ struct RopeScaling {
   int64_t original_max_position_embeddings = 8192;
 };
 
-// TorchTitan's TransformerModelArgs for llama3.
+// How RoPE pairs a head's dimensions: Llama's interleaved pairs (x[2i], x[2i+1]) (TorchTitan's complex RoPE,
+// Meta's checkpoints) or Hugging Face's half split (x[i], x[i + head_dim/2]) (rotate_half; TorchTitan's cos_sin
+// RoPE, Qwen3's checkpoints: their q/k weights then load without a row permutation).
+enum class RopeLayout { Interleaved, HalfSplit };
+
+// TorchTitan's TransformerModelArgs for llama3, generalised for Qwen3 (<fsdp/models/qwen3.h>): an explicit head
+// size and FFN size, QK-norm, the half-split RoPE layout and MoE layers. The defaults are Llama 3's.
 struct LlamaArgs {
   int64_t dim = 4096;
   int64_t n_layers = 32;
@@ -62,10 +73,26 @@ struct LlamaArgs {
   bool depth_init = true;       // TorchTitan: block l's output projections use std 0.02/sqrt(2(l+1))
   c10::Device device = c10::kCPU;  // where parameters are created (kMeta: shapes only)
   c10::ScalarType dtype = c10::kFloat;
+  // Qwen3: head_dim is its own setting (128 for every size, so n_heads * head_dim may differ from dim), the
+  // dense FFN size is given (Hugging Face's intermediate_size), q and k are RMS-normalised per head (over
+  // head_dim, eps = norm_eps) before RoPE; FQNs layers.<i>.attention.{q_norm,k_norm}.weight.
+  std::optional<int64_t> explicit_head_dim;    // nullopt: dim / n_heads
+  std::optional<int64_t> explicit_ffn_hidden;  // nullopt: TorchTitan's sizing from dim, multiplier, multiple_of
+  bool qk_norm = false;
+  RopeLayout rope_layout = RopeLayout::Interleaved;
+  // Mixture of experts: when set, layer i has a `moe` block (fsdp::nn::moe::MoE; FQNs layers.<i>.moe.*) instead
+  // of `feed_forward` iff i is not in dense_layers and (i + 1) % moe_layer_step == 0 (Hugging Face's
+  // decoder_sparse_step and mlp_only_layers). moe->dim 0 means `dim`.
+  std::optional<fsdp::nn::moe::MoEOptions> moe;
+  int64_t moe_layer_step = 1;
+  std::vector<int64_t> dense_layers;
 
   int64_t kv_heads() const { return n_kv_heads.value_or(n_heads); }
-  int64_t head_dim() const { return dim / n_heads; }
-  int64_t ffn_hidden_dim() const;  // TorchTitan's FeedForward sizing (768 for debugmodel)
+  int64_t head_dim() const { return explicit_head_dim.value_or(dim / n_heads); }
+  int64_t ffn_hidden_dim() const;  // explicit_ffn_hidden, else TorchTitan's FeedForward sizing (768 for debugmodel)
+  bool is_moe_layer(int64_t layer) const;
+  // The MoE options of this model's MoE layers (dim filled in); requires `moe`.
+  fsdp::nn::moe::MoEOptions moe_options() const;
 };
 
 // Flavors by name: "debugmodel" (exactly TorchTitan's, with its Llama 3.1 RoPE scaling since TorchTitan PR #1839),
@@ -75,10 +102,15 @@ struct LlamaArgs {
 LlamaArgs llama3_flavor(const std::string& name);
 std::vector<std::string> llama3_flavor_names();
 
-// Parameter counts (analytic, from the args alone; tied embeddings counted once).
+// Parameter counts (analytic, from the args alone; tied embeddings counted once; MoE layers count every expert,
+// the router gate and shared experts; the expert_bias buffer is not a parameter).
 int64_t num_params(const LlamaArgs& args);
 int64_t num_embedding_params(const LlamaArgs& args);  // tok_embeddings (TorchTitan excludes it from FLOPs)
-// TorchTitan's training FLOPs per token: 6 * (params - embedding params) + 6 * n_layers * n_heads * head_dim * seq.
+// Parameters a token passes through: num_params with each MoE layer's routed experts counted top_k / E.
+int64_t num_active_params(const LlamaArgs& args);
+// TorchTitan's training FLOPs per token: 6 * (active params - embedding params)
+// + 6 * n_layers * n_heads * head_dim * seq (for MoE: only the top_k experts a token visits, as TorchTitan's
+// get_moe_model_nparams_and_flops).
 double flops_per_token(const LlamaArgs& args, int64_t seq_len);
 
 // The leaf modules below read their parameter from the module's own registry on every forward (not from a
@@ -137,7 +169,15 @@ class AttentionImpl : public torch::nn::Module {
                             at::Tensor& cache_k, at::Tensor& cache_v, int64_t start);
   void init_weights(double init_std, at::Generator& gen);
   int64_t n_heads, n_kv_heads, head_dim;
+  RopeLayout rope_layout;
   Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};  // QK-norm (null without)
+
+ private:
+  // Projected q, k, v of x as [B, S, heads, head_dim], with QK-norm and RoPE applied to q and k. `hooked`: the
+  // submodules run through fsdp::nn::call (false on the unsharded generation path).
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv(const at::Tensor& x, const at::Tensor& rope_cos,
+                                                     const at::Tensor& rope_sin, bool hooked);
 };
 TORCH_MODULE(Attention);
 
@@ -161,7 +201,8 @@ class TransformerBlockImpl : public torch::nn::Module {
   int64_t layer_id;
   double weight_init_std;
   Attention attention{nullptr};
-  FeedForward feed_forward{nullptr};
+  FeedForward feed_forward{nullptr};  // dense layers (null in an MoE layer)
+  fsdp::nn::moe::MoE moe{nullptr};    // MoE layers (null in a dense layer)
   RMSNorm attention_norm{nullptr}, ffn_norm{nullptr};
 };
 TORCH_MODULE(TransformerBlock);
@@ -214,8 +255,10 @@ at::Tensor rope_frequencies(int64_t head_dim, double theta, const std::optional<
 // computed in float64).
 std::pair<at::Tensor, at::Tensor> precompute_rope(int64_t head_dim, int64_t seq_len, double theta,
                                                   const std::optional<RopeScaling>& scaling = std::nullopt);
-// Rotates interleaved pairs (x[..., 2i], x[..., 2i+1]) of x [B, S, H, head_dim] like TorchTitan's complex
-// multiply by freqs_cis; computed in float32 and returned in x's dtype.
-at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// Rotates the pairs of x [B, S, H, head_dim] by the angles in cos/sin: interleaved pairs (x[..., 2i],
+// x[..., 2i+1]) like TorchTitan's complex multiply by freqs_cis, or half-split pairs (x[..., i],
+// x[..., i + head_dim/2]) like Hugging Face's rotate_half; computed in float32 and returned in x's dtype.
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                      RopeLayout layout = RopeLayout::Interleaved);
 
 }  // namespace fsdp::nn::llama

@@ -1,0 +1,53 @@
+#pragma once
+// Hugging Face Qwen3ForCausalLM / Qwen3MoeForCausalLM weights to and from our decoder with Qwen3 args
+// (<fsdp/models/qwen3.h>), with TorchTitan's Qwen3 state-dict adapter names (torchtitan/models/qwen3):
+//   tok_embeddings.weight                    <-> model.embed_tokens.weight
+//   layers.{i}.attention.w{q,k,v,o}.weight   <-> model.layers.{i}.self_attn.{q,k,v,o}_proj.weight
+//   layers.{i}.attention.{q,k}_norm.weight   <-> model.layers.{i}.self_attn.{q,k}_norm.weight
+//   layers.{i}.attention_norm.weight         <-> model.layers.{i}.input_layernorm.weight
+//   layers.{i}.ffn_norm.weight               <-> model.layers.{i}.post_attention_layernorm.weight
+//   layers.{i}.feed_forward.w{1,2,3}.weight  <-> model.layers.{i}.mlp.{gate,down,up}_proj.weight   (dense layers)
+//   layers.{i}.moe.router.gate.weight        <-> model.layers.{i}.mlp.gate.weight                 (MoE layers)
+//   layers.{i}.moe.experts.w1 [E, F, D] / w3 <-> model.layers.{i}.mlp.experts.gate_up_proj [E, 2F, D] (w1 rows
+//                                                first, as transformers 5 stores them)
+//   layers.{i}.moe.experts.w2 [E, D, F]      <-> model.layers.{i}.mlp.experts.down_proj [E, D, F]
+//   norm.weight <-> model.norm.weight; output.weight <-> lm_head.weight (absent when the embeddings are tied)
+// No RoPE permutation: Qwen3 uses the half-split layout (RopeLayout::HalfSplit) on both sides. Import also
+// reads the older one-tensor-per-expert layout model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight.
+// The load-balancing buffer moe.expert_bias has no Hugging Face counterpart: not exported, left as is (zero
+// on a fresh model) on import. config.json: model_type qwen3 or qwen3_moe.
+//
+// Dense models may be FSDP-sharded (the streaming, own-rows path of <fsdp/checkpoint/model_safetensors.h>);
+// models with MoE layers must be whole (no fully_shard) for now: the stacked expert tensors do not map row
+// for row onto ours. A sharded MoE model is refused with an error saying so.
+
+#include <fsdp/checkpoint/model_safetensors.h>
+
+#include <optional>
+#include <string>
+
+namespace fsdp::nn::llama {
+struct LlamaArgs;
+class TransformerImpl;
+}  // namespace fsdp::nn::llama
+
+namespace fsdp::checkpoint::hf {
+
+// Our key -> Hugging Face name, for every key but the stacked experts (nullopt for them and unknown keys).
+std::optional<std::string> qwen3_to_hf_name(const std::string& key);
+std::optional<std::string> qwen3_from_hf_name(const std::string& hf_name);
+// config.json of a Qwen3ForCausalLM (no MoE layers) or Qwen3MoeForCausalLM with these args. Throws when the
+// args are not expressible as one (an MoE router other than Qwen3's: softmax, scale 1, no shared experts).
+std::string qwen3_config_json(const nn::llama::LlamaArgs& args, const std::string& dtype = "float32");
+
+// `dir` receives config.json and the weights (model.safetensors; for a sharded dense model possibly
+// model-0000i-of-0000N.safetensors + the index).
+SafetensorsExportResult export_qwen3(nn::llama::TransformerImpl& model, const std::string& dir,
+                                     const SafetensorsExportOptions& options = {});
+// `path`: a directory (index or model.safetensors), an index json or one file. A config.json next to it must
+// match the model (sizes, head_dim, experts, top-k, norm_topk_prob, sparse step, dense layers, RoPE base,
+// tied embeddings): an error lists every mismatch.
+SafetensorsImportResult import_qwen3(nn::llama::TransformerImpl& model, const std::string& path,
+                                     const SafetensorsImportOptions& options = {});
+
+}  // namespace fsdp::checkpoint::hf

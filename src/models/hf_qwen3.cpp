@@ -1,0 +1,272 @@
+// Hugging Face Qwen3 / Qwen3-MoE <-> our decoder with Qwen3 args (see include/fsdp/models/hf_qwen3.h).
+#include <fsdp/models/hf_qwen3.h>
+
+#include "checkpoint/model_safetensors_impl.h"
+#include "models/hf_common.h"
+
+#include <fsdp/models/llama.h>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <map>
+#include <set>
+
+namespace fsdp::checkpoint::hf {
+namespace fs = std::filesystem;
+namespace llama = fsdp::nn::llama;
+
+namespace {
+
+// Llama's decoder names plus Qwen3's QK-norm and the MoE router (the stacked experts are mapped apart).
+const std::vector<common::NamePair>& qwen3_layer_names() {
+  static const std::vector<common::NamePair> names = [] {
+    std::vector<common::NamePair> n = common::layer_names();
+    n.push_back({"attention.q_norm.weight", "self_attn.q_norm.weight"});
+    n.push_back({"attention.k_norm.weight", "self_attn.k_norm.weight"});
+    n.push_back({"moe.router.gate.weight", "mlp.gate.weight"});
+    return n;
+  }();
+  return names;
+}
+
+// Keys of the stacked expert weights (mapped per layer, not by name) and of the bias buffer (no HF name).
+bool is_expert_key(const std::string& key) {
+  auto l = common::split_layer(key, "layers.");
+  return l && l->second.compare(0, 12, "moe.experts.") == 0;
+}
+
+// What a Qwen3 config.json can express; the adapter refuses anything else rather than export a model that
+// transformers would compute differently.
+void check_is_qwen3(const char* who, const llama::LlamaArgs& a) {
+  TORCH_CHECK(a.rope_layout == llama::RopeLayout::HalfSplit && !a.rope_scaling, who,
+              ": Qwen3 checkpoints use half-split RoPE without scaling (RopeLayout::HalfSplit); the model has ",
+              a.rope_layout == llama::RopeLayout::HalfSplit ? "RoPE scaling" : "the interleaved layout",
+              " (a Llama 3 model: use export_llama / import_llama)");
+  TORCH_CHECK(a.qk_norm, who, ": Qwen3 has QK-norm; the model has none (qk_norm = false)");
+  if (!a.moe) return;
+  const auto o = a.moe_options();
+  TORCH_CHECK(o.score_func == "softmax" && o.route_scale == 1.0 && o.num_shared_experts == 0, who,
+              ": Qwen3-MoE routes by softmax scores with scale 1 and no shared experts; the model has score_func \"",
+              o.score_func, "\", route_scale ", o.route_scale, ", ", o.num_shared_experts, " shared experts");
+}
+
+bool has_dense_layer(const llama::LlamaArgs& a) {
+  for (int64_t i = 0; i < a.n_layers; ++i) {
+    if (!a.is_moe_layer(i)) return true;
+  }
+  return false;
+}
+
+void check_config(const std::string& path, const llama::LlamaArgs& a) {
+  common::ConfigCheck check(path, "import_qwen3");
+  const nlohmann::json& c = check.config();
+  const std::string type = c.value("model_type", std::string());
+  if (!type.empty() && type != (a.moe ? "qwen3_moe" : "qwen3")) {
+    check.fail("model_type = \"" + type + "\" (the model is " + (a.moe ? "qwen3_moe" : "qwen3") + ")");
+  }
+  check.expect_int("hidden_size", a.dim);
+  check.expect_int("num_hidden_layers", a.n_layers);
+  check.expect_int("num_attention_heads", a.n_heads);
+  check.expect_int("num_key_value_heads", a.kv_heads());
+  check.expect_int("vocab_size", a.vocab_size);
+  check.expect_int("head_dim", a.head_dim());
+  if (has_dense_layer(a)) check.expect_int("intermediate_size", a.ffn_hidden_dim());
+  check.expect_rope_theta(a.rope_theta);
+  if (c.contains("rope_parameters") && c["rope_parameters"].is_object()) {
+    const std::string rope_type = c["rope_parameters"].value("rope_type", std::string("default"));
+    if (rope_type != "default") check.fail("rope_type \"" + rope_type + "\" (only plain RoPE is supported)");
+  }
+  if (c.value("use_sliding_window", false)) check.fail("use_sliding_window = true (not supported)");
+  const bool hf_tied = c.value("tie_word_embeddings", false);
+  if (a.tie_embeddings != hf_tied) {
+    check.fail(std::string("tie_word_embeddings = ") + (hf_tied ? "true" : "false") + " (the model " +
+               (a.tie_embeddings ? "ties" : "does not tie") + " its embeddings)");
+  }
+  if (a.moe) {
+    const auto o = a.moe_options();
+    check.expect_int("num_experts", o.num_experts);
+    check.expect_int("num_local_experts", o.num_experts);  // what transformers 5 writes
+    check.expect_int("num_experts_per_tok", o.top_k);
+    check.expect_int("moe_intermediate_size", o.hidden);
+    check.expect_int("decoder_sparse_step", a.moe_layer_step);
+    const bool norm = c.value("norm_topk_prob", false);
+    if (norm != o.route_norm) {
+      check.fail(std::string("norm_topk_prob = ") + (norm ? "true" : "false") + " (the model's route_norm is " +
+                 (o.route_norm ? "true" : "false") + ")");
+    }
+    std::set<int64_t> hf_dense, ours(a.dense_layers.begin(), a.dense_layers.end());
+    if (c.contains("mlp_only_layers") && c["mlp_only_layers"].is_array()) {
+      for (const auto& v : c["mlp_only_layers"]) hf_dense.insert(v.get<int64_t>());
+    }
+    if (hf_dense != ours) {
+      check.fail("mlp_only_layers = " + c.value("mlp_only_layers", nlohmann::json::array()).dump() +
+                 " (the model's dense_layers differ)");
+    }
+  }
+  check.finish();
+}
+
+std::string layer_prefix(int64_t i) { return "model.layers." + std::to_string(i) + ".mlp.experts."; }
+
+}  // namespace
+
+std::optional<std::string> qwen3_to_hf_name(const std::string& key) {
+  return common::to_hf(key, common::top_names(), qwen3_layer_names());
+}
+
+std::optional<std::string> qwen3_from_hf_name(const std::string& hf_name) {
+  return common::from_hf(hf_name, common::top_names(), qwen3_layer_names());
+}
+
+std::string qwen3_config_json(const llama::LlamaArgs& a, const std::string& dtype) {
+  check_is_qwen3("qwen3_config_json", a);
+  nlohmann::json c;
+  c["architectures"] = {a.moe ? "Qwen3MoeForCausalLM" : "Qwen3ForCausalLM"};
+  c["model_type"] = a.moe ? "qwen3_moe" : "qwen3";
+  c["hidden_size"] = a.dim;
+  c["intermediate_size"] = a.ffn_hidden_dim();
+  c["num_hidden_layers"] = a.n_layers;
+  c["num_attention_heads"] = a.n_heads;
+  c["num_key_value_heads"] = a.kv_heads();
+  c["head_dim"] = a.head_dim();
+  c["vocab_size"] = a.vocab_size;
+  c["rms_norm_eps"] = a.norm_eps;
+  c["max_position_embeddings"] = a.max_seq_len;
+  c["hidden_act"] = "silu";
+  c["attention_bias"] = false;
+  c["use_sliding_window"] = false;
+  c["tie_word_embeddings"] = a.tie_embeddings;
+  c["torch_dtype"] = dtype;
+  c["rope_theta"] = a.rope_theta;
+  c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", a.rope_theta}};
+  if (a.moe) {
+    const auto o = a.moe_options();
+    c["num_experts"] = o.num_experts;
+    c["num_experts_per_tok"] = o.top_k;
+    c["moe_intermediate_size"] = o.hidden;
+    c["norm_topk_prob"] = o.route_norm;
+    c["decoder_sparse_step"] = a.moe_layer_step;
+    c["mlp_only_layers"] = a.dense_layers;
+  }
+  return c.dump(2) + "\n";
+}
+
+SafetensorsExportResult export_qwen3(llama::TransformerImpl& model, const std::string& dir,
+                                     const SafetensorsExportOptions& options) {
+  const llama::LlamaArgs args = model.args();
+  check_is_qwen3("export_qwen3", args);
+  const std::string config = qwen3_config_json(args, common::dtype_name(options.dtype));
+  if (common::uses_fully_shard(model)) {
+    TORCH_CHECK(!args.moe, "export_qwen3: the model is FSDP-sharded and has MoE layers; exporting sharded ",
+                "stacked experts to Hugging Face's gate_up_proj layout is not supported yet (export an unsharded ",
+                "copy, e.g. from a DCP checkpoint)");
+    detail::KeyAdapter adapter;
+    adapter.file_name = [](const std::string& key) {
+      auto hf = qwen3_to_hf_name(key);
+      TORCH_CHECK(hf, "export_qwen3: '", key, "' is not a weight the Hugging Face adapter knows");
+      return hf;
+    };
+    adapter.extra_files.emplace_back("config.json", config);
+    return detail::export_safetensors(model, dir, options, adapter);
+  }
+  // Whole model: names by table, then per MoE layer the stacked experts in transformers 5's layout.
+  auto tensors = common::whole_model_tensors("export_qwen3", model, qwen3_to_hf_name, nullptr, is_expert_key);
+  for (auto& block : model.blocks()) {
+    if (!block->moe) continue;
+    const auto& e = block->moe->experts;
+    const std::string prefix = layer_prefix(block->layer_id);
+    tensors.emplace_back(prefix + "gate_up_proj", at::cat({e->w1.detach(), e->w3.detach()}, /*dim=*/1));
+    tensors.emplace_back(prefix + "down_proj", e->w2.detach());
+  }
+  return common::write_whole_model(dir, std::move(tensors), options, config);
+}
+
+SafetensorsImportResult import_qwen3(llama::TransformerImpl& model, const std::string& path,
+                                     const SafetensorsImportOptions& options) {
+  const llama::LlamaArgs args = model.args();
+  check_is_qwen3("import_qwen3", args);
+  const fs::path dir = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
+  if (fs::is_regular_file(dir / "config.json")) check_config((dir / "config.json").string(), args);
+  common::FileTensors files(path);
+  detail::KeyAdapter adapter =
+      common::import_adapter("import_qwen3", qwen3_to_hf_name, files.has("lm_head.weight"), args.tie_embeddings);
+  if (common::uses_fully_shard(model)) {
+    TORCH_CHECK(!args.moe, "import_qwen3: the model is FSDP-sharded and has MoE layers; reading Hugging Face's ",
+                "stacked experts into sharded experts is not supported yet (import into the unsharded model, ",
+                "then fully_shard it)");
+    return detail::import_safetensors(model, path, options, adapter);
+  }
+  std::set<std::string> used;
+  SafetensorsImportResult r =
+      common::import_whole_model("import_qwen3", model, files, adapter, options, nullptr, is_expert_key, used);
+  // Per MoE layer: transformers 5's stacked gate_up_proj / down_proj, or one tensor per expert and projection.
+  c10::NoGradGuard no_grad;
+  auto read = [&](const std::string& name) {
+    used.insert(name);
+    at::Tensor t = files.read(name);
+    r.bytes_read += t.nbytes();
+    return t;
+  };
+  for (auto& block : model.blocks()) {
+    if (!block->moe) continue;
+    auto& e = block->moe->experts;
+    const std::string prefix = layer_prefix(block->layer_id);
+    const std::string ours = "layers." + std::to_string(block->layer_id) + ".moe.experts";
+    const int64_t E = e->w1.size(0), F = e->w1.size(1), D = e->w1.size(2);
+    at::Tensor w1, w2, w3;
+    if (files.has(prefix + "gate_up_proj")) {
+      TORCH_CHECK(files.has(prefix + "down_proj"), "import_qwen3 from ", path, ": '", prefix,
+                  "down_proj' (for '", ours, ".w2') is missing next to its gate_up_proj");
+      const at::Tensor gate_up = read(prefix + "gate_up_proj");
+      TORCH_CHECK(gate_up.sizes() == at::IntArrayRef({E, 2 * F, D}), "import_qwen3: '", prefix,
+                  "gate_up_proj' has shape ", gate_up.sizes(), " but the model's '", ours, ".w1' and '.w3' need [",
+                  E, ", ", 2 * F, ", ", D, "] (experts, 2 x moe_intermediate_size, hidden)");
+      w1 = gate_up.narrow(1, 0, F);
+      w3 = gate_up.narrow(1, F, F);
+      w2 = read(prefix + "down_proj");
+    } else if (files.has(prefix + "0.gate_proj.weight")) {
+      std::vector<at::Tensor> gates, ups, downs;
+      for (int64_t j = 0; j < E; ++j) {
+        const std::string p = prefix + std::to_string(j) + ".";
+        for (const char* proj : {"gate_proj", "up_proj", "down_proj"}) {
+          TORCH_CHECK(files.has(p + proj + ".weight"), "import_qwen3 from ", path, ": '", p, proj,
+                      ".weight' (expert ", j, " of ", E, " for '", ours, "') is missing");
+        }
+        gates.push_back(read(p + "gate_proj.weight"));
+        ups.push_back(read(p + "up_proj.weight"));
+        downs.push_back(read(p + "down_proj.weight"));
+      }
+      if (files.has(prefix + std::to_string(E) + ".gate_proj.weight")) {
+        TORCH_CHECK(false, "import_qwen3 from ", path, ": the files hold more than the model's ", E, " experts in ",
+                    "layer ", block->layer_id, " ('", prefix, E, ".gate_proj.weight')");
+      }
+      w1 = at::stack(gates), w3 = at::stack(ups), w2 = at::stack(downs);
+    } else {
+      TORCH_CHECK(!options.strict, "import_qwen3 from ", path, ": the experts of layer ", block->layer_id, " ('",
+                  ours, "') are missing: neither '", prefix, "gate_up_proj' nor '", prefix,
+                  "0.gate_proj.weight' is in the files");
+      r.missing.push_back(prefix + "gate_up_proj");
+      r.missing.push_back(prefix + "down_proj");
+      continue;
+    }
+    common::copy_checked("import_qwen3", prefix + "(gate)", ours + ".w1", e->w1, w1);
+    common::copy_checked("import_qwen3", prefix + "(up)", ours + ".w3", e->w3, w3);
+    common::copy_checked("import_qwen3", prefix + "down_proj", ours + ".w2", e->w2, w2);
+  }
+  for (const auto& [name, file] : files.where()) {
+    if (!used.count(name) && !(adapter.ignorable && adapter.ignorable(name))) r.unexpected.push_back(name);
+  }
+  if (options.strict && !r.unexpected.empty()) {
+    std::string list;
+    for (const auto& n : r.unexpected) list += (list.empty() ? "'" : ", '") + n + "'";
+    TORCH_CHECK(false, "import_qwen3 from ", path, ": the files hold tensors the model does not have (strict ",
+                "load): ", list);
+  }
+  return r;
+}
+
+}  // namespace fsdp::checkpoint::hf
