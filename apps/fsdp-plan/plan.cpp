@@ -198,6 +198,7 @@ int64_t moe_saved_per_token(const PlanConfig& c) {
          + k * D * e                      // the experts' input rows (grouped GEMM's saved input)
          + 4 * k * F * e                  // SwiGLU of the rows: w1 out, silu out, w3 out, product
          + 4 * k * D                      // expert outputs in float32, the weight multiply's other operand
+         + k * D * e                      // the weighted outputs (index_add's source: its backward expands to it)
          + (c.ep > 1 ? 16 * k : 0)        // EP: the regrouping permutation and its inverse (index_select's indices)
          + 4 * Fs * e;                    // shared experts' SwiGLU (their input is the norm's saved output)
 }
