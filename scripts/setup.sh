@@ -61,8 +61,11 @@ if [ ! -f "$BUILD_DIR/build.ninja" ]; then
     -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DTorch_DIR="$TORCH_DIR" \
     -DFSDP_PYTHON="$VENV/bin/python" >&2
 fi
-log "building"
+# FSDP_BUILD_TARGETS: only these targets (and what they need), e.g. the main job's "fsdp-train fsdprun" instead of
+# every test and benchmark; empty = everything.
+read -r -a targets <<< "${FSDP_BUILD_TARGETS:-}"
+log "building ${targets[*]:-everything}"
 # Compile results are shared between clones (CI builds a fresh clone each time): paths under the tree are
 # hashed relative to it, and the working directory is left out of the hash.
 export CCACHE_BASEDIR="$ROOT" CCACHE_NOHASHDIR=1
-cmake --build "$BUILD_DIR" -j "${FSDP_BUILD_JOBS:-$(nproc)}" >&2
+cmake --build "$BUILD_DIR" -j "${FSDP_BUILD_JOBS:-$(nproc)}" ${targets[@]:+--target "${targets[@]}"} >&2

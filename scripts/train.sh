@@ -6,7 +6,8 @@
 #   FSDP_TRAIN_NPROC=1 bash scripts/train.sh     # one rank (gradient accumulation makes the same batches)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$ROOT/scripts/setup.sh"
+# Only the trainer and the launcher (and the library): a newcomer's first run does not compile the tests.
+FSDP_BUILD_TARGETS="fsdp-train fsdprun" bash "$ROOT/scripts/setup.sh"
 BUILD_DIR="${FSDP_BUILD_DIR:-$ROOT/build}"
 NPROC="${FSDP_TRAIN_NPROC:-2}"
 TRAIN="$BUILD_DIR/apps/fsdp-train/fsdp-train"

@@ -7,6 +7,7 @@
 #include <fsdp/checkpoint/async_save.h>
 #include <fsdp/checkpoint/checkpoint.h>
 #include <fsdp/models/hf_llama.h>
+#include <fsdp/models/hf_qwen3.h>
 #include <fsdp/checkpoint/optimizer.h>
 #include <fsdp/models/llama.h>
 
@@ -56,7 +57,7 @@ at::Tensor unhex(const std::string& s) {
 class DistributedCheckpointer final : public Checkpointer {
  public:
   DistributedCheckpointer(const JobConfig& config, int rank, fsdp::ProcessGroupPtr group)
-      : cfg_(config.checkpoint), base_lr_(config.optimizer.lr), rank_(rank), world_(group ? group->size() : 1),
+      : cfg_(config.checkpoint), model_name_(config.model.name), base_lr_(config.optimizer.lr), rank_(rank), world_(group ? group->size() : 1),
         job_group_(std::move(group)) {
     folder_ = (fs::path(config.job.dump_folder) / cfg_.folder).string();
     const ckpt::AsyncMode mode = ckpt::parse_async_mode(cfg_.async_mode);
@@ -271,14 +272,15 @@ class DistributedCheckpointer final : public Checkpointer {
 
   static fsdp::nn::llama::TransformerImpl& llama_of(TrainState& s, const char* what) {
     auto* m = dynamic_cast<fsdp::nn::llama::TransformerImpl*>(s.model);
-    TORCH_CHECK(m, "checkpoint.", what, ": the model is not a Llama 3 (the Hugging Face adapter is Llama's)");
+    TORCH_CHECK(m, "checkpoint.", what, ": the model is not a Llama 3 / Qwen3 decoder (the Hugging Face adapters' model)");
     return *m;
   }
 
   // initial_load_in_hf: Hugging Face Llama weights (model only), each rank reading only its rows.
   bool load_hf(TrainState& s, const std::string& dir) {
     const auto t0 = Clock::now();
-    const auto r = ckpt::hf::import_llama(llama_of(s, "initial_load_in_hf"), dir);
+    auto& model = llama_of(s, "initial_load_in_hf");
+    const auto r = model_name_ == "qwen3" ? ckpt::hf::import_qwen3(model, dir) : ckpt::hf::import_llama(model, dir);
     if (rank_ == 0) {
       std::printf("checkpoint: loaded Hugging Face weights %s (model only) in %.3f s (%.1f MB read by rank 0)\n",
                   dir.c_str(), since(t0), r.bytes_read / 1e6);
@@ -292,7 +294,8 @@ class DistributedCheckpointer final : public Checkpointer {
     const auto t0 = Clock::now();
     ckpt::SafetensorsExportOptions eo;
     eo.dtype = cast;
-    const auto r = ckpt::hf::export_llama(llama_of(s, "last_save_in_hf"), dir, eo);
+    auto& model = llama_of(s, "last_save_in_hf");
+    const auto r = model_name_ == "qwen3" ? ckpt::hf::export_qwen3(model, dir, eo) : ckpt::hf::export_llama(model, dir, eo);
     if (rank_ == 0) {
       std::printf("checkpoint: last step Hugging Face save of %s done in %.3f s (%.1f MB, %zu files)\n", dir.c_str(),
                   since(t0), r.total_bytes / 1e6, r.files.size());
@@ -366,6 +369,7 @@ class DistributedCheckpointer final : public Checkpointer {
   }
 
   JobConfig::Checkpoint cfg_;
+  std::string model_name_;  // model.name: which Hugging Face adapter (llama3 | qwen3)
   double base_lr_;
   int rank_;
   int world_;

@@ -1,6 +1,8 @@
 // Text generation from a checkpoint (see generate.h).
 #include "generate.h"
 
+#include "parallelize.h"
+
 #include "tokenizer.h"
 
 #include <fsdp/checkpoint/checkpoint.h>
@@ -57,7 +59,7 @@ GenerateResult generate(const JobConfig& config, const GenerateOptions& o) {
   GenerateResult r;
   r.checkpoint_dir = resolve_checkpoint_dir(o.checkpoint);
   auto tokenizer = make_tokenizer(config.model.tokenizer_path);
-  auto args = fsdp::nn::llama::llama3_flavor(config.model.flavor);
+  auto args = model_args(config);
   args.vocab_size = tokenizer->vocab_size();  // as the trainer built it
   args.max_seq_len = config.training.seq_len;
   fsdp::nn::llama::Transformer model(args);
@@ -75,17 +77,21 @@ GenerateResult generate(const JobConfig& config, const GenerateOptions& o) {
         saved = reader.read(item.key());
       } catch (const std::exception& e) {
         throw std::runtime_error("generate: checkpoint '" + r.checkpoint_dir + "' has no usable '" + item.key() +
-                                 "' for llama3 " + config.model.flavor + " (vocab " + std::to_string(args.vocab_size) +
+                                 "' for " + config.model.name + " " + config.model.flavor + " (vocab " + std::to_string(args.vocab_size) +
                                  "; is --config the job that trained it?): " + e.what());
       }
       if (saved.sizes() != item.value().sizes()) {
         std::ostringstream msg;
         msg << "generate: '" << item.key() << "' in '" << r.checkpoint_dir << "' has shape " << saved.sizes()
-            << ", llama3 " << config.model.flavor << " with vocab " << args.vocab_size << " expects "
+            << ", " << config.model.name << " " << config.model.flavor << " with vocab " << args.vocab_size << " expects "
             << item.value().sizes() << " (is --config the job that trained it?)";
         throw std::runtime_error(msg.str());
       }
       item.value().copy_(saved);  // a bfloat16/float16 export is cast to float32
+    }
+    // MoE load-balancing biases steer the routing: the trained ones, not zeros.
+    for (auto& item : model->named_buffers()) {
+      if (item.key().find("expert_bias") != std::string::npos) item.value().copy_(reader.read(item.key()));
     }
   }
   model->eval();
@@ -182,7 +188,7 @@ int generate_main(const std::vector<std::string>& args) {
   }
   const JobConfig config = load_config(config_args);
   const GenerateResult r = generate(config, o);
-  std::cerr << "generate: llama3 " << config.model.flavor << " from " << r.checkpoint_dir << ", "
+  std::cerr << "generate: " << config.model.name << " " << config.model.flavor << " from " << r.checkpoint_dir << ", "
             << r.new_tokens.size() << " new tokens (temperature " << o.temperature << ", top_k " << o.top_k
             << ", seed " << o.seed << (o.kv_cache ? ", KV cache" : ", no KV cache") << ")\n";
   std::cout << o.prompt << r.text << std::endl;

@@ -5,6 +5,7 @@
 #include <fsdp/expert_parallel.h>
 #include <fsdp/models/moe.h>
 #include <fsdp/models/llama_tp_plan.h>
+#include <fsdp/models/qwen3.h>
 #include <fsdp/pipeline/schedule.h>
 #include <fsdp/replicate.h>
 #include <fsdp/tensor_parallel.h>
@@ -111,6 +112,31 @@ void apply_replicate(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh
 }
 
 }  // namespace
+
+fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config) {
+  const auto& m = config.model;
+  fsdp::nn::llama::LlamaArgs args;
+  try {
+    args = fsdp::nn::llama::model_flavor(m.name, m.flavor);
+  } catch (const c10::Error& e) {
+    throw ConfigError(std::string("config error: model.flavor: ") + e.what_without_backtrace());
+  }
+  const bool overrides = !m.moe_score_func.empty() || m.moe_shared_experts >= 0 || !m.moe_route_norm.empty() ||
+                         m.moe_route_scale != 0 || m.moe_load_balance_coeff >= 0;
+  if (!overrides) return args;
+  if (!args.moe) {
+    throw ConfigError("config error: model.moe_* keys set, but " + m.name + " " + m.flavor +
+                      " has no MoE layers (use a *_moe flavor)");
+  }
+  auto& o = *args.moe;
+  if (!m.moe_score_func.empty()) o.score_func = m.moe_score_func;
+  if (m.moe_shared_experts >= 0) o.num_shared_experts = m.moe_shared_experts;
+  if (!m.moe_route_norm.empty()) o.route_norm = m.moe_route_norm == "true";
+  if (m.moe_route_scale != 0) o.route_scale = m.moe_route_scale;
+  if (m.moe_load_balance_coeff == 0) o.load_balance_coeff.reset();
+  else if (m.moe_load_balance_coeff > 0) o.load_balance_coeff = m.moe_load_balance_coeff;
+  return args;
+}
 
 c10::Device mesh_device(const JobConfig& config) {
   const c10::Device device(config.training.device);  // the form was checked by validate()
@@ -270,6 +296,10 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
     throw ConfigError("config error: MoE models (" + config.model.name + " " + config.model.flavor + ") with " +
                       (dims.pp > 1 ? "pipeline" : "tensor") + " parallelism are not supported yet; use FSDP, HSDP "
                       "and parallelism.expert_parallel_degree");
+  }
+  if (has_moe && group && group->size() > 1 && (config.checkpoint.initial_load_in_hf || config.checkpoint.last_save_in_hf)) {
+    throw ConfigError("config error: checkpoint.initial_load_in_hf / last_save_in_hf with an MoE model on several "
+                      "ranks is not supported yet (the Qwen3-MoE adapter needs the whole model); convert on 1 rank");
   }
   if (has_moe && config.activation_checkpoint.mode == "selective" && config.activation_checkpoint.selective_ac_option == "op") {
     // Op-level SAC runs the forward twice with gradients on: the experts' token counts (load balancing) would

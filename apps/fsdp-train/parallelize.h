@@ -51,6 +51,10 @@ struct ParallelPlan {
   bool holds_first_stage = true, holds_last_stage = true;
 };
 
+// The model the config names: model.name's flavor (llama3 or qwen3) with the [model] moe_* overrides applied; a
+// ConfigError for an unknown flavor, or overrides on a flavor without MoE layers.
+fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config);
+
 // The device of the mesh (training.device); a ConfigError when it is not available in this process.
 c10::Device mesh_device(const JobConfig& config);
 // Whether parallelize_llama will apply fully_shard (then the trainer builds the model on `meta` and

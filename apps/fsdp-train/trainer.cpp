@@ -126,7 +126,7 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
   // ---- tokenizer, data, model ----
   auto tokenizer = make_tokenizer(config.model.tokenizer_path);
   const auto files = resolve_dataset_files(config.training.dataset, config.training.dataset_path);
-  fsdp::nn::llama::LlamaArgs args = fsdp::nn::llama::llama3_flavor(config.model.flavor);
+  fsdp::nn::llama::LlamaArgs args = model_args(config);
   args.vocab_size = tokenizer->vocab_size();  // TorchTitan: the model's vocab follows the tokenizer
   args.max_seq_len = config.training.seq_len;
   // Mesh [pp, dp_replicate, dp_shard, tp]: the tp ranks of a data-parallel rank, and its pp ranks, read the
@@ -264,15 +264,21 @@ TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool com
   }
   if (say) {
     std::cout << "fsdp-train: " << config.job.description << "\n"
-              << "  model     llama3 " << config.model.flavor << ": dim " << args.dim << ", " << args.n_layers << " layers, "
-              << args.n_heads << " heads (" << args.kv_heads() << " kv), ffn " << args.ffn_hidden_dim() << ", vocab "
-              << args.vocab_size << ", " << n_params << " parameters\n"
+              << "  model     " << config.model.name << " " << config.model.flavor << ": dim " << args.dim << ", "
+              << args.n_layers << " layers, " << args.n_heads << " heads (" << args.kv_heads() << " kv), "
+              << (args.moe ? std::to_string(args.moe->num_experts) + " experts (top-" + std::to_string(args.moe->top_k) +
+                                 ", " + args.moe->score_func + ", hidden " + std::to_string(args.moe->hidden) +
+                                 (args.moe->num_shared_experts ? ", shared " + std::to_string(args.moe->num_shared_experts) : "") + ")"
+                           : "ffn " + std::to_string(args.ffn_hidden_dim()))
+              << ", vocab " << args.vocab_size << ", " << n_params << " parameters\n"
               << "  tokenizer " << tokenizer->describe() << "\n"
               << "  data      " << config.training.dataset << ": " << files.size() << " files\n"
               << "  ranks     " << env.world_size << " ("
               << (dims.pp > 1 ? "pp " + std::to_string(dims.pp) + " x " : std::string()) << "dp replicate "
               << dims.dp_replicate << " x shard " << dims.dp_shard
-              << (dims.tp > 1 ? " x tp " + std::to_string(dims.tp) : std::string()) << "); " << summary.plan << "\n"
+              << (dims.tp > 1 ? " x tp " + std::to_string(dims.tp) : std::string())
+              << (dims.ep > 1 ? ", experts over ep " + std::to_string(dims.ep) + " inside shard" : std::string()) << "); "
+              << summary.plan << "\n"
               << "  batch     global " << dims.global_batch_size << " x " << config.training.seq_len << " tokens = local "
               << dims.local_batch_size << " x " << dims.grad_accum_steps << " accumulation x " << dims.dp_degree()
               << " ranks; " << torch::get_num_threads() << " threads per rank\n"

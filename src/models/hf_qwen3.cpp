@@ -178,6 +178,12 @@ SafetensorsExportResult export_qwen3(llama::TransformerImpl& model, const std::s
   for (auto& block : model.blocks()) {
     if (!block->moe) continue;
     const auto& e = block->moe->experts;
+    const int64_t E = block->moe->options().num_experts;
+    // Expert parallelism leaves each rank a slice of the experts (and no fully_shard to gather them): refuse
+    // rather than write a partial tensor under the full name.
+    TORCH_CHECK(e->w1.size(0) == E && e->w2.size(0) == E && e->w3.size(0) == E, "export_qwen3: layer ",
+                block->layer_id, " holds ", e->w1.size(0), " of its ", E, " experts (split by expert parallelism?); ",
+                "the Hugging Face export needs every expert in this process");
     const std::string prefix = layer_prefix(block->layer_id);
     tensors.emplace_back(prefix + "gate_up_proj", at::cat({e->w1.detach(), e->w3.detach()}, /*dim=*/1));
     tensors.emplace_back(prefix + "down_proj", e->w2.detach());

@@ -22,6 +22,8 @@ int64_t LlamaArgs::ffn_hidden_dim() const {
 
 bool LlamaArgs::is_moe_layer(int64_t layer) const {
   if (!moe) return false;
+  TORCH_CHECK(moe_layer_step >= 1, "llama: moe_layer_step (Hugging Face's decoder_sparse_step) must be >= 1, got ",
+              moe_layer_step);
   for (int64_t d : dense_layers) {
     if (d == layer) return false;
   }
@@ -37,8 +39,8 @@ fsdp::nn::moe::MoEOptions LlamaArgs::moe_options() const {
 }
 
 namespace {
-// Parameters of the model, with each MoE layer's routed experts weighted by `expert_fraction` (1: all of them;
-// top_k / E: those one token passes through).
+// Parameters of the model; with active_only, each MoE layer counts only the top_k routed experts a token passes
+// through (its router gate and shared experts in full).
 int64_t count_params(const LlamaArgs& a, bool active_only) {
   const int64_t hd = a.head_dim();
   const int64_t attn = a.dim * a.n_heads * hd + 2 * a.dim * a.kv_heads() * hd + a.n_heads * hd * a.dim +

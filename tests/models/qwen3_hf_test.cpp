@@ -35,15 +35,28 @@ const std::string kPython = FSDP_TEST_PYTHON;
 const std::string kScript = std::string(FSDP_SOURCE_DIR) + "/tests/models/qwen3_hf_side.py";
 constexpr double kTol = 1e-5;
 
+fs::path scratch_root() { return fs::temp_directory_path() / ("fsdp_qwen3_" + std::to_string(::getpid())); }
+
+// Removes this run's files (models, logits, the python log) when the test binary ends.
+class ScratchCleanup : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(scratch_root(), ec);
+    fs::remove(scratch_root().string() + ".log", ec);
+  }
+};
+const auto* const kCleanup = ::testing::AddGlobalTestEnvironment(new ScratchCleanup);  // gtest owns it
+
 fs::path scratch(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / ("fsdp_qwen3_" + std::to_string(::getpid())) / name;
+  fs::path d = scratch_root() / name;
   fs::remove_all(d);
   fs::create_directories(d);
   return d;
 }
 
 void run_python(const std::string& args) {
-  const fs::path log = fs::temp_directory_path() / ("fsdp_qwen3_" + std::to_string(::getpid()) + ".log");
+  const fs::path log = scratch_root().string() + ".log";
   const std::string cmd = "OMP_NUM_THREADS=1 " + kPython + " " + kScript + " " + args + " > " + log.string() + " 2>&1";
   const int rc = std::system(cmd.c_str());
   std::ifstream f(log);
@@ -342,4 +355,18 @@ TEST(Qwen3, CachedGenerationEqualsForwardWithMoe) {
   const at::Tensor first = m->forward_cached(tokens.slice(1, 0, 4), cache);
   const at::Tensor rest = m->forward_cached(tokens.slice(1, 4, 7), cache);
   EXPECT_LT(max_diff(at::cat({first, rest}, 1), full), 1e-5);
+}
+
+TEST(Qwen3Hf, ExportRefusesSplitExperts) {
+  // What expert parallelism leaves on a rank: half of each layer's experts, no fully_shard.
+  Transformer m(args_of("moe_all"));
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& b : m->blocks()) {
+      for (at::Tensor* w : {&b->moe->experts->w1, &b->moe->experts->w2, &b->moe->experts->w3})
+        w->set_data(w->narrow(0, 0, 2).clone());
+    }
+  }
+  fsdp_test::expect_error_containing<c10::Error>(
+      [&] { hf::export_qwen3(*m, scratch("split_experts").string()); }, "layer 0 holds 2 of its 4 experts");
 }

@@ -1,0 +1,118 @@
+// MoE through the trainer (qwen3 cpu_tiny_moe: 2 layers, each an MoE block of 8 experts, top-2): W ranks with
+// expert parallelism equal 1 rank with gradient accumulation 4 over the same global batches — the loss and grad
+// norm of every step (1e-5 / 1e-4 relative, as the dense parity tests), and the expert load of every step (the
+// tokens each layer's busiest and idlest expert received, summed over the ranks) exactly, which also shows that
+// the load-balancing bias, which steers the routing, was updated identically (its L1 norm is compared too).
+// Layouts: ep 2 on 2 ranks; ep 2 and ep 4 on 4 ranks (dp_shard 4: the experts' FSDP over the 2 or 1 ranks left);
+// HSDP 2 x 2 with ep 2. Routing: Qwen3's (softmax, top-k renormalised, no shared expert) and DeepSeek-V3's
+// (sigmoid, one shared expert, route scale 2.5). The batches (one sample of 16 tokens per rank and step) leave
+// some experts without tokens on some ranks (checked, so the zero-token path is exercised).
+#include "config.h"
+#include "train_env.h"
+#include "trainer.h"
+
+#include <fsdp/process_group.h>
+
+#include "comm/dist_env.h"
+#include "expect_error.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+using namespace fsdp_train;
+
+namespace {
+
+enum class Routing { Qwen3, DeepSeekV3 };
+
+JobConfig base(const std::string& name, Routing routing) {
+  // One sample of 16 tokens per rank and step (the 1-rank reference accumulates W of them): 32 routed slots per
+  // rank for 8 experts, so some experts get no token from some rank in some steps.
+  const std::string global = std::to_string(fsdp::world()->size());
+  JobConfig c = load_config({"--model.name", "qwen3", "--model.flavor", "cpu_tiny_moe", "--training.seq_len", "16",
+                             "--training.local_batch_size", "1", "--training.global_batch_size", global,
+                             "--training.steps", "8", "--lr_scheduler.warmup_steps", "2", "--metrics.peak_tflops", "1"});
+  if (routing == Routing::DeepSeekV3) {
+    c.model.moe_score_func = "sigmoid";
+    c.model.moe_shared_experts = 1;
+    c.model.moe_route_norm = "true";
+    c.model.moe_route_scale = 2.5;
+  }
+  // The 1-rank references, run by every process, get a folder each; distributed runs share one.
+  c.job.dump_folder = ::testing::TempDir() + "/fsdp_train_moe_" + name;
+  const bool per_rank = name.size() > 4 && name.compare(name.size() - 4, 4, "_ref") == 0;
+  if (per_rank) c.job.dump_folder += "_rank" + std::to_string(fsdp::world()->rank());
+  if (per_rank || fsdp::world()->rank() == 0) std::filesystem::remove_all(c.job.dump_folder);
+  fsdp::world()->barrier().wait();
+  return c;
+}
+
+void expect_parity(const std::string& name, Routing routing, int64_t ep, int64_t replicate = 1) {
+  auto world = fsdp::world();
+  TrainEnv single;
+  single.verbose = false;
+  const TrainSummary ref = run_training(base(name + "_ref", routing), single, false);
+  JobConfig config = base(name, routing);
+  config.parallelism.data_parallel_replicate_degree = replicate;
+  config.parallelism.expert_parallel_degree = ep;
+  const TrainSummary got = run_training(config, test::world_env(), false);
+  EXPECT_NE(got.plan.find("EP " + std::to_string(ep) + " ("), std::string::npos) << got.plan;
+  EXPECT_NE(got.plan.find(replicate > 1 ? "HSDP" : "FSDP"), std::string::npos) << got.plan;
+  ASSERT_EQ(ref.losses.size(), got.losses.size());
+  ASSERT_EQ(ref.expert_loads.size(), got.expert_loads.size());
+  ASSERT_EQ(ref.expert_loads.size(), ref.losses.size()) << "one expert-load record per step";
+  bool some_expert_idle_on_a_rank = false;
+  for (size_t i = 0; i < ref.losses.size(); ++i) {
+    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5 * ref.losses[i]) << "step " << i + 1;
+    EXPECT_NEAR(got.grad_norms[i], ref.grad_norms[i], 1e-4 * ref.grad_norms[i]) << "step " << i + 1;
+    const ExpertLoad &r = ref.expert_loads[i], &g = got.expert_loads[i];
+    ASSERT_EQ(r.min_tokens.size(), 2u) << "two MoE layers";
+    EXPECT_EQ(g.min_tokens, r.min_tokens) << "step " << i + 1;
+    EXPECT_EQ(g.max_tokens, r.max_tokens) << "step " << i + 1;
+    EXPECT_NEAR(g.bias_l1, r.bias_l1, 1e-9) << "step " << i + 1;
+    some_expert_idle_on_a_rank = some_expert_idle_on_a_rank || g.min_local_tokens == 0;
+  }
+  EXPECT_LT(got.losses.back(), got.losses.front());
+  EXPECT_GT(ref.expert_loads.back().bias_l1, 0.0) << "the load-balancing bias moved";
+  EXPECT_TRUE(some_expert_idle_on_a_rank) << "no step left an expert without tokens on a rank";
+}
+
+}  // namespace
+
+TEST(TrainerMoE, ExpertParallelEqualsOneRank) {
+  // ep = world: 2 ranks (efsdp 1) or 4 ranks (dp_shard 4, ep 4: every rank holds 2 experts)
+  expect_parity("ep_world", Routing::Qwen3, fsdp::world()->size());
+}
+
+TEST(TrainerMoE, ExpertParallelDeepSeekRoutingEqualsOneRank) {
+  expect_parity("ep_world_dsv3", Routing::DeepSeekV3, fsdp::world()->size());
+}
+
+TEST(TrainerMoE, ExpertParallelTwoOfFourEqualsOneRank) {
+  if (fsdp::world()->size() != 4) GTEST_SKIP() << "ep 2 x efsdp 2 needs 4 ranks";
+  expect_parity("ep2_of_4", Routing::Qwen3, 2);
+  expect_parity("ep2_of_4_dsv3", Routing::DeepSeekV3, 2);
+}
+
+TEST(TrainerMoE, ExpertParallelUnderHsdpEqualsOneRank) {
+  if (fsdp::world()->size() != 4) GTEST_SKIP() << "HSDP 2 x 2 with ep 2 needs 4 ranks";
+  expect_parity("hsdp_ep2", Routing::DeepSeekV3, 2, /*replicate=*/2);
+}
+
+TEST(TrainerMoE, BadExpertParallelConfigurationsAreRefused) {
+  auto world = fsdp::world();
+  if (world->size() != 2) GTEST_SKIP() << "on 2 ranks";
+  const auto expect_error = fsdp_test::expect_error_containing<ConfigError>;
+  JobConfig c = base("bad", Routing::Qwen3);
+  c.parallelism.expert_parallel_degree = 4;  // does not divide dp_shard = 2
+  expect_error([&] { run_training(c, test::world_env(), false); }, "must divide the data-parallel shard degree");
+  JobConfig dense = base("bad_dense", Routing::Qwen3);
+  dense.model.flavor = "cpu_tiny";
+  dense.parallelism.expert_parallel_degree = 2;
+  expect_error([&] { run_training(dense, test::world_env(), false); }, "has no MoE layers");
+  JobConfig tp = base("bad_tp", Routing::Qwen3);
+  tp.parallelism.tensor_parallel_degree = 2;
+  expect_error([&] { run_training(tp, test::world_env(), false); }, "not supported yet");
+  expect_error([] { load_config({"--model.moe_score_func", "relu"}); }, "model.moe_score_func");
+}
