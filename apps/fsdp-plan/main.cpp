@@ -1,9 +1,13 @@
-// fsdp-plan: per-rank memory and communication of FSDP training of a Llama 3 flavor (see docs/planner.md).
+// fsdp-plan: per-rank memory and communication of FSDP training of a Llama 3 or Qwen3 flavor (see
+// docs/planner.md).
 //
 //   fsdp-plan --flavor 8B --shard 8 --compute-dtype bf16 --local-batch 2 --seq 8192 --ac selective
+//   fsdp-plan --model qwen3 --flavor 30B-A3B --shard 8 --ep 4 --compute-dtype bf16 --seq 4096 --ac full
 //   fsdp-plan --flavor 70B --pp 4 --schedule Interleaved1F1B --microbatches 8 --shard 8 --local-batch 8
 //   fsdp-plan --torchtitan-8b        TorchTitan's published 8B / 8 x H100 run, next to its measured memory
 #include "plan.h"
+
+#include <fsdp/models/qwen3.h>
 
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
@@ -49,15 +53,19 @@ int torchtitan_8b() {
 
 int main(int argc, char** argv) {
   using namespace fsdp::plan;
-  CLI::App app{"fsdp-plan: per-rank memory and communication of FSDP training (Llama 3)"};
+  CLI::App app{"fsdp-plan: per-rank memory and communication of FSDP training (Llama 3, Qwen3 dense and MoE)"};
   std::string flavor = "8B", param = "fp32", compute = "fp32", reduce = "fp32", optim = "fp32", ac = "none",
               selective = "layer", reshard = "true";
   PlanConfig c;
   bool tt8b = false;
-  app.add_option("--flavor", flavor, "llama3 flavor (cpu_tiny .. 405B)");
+  std::string model = "llama3";
+  app.add_option("--model", model, "model family: llama3 | qwen3");
+  app.add_option("--flavor", flavor, "flavor of the model (llama3: cpu_tiny .. 405B; qwen3: cpu_tiny_moe, 0.6B .. "
+                 "32B, 30B-A3B, 235B-A22B)");
   app.add_option("--replicate", c.replicate, "HSDP replicate degree");
   app.add_option("--shard", c.shard, "FSDP shard degree");
   app.add_option("--tp", c.tp, "tensor parallel degree (TorchTitan's Llama plan, sequence parallel)");
+  app.add_option("--ep", c.ep, "expert parallel degree (MoE models; divides --shard and the experts)");
   bool no_loss_parallel = false;
   app.add_flag("--no-loss-parallel", no_loss_parallel, "with --tp: logits gathered instead of vocabulary-sharded");
   app.add_option("--param-dtype", param, "sharded parameter / gradient dtype");
@@ -99,9 +107,10 @@ int main(int argc, char** argv) {
   c.loss_parallel = !no_loss_parallel;
   try {
     if (tt8b) return torchtitan_8b();
+    c.model = model;
     c.flavor = flavor;
     c.runtime_overhead = static_cast<int64_t>(overhead_mib * (1 << 20));
-    c.args = fsdp::nn::llama::llama3_flavor(flavor);
+    c.args = fsdp::nn::llama::model_flavor(model, flavor);
     if (vocab > 0) c.args.vocab_size = vocab;
     c.param_dtype = parse_dtype(param);
     c.compute_dtype = parse_dtype(compute);

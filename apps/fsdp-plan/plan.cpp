@@ -1,6 +1,7 @@
 // fsdp-plan's model (see plan.h and docs/planner.md for the formulas and what they assume).
 #include "plan.h"
 
+#include <fsdp/models/moe.h>
 #include <fsdp/pipeline/schedule.h>
 
 #include <c10/util/Exception.h>
@@ -17,18 +18,68 @@ int64_t bytes_of(c10::ScalarType t) { return static_cast<int64_t>(c10::elementSi
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t align16(int64_t n) { return (n + 15) / 16 * 16; }
 
-// One group's gradient reduction per step: a reduce-scatter over the S shard ranks and, with R > 1 replicas,
-// HSDP's all-reduce of the shard over them (docs/comm.md's byte model); `rb` = bytes per reduce-dtype element.
-void add_gradient_reduction(CommPlan& cm, const GroupPlan& g, int64_t S, int64_t R, int64_t rb) {
-  if (S > 1) {
-    cm.reduce_scatter_bytes += (S - 1) * g.shard_numel * rb;
-    cm.reduce_scatter_calls += 1;
-    cm.optimum_bytes += (S - 1) * g.numel * rb / S;
+// A group's parameters by the mesh they shard over: the dense part over the S shard ranks, and in an MoE block
+// the routed experts of this rank over expert_shard (efsdp) ranks. `own_call`: the part is its own FSDP
+// parameter group (one collective of its own); the experts of an ep = 1 block travel in the block's.
+struct ShardedPart {
+  int64_t numel = 0;  // unsharded on this rank
+  int64_t shard_numel = 0, all_gather_bytes = 0, ranks = 1;
+  bool own_call = true, experts = false;
+};
+
+std::vector<ShardedPart> parts_of(const GroupPlan& g, int64_t S) {
+  std::vector<ShardedPart> out;
+  out.push_back({g.local_numel - g.expert_numel, g.shard_numel - g.expert_shard_numel,
+                 g.all_gather_bytes - g.expert_all_gather_bytes, S, true, false});
+  if (g.expert_shard > 0) {
+    out.push_back({g.expert_numel, g.expert_shard_numel, g.expert_all_gather_bytes, g.expert_shard, g.expert_group,
+                   true});
   }
-  if (R > 1) {
-    cm.all_reduce_bytes += 2 * (R - 1) * g.shard_numel * rb / R;
-    cm.all_reduce_calls += 1;
-    cm.optimum_bytes += 2 * (R - 1) * (g.numel / S) * rb / R;
+  return out;
+}
+
+// One all-gather of a group (each part over its own ranks: (n-1) x slot bytes), `times` the bytes when an hpZ
+// re-gather sends (N-1) x S/N slots instead (`hpz` = N > 1, dense blocks only).
+void add_all_gather(CommPlan& cm, const GroupPlan& g, int64_t S, int64_t e, int64_t hpz = 0) {
+  for (const ShardedPart& p : parts_of(g, S)) {
+    if (p.ranks <= 1) continue;
+    const int64_t bytes = hpz > 1 ? (hpz - 1) * (p.ranks / hpz) * p.all_gather_bytes : (p.ranks - 1) * p.all_gather_bytes;
+    const int64_t optimum = hpz > 1 ? (hpz - 1) * p.numel * e / hpz : (p.ranks - 1) * p.numel * e / p.ranks;
+    cm.all_gather_bytes += bytes;
+    cm.optimum_bytes += optimum;
+    if (p.own_call) cm.all_gather_calls += 1;
+    if (p.experts) {
+      cm.expert_all_gather_bytes += bytes;
+      if (p.own_call) cm.expert_all_gather_calls += 1;
+    }
+  }
+}
+
+// One group's gradient reduction per step: a reduce-scatter over each part's shard ranks and, with R > 1
+// replicas, HSDP's all-reduce of the shard over them (docs/comm.md's byte model); `rb` = bytes per reduce-dtype
+// element.
+void add_gradient_reduction(CommPlan& cm, const GroupPlan& g, int64_t S, int64_t R, int64_t rb) {
+  for (const ShardedPart& p : parts_of(g, S)) {
+    if (p.ranks > 1) {
+      const int64_t bytes = (p.ranks - 1) * p.shard_numel * rb;
+      cm.reduce_scatter_bytes += bytes;
+      cm.optimum_bytes += (p.ranks - 1) * p.numel * rb / p.ranks;
+      if (p.own_call) cm.reduce_scatter_calls += 1;
+      if (p.experts) {
+        cm.expert_reduce_scatter_bytes += bytes;
+        if (p.own_call) cm.expert_reduce_scatter_calls += 1;
+      }
+    }
+    if (R > 1) {
+      const int64_t bytes = 2 * (R - 1) * p.shard_numel * rb / R;
+      cm.all_reduce_bytes += bytes;
+      cm.optimum_bytes += 2 * (R - 1) * (p.numel / p.ranks) * rb / R;
+      if (p.own_call) cm.all_reduce_calls += 1;
+      if (p.experts) {
+        cm.expert_all_reduce_bytes += bytes;
+        if (p.own_call) cm.expert_all_reduce_calls += 1;
+      }
+    }
   }
 }
 
@@ -36,15 +87,41 @@ struct ParamShape {
   int64_t dim0, row;  // [dim0, row] (1-D: row = 1)
 };
 
-// The parameters of one block / of the root, in registration order (src/models/llama.cpp), as one TP rank holds
+bool is_moe(const nn::llama::LlamaArgs& a, int64_t layer) { return a.moe.has_value() && a.is_moe_layer(layer); }
+
+// The parameters of one block / of the root (src/models/llama.cpp, src/models/moe.cpp), as one TP rank holds
 // them (TorchTitan's plan: colwise wq wk wv w1 w3 split dim 0, rowwise wo w2 split dim 1, the embedding and
-// the output projection split the vocabulary, norms replicated; rank 0's torch.chunk piece, the largest).
-std::vector<ParamShape> block_params(const nn::llama::LlamaArgs& a, int64_t tp = 1) {
+// the output projection split the vocabulary, norms replicated; rank 0's torch.chunk piece, the largest). An
+// MoE block's routed experts are not here (expert_params): they shard over another mesh.
+std::vector<ParamShape> block_params(const nn::llama::LlamaArgs& a, int64_t layer, int64_t tp = 1) {
   const int64_t hq = ceil_div(a.n_heads * a.head_dim(), tp), hkv = ceil_div(a.kv_heads() * a.head_dim(), tp),
-                f = ceil_div(a.ffn_hidden_dim(), tp);
-  return {{hq, a.dim}, {hkv, a.dim}, {hkv, a.dim}, {a.dim, hq},  // attention wq wk wv wo
-          {f, a.dim},  {a.dim, f},   {f, a.dim},                 // feed_forward w1 w2 w3
-          {a.dim, 1},  {a.dim, 1}};                              // attention_norm, ffn_norm
+                f = ceil_div(a.ffn_hidden_dim(), tp), D = a.dim;
+  std::vector<ParamShape> p = {{hq, D}, {hkv, D}, {hkv, D}, {D, hq}};  // attention wq wk wv wo
+  if (a.qk_norm) p.insert(p.end(), {{a.head_dim(), 1}, {a.head_dim(), 1}});  // q_norm, k_norm (whole under TP)
+  if (is_moe(a, layer)) {
+    const nn::moe::MoEOptions o = a.moe_options();
+    p.push_back({o.num_experts, D});  // router.gate
+    if (o.num_shared_experts > 0) {
+      const int64_t fs = o.hidden * o.num_shared_experts;
+      p.insert(p.end(), {{fs, D}, {D, fs}, {fs, D}});  // shared_experts w1 w2 w3
+    }
+  } else {
+    p.insert(p.end(), {{f, D}, {D, f}, {f, D}});  // feed_forward w1 w2 w3
+  }
+  p.insert(p.end(), {{D, 1}, {D, 1}});  // attention_norm, ffn_norm
+  return p;
+}
+
+// Where the routed experts shard (apps/fsdp-train/parallelize.cpp, TorchTitan's apply_fsdp): dim 1 when the
+// shard degree exceeds the number of experts (tt#1561), else dim 0; over efsdp = S / ep ranks.
+int64_t expert_shard_dim(const PlanConfig& c) { return c.shard > c.args.moe_options().num_experts ? 1 : 0; }
+
+// This rank's routed experts (E/ep of them) as ParamShapes whose dim0 is the FSDP shard dim: w1 [E/ep, F, D],
+// w2 [E/ep, D, F], w3 [E/ep, F, D]; Shard(1) cuts F of w1 / w3 and D of w2.
+std::vector<ParamShape> expert_params(const nn::moe::MoEOptions& o, int64_t ep, int64_t dim) {
+  const int64_t El = o.num_experts / ep, F = o.hidden, D = o.dim;
+  if (dim == 0) return {{El, F * D}, {El, D * F}, {El, F * D}};
+  return {{F, El * D}, {D, El * F}, {F, El * D}};
 }
 std::vector<ParamShape> root_params(const nn::llama::LlamaArgs& a, int64_t tp = 1) {
   const int64_t v = ceil_div(a.vocab_size, tp);
@@ -63,13 +140,38 @@ GroupPlan group_plan(const std::string& name, const std::vector<ParamShape>& par
     g.shard_numel += shard_numel;
     g.all_gather_bytes += align16(shard_numel * compute_bytes);
   }
+  g.local_numel = g.numel;
+  return g;
+}
+
+// Block `layer`'s group: its dense parameters over the S shard ranks, plus in an MoE block this rank's routed
+// experts over efsdp = S / ep ranks (expert_params).
+GroupPlan block_group(const PlanConfig& c, int64_t layer, int64_t tp) {
+  const int64_t e = bytes_of(c.compute_dtype);
+  GroupPlan g = group_plan("layers." + std::to_string(layer), block_params(c.args, layer, tp), c.shard, e);
+  if (!is_moe(c.args, layer)) return g;
+  const int64_t dim = expert_shard_dim(c), efsdp = c.shard / c.ep;
+  const GroupPlan x = group_plan("", expert_params(c.args.moe_options(), c.ep, dim), efsdp, e);
+  g.expert_numel = x.numel;
+  g.expert_shard_numel = x.shard_numel;
+  g.expert_all_gather_bytes = x.all_gather_bytes;
+  g.expert_shard = efsdp;
+  g.expert_shard_dim = dim;
+  g.expert_group = c.ep > 1;
+  g.numel += x.numel * c.ep;
+  g.local_numel += x.numel;
+  g.shard_numel += x.shard_numel;
+  g.all_gather_bytes += x.all_gather_bytes;
   return g;
 }
 
 // What autograd saves for a batch of T tokens (docs/planner.md, "Activations"): per block under the configured
 // AC, and for the final norm and the loss. The pipeline planner evaluates it at one microbatch's tokens.
 struct ActivationModel {
-  int64_t full_per_layer = 0;          // a block that saves everything
+  int64_t full_per_layer = 0;          // a block that saves everything (the first block; blocks alike without MoE)
+  int64_t moe_per_layer = 0, dense_per_layer = 0;  // an MoE / a dense block that saves everything (0: none)
+  std::vector<int64_t> layer_full;     // per block: everything it saves (what a recomputation rebuilds)
+  std::vector<int64_t> layer_workspace;  // per block: gradients in flight through its backward
   int64_t checkpointed_per_layer = 0;  // a checkpointed block: its input only
   std::vector<int64_t> layer_saved;    // per block, under the configured AC
   std::vector<bool> recomputed;        // per block: its backward first recomputes its forward
@@ -78,8 +180,28 @@ struct ActivationModel {
   int64_t lsm = 0;                     // T x V x 4: the float32 copy / log-softmax output when upcast
   int64_t lsm_bytes = 0;               // the log-softmax output
   int64_t loss_forward = 0;            // logits, log-softmax output and the float32 copy when upcast
-  int64_t grad_workspace = 0;          // gradients in flight through one block's backward
+  int64_t grad_workspace = 0;          // gradients in flight through one block's backward (the first block's)
 };
+
+// What an MoE feed-forward (src/models/moe.cpp; with ep > 1 src/expert_parallel) saves for backward, per token,
+// under uniform routing (each ep rank receives, and its experts compute, T k rows in all). k = top_k, E experts,
+// F = expert hidden, Fs = shared experts' hidden, e = compute dtype bytes. docs/planner.md lists the tensors.
+int64_t moe_saved_per_token(const PlanConfig& c) {
+  const nn::moe::MoEOptions o = c.args.moe_options();
+  const int64_t e = bytes_of(c.compute_dtype), k = o.top_k, E = o.num_experts, F = o.hidden, D = c.args.dim,
+                Fs = o.hidden * o.num_shared_experts;
+  return 4 * E                            // router scores (softmax / sigmoid output, float32)
+         + 8 * k                          // chosen expert ids (gather's index)
+         + (o.route_norm ? 4 * k + 4 : 0)  // chosen scores and their sum (the normalising division)
+         + 8 * k + 8 * k                  // slot -> token index (index_select, index_add), expert order (weights')
+         + 4 * k                          // each slot's weight (float32) for the weight multiply
+         + k * D * e                      // the experts' input rows (grouped GEMM's saved input)
+         + 4 * k * F * e                  // SwiGLU of the rows: w1 out, silu out, w3 out, product
+         + 4 * k * D                      // expert outputs in float32, the weight multiply's other operand
+         + k * D * e                      // the weighted outputs (index_add's source: its backward expands to it)
+         + (c.ep > 1 ? 16 * k : 0)        // EP: the regrouping permutation and its inverse (index_select's indices)
+         + 4 * Fs * e;                    // shared experts' SwiGLU (their input is the norm's saved output)
+}
 
 ActivationModel activation_model(const PlanConfig& c, int64_t T) {
   const auto& a = c.args;
@@ -90,6 +212,10 @@ ActivationModel activation_model(const PlanConfig& c, int64_t T) {
   const int64_t D = a.dim, hq = a.n_heads * a.head_dim() / TP, hkv = a.kv_heads() * a.head_dim() / TP,
                 F = ceil_div(a.ffn_hidden_dim(), TP), heads = a.n_heads / TP;
   const bool gqa = a.n_heads != a.kv_heads();
+  // QK-norm (Qwen3): q_norm / k_norm over head_dim save their float32 input (wq / wk out, which RoPE alone would
+  // not keep), the normalized tensor (compute dtype) and one float32 rsqrt per head row; their output goes to
+  // RoPE, whose roped result SDPA saves (counted in attn).
+  const int64_t qk = a.qk_norm ? (4 + e) * (hq + hkv) + 4 * (heads + a.kv_heads() / TP) : 0;
   // RMSNorm: float32 input (the input itself in fp32, an upcast copy otherwise), normalized (compute dtype)
   // saved for the weight multiply, output saved by the next linear(s). Under TP (sequence parallel) the norm
   // runs on T/tp tokens and its output is not saved: it is all-gathered (whose backward needs nothing) and the
@@ -100,15 +226,30 @@ ActivationModel activation_model(const PlanConfig& c, int64_t T) {
   const int64_t attn = e * (hq + 2 * (gqa ? hq : hkv) + hq) + 4 * heads;
   // SwiGLU: w1 out (silu input), silu out, w3 out, product (w2 input).
   const int64_t ffn = 4 * e * F;
-  const int64_t full_per_token = 2 * norm + attn + ffn;
-  out.full_per_layer = T * full_per_token;
+  const int64_t full_per_token = 2 * norm + attn + qk + ffn;
+  const int64_t moe_per_token = a.moe ? 2 * norm + attn + qk + moe_saved_per_token(c) : 0;
+  // Gradients in flight through a block's backward: the incoming and outgoing residual gradients and the SwiGLU
+  // intermediates' (dense); an MoE block's over its T k rows (3 F of SwiGLU, the rows' D, the float32 outputs'
+  // 4 D) and the shared experts'. Rough (docs/planner.md).
+  const int64_t dense_workspace = T * e * (2 * D / TP + 3 * F);
+  int64_t moe_workspace = 0;
+  if (a.moe) {
+    const nn::moe::MoEOptions o = a.moe_options();
+    moe_workspace = T * (e * 2 * D + o.top_k * (e * (3 * o.hidden + D) + 4 * D) + 3 * e * o.hidden * o.num_shared_experts);
+  }
+  for (int64_t l = 0; l < a.n_layers; ++l) {
+    out.layer_full.push_back(T * (is_moe(a, l) ? moe_per_token : full_per_token));
+    out.layer_workspace.push_back(is_moe(a, l) ? moe_workspace : dense_workspace);
+    (is_moe(a, l) ? out.moe_per_layer : out.dense_per_layer) = out.layer_full.back();
+  }
+  out.full_per_layer = a.n_layers > 0 ? out.layer_full.front() : T * full_per_token;
   out.checkpointed_per_layer = T * e * D / TP;  // the block input only (sequence-sharded under TP)
   // Op-level SAC: the block input and a copy of every other matmul output (wq, wv, w1, w2); TorchTitan's policy
   // also keeps the SDPA output and log-sum-exp. Under TP the rowwise w2's matmul output is the full-sequence
   // partial sum [T, D], saved before its reduce-scatter.
   const int64_t op_sac_per_token =
       e * (D / TP + hq + hkv + F + D) + (c.op_sac_saves_attention ? e * hq + 4 * heads : 0);
-  out.layer_saved.assign(a.n_layers, out.full_per_layer);
+  out.layer_saved = out.layer_full;
   out.recomputed.assign(a.n_layers, false);
   for (int64_t l = 0; l < a.n_layers; ++l) {
     if (c.ac == ACMode::Full ||
@@ -128,7 +269,7 @@ ActivationModel activation_model(const PlanConfig& c, int64_t T) {
   out.lsm = T * V * 4;  // log-softmax output (float32 when upcast; = compute dtype otherwise)
   out.lsm_bytes = c.loss.upcast_logits ? out.lsm : T * V * e;
   out.loss_forward = out.logits + out.lsm_bytes + (c.loss.upcast_logits ? out.lsm : 0);
-  out.grad_workspace = T * e * (2 * D / TP + 3 * F);
+  out.grad_workspace = a.n_layers > 0 ? out.layer_workspace.front() : dense_workspace;
   return out;
 }
 
@@ -227,13 +368,7 @@ RankWalk walk_rank(const PlanConfig& c, const fsdp::pipeline::PipelineSchedule& 
     switch (action.type) {
       case pl::ActionType::Unshard:
         unsharded[action.stage] = 1;
-        for (const auto& g : st.groups) {
-          if (S > 1) {
-            cm.all_gather_bytes += (S - 1) * g.all_gather_bytes;
-            cm.all_gather_calls += 1;
-            cm.optimum_bytes += (S - 1) * g.numel * e / S;
-          }
-        }
+        for (const auto& g : st.groups) add_all_gather(cm, g, S, e);
         break;
       case pl::ActionType::Reshard:
         unsharded[action.stage] = 0;
@@ -394,7 +529,7 @@ void plan_pipeline(const PlanConfig& c, Plan& plan) {
   // under TP.
   pp.boundary_bytes = T_mb / TP * a.dim * e;
   const bool alias = S == 1 && e == pb && rb == pb;
-  const int64_t block_numel = group_plan("", block_params(a, TP), S, e).numel;
+  const int64_t block_numel = group_plan("", block_params(a, 0, TP), S, e).numel;  // blocks alike (no MoE under PP)
 
   int64_t next_layer = 0;
   for (int64_t s = 0; s < num_stages; ++s) {
@@ -409,7 +544,7 @@ void plan_pipeline(const PlanConfig& c, Plan& plan) {
     if (st.has_embedding) st.fqns.push_back("tok_embeddings");
     for (int64_t l = st.first_layer; l < st.first_layer + st.num_layers; ++l) {
       st.fqns.push_back("layers." + std::to_string(l));
-      st.groups.push_back(group_plan("layers." + std::to_string(l), block_params(a, TP), S, e));
+      st.groups.push_back(group_plan("layers." + std::to_string(l), block_params(a, l, TP), S, e));
     }
     // The stage's root group: what is left of tok_embeddings / norm + output (nothing on middle stages).
     const int64_t vocab = ceil_div(a.vocab_size, TP);
@@ -531,6 +666,34 @@ void format_pipeline(std::ostringstream& os, const Plan& p) {
   os << "  bubble fraction " << buf << "\n";
 }
 
+// MoE and expert parallelism: what the planner models and what it refuses (as fsdp-train refuses it).
+void check_moe(const PlanConfig& c) {
+  const auto& a = c.args;
+  TORCH_CHECK(c.ep >= 1, "fsdp-plan: ep must be >= 1, got ", c.ep);
+  int64_t moe_layers = 0;
+  for (int64_t l = 0; l < a.n_layers; ++l) moe_layers += is_moe(a, l) ? 1 : 0;
+  const std::string model = c.model + " " + (c.flavor.empty() ? std::string("(custom)") : c.flavor);
+  if (moe_layers == 0) {
+    TORCH_CHECK(c.ep == 1, "fsdp-plan: --ep ", c.ep, " needs an MoE model, but ", model,
+                " has no MoE layers (use --model qwen3 with a *_moe flavor, 30B-A3B or 235B-A22B)");
+    return;
+  }
+  TORCH_CHECK(c.tp == 1 && c.pp == 1, "fsdp-plan: ", model, " has MoE layers; MoE with ",
+              c.tp > 1 ? "tensor" : "pipeline", " parallelism is not planned (fsdp-train refuses it too): use "
+              "--shard, --replicate and --ep");
+  const int64_t E = a.moe_options().num_experts;
+  TORCH_CHECK(c.shard % c.ep == 0, "fsdp-plan: --ep ", c.ep, " must divide --shard ", c.shard,
+              " (expert-parallel groups are ep consecutive ranks of a shard group; the experts' FSDP runs over the "
+              "shard / ep ranks left)");
+  TORCH_CHECK(E % c.ep == 0, "fsdp-plan: --ep ", c.ep, " must divide the ", E, " experts of ", model,
+              " (each ep rank holds experts / ep of them)");
+  TORCH_CHECK(!(c.ac == ACMode::Selective && c.selective == SelectiveKind::Op), "fsdp-plan: op-level selective AC ",
+              "with an MoE model is not supported (fsdp-train refuses it: the second forward with gradients would "
+              "count the experts' tokens twice); use --ac full or --selective layer");
+  TORCH_CHECK(c.block_reshard <= 1, "fsdp-plan: --reshard ", c.block_reshard, " (hpZ) with MoE layers is not "
+              "modelled (the experts shard over another mesh); use true or false");
+}
+
 }  // namespace
 
 std::vector<int64_t> split_layers(int64_t num_stages, int64_t num_layers, int64_t first_less, int64_t last_less) {
@@ -591,35 +754,43 @@ Plan make_plan(const PlanConfig& c) {
     TORCH_CHECK(!a.tie_embeddings, "fsdp-plan: tensor parallel needs untied embeddings");
     TORCH_CHECK(c.seq_len % TP == 0, "fsdp-plan: seq ", c.seq_len, " must divide by tp ", TP, " (sequence parallel)");
   }
+  check_moe(c);
 
-  for (int64_t l = 0; l < a.n_layers; ++l) {
-    plan.groups.push_back(group_plan("layers." + std::to_string(l), block_params(a, TP), S, e));
-  }
+  for (int64_t l = 0; l < a.n_layers; ++l) plan.groups.push_back(block_group(c, l, TP));
   plan.groups.push_back(group_plan("root", root_params(a, TP), S, e));
   {
     int64_t global = 0;
-    for (int64_t l = 0; l < a.n_layers; ++l) global += group_plan("", block_params(a), 1, e).numel;
+    for (int64_t l = 0; l < a.n_layers; ++l) global += block_group(c, l, 1).numel;
     global += group_plan("", root_params(a), 1, e).numel;
     plan.num_params = global;
   }
   TORCH_CHECK(plan.num_params == nn::llama::num_params(a), "fsdp-plan internal: parameter shapes give ",
               plan.num_params, " but llama::num_params gives ", nn::llama::num_params(a));
-  const GroupPlan& block = plan.groups.front();
   const GroupPlan& root = plan.groups.back();
+  const int64_t L = a.n_layers;
+  auto block = [&](int64_t i) -> const GroupPlan& { return plan.groups[static_cast<size_t>(i)]; };
 
-  // ---- persistent: sharded params, sharded grads (param dtype), optimizer states ----
+  // ---- persistent: sharded params, sharded grads (param dtype), optimizer states, MoE buffers ----
   int64_t shard_numel = 0;
   for (const auto& g : plan.groups) shard_numel += g.shard_numel;
   MemoryPlan& m = plan.memory;
   m.params = shard_numel * pb;
   m.grads = shard_numel * pb;
   m.optimizer = c.optim_states * shard_numel * ob;
+  for (int64_t l = 0; l < L; ++l) {
+    if (!is_moe(a, l)) continue;
+    const nn::moe::MoEOptions o = a.moe_options();
+    // tokens_per_expert always, expert_bias with load balancing; float32 [E], whole on every rank.
+    m.buffers += 4 * o.num_experts * (o.load_balance_coeff ? 2 : 1);
+  }
 
   // ---- activations saved per block, per token (docs/planner.md, "Activations") ----
   const int64_t T = c.local_batch * c.seq_len;
-  const int64_t D = a.dim, F = ceil_div(a.ffn_hidden_dim(), TP);
+  const int64_t D = a.dim;
   const ActivationModel act = activation_model(c, T);
   m.act_per_layer_full = act.full_per_layer;
+  m.act_per_moe_layer = act.moe_per_layer;
+  m.act_per_dense_layer = act.dense_per_layer;
   m.act_per_layer_checkpointed = act.checkpointed_per_layer;
   const std::vector<int64_t>& layer_saved = act.layer_saved;
   const std::vector<bool>& recomputed = act.recomputed;
@@ -634,24 +805,43 @@ Plan make_plan(const PlanConfig& c) {
   // log-softmax backward: its saved output, the incoming gradient (nll backward, dense) and its result.
   const int64_t loss_bwd = held_logits + 3 * lsm_bytes;
   const int64_t loss_fwd = act.loss_forward;
-  // A shard group of one rank with nothing cast (a TP-only mesh, replicate x shard 1): the unsharded parameters
-  // alias the sharded ones and no all-gather or reduce-scatter buffer exists (fully_shard's size-1 fast path).
-  const bool alias = S == 1 && e == pb && rb == pb;
+  // A shard group of one rank with nothing cast (a TP-only mesh, replicate x shard 1; the experts' efsdp group
+  // when ep = shard): the unsharded parameters alias the sharded ones and no all-gather or reduce-scatter buffer
+  // exists (fully_shard's size-1 fast path).
+  auto aliased = [&](int64_t ranks) { return ranks == 1 && e == pb && rb == pb; };
+  const bool alias = aliased(S);
   m.root_unsharded = alias ? 0 : root.numel * e;
 
-  // ---- block groups in flight ----
-  const int64_t U = block.numel * e;                    // one block's unsharded params (or grads)
-  const int64_t U_params = alias ? 0 : U;               // beyond the sharded params
-  const int64_t ag_buffer = alias ? 0 : S * block.all_gather_bytes;  // flat all-gather output (before copy-out)
-  const int64_t rs_buffers = alias ? 0 : 2 * S * block.shard_numel * rb + block.shard_numel * rb;  // input, received, output
-  const int64_t fwd_in_flight = U_params + (a.n_layers > 1 ? ag_buffer : 0);  // current + prefetched next
-  const int64_t bwd_in_flight = U_params + U + rs_buffers + (a.n_layers > 1 ? ag_buffer : 0);  // params, grads, prev RS, prefetch
-  // Gradient of the activations flowing through a block's backward (docs/planner.md): the incoming and outgoing
-  // residual gradients and the SwiGLU intermediates' gradients.
-  const int64_t grad_workspace = T * e * (2 * D / TP + 3 * F);
+  // ---- block groups in flight (each part over its own mesh: dense over S, experts over efsdp) ----
+  auto unsharded_grads = [&](const GroupPlan& g) { return g.local_numel * e; };  // one block's unsharded grads
+  auto unsharded_params = [&](const GroupPlan& g) {  // beyond the sharded params
+    int64_t b = 0;
+    for (const ShardedPart& p : parts_of(g, S)) b += aliased(p.ranks) ? 0 : p.numel * e;
+    return b;
+  };
+  auto ag_buffer = [&](const GroupPlan& g) {  // flat all-gather output (before copy-out)
+    int64_t b = 0;
+    for (const ShardedPart& p : parts_of(g, S)) b += aliased(p.ranks) ? 0 : p.ranks * p.all_gather_bytes;
+    return b;
+  };
+  auto rs_buffers = [&](const GroupPlan& g) {  // reduce-scatter input, our all-to-all receive buffer, output
+    int64_t b = 0;
+    for (const ShardedPart& p : parts_of(g, S)) b += aliased(p.ranks) ? 0 : (2 * p.ranks + 1) * p.shard_numel * rb;
+    return b;
+  };
+  // Forward of block 0: its params + the prefetched next block's all-gather buffer.
+  const int64_t fwd_in_flight = L > 0 ? unsharded_params(block(0)) + (L > 1 ? ag_buffer(block(1)) : 0) : 0;
+  // Backward of block i: its params and grads, the pending reduce-scatter of the block after it (its own for the
+  // last block), the all-gather buffer prefetched for the block before it (its own for block 0). Blocks alike:
+  // U + U + RS + AG of any block.
+  auto bwd_in_flight = [&](int64_t i) {
+    const GroupPlan& prev = block(i + 1 < L ? i + 1 : i);
+    const GroupPlan& next = block(i > 0 ? i - 1 : i);
+    return unsharded_params(block(i)) + unsharded_grads(block(i)) + rs_buffers(prev) + (L > 1 ? ag_buffer(next) : 0);
+  };
   m.runtime = c.runtime_overhead;
   // Sharded grads are freed by zero_grad(set_to_none): they exist from the reduce-scatters to the optimizer step.
-  const int64_t persist = m.params + m.optimizer + m.runtime;
+  const int64_t persist = m.params + m.optimizer + m.runtime + m.buffers;
 
   struct Moment {
     std::string name;
@@ -665,16 +855,18 @@ Plan make_plan(const PlanConfig& c) {
   // recomputed if checkpointed; the blocks above have been reduce-scattered into sharded gradients; the root's
   // output-projection gradient (unsharded) waits for the root's reduce-scatter at the very end.
   int64_t acts_below = saved_layers_bytes;
-  for (int64_t i = a.n_layers - 1; i >= 0; --i) {
-    const int64_t acts = acts_below + (recomputed[i] ? m.act_per_layer_full : 0) + grad_workspace;
-    moments.push_back({"backward of block " + std::to_string(i), m.root_unsharded + ceil_div(a.vocab_size, TP) * D * e + bwd_in_flight, acts,
-                       held_logits, (a.n_layers - 1 - i) * block.shard_numel * pb});
+  int64_t shards_above = 0;
+  for (int64_t i = L - 1; i >= 0; --i) {
+    const int64_t acts = acts_below + (recomputed[i] ? act.layer_full[i] : 0) + act.layer_workspace[i];
+    moments.push_back({"backward of block " + std::to_string(i),
+                       m.root_unsharded + ceil_div(a.vocab_size, TP) * D * e + bwd_in_flight(i), acts, held_logits,
+                       shards_above * pb});
     acts_below -= layer_saved[i];
+    shards_above += block(i).shard_numel;
   }
   // End of backward: the root's gradients packed into its reduce-scatter input (its params already resharded).
   const int64_t root_rs = std::max(root.numel * e + S * root.shard_numel * rb, (2 * S + 1) * root.shard_numel * rb);
-  moments.push_back({"end of backward (root reduce-scatter)", root_rs, 0, held_logits,
-                     a.n_layers * block.shard_numel * pb});
+  moments.push_back({"end of backward (root reduce-scatter)", root_rs, 0, held_logits, shards_above * pb});
   int64_t best = -1;
   for (const auto& mo : moments) {
     const int64_t total = persist + mo.unsharded + mo.acts + mo.loss + mo.sharded_grads;
@@ -710,37 +902,48 @@ Plan make_plan(const PlanConfig& c) {
   m.root_unsharded = m.peak_moment == "optimizer step" ? 0 : m.root_unsharded;
   m.total = best;
   m.saved_activations = saved_layers_bytes + final_norm;
-  const int64_t blocks_unsharded_after_forward =
-      c.block_reshard == 0 ? a.n_layers : (c.keep_last_block_unsharded && a.n_layers > 0 ? 1 : 0);
-  m.end_of_forward = (alias ? 0 : root.numel * e) + blocks_unsharded_after_forward * U_params + m.saved_activations +
-                     loss_fwd;
+  int64_t blocks_unsharded_after_forward = 0;
+  if (c.block_reshard == 0) {
+    for (int64_t i = 0; i < L; ++i) blocks_unsharded_after_forward += unsharded_params(block(i));
+  } else if (c.keep_last_block_unsharded && L > 0) {
+    blocks_unsharded_after_forward = unsharded_params(block(L - 1));
+  }
+  m.end_of_forward = (alias ? 0 : root.numel * e) + blocks_unsharded_after_forward + m.saved_activations + loss_fwd;
   m.step_peak = best - persist;
 
   // ---- communication per step ----
   CommPlan& cm = plan.comm;
-  const int64_t n_groups = static_cast<int64_t>(plan.groups.size());
   for (const auto& g : plan.groups) {
     const bool is_root = &g == &plan.groups.back();
-    if (S > 1) {
-      cm.all_gather_bytes += (S - 1) * g.all_gather_bytes;  // forward
-      cm.all_gather_calls += 1;
-      cm.optimum_bytes += (S - 1) * g.numel * e / S;
-      const bool kept = c.keep_last_block_unsharded && &g == &plan.groups[plan.groups.size() - 2];
-      if (!is_root && c.block_reshard == 1 && !kept) {  // re-gathered in backward
-        cm.all_gather_bytes += (S - 1) * g.all_gather_bytes;
-        cm.all_gather_calls += 1;
-        cm.optimum_bytes += (S - 1) * g.numel * e / S;
-      } else if (!is_root && c.block_reshard > 1 && !kept) {  // hpZ: within N ranks, from the N-way copy
-        const int64_t N = c.block_reshard;
-        cm.all_gather_bytes += (N - 1) * (S / N) * g.all_gather_bytes;
-        cm.all_gather_calls += 1;
-        cm.optimum_bytes += (N - 1) * g.numel * e / N;
-      }
+    add_all_gather(cm, g, S, e);  // forward
+    const bool kept = c.keep_last_block_unsharded && &g == &plan.groups[plan.groups.size() - 2];
+    if (!is_root && c.block_reshard == 1 && !kept) {  // re-gathered in backward
+      add_all_gather(cm, g, S, e);
+    } else if (!is_root && c.block_reshard > 1 && !kept && S > 1) {  // hpZ: within N ranks, from the N-way copy
+      add_all_gather(cm, g, S, e, c.block_reshard);
     }
     add_gradient_reduction(cm, g, S, R, rb);
   }
-  (void)n_groups;
   cm.total_bytes = cm.all_gather_bytes + cm.reduce_scatter_bytes + cm.all_reduce_bytes;
+  if (c.ep > 1) {
+    // The ep dim (src/expert_parallel): per MoE layer and forward, the count exchange (E int64 split in ep
+    // pieces, all but this rank's own sent), the dispatch and the combine of the T k routed rows, (ep-1)/ep of
+    // them to other ranks under uniform routing; backward sends the dispatch's and the combine's gradients back;
+    // a recomputed block (full / layer-selective AC) runs its forward exchanges once more.
+    const nn::moe::MoEOptions o = a.moe_options();
+    const int64_t ep = c.ep;
+    const int64_t count_bytes = (ep - 1) * (o.num_experts / ep) * 8;
+    const int64_t rows_bytes = T * o.top_k * D * e * (ep - 1) / ep;
+    for (int64_t l = 0; l < L; ++l) {
+      if (!is_moe(a, l)) continue;
+      const int64_t forwards = recomputed[l] ? 2 : 1;
+      cm.ep_count_bytes += forwards * count_bytes;
+      cm.ep_dispatch_bytes += (forwards + 1) * rows_bytes;
+      cm.ep_combine_bytes += (forwards + 1) * rows_bytes;
+      cm.ep_all_to_all_calls += 3 * forwards + 2;
+    }
+    cm.ep_total_bytes = cm.ep_count_bytes + cm.ep_dispatch_bytes + cm.ep_combine_bytes;
+  }
   if (TP > 1) {
     // Byte model of docs/comm.md over the TP group. One sequence-sharded activation [T/tp, D] is all-gathered
     // ((tp-1) x its bytes) or reduce-scattered from [T, D] ((tp-1)/tp of that): per block 2 + 2 in forward
@@ -779,8 +982,30 @@ std::string format_plan(const Plan& p) {
   std::ostringstream os;
   auto dt = [](c10::ScalarType t) { return std::string(c10::toString(t)); };
   const char* ac = c.ac == ACMode::None ? "none" : c.ac == ACMode::Full ? "full" : "selective";
-  os << "model      llama3 " << (c.flavor.empty() ? "(custom)" : c.flavor) << ": " << p.num_params << " parameters ("
-     << static_cast<double>(p.num_params) / 1e9 << " B), " << c.args.n_layers << " blocks + root\n";
+  os << "model      " << c.model << " " << (c.flavor.empty() ? "(custom)" : c.flavor) << ": " << p.num_params
+     << " parameters (" << static_cast<double>(p.num_params) / 1e9 << " B";
+  int64_t moe_layers = 0, expert_shard_numel = 0;
+  const GroupPlan* moe_group = nullptr;
+  for (int64_t l = 0; l < c.args.n_layers; ++l) {
+    if (!is_moe(c.args, l)) continue;
+    moe_layers += 1;
+    moe_group = &p.groups[static_cast<size_t>(l)];
+    expert_shard_numel += moe_group->expert_shard_numel;
+  }
+  if (moe_layers > 0) {
+    os << ", " << static_cast<double>(nn::llama::num_active_params(c.args)) / 1e9 << " B active";
+  }
+  os << "), " << c.args.n_layers << " blocks + root\n";
+  if (moe_layers > 0) {
+    const nn::moe::MoEOptions o = c.args.moe_options();
+    os << "MoE        " << moe_layers << " MoE blocks: " << o.num_experts << " experts of hidden " << o.hidden
+       << ", top-" << o.top_k;
+    if (o.num_shared_experts > 0) os << ", " << o.num_shared_experts << " shared";
+    os << "; ep " << c.ep << ": " << o.num_experts / c.ep << " experts per rank, FSDP-sharded over "
+       << moe_group->expert_shard << " rank(s) (" << (c.ep > 1 ? "efsdp = shard / ep" : "the shard dim") << ") on dim "
+       << moe_group->expert_shard_dim << (moe_group->expert_shard_dim == 1 ? " (shard > experts)" : "")
+       << "; routing-dependent terms assume uniform routing\n";
+  }
   const PipelinePlan& pl = p.pipeline;
   if (pl.enabled) {
     os << "mesh       pp " << c.pp << " x replicate " << c.replicate << " x shard " << c.shard << " x tp " << c.tp
@@ -822,15 +1047,24 @@ std::string format_plan(const Plan& p) {
     os << "  peak                    " << gib(m.total) << "  at: " << m.peak_moment << "\n";
   } else {
     os << "memory per rank\n";
-    os << "  params (sharded)        " << gib(m.params) << "\n";
+    os << "  params (sharded)        " << gib(m.params);
+    if (moe_layers > 0) os << "  (routed experts: " << gib(expert_shard_numel * bytes_of(c.param_dtype)) << ")";
+    os << "\n";
     os << "  grads (sharded)         " << gib(m.grads) << "  (freed by zero_grad; present at the optimizer step)\n";
     os << "  optimizer states        " << gib(m.optimizer) << "\n";
     os << "  sharded grads at peak   " << gib(m.sharded_grads_at_peak) << "\n";
     os << "  root unsharded params   " << gib(m.root_unsharded) << "\n";
     os << "  blocks in flight        " << gib(m.unsharded_peak) << "\n";
-    os << "  activations             " << gib(m.activations) << "  (per block: " << gib(m.act_per_layer_full)
-       << " saved, " << gib(m.act_per_layer_checkpointed) << " checkpointed)\n";
+    os << "  activations             " << gib(m.activations) << "  (per block: ";
+    if (moe_layers > 0) {
+      os << gib(m.act_per_moe_layer) << " saved by an MoE block";
+      if (m.act_per_dense_layer > 0) os << ", " << gib(m.act_per_dense_layer) << " by a dense one";
+    } else {
+      os << gib(m.act_per_layer_full) << " saved";
+    }
+    os << ", " << gib(m.act_per_layer_checkpointed) << " checkpointed)\n";
     os << "  loss (logits etc.)      " << gib(m.loss) << "\n";
+    if (m.buffers) os << "  MoE buffers             " << gib(m.buffers) << "  (expert_bias, token counts)\n";
     if (m.runtime) os << "  runtime overhead        " << gib(m.runtime) << "\n";
     os << "  peak                    " << gib(m.total) << "  at: " << m.peak_moment << "\n";
     os << "  AC: saved activations   " << gib(m.saved_activations) << "  (end of forward above params+optimizer: "
@@ -843,6 +1077,16 @@ std::string format_plan(const Plan& p) {
   os << "  all-reduce (HSDP)       " << gib(cm.all_reduce_bytes) << " (" << cm.all_reduce_calls << " calls)\n";
   os << "  total                   " << gib(cm.total_bytes) << "  (optimum without padding: " << gib(cm.optimum_bytes)
      << ")\n";
+  if (moe_layers > 0) {
+    const std::string where = c.ep > 1 ? " (efsdp dim, own calls)" : " (shard dim, inside the blocks' calls)";
+    os << "  of which routed experts: all-gather " << gib(cm.expert_all_gather_bytes) << ", reduce-scatter "
+       << gib(cm.expert_reduce_scatter_bytes) << ", all-reduce " << gib(cm.expert_all_reduce_bytes) << where << "\n";
+  }
+  if (c.ep > 1) {
+    os << "  ep all-to-all           " << gib(cm.ep_total_bytes) << " (" << cm.ep_all_to_all_calls
+       << " calls: counts " << gib(cm.ep_count_bytes) << ", dispatch " << gib(cm.ep_dispatch_bytes) << ", combine "
+       << gib(cm.ep_combine_bytes) << "; uniform routing; not in total)\n";
+  }
   if (c.tp > 1) {
     os << "  tp all-gather           " << gib(cm.tp_all_gather_bytes) << " (" << cm.tp_all_gather_calls << " calls)\n";
     os << "  tp reduce-scatter       " << gib(cm.tp_reduce_scatter_bytes) << " (" << cm.tp_reduce_scatter_calls

@@ -1,8 +1,9 @@
 #pragma once
 // fsdp-plan: per-rank memory and communication of FSDP (fully_shard per transformer block + root) training
-// of a Llama 3 model, from the model args alone (no allocation; any size, 405B included). The formulas are
-// documented in docs/planner.md and mirror what our fully_shard and src/models/llama.cpp actually allocate;
-// tests/plan/ checks them against measured peaks of small models.
+// of a Llama 3 or Qwen3 (dense or MoE) model, from the model args alone (no allocation; any size, 405B and
+// 235B-A22B included). The formulas are documented in docs/planner.md and mirror what our fully_shard,
+// src/models/llama.cpp, src/models/moe.cpp and src/expert_parallel actually allocate and send; tests/plan/ checks
+// them against hand counts and measured peaks of small models.
 
 #include <fsdp/models/llama.h>
 
@@ -29,6 +30,7 @@ struct LossPath {
 
 struct PlanConfig {
   nn::llama::LlamaArgs args;
+  std::string model = "llama3";  // printed only: "llama3" | "qwen3" (the args say everything else)
   std::string flavor;
   int64_t replicate = 1;  // HSDP replicate degree (mesh dim 0)
   int64_t shard = 1;      // FSDP shard degree (mesh dim 1)
@@ -37,6 +39,13 @@ struct PlanConfig {
   // says. loss_parallel: the logits stay vocabulary-sharded (else gathered: V per rank).
   int64_t tp = 1;
   bool loss_parallel = true;
+  // Expert parallel degree (fsdp-train's parallelism.expert_parallel_degree; MoE models only): each MoE layer's
+  // routed experts are split on dim 0 over `ep` consecutive ranks of a shard group (E/ep experts per rank) and
+  // FSDP-sharded over the efsdp = shard/ep ranks left (with the replicate dim: HSDP over them); the rest of the
+  // block stays on the dense mesh. Must divide shard and the number of experts; refused with tp > 1 or pp > 1
+  // (as the trainer refuses it). Routed experts are sharded on dim 1 instead of 0 when shard > experts (the
+  // trainer's and TorchTitan's rule, whatever ep). docs/planner.md, "MoE and expert parallelism".
+  int64_t ep = 1;
   c10::ScalarType param_dtype = c10::kFloat;    // sharded (master) parameters and their gradients
   c10::ScalarType compute_dtype = c10::kFloat;  // MixedPrecisionPolicy.param_dtype: unsharded params, activations
   c10::ScalarType reduce_dtype = c10::kFloat;   // gradient reduce-scatter / all-reduce
@@ -80,12 +89,21 @@ struct PlanConfig {
   int64_t last_stage_less_layers = 1;
 };
 
-// One parameter group (a transformer block or the root) and its sizes.
+// One fully_shard unit (a transformer block or the root) and its sizes. In an MoE block the routed experts
+// (this rank's E/ep of them) are included in every field and also reported apart (expert_*): they shard over
+// expert_shard ranks (efsdp = shard/ep with EP, the shard degree without) on expert_shard_dim, in an FSDP
+// parameter group of their own when ep > 1 (per-parameter mesh), in the block's group otherwise.
 struct GroupPlan {
   std::string name;
-  int64_t numel = 0;              // unsharded
-  int64_t shard_numel = 0;        // per rank, padded (ceil(dim0 / shard) rows per parameter)
+  int64_t numel = 0;              // unsharded, the whole model's (every expert)
+  int64_t local_numel = 0;        // unsharded on this rank: numel less the experts of the other ep ranks
+  int64_t shard_numel = 0;        // per rank, padded (ceil(size / shard) slices of each parameter's shard dim)
   int64_t all_gather_bytes = 0;   // per rank, in the compute dtype, 16-byte aligned per parameter
+  int64_t expert_numel = 0;       // routed experts held by this rank (E/ep of them), unsharded; 0: none
+  int64_t expert_shard_numel = 0, expert_all_gather_bytes = 0;
+  int64_t expert_shard = 0;       // ranks the experts are FSDP-sharded over (efsdp); 0 when no experts
+  int64_t expert_shard_dim = 0;   // 0, or 1 when shard > experts (Shard(1): F for w1/w3, D for w2)
+  bool expert_group = false;      // the experts form their own FSDP parameter group (ep > 1)
 };
 
 struct MemoryPlan {
@@ -98,9 +116,13 @@ struct MemoryPlan {
   int64_t loss = 0;             // logits / log-softmax tensors live at the peak
   int64_t runtime = 0;          // PlanConfig::runtime_overhead
   int64_t sharded_grads_at_peak = 0;
+  int64_t buffers = 0;          // MoE: expert_bias and the token counts, [E] float32 each per MoE layer (unsharded)
   int64_t total = 0;
   std::string peak_moment;      // which moment is the peak
-  // Saved activations per block (bytes), and of the checkpointed / recomputed layers.
+  // Saved activations per block (bytes), and of the checkpointed / recomputed layers. With MoE layers the first
+  // is an MoE block's (act_per_moe_layer / act_per_dense_layer: each kind's; 0 when the model has none). The
+  // MoE part assumes uniform routing: T k / E rows per expert, T k rows received by each ep rank.
+  int64_t act_per_moe_layer = 0, act_per_dense_layer = 0;
   int64_t act_per_layer_full = 0;
   int64_t act_per_layer_checkpointed = 0;
   // Activation checkpointing's view (docs/planner.md, "Activation checkpointing"): what the blocks keep from
@@ -130,6 +152,16 @@ struct CommPlan {
   // when that stage lives on another pp rank (one [local_batch / microbatches, seq, dim] tensor in the compute
   // dtype each, 1/tp of it under TP). Not in total_bytes.
   int64_t pp_send_bytes = 0, pp_send_calls = 0;
+  // The routed experts' share of the data-parallel bytes and calls above (over the efsdp mesh dim, shard/ep
+  // ranks; with ep = 1 over the shard dim, inside the blocks' collectives) and of the HSDP all-reduce.
+  int64_t expert_all_gather_bytes = 0, expert_reduce_scatter_bytes = 0, expert_all_reduce_bytes = 0;
+  int64_t expert_all_gather_calls = 0, expert_reduce_scatter_calls = 0, expert_all_reduce_calls = 0;
+  // Over the EP mesh dim (ep > 1), per MoE layer and forward (again in a recomputed forward): the count exchange
+  // ((ep-1) E/ep int64), the dispatch and the combine (each T k D e (ep-1)/ep bytes: T k routed rows, of which
+  // (ep-1)/ep leave the rank under uniform routing); backward repeats dispatch and combine. Not in total_bytes.
+  int64_t ep_count_bytes = 0, ep_dispatch_bytes = 0, ep_combine_bytes = 0;
+  int64_t ep_all_to_all_calls = 0;
+  int64_t ep_total_bytes = 0;
 };
 
 // One pipeline stage: TorchTitan's split (fsdp::plan::split_layers) and what it costs.

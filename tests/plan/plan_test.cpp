@@ -2,6 +2,8 @@
 // Llama 3 definition, not taken from the planner).
 #include "plan.h"
 
+#include <fsdp/models/qwen3.h>
+
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
@@ -395,4 +397,267 @@ TEST(PlanPipeline, BadConfigurationsSayWhy) {
     c.microbatches = 2;
     EXPECT_TRUE(Contains(error_of(c), "they need pp > 1"));
   }
+}
+
+// ---- MoE and expert parallelism (docs/planner.md, "MoE and expert parallelism") ----
+// Hand counts from the shapes of src/models/moe.cpp and src/models/llama.cpp written out here; the expected
+// sharding is apps/fsdp-train/parallelize.cpp's (experts split on dim 0 over ep ranks, FSDP over efsdp =
+// shard / ep, Shard(1) when shard > experts).
+
+namespace {
+PlanConfig moe_config(int64_t shard, int64_t ep, int64_t replicate = 1) {
+  PlanConfig c;
+  c.model = "qwen3";
+  c.flavor = "cpu_tiny_moe";
+  c.args = llama::qwen3_flavor("cpu_tiny_moe");
+  c.shard = shard;
+  c.replicate = replicate;
+  c.ep = ep;
+  c.local_batch = 2;
+  c.seq_len = 64;
+  return c;
+}
+
+// The flavor facts every MoE hand count below is written for (a flavor change fails here, not with odd numbers).
+void expect_cpu_tiny_moe(const llama::LlamaArgs& a) {
+  ASSERT_TRUE(a.moe.has_value());
+  const auto o = a.moe_options();
+  ASSERT_EQ(a.dim, 64);
+  ASSERT_EQ(a.n_layers, 2);
+  ASSERT_EQ(a.n_heads, 4);
+  ASSERT_EQ(a.kv_heads(), 2);
+  ASSERT_EQ(a.head_dim(), 32);
+  ASSERT_EQ(a.vocab_size, 2048);
+  ASSERT_FALSE(a.tie_embeddings);
+  ASSERT_TRUE(a.qk_norm);
+  ASSERT_EQ(o.num_experts, 8);
+  ASSERT_EQ(o.top_k, 2);
+  ASSERT_EQ(o.hidden, 32);
+  ASSERT_EQ(o.num_shared_experts, 0);
+  ASSERT_TRUE(o.load_balance_coeff.has_value());
+  ASSERT_TRUE(a.is_moe_layer(0) && a.is_moe_layer(1));
+}
+
+int64_t up(int64_t n, int64_t d) { return (n + d - 1) / d; }
+int64_t a16(int64_t b) { return (b + 15) / 16 * 16; }
+
+// cpu_tiny_moe's parameters per block (not experts): wq [128, 64], wk [64, 64], wv [64, 64], wo [64, 128],
+// q_norm [32], k_norm [32], router gate [8, 64], attention_norm [64], ffn_norm [64]; its dim-0 shard over S.
+int64_t tiny_moe_dense_numel() { return 128 * 64 + 64 * 64 + 64 * 64 + 64 * 128 + 32 + 32 + 8 * 64 + 64 + 64; }
+int64_t tiny_moe_dense_shard(int64_t S) {
+  return up(128, S) * 64 + 2 * up(64, S) * 64 + up(64, S) * 128 + 2 * up(32, S) + up(8, S) * 64 + 2 * up(64, S);
+}
+}  // namespace
+
+TEST(PlanMoE, ParameterBytesPerRankByHand) {
+  expect_cpu_tiny_moe(llama::qwen3_flavor("cpu_tiny_moe"));
+  // Whole model: 2 blocks of (dense 25,280 + experts 3 x 8 x 32 x 64) + root 2 x 2048 x 64 + 64.
+  const int64_t experts_all = 3 * 8 * 32 * 64;
+  const int64_t root = 2 * 2048 * 64 + 64;
+  EXPECT_EQ(tiny_moe_dense_numel(), 25280);
+  const int64_t root_shard = 2 * up(2048, 4) * 64 + up(64, 4);
+  for (int64_t ep : {1, 2, 4}) {
+    SCOPED_TRACE("ep " + std::to_string(ep));
+    Plan p = make_plan(moe_config(4, ep));
+    EXPECT_EQ(p.num_params, 2 * (tiny_moe_dense_numel() + experts_all) + root);
+    ASSERT_EQ(p.groups.size(), 3u);
+    const GroupPlan& b = p.groups[0];
+    // This rank's experts: 8 / ep of them, FSDP-sharded on dim 0 over 4 / ep ranks: 8 / 4 = 2 experts' rows.
+    const int64_t local_experts = 8 / ep, efsdp = 4 / ep;
+    EXPECT_EQ(b.expert_shard, efsdp);
+    EXPECT_EQ(b.expert_shard_dim, 0);
+    EXPECT_EQ(b.expert_group, ep > 1);
+    EXPECT_EQ(b.expert_numel, 3 * local_experts * 32 * 64);
+    EXPECT_EQ(b.expert_shard_numel, 3 * up(local_experts, efsdp) * 32 * 64);
+    EXPECT_EQ(b.expert_shard_numel, 3 * 2 * 32 * 64);
+    EXPECT_EQ(b.local_numel, tiny_moe_dense_numel() + 3 * local_experts * 32 * 64);
+    EXPECT_EQ(b.shard_numel, tiny_moe_dense_shard(4) + 3 * 2 * 32 * 64);
+    const int64_t per_rank = 2 * (tiny_moe_dense_shard(4) + 3 * 2 * 32 * 64) + root_shard;
+    EXPECT_EQ(per_rank, 2 * (6320 + 12288) + 65552);  // the numbers written out once
+    EXPECT_EQ(p.memory.params, per_rank * 4);
+    EXPECT_EQ(p.memory.grads, per_rank * 4);
+    EXPECT_EQ(p.memory.optimizer, 2 * per_rank * 4);
+    // expert_bias and tokens_per_expert: [8] float32 each, per MoE layer.
+    EXPECT_EQ(p.memory.buffers, 2 * 2 * 8 * 4);
+  }
+}
+
+TEST(PlanMoE, ShardOneWhenShardsOutnumberExperts) {
+  // shard 16 > 8 experts: Shard(1) (F of w1 / w3 [E/ep, 32, 64], D of w2 [E/ep, 64, 32]), whatever ep.
+  for (int64_t ep : {1, 2}) {
+    const GroupPlan b = make_plan(moe_config(16, ep)).groups[0];
+    const int64_t El = 8 / ep, efsdp = 16 / ep;
+    EXPECT_EQ(b.expert_shard_dim, 1) << "ep " << ep;
+    EXPECT_EQ(b.expert_shard_numel, 2 * El * up(32, efsdp) * 64 + El * up(64, efsdp) * 32) << "ep " << ep;
+  }
+  // shard 12, ep 4: 2 experts per rank over efsdp 3, uneven: F 32 -> 11 rows, D 64 -> 22 rows per rank.
+  const GroupPlan uneven = make_plan(moe_config(12, 4)).groups[0];
+  EXPECT_EQ(uneven.expert_shard_dim, 1);
+  EXPECT_EQ(uneven.expert_shard, 3);
+  EXPECT_EQ(uneven.expert_shard_numel, 2 * 2 * 11 * 64 + 2 * 22 * 32);
+  EXPECT_EQ(uneven.expert_all_gather_bytes, 2 * a16(2 * 11 * 64 * 4) + a16(2 * 22 * 32 * 4));
+  // shard 8 = experts: dim 0. The replicate dim does not count (tt#4767): HSDP 2 x 4 keeps dim 0.
+  EXPECT_EQ(make_plan(moe_config(8, 2)).groups[0].expert_shard_dim, 0);
+  EXPECT_EQ(make_plan(moe_config(4, 1, 4)).groups[0].expert_shard_dim, 0);
+}
+
+TEST(PlanMoE, AllToAllBytesOverTheEpDim) {
+  // T = 2 x 64 tokens, top-2, D 64, fp32: each rank routes T k = 256 rows of 256 bytes; (ep-1)/ep leave it.
+  // Per MoE layer: forward counts ((ep-1) x 8/ep int64) + dispatch + combine, backward dispatch + combine.
+  for (int64_t ep : {2, 4}) {
+    SCOPED_TRACE("ep " + std::to_string(ep));
+    Plan p = make_plan(moe_config(4, ep));
+    const int64_t rows = 256 * 64 * 4 * (ep - 1) / ep;
+    const int64_t counts = (ep - 1) * (8 / ep) * 8;
+    EXPECT_EQ(rows, ep == 2 ? 32768 : 49152);
+    EXPECT_EQ(p.comm.ep_count_bytes, 2 * counts);
+    EXPECT_EQ(p.comm.ep_dispatch_bytes, 2 * 2 * rows);
+    EXPECT_EQ(p.comm.ep_combine_bytes, 2 * 2 * rows);
+    EXPECT_EQ(p.comm.ep_all_to_all_calls, 2 * 5);
+    EXPECT_EQ(p.comm.ep_total_bytes, 2 * counts + 8 * rows);
+    // The ep dim is reported apart from the data-parallel dims.
+    EXPECT_TRUE(p.comm.total_bytes == p.comm.all_gather_bytes + p.comm.reduce_scatter_bytes + p.comm.all_reduce_bytes);
+    // Full AC recomputes each block's forward: its three exchanges run again.
+    PlanConfig c = moe_config(4, ep);
+    c.ac = ACMode::Full;
+    Plan full = make_plan(c);
+    EXPECT_EQ(full.comm.ep_count_bytes, 2 * 2 * counts);
+    EXPECT_EQ(full.comm.ep_dispatch_bytes, 2 * 3 * rows);
+    EXPECT_EQ(full.comm.ep_all_to_all_calls, 2 * 8);
+  }
+  // bf16 compute halves the rows' bytes; no EP, no all-to-all.
+  PlanConfig bf = moe_config(4, 2);
+  bf.compute_dtype = c10::kBFloat16;
+  EXPECT_EQ(make_plan(bf).comm.ep_dispatch_bytes, 2 * 2 * (256 * 64 * 2 / 2));
+  const Plan none = make_plan(moe_config(4, 1));
+  EXPECT_EQ(none.comm.ep_total_bytes, 0);
+  EXPECT_EQ(none.comm.ep_all_to_all_calls, 0);
+}
+
+TEST(PlanMoE, ExpertCollectivesOverEfsdp) {
+  // shard 4, ep 2: experts all-gathered / reduce-scattered over efsdp = 2 ranks in calls of their own; each
+  // parameter's slot is 2 experts x 32 x 64 fp32 = 16 KiB.
+  Plan p = make_plan(moe_config(4, 2));
+  const int64_t slot = 3 * a16(2 * 32 * 64 * 4);
+  EXPECT_EQ(p.comm.expert_all_gather_bytes, 2 * 2 * (2 - 1) * slot);  // 2 blocks, forward + backward
+  EXPECT_EQ(p.comm.expert_all_gather_calls, 4);
+  EXPECT_EQ(p.comm.expert_reduce_scatter_bytes, 2 * (2 - 1) * 3 * 2 * 32 * 64 * 4);
+  EXPECT_EQ(p.comm.expert_reduce_scatter_calls, 2);
+  // Dense parts over the 4 shard ranks (dim-0 slots of wq wk wv wo q_norm k_norm gate and the 2 norms), root once.
+  const int64_t dense_slot = a16(32 * 64 * 4) + 2 * a16(16 * 64 * 4) + a16(16 * 128 * 4) + 2 * a16(8 * 4) +
+                             a16(2 * 64 * 4) + 2 * a16(16 * 4);
+  const int64_t root_slot = 2 * a16(512 * 64 * 4) + a16(16 * 4);
+  EXPECT_EQ(p.comm.all_gather_bytes, 2 * 2 * 3 * dense_slot + 3 * root_slot + p.comm.expert_all_gather_bytes);
+  EXPECT_EQ(p.comm.all_gather_calls, 2 * 2 * 2 + 1);
+  EXPECT_EQ(p.comm.reduce_scatter_calls, 2 * 2 + 1);
+  // ep 1: the experts travel in the blocks' own collectives over the 4 shard ranks.
+  Plan one = make_plan(moe_config(4, 1));
+  EXPECT_EQ(one.comm.expert_all_gather_bytes, 2 * 2 * 3 * 3 * a16(2 * 32 * 64 * 4));
+  EXPECT_EQ(one.comm.expert_all_gather_calls, 0);
+  EXPECT_EQ(one.comm.all_gather_calls, 2 * 2 + 1);
+  // HSDP 2 x (4, ep 2): the experts' shards are all-reduced over the 2 replicas too, 2 (R-1)/R of them.
+  Plan h = make_plan(moe_config(4, 2, 2));
+  EXPECT_EQ(h.comm.expert_all_reduce_bytes, 2 * 3 * 2 * 32 * 64 * 4);
+  EXPECT_EQ(h.comm.expert_all_reduce_calls, 2);
+  EXPECT_EQ(h.comm.all_reduce_calls, 2 * 2 + 1);
+}
+
+TEST(PlanMoE, UnshardedBuffersHoldThisRanksExperts) {
+  // Without resharding every block stays unsharded after forward: dense + this rank's 8/ep experts, fp32.
+  for (int64_t ep : {1, 2}) {
+    PlanConfig c = moe_config(4, ep);
+    Plan keep = make_plan(c);
+    c.block_reshard = 0;
+    Plan never = make_plan(c);
+    EXPECT_EQ(never.memory.end_of_forward - keep.memory.end_of_forward,
+              2 * (tiny_moe_dense_numel() + 3 * (8 / ep) * 32 * 64) * 4)
+        << "ep " << ep;
+  }
+  // shard 2 = ep 2: the experts' FSDP group has one rank and nothing is cast, so they alias their shard (no
+  // unsharded copy); the dense part still has one.
+  PlanConfig c = moe_config(2, 2);
+  Plan keep = make_plan(c);
+  c.block_reshard = 0;
+  Plan never = make_plan(c);
+  EXPECT_EQ(never.memory.end_of_forward - keep.memory.end_of_forward, 2 * tiny_moe_dense_numel() * 4);
+  EXPECT_EQ(never.comm.expert_all_gather_bytes, 0);
+  EXPECT_EQ(never.comm.expert_reduce_scatter_bytes, 0);
+}
+
+TEST(PlanMoE, DenseQwen3CountsQkNorm) {
+  // qwen3 cpu_tiny: dim 64, 2 layers, 4 / 2 heads of 32, FFN 192, vocab 2048, QK-norm [32] x 2 per block.
+  PlanConfig c;
+  c.model = "qwen3";
+  c.flavor = "cpu_tiny";
+  c.args = llama::qwen3_flavor("cpu_tiny");
+  ASSERT_EQ(c.args.ffn_hidden_dim(), 192);
+  ASSERT_EQ(c.args.head_dim(), 32);
+  ASSERT_TRUE(c.args.qk_norm);
+  c.local_batch = 1;
+  c.seq_len = 16;
+  Plan p = make_plan(c);
+  const int64_t block = 128 * 64 + 2 * 64 * 64 + 64 * 128 + 2 * 32 + 3 * 64 * 192 + 2 * 64;
+  EXPECT_EQ(p.num_params, 2 * block + 2 * 2048 * 64 + 64);
+  // QK-norm's saved bytes per token (fp32): float32 input and normalized q / k (Hq 128 + Hkv 64, 4 + 4 bytes
+  // each), one float32 rsqrt per head row (4 + 2 heads): this much more than the same block without it.
+  PlanConfig no_qk = c;
+  no_qk.args.qk_norm = false;
+  no_qk.args.rope_layout = llama::RopeLayout::Interleaved;
+  no_qk.flavor.clear();
+  EXPECT_EQ(p.memory.act_per_dense_layer - make_plan(no_qk).memory.act_per_dense_layer,
+            16 * ((4 + 4) * (128 + 64) + 4 * (4 + 2)));
+}
+
+TEST(PlanMoE, BadOptionsSayWhy) {
+  EXPECT_TRUE(Contains(error_of(moe_config(6, 4)), "--ep 4 must divide --shard 6"));
+  EXPECT_TRUE(Contains(error_of(moe_config(6, 3)), "--ep 3 must divide the 8 experts of qwen3 cpu_tiny_moe"));
+  {
+    PlanConfig c = moe_config(2, 1);
+    c.tp = 2;
+    EXPECT_TRUE(Contains(error_of(c), "MoE with tensor parallelism is not planned"));
+  }
+  {
+    PlanConfig c = moe_config(2, 2);
+    c.pp = 2;
+    c.local_batch = 2;
+    c.microbatches = 2;
+    EXPECT_TRUE(Contains(error_of(c), "MoE with pipeline parallelism is not planned"));
+  }
+  {
+    PlanConfig c = config("cpu_tiny", 4);
+    c.ep = 2;
+    EXPECT_TRUE(Contains(error_of(c), "--ep 2 needs an MoE model, but llama3 cpu_tiny has no MoE layers"));
+    c.ep = 0;
+    EXPECT_TRUE(Contains(error_of(c), "ep must be >= 1"));
+  }
+  {
+    PlanConfig c = moe_config(4, 2);
+    c.ac = ACMode::Selective;
+    c.selective = SelectiveKind::Op;
+    EXPECT_TRUE(Contains(error_of(c), "op-level selective AC with an MoE model is not supported"));
+    c.selective = SelectiveKind::Layer;
+    EXPECT_TRUE(Contains(error_of(c), "<no error>"));
+    c.ac = ACMode::None;
+    c.block_reshard = 2;
+    EXPECT_TRUE(Contains(error_of(c), "(hpZ) with MoE layers is not modelled"));
+  }
+}
+
+TEST(PlanMoE, BigFlavorsPlanWithoutAllocating) {
+  PlanConfig c;
+  c.model = "qwen3";
+  c.flavor = "30B-A3B";
+  c.args = llama::qwen3_flavor("30B-A3B");
+  c.shard = 8;
+  c.ep = 4;
+  c.compute_dtype = c10::kBFloat16;
+  c.seq_len = 4096;
+  c.ac = ACMode::Full;
+  Plan p = make_plan(c);
+  // 48 layers x 128 experts x 3 x 768 x 2048 routed-expert parameters alone.
+  EXPECT_GT(p.num_params, int64_t{48} * 128 * 3 * 768 * 2048);
+  // 32 experts per rank, over efsdp 2 on dim 0: 16 experts' weights per rank and layer.
+  EXPECT_EQ(p.groups[0].expert_shard_numel, int64_t{16} * 3 * 768 * 2048);
+  EXPECT_TRUE(Contains(format_plan(p), "ep all-to-all"));
+  EXPECT_TRUE(Contains(format_plan(p), "32 experts per rank"));
 }
