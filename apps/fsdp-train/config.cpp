@@ -52,6 +52,9 @@ std::vector<Field> fields(JobConfig& c) {
       {"model", "moe_route_scale", &c.model.moe_route_scale, "MoE flavors: routed weights scale; 0 = the flavor's"},
       {"model", "moe_load_balance_coeff", &c.model.moe_load_balance_coeff,
        "MoE flavors: DeepSeek-V3 aux-loss-free bias step; -1 = the flavor's (1e-3), 0 = off"},
+      {"model", "moe_sequence_aux_loss_coeff", &c.model.moe_sequence_aux_loss_coeff,
+       "MoE flavors: DeepSeek-V3's sequence-wise balance loss weight alpha (1e-4 there), added to the training loss; "
+       "0 = off"},
       {"model", "tokenizer_path", &c.model.tokenizer_path,
        "\"\" = byte-level tokenizer (256 bytes + BOS + EOS); else a Hugging Face tokenizer.json (byte-level BPE). "
        "The model's vocab_size is set to the tokenizer's, as TorchTitan does"},
@@ -640,6 +643,11 @@ void validate(const JobConfig& c) {
   if (!c.model.moe_route_norm.empty()) check_choice("model.moe_route_norm", c.model.moe_route_norm, {"true", "false"});
   check(c.model.moe_shared_experts >= -1, "model.moe_shared_experts: expected >= 0 (or -1 = the flavor's), got " +
                                               std::to_string(c.model.moe_shared_experts));
+  check(c.model.moe_sequence_aux_loss_coeff >= 0, "model.moe_sequence_aux_loss_coeff: expected >= 0, got " +
+                                                      std::to_string(c.model.moe_sequence_aux_loss_coeff));
+  check(c.model.moe_sequence_aux_loss_coeff == 0 || c.activation_checkpoint.mode == "none",
+        "model.moe_sequence_aux_loss_coeff with activation checkpointing is not supported yet (the loss is taken "
+        "from the forward, which AC runs without gradients)");
   check(c.parallelism.expert_parallel_degree >= 1,
         "parallelism.expert_parallel_degree: expected >= 1, got " + std::to_string(c.parallelism.expert_parallel_degree));
   check_choice("optimizer.name", c.optimizer.name, {"AdamW", "Adam"});

@@ -35,7 +35,8 @@ struct JobConfig {
     int64_t moe_shared_experts = -1;
     std::string moe_route_norm;  // "" | "true" | "false"
     double moe_route_scale = 0;  // 0 = the flavor's
-    double moe_load_balance_coeff = -1;  // -1 = the flavor's (1e-3); 0 = no aux-loss-free bias  // "" = byte-level tokenizer; else a Hugging Face tokenizer.json (byte-level BPE)
+    double moe_load_balance_coeff = -1;  // -1 = the flavor's (1e-3); 0 = no aux-loss-free bias
+    double moe_sequence_aux_loss_coeff = 0;  // DeepSeek-V3's sequence-wise balance loss alpha (1e-4 there); 0 = off  // "" = byte-level tokenizer; else a Hugging Face tokenizer.json (byte-level BPE)
   } model;
   struct Optimizer {
     std::string name = "AdamW";

@@ -103,6 +103,7 @@ void JsonlWriter::write(const StepMetrics& m) {
     j["expert_tokens_max"] = m.expert_tokens_max;
     j["expert_tokens_mean"] = m.expert_tokens_mean;
   }
+  if (m.moe_aux_loss >= 0) j["moe_aux_loss"] = m.moe_aux_loss;
   out_ << j.dump() << "\n";
   out_.flush();  // a crash keeps every step written so far
 }

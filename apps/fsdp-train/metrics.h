@@ -32,6 +32,7 @@ struct StepMetrics {
   // mean per expert (the same for every layer). Empty for dense models.
   std::vector<double> expert_tokens_min, expert_tokens_max;
   double expert_tokens_mean = 0;
+  double moe_aux_loss = -1;  // the step's MoE sequence-wise balance loss (added to the loss); -1 = off
 };
 
 // Peak resident set size of this process in bytes (VmHWM of /proc/self/status); 0 where unavailable.

@@ -81,6 +81,7 @@ void MetricsProcessor::log(StepMetrics& m, double flops_per_token, double peak_t
       tb_.add_scalar(tag + "expert_tokens_min", m.expert_tokens_min[l], step);
       tb_.add_scalar(tag + "expert_tokens_max", m.expert_tokens_max[l], step);
     }
+    if (m.moe_aux_loss >= 0) tb_.add_scalar("moe/aux_loss", m.moe_aux_loss, step);
     tb_.flush();
   }
   if (say_) std::cout << (tty_ ? "\r\033[K" : "") << format_log_line(m) << std::endl;

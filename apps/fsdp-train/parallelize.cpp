@@ -122,7 +122,7 @@ fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config) {
     throw ConfigError(std::string("config error: model.flavor: ") + e.what_without_backtrace());
   }
   const bool overrides = !m.moe_score_func.empty() || m.moe_shared_experts >= 0 || !m.moe_route_norm.empty() ||
-                         m.moe_route_scale != 0 || m.moe_load_balance_coeff >= 0;
+                         m.moe_route_scale != 0 || m.moe_load_balance_coeff >= 0 || m.moe_sequence_aux_loss_coeff > 0;
   if (!overrides) return args;
   if (!args.moe) {
     throw ConfigError("config error: model.moe_* keys set, but " + m.name + " " + m.flavor +
@@ -135,6 +135,7 @@ fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config) {
   if (m.moe_route_scale != 0) o.route_scale = m.moe_route_scale;
   if (m.moe_load_balance_coeff == 0) o.load_balance_coeff.reset();
   else if (m.moe_load_balance_coeff > 0) o.load_balance_coeff = m.moe_load_balance_coeff;
+  if (m.moe_sequence_aux_loss_coeff > 0) o.sequence_aux_loss_coeff = m.moe_sequence_aux_loss_coeff;
   return args;
 }
 

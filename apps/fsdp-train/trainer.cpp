@@ -128,6 +128,7 @@ class Trainer {
     double loss = 0, grad_norm = 0, lr = 0;
     double local_loss_sum = 0;  // this rank's summed token loss (for the max-loss metric)
     int64_t local_tokens = 0;
+    double aux_loss = -1;       // MoE sequence-wise balance loss of the step (all ranks); -1 = off
     double data_seconds = 0;
     ExpertLoad expert_load;
   };
@@ -135,8 +136,10 @@ class Trainer {
   void build_optimizer();
   void print_header() const;
   StepResult train_step(int64_t step);
-  // The step's microbatches through the model (or the pipeline); returns this rank's summed token loss.
-  double forward_backward(std::vector<Batch>& batches, double global_tokens, TrainSummary::TensorMemory& tmem);
+  // The step's microbatches through the model (or the pipeline); returns this rank's summed token loss and
+  // adds this rank's share of the MoE balance loss to `aux_sum`.
+  double forward_backward(std::vector<Batch>& batches, double global_tokens, TrainSummary::TensorMemory& tmem,
+                          double& aux_sum);
   double clip_gradients();
   void validate(int64_t step);
   void log(int64_t step, const StepResult& r, const TrainSummary::TensorMemory& tmem);
@@ -364,8 +367,10 @@ void Trainer::print_header() const {
   std::cout << std::flush;
 }
 
-double Trainer::forward_backward(std::vector<Batch>& batches, double global_tokens, TrainSummary::TensorMemory& tmem) {
+double Trainer::forward_backward(std::vector<Batch>& batches, double global_tokens, TrainSummary::TensorMemory& tmem,
+                                 double& aux_sum) {
   double local_loss_sum = 0;
+  const bool aux_on = config_.model.moe_sequence_aux_loss_coeff > 0 && !moe_blocks_.empty();
   for (auto& b : batches) {
     auto inputs = torch::from_blob(b.inputs.data(), {b.batch, b.seq_len}, torch::kLong);
     if (pipeline_) {
@@ -382,7 +387,19 @@ double Trainer::forward_backward(std::vector<Batch>& batches, double global_toke
     auto loss_sum = loss_sum_of_(logits.reshape({-1, logits.size(-1)}), labels);
     if (track_tensors_) tmem.forward = tensor_memory::live_bytes();
     // Divided by the global count: summed over micro-batches and ranks, this is the full-batch gradient.
-    (loss_sum / global_tokens).backward();
+    torch::Tensor loss = loss_sum / global_tokens;
+    if (aux_on) {
+      // Each MoE layer's balance loss is the mean over this microbatch's sequences: weighted by the microbatch's
+      // share of the global batch, the sum over microbatches and ranks is the mean over every sequence of the
+      // step (what one process computes on the whole batch).
+      torch::Tensor aux = torch::zeros({}, loss.options());
+      for (auto* moe : moe_blocks_)
+        if (moe->aux_loss().defined()) aux = aux + moe->aux_loss().to(loss.dtype());
+      aux = aux * (static_cast<double>(b.batch) / static_cast<double>(dims_.global_batch_size));
+      aux_sum += aux.item<double>();
+      loss = loss + aux;
+    }
+    loss.backward();
     local_loss_sum += loss_sum.item<double>();
   }
   return local_loss_sum;
@@ -422,7 +439,13 @@ Trainer::StepResult Trainer::train_step(int64_t step) {
     tmem.start = tensor_memory::live_bytes();
     tensor_memory::reset_peak();
   }
-  r.local_loss_sum = forward_backward(batches, global_tokens, tmem);
+  double aux_sum = 0;
+  r.local_loss_sum = forward_backward(batches, global_tokens, tmem, aux_sum);
+  if (config_.model.moe_sequence_aux_loss_coeff > 0 && !moe_blocks_.empty()) {
+    // The TP ranks of a data-parallel rank compute the same balance loss: count it once.
+    r.aux_loss = all_reduce(env_.group, {aux_sum})[0] / static_cast<double>(dims_.tp);
+    summary_.aux_losses.push_back(r.aux_loss);
+  }
   r.grad_norm = clip_gradients();
   // MoE: the step's expert load over the data-parallel ranks drives the load-balancing bias (TorchTitan runs
   // this as an optimizer step pre-hook; gradient accumulation has summed every microbatch's counts).
@@ -488,6 +511,7 @@ void Trainer::log(int64_t step, const StepResult& r, const TrainSummary::TensorM
   m.expert_tokens_min = r.expert_load.min_tokens;
   m.expert_tokens_max = r.expert_load.max_tokens;
   if (!r.expert_load.empty()) m.expert_tokens_mean = r.expert_load.mean_tokens.front();
+  m.moe_aux_loss = r.aux_loss;
   if (track_tensors_) {
     m.tensor_start_bytes = tmem.start;
     m.tensor_forward_bytes = tmem.forward;

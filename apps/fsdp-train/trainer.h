@@ -50,6 +50,7 @@ struct TrainSummary {
   std::vector<TensorMemory> tensor_memory;
   // MoE models: every step's expert load (all ranks) and bias after the update (empty for dense models).
   std::vector<ExpertLoad> expert_loads;
+  std::vector<double> aux_losses;  // model.moe_sequence_aux_loss_coeff > 0: the balance loss of every step
 };
 
 // TorchTitan's env handling: init_process_group when WORLD_SIZE > 1 (RANK, MASTER_ADDR, MASTER_PORT from the

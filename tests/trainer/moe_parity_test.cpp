@@ -18,6 +18,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 
 using namespace fsdp_train;
@@ -48,12 +49,15 @@ JobConfig base(const std::string& name, Routing routing) {
   return c;
 }
 
-void expect_parity(const std::string& name, Routing routing, int64_t ep, int64_t replicate = 1) {
+void expect_parity(const std::string& name, Routing routing, int64_t ep, int64_t replicate = 1, double aux_coeff = 0) {
   auto world = fsdp::world();
   TrainEnv single;
   single.verbose = false;
-  const TrainSummary ref = run_training(base(name + "_ref", routing), single, false);
+  JobConfig ref_config = base(name + "_ref", routing);
+  ref_config.model.moe_sequence_aux_loss_coeff = aux_coeff;
+  const TrainSummary ref = run_training(ref_config, single, false);
   JobConfig config = base(name, routing);
+  config.model.moe_sequence_aux_loss_coeff = aux_coeff;
   config.parallelism.data_parallel_replicate_degree = replicate;
   config.parallelism.expert_parallel_degree = ep;
   const TrainSummary got = run_training(config, test::world_env(), false);
@@ -76,6 +80,12 @@ void expect_parity(const std::string& name, Routing routing, int64_t ep, int64_t
   }
   EXPECT_LT(got.losses.back(), got.losses.front());
   EXPECT_GT(ref.expert_loads.back().bias_l1, 0.0) << "the load-balancing bias moved";
+  ASSERT_EQ(got.aux_losses.size(), aux_coeff > 0 ? got.losses.size() : 0u);
+  ASSERT_EQ(ref.aux_losses.size(), got.aux_losses.size());
+  for (size_t i = 0; i < ref.aux_losses.size(); ++i) {
+    EXPECT_GT(ref.aux_losses[i], 0) << "step " << i + 1;
+    EXPECT_NEAR(got.aux_losses[i], ref.aux_losses[i], 1e-5 * ref.aux_losses[i]) << "balance loss, step " << i + 1;
+  }
   EXPECT_TRUE(some_expert_idle_on_a_rank) << "no step left an expert without tokens on a rank";
 }
 
@@ -107,6 +117,20 @@ TEST(TrainerMoE, ExpertParallelUnderHsdpEqualsOneRank) {
   expect_parity("hsdp_ep2", Routing::DeepSeekV3, 2, /*replicate=*/2);
 }
 
+TEST(TrainerMoE, SequenceBalanceLossEqualsOneRank) {
+  // DeepSeek-V3's sequence-wise balance loss (alpha large enough to matter in 8 steps): every rank's share of
+  // every microbatch's loss adds up to the 1-rank value, and its gradients to the same steps.
+  expect_parity("aux", Routing::DeepSeekV3, fsdp::world()->size(), 1, /*aux_coeff=*/0.05);
+  // ... and it changed the training: the first step's grad norm differs from the run without it.
+  TrainEnv single;
+  single.verbose = false;
+  const TrainSummary without = run_training(base("aux_off_ref", Routing::DeepSeekV3), single, false);
+  JobConfig with_aux = base("aux_on_ref", Routing::DeepSeekV3);
+  with_aux.model.moe_sequence_aux_loss_coeff = 0.05;
+  const TrainSummary with = run_training(with_aux, single, false);
+  EXPECT_GT(std::abs(with.grad_norms[0] - without.grad_norms[0]), 1e-6 * without.grad_norms[0]);
+}
+
 TEST(TrainerMoE, BadExpertParallelConfigurationsAreRefused) {
   auto world = fsdp::world();
   if (world->size() != 2) GTEST_SKIP() << "on 2 ranks";
@@ -122,4 +146,6 @@ TEST(TrainerMoE, BadExpertParallelConfigurationsAreRefused) {
   tp.parallelism.tensor_parallel_degree = 2;
   expect_error([&] { run_training(tp, test::world_env(), false); }, "not supported yet");
   expect_error([] { load_config({"--model.moe_score_func", "relu"}); }, "model.moe_score_func");
+  expect_error([] { load_config({"--model.moe_sequence_aux_loss_coeff", "1e-4", "--activation_checkpoint.mode", "full"}); },
+               "not supported yet");
 }
