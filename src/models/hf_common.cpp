@@ -1,6 +1,8 @@
 // Shared pieces of the Hugging Face adapters (see hf_common.h).
 #include "models/hf_common.h"
 
+#include <fsdp/models/llama.h>
+
 #include "checkpoint/model_safetensors_impl.h"
 #include "checkpoint/storage.h"
 
@@ -96,6 +98,27 @@ std::optional<double> rope_theta(const nlohmann::json& c) {
       c["rope_parameters"].contains("rope_theta") && c["rope_parameters"]["rope_theta"].is_number())
     theta = c["rope_parameters"]["rope_theta"].get<double>();
   return theta;
+}
+
+nlohmann::json decoder_config_json(const nn::llama::LlamaArgs& a, const std::string& dtype) {
+  nlohmann::json c;
+  c["hidden_size"] = a.dim;
+  c["intermediate_size"] = a.ffn_hidden_dim();
+  c["num_hidden_layers"] = a.n_layers;
+  c["num_attention_heads"] = a.n_heads;
+  c["num_key_value_heads"] = a.kv_heads();
+  c["head_dim"] = a.head_dim();
+  c["vocab_size"] = a.vocab_size;
+  c["rms_norm_eps"] = a.norm_eps;
+  c["max_position_embeddings"] = a.max_seq_len;
+  c["hidden_act"] = "silu";
+  c["attention_bias"] = false;
+  c["tie_word_embeddings"] = a.tie_embeddings;
+  c["torch_dtype"] = dtype;
+  // transformers >= 5 reads rope_parameters; older versions rope_theta (and rope_scaling).
+  c["rope_theta"] = a.rope_theta;
+  c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", a.rope_theta}};
+  return c;
 }
 
 ConfigCheck::ConfigCheck(std::string path, std::string who) : path_(std::move(path)), who_(std::move(who)) {

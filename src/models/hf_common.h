@@ -21,6 +21,10 @@
 #include <utility>
 #include <vector>
 
+namespace fsdp::nn::llama {
+struct LlamaArgs;
+}  // namespace fsdp::nn::llama
+
 namespace fsdp::checkpoint::safetensors {
 class Reader;
 }
@@ -50,6 +54,10 @@ bool uses_fully_shard(torch::nn::Module& model);
 std::string dtype_name(const std::optional<c10::ScalarType>& dtype);
 // Hugging Face's RoPE base: rope_parameters.rope_theta (transformers >= 5) or rope_theta.
 std::optional<double> rope_theta(const nlohmann::json& config);
+
+// The config.json fields every decoder of ours writes the same way (sizes, heads, norm eps, RoPE base, tied
+// embeddings, dtype); each adapter adds its architecture's own.
+nlohmann::json decoder_config_json(const nn::llama::LlamaArgs& args, const std::string& dtype);
 
 // A Hugging Face config.json checked against a model: collects every mismatch, then one error listing them all.
 class ConfigCheck {

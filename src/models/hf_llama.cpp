@@ -118,26 +118,10 @@ at::Tensor permute_from_hf(const at::Tensor& w, int64_t n_heads) {
 }
 
 std::string config_json(const llama::LlamaArgs& a, const std::string& dtype) {
-  nlohmann::json c;
+  nlohmann::json c = common::decoder_config_json(a, dtype);
   c["architectures"] = {"LlamaForCausalLM"};
   c["model_type"] = "llama";
-  c["hidden_size"] = a.dim;
-  c["intermediate_size"] = a.ffn_hidden_dim();
-  c["num_hidden_layers"] = a.n_layers;
-  c["num_attention_heads"] = a.n_heads;
-  c["num_key_value_heads"] = a.kv_heads();
-  c["head_dim"] = a.head_dim();
-  c["vocab_size"] = a.vocab_size;
-  c["rms_norm_eps"] = a.norm_eps;
-  c["max_position_embeddings"] = a.max_seq_len;
-  c["hidden_act"] = "silu";
-  c["attention_bias"] = false;
   c["mlp_bias"] = false;
-  c["tie_word_embeddings"] = a.tie_embeddings;
-  c["torch_dtype"] = dtype;
-  // transformers >= 5 reads rope_parameters; older versions rope_theta and rope_scaling.
-  c["rope_theta"] = a.rope_theta;
-  c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", a.rope_theta}};
   if (a.rope_scaling) {
     const auto& r = *a.rope_scaling;
     nlohmann::json scaling = {{"rope_type", "llama3"},

@@ -124,25 +124,10 @@ std::optional<std::string> qwen3_from_hf_name(const std::string& hf_name) {
 
 std::string qwen3_config_json(const llama::LlamaArgs& a, const std::string& dtype) {
   check_is_qwen3("qwen3_config_json", a);
-  nlohmann::json c;
+  nlohmann::json c = common::decoder_config_json(a, dtype);
   c["architectures"] = {a.moe ? "Qwen3MoeForCausalLM" : "Qwen3ForCausalLM"};
   c["model_type"] = a.moe ? "qwen3_moe" : "qwen3";
-  c["hidden_size"] = a.dim;
-  c["intermediate_size"] = a.ffn_hidden_dim();
-  c["num_hidden_layers"] = a.n_layers;
-  c["num_attention_heads"] = a.n_heads;
-  c["num_key_value_heads"] = a.kv_heads();
-  c["head_dim"] = a.head_dim();
-  c["vocab_size"] = a.vocab_size;
-  c["rms_norm_eps"] = a.norm_eps;
-  c["max_position_embeddings"] = a.max_seq_len;
-  c["hidden_act"] = "silu";
-  c["attention_bias"] = false;
   c["use_sliding_window"] = false;
-  c["tie_word_embeddings"] = a.tie_embeddings;
-  c["torch_dtype"] = dtype;
-  c["rope_theta"] = a.rope_theta;
-  c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", a.rope_theta}};
   if (a.moe) {
     const auto o = a.moe_options();
     c["num_experts"] = o.num_experts;

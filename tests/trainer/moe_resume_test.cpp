@@ -35,14 +35,7 @@ JobConfig job(const std::string& folder, int64_t ep) {
   return c;
 }
 
-std::map<std::string, torch::Tensor> model_tensors(const std::string& dir) {
-  std::map<std::string, torch::Tensor> out;
-  for (const auto& t : fsdp::checkpoint::inspect(dir).tensors) {
-    if (t.name.rfind("optimizer.", 0) == 0) continue;
-    out[t.name] = fsdp::checkpoint::read_tensor(dir, t.name);
-  }
-  return out;
-}
+using test::model_tensors;
 
 bool is_bias(const std::string& key) { return key.find("expert_bias") != std::string::npos; }
 

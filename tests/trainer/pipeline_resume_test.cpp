@@ -36,15 +36,7 @@ JobConfig job(const std::string& folder, int64_t pp) {
   return c;
 }
 
-// The model tensors of a (model-only or full) checkpoint, read whole.
-std::map<std::string, torch::Tensor> model_tensors(const std::string& dir) {
-  std::map<std::string, torch::Tensor> out;
-  for (const auto& t : fsdp::checkpoint::inspect(dir).tensors) {
-    if (t.name.rfind("optimizer.", 0) == 0) continue;
-    out[t.name] = fsdp::checkpoint::read_tensor(dir, t.name);
-  }
-  return out;
-}
+using test::model_tensors;
 
 }  // namespace
 

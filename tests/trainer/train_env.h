@@ -4,6 +4,7 @@
 #include "config.h"
 #include "trainer.h"
 
+#include <fsdp/checkpoint/checkpoint.h>
 #include <fsdp/process_group.h>
 
 #include "comm/dist_env.h"
@@ -12,6 +13,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <map>
 #include <string>
 
 namespace fsdp_train::test {
@@ -48,6 +50,16 @@ inline JobConfig checkpointed_job(const std::string& folder) {
   c.checkpoint.interval = 3;
   c.checkpoint.keep_latest_k = 0;
   return c;
+}
+
+// The model tensors of a (model-only or full) checkpoint, read whole (optimizer states left out).
+inline std::map<std::string, at::Tensor> model_tensors(const std::string& dir) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& t : fsdp::checkpoint::inspect(dir).tensors) {
+    if (t.name.rfind("optimizer.", 0) == 0) continue;
+    out[t.name] = fsdp::checkpoint::read_tensor(dir, t.name);
+  }
+  return out;
 }
 
 }  // namespace fsdp_train::test
