@@ -87,8 +87,9 @@ struct LoadOptions {
   // requested are listed in the error. Non-strict: missing keys are skipped (listed in the result).
   bool strict = true;
   std::vector<std::string> exclude_prefixes;  // keys starting with any of these are neither loaded nor required
-  // Threads per rank reading and verifying pieces of the checkpoint in parallel (libfsdp format; a DCP
-  // checkpoint is read by one). Several reads in flight use a disk better than one sequential reader.
+  // Threads per rank reading pieces of the checkpoint in parallel (both formats: libfsdp pieces are verified
+  // against their checksums, DCP pieces are torch.save archives decoded). Several reads in flight use a disk
+  // better than one sequential reader.
   int read_threads = 2;
 };
 
@@ -96,6 +97,7 @@ struct LoadResult {
   std::vector<std::string> missing;     // requested but not in the checkpoint (non-strict loads)
   std::vector<std::string> unexpected;  // in the checkpoint but not requested
   int64_t bytes_read = 0;               // by this rank, checksummed blocks included
+  int read_threads_used = 0;            // threads that read pieces: min(read_threads, pieces), at least 1
   double seconds = 0;
 };
 
