@@ -1,6 +1,6 @@
-// Distributed checkpoint save/load (see include/fsdp/checkpoint/checkpoint.h): the orchestration of the
-// planning (planning.h), storage (storage.h) and format (format.h) layers, plus the few collectives a save
-// needs (gather of each rank's chunk list, broadcast of the coordinator's outcome).
+// Distributed checkpoint save/load (see include/fsdp/checkpoint/checkpoint.h): save() hands its state's pieces
+// to the one save loop (codec.h, either format); load() and the inspection calls read through OpenCheckpoint
+// (either format) with the parallel piece reader below.
 #include <fsdp/checkpoint/checkpoint.h>
 
 #include "checkpoint/agreement.h"
@@ -15,12 +15,10 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
-#include <nlohmann/json.hpp>
 
 #include <atomic>
 #include <cerrno>
 #include <chrono>
-#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <filesystem>
