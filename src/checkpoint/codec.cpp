@@ -168,13 +168,6 @@ std::unique_ptr<CheckpointCodec> make_codec(Format format, int64_t block_bytes) 
   return std::make_unique<LibfsdpCodec>(block_bytes);
 }
 
-std::optional<Format> checkpoint_format(const std::string& dir) {
-  std::error_code ec;
-  if (fs::is_regular_file(fs::path(dir) / kMetadataFile, ec)) return Format::Libfsdp;
-  if (fs::is_regular_file(fs::path(dir) / dcp::kMetadataFile, ec)) return Format::PytorchDcp;
-  return std::nullopt;
-}
-
 SaveResult save_with_codec(CheckpointCodec& codec, const SaveJob& job, const std::function<void(PieceSink&)>& produce) {
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
@@ -257,8 +250,15 @@ SaveResult save_with_codec(CheckpointCodec& codec, const SaveJob& job, const std
 
 const char* format_name(Format f) { return f == Format::PytorchDcp ? "pytorch-dcp" : "libfsdp"; }
 
+std::optional<Format> checkpoint_format(const std::string& path) {
+  std::error_code ec;
+  if (fs::is_regular_file(fs::path(path) / detail::kMetadataFile, ec)) return Format::Libfsdp;
+  if (fs::is_regular_file(fs::path(path) / detail::dcp::kMetadataFile, ec)) return Format::PytorchDcp;
+  return std::nullopt;
+}
+
 Format detect_format(const std::string& path) {
-  const auto f = detail::checkpoint_format(path);
+  const auto f = checkpoint_format(path);
   TORCH_CHECK(f, "checkpoint: ", path, " holds neither ", detail::kMetadataFile, " (libfsdp) nor ",
               detail::dcp::kMetadataFile, " (PyTorch DCP): not a complete checkpoint");
   return *f;

@@ -19,7 +19,6 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -68,10 +67,6 @@ class CheckpointCodec {
 
 // block_bytes: libfsdp's checksum granularity (unused by DCP).
 std::unique_ptr<CheckpointCodec> make_codec(Format format, int64_t block_bytes);
-
-// The one format detection: metadata.json (libfsdp) wins over .metadata (DCP); nullopt when `dir` holds
-// neither as a regular file (no checkpoint, or an interrupted save).
-std::optional<Format> checkpoint_format(const std::string& dir);
 
 // What one process hands to the save loop. The loop calls the producer once; it declares the tensors it
 // knows of (every rank may declare; declarations must agree), writes pieces into named data files and

@@ -2,7 +2,8 @@
 #include "checkpoint/storage.h"
 
 #include "checkpoint/format.h"
-#include "checkpoint/codec.h"  // checkpoint_format: the one format detection
+
+#include <fsdp/checkpoint/checkpoint.h>  // checkpoint_format: the one format detection
 
 #include <c10/util/Exception.h>
 

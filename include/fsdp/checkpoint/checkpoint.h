@@ -53,7 +53,11 @@ struct StateDict {
 //               no checksums. See docs/interop.md.
 enum class Format { Libfsdp, PytorchDcp };
 const char* format_name(Format f);  // "libfsdp", "pytorch-dcp"
-// The format of the checkpoint directory `path`; error when it holds neither metadata.json nor .metadata.
+// The format of the checkpoint directory `path`: metadata.json (libfsdp) wins over .metadata (DCP); nullopt
+// when it holds neither as a regular file (no checkpoint, or an interrupted save). The one format detection:
+// loads, detect_format and complete_steps all ask it.
+std::optional<Format> checkpoint_format(const std::string& path);
+// The same; error when it holds neither metadata.json nor .metadata.
 Format detect_format(const std::string& path);
 
 struct SaveOptions {
