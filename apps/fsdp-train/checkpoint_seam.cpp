@@ -89,7 +89,7 @@ class DistributedCheckpointer final : public Checkpointer {
     bool from_initial = false;
     if (cfg_.load_step >= 0) {
       dir = ckpt::step_path(folder_, cfg_.load_step);
-      TORCH_CHECK(fs::exists(fs::path(dir) / "metadata.json") || fs::exists(fs::path(dir) / ".metadata"),
+      TORCH_CHECK(ckpt::checkpoint_format(dir).has_value(),
                   "checkpoint.load_step = ", cfg_.load_step, ": ", dir, " is not a complete checkpoint");
     } else if (auto latest = ckpt::latest_step(folder_)) {
       // Resume from the newest checkpoint that holds the training state. The last save is model-only by

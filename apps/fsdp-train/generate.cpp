@@ -25,9 +25,9 @@ namespace ckpt = fsdp::checkpoint;
 
 std::string resolve_checkpoint_dir(const std::string& path) {
   if (!fs::exists(path)) throw std::runtime_error("generate: checkpoint '" + path + "' does not exist");
-  if (fs::exists(fs::path(path) / "metadata.json")) return path;
+  if (ckpt::checkpoint_format(path)) return path;
   if (auto latest = ckpt::latest_step(path)) return ckpt::step_path(path, *latest);
-  throw std::runtime_error("generate: '" + path + "' is neither a checkpoint (no metadata.json) nor a folder of "
+  throw std::runtime_error("generate: '" + path + "' is neither a checkpoint (no metadata.json or .metadata) nor a folder of "
                            "complete step-N checkpoints");
 }
 

@@ -1,14 +1,13 @@
-// Distributed checkpoint save/load (see include/fsdp/checkpoint/checkpoint.h): the orchestration of the
-// planning (planning.h), storage (storage.h) and format (format.h) layers, plus the few collectives a save
-// needs (gather of each rank's chunk list, broadcast of the coordinator's outcome).
+// Distributed checkpoint save/load (see include/fsdp/checkpoint/checkpoint.h): save() hands its state's pieces
+// to the one save loop (codec.h, either format); load() and the inspection calls read through OpenCheckpoint
+// (either format) with the parallel piece reader below.
 #include <fsdp/checkpoint/checkpoint.h>
 
 #include "checkpoint/agreement.h"
-#include "checkpoint/dcp_save.h"
+#include "checkpoint/codec.h"
 #include "checkpoint/format.h"
 #include "checkpoint/open_checkpoint.h"
 #include "checkpoint/planning.h"
-#include "checkpoint/rank_reports.h"
 #include "checkpoint/storage.h"
 
 #include <fsdp/checkpoint/safetensors.h>
@@ -16,12 +15,10 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
-#include <nlohmann/json.hpp>
 
 #include <atomic>
 #include <cerrno>
 #include <chrono>
-#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <filesystem>
@@ -40,45 +37,11 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-std::string rank_file_name(int rank) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "rank-%05d.bin", rank);
-  return buf;
-}
-
 bool excluded(const std::string& key, const std::vector<std::string>& prefixes) {
   for (const auto& p : prefixes) {
     if (key.compare(0, p.size(), p) == 0) return true;
   }
   return false;
-}
-
-// ---- writing ------------------------------------------------------------------------------------------------
-
-// Writes one piece into the rank file and returns its chunk record.
-nlohmann::json write_piece(FileWriter& w, const std::string& file, const std::string& fqn, const at::Tensor& local,
-                           const std::vector<int64_t>& shape, const Box& box, int64_t block_bytes) {
-  at::Tensor c = local.detach().to(at::kCPU).contiguous();
-  const int64_t n = c.numel() * static_cast<int64_t>(c.element_size());
-  ChunkMeta m;
-  m.offsets = box.offsets;
-  m.sizes = box.sizes;
-  m.file = file;
-  m.hashes = block_hashes(c.data_ptr(), n, block_bytes);
-  m.offset = w.append(c.data_ptr(), n);
-  m.length = n;
-  return {{"fqn", fqn}, {"dtype", safetensors::dtype_name(c.scalar_type())}, {"shape", shape}, {"chunk", chunk_to_json(m)}};
-}
-
-ChunkMeta chunk_from_json(const nlohmann::json& j) {
-  ChunkMeta m;
-  m.offsets = j.at("offsets").get<std::vector<int64_t>>();
-  m.sizes = j.at("sizes").get<std::vector<int64_t>>();
-  m.file = j.at("file").get<std::string>();
-  m.offset = j.at("offset").get<int64_t>();
-  m.length = j.at("length").get<int64_t>();
-  for (const auto& h : j.at("hashes")) m.hashes.push_back(std::stoull(h.get<std::string>(), nullptr, 16));
-  return m;
 }
 
 }  // namespace
@@ -107,112 +70,34 @@ void StateDict::merge(StateDict other) {
 // ---- save ---------------------------------------------------------------------------------------------------
 
 SaveResult save(const StateDict& state, const std::string& path, const SaveOptions& options) {
-  if (options.format == Format::PytorchDcp) return save_dcp(state, path, options);
-  const auto t0 = Clock::now();
-  const ProcessGroupPtr group = options.local_only ? nullptr : resolve_group(options.group);
-  const int rank = group ? group->rank() : 0;
-  const int world_size = group ? group->size() : 1;
-  TORCH_CHECK(!path.empty(), "checkpoint::save: empty path");
-  const std::string final_dir = fs::path(path).lexically_normal().string();
-  const std::string tmp = final_dir + ".partial";
-
-  // 1. The coordinator prepares the temporary directory (a leftover of an interrupted save is discarded).
-  std::string err;
-  if (rank == 0) {
-    try {
-      TORCH_CHECK(options.block_bytes >= 64, "checkpoint::save: block_bytes ", options.block_bytes, " < 64");
-      remove_tree(tmp);
-      fs::create_directories(tmp);
-    } catch (const std::exception& e) {
-      err = error_text(e);
-    }
-  }
-  err = broadcast_string(group, err);
-  TORCH_CHECK(err.empty(), "checkpoint::save to ", final_dir, " failed: ", err);
-
-  // 2. Every rank writes its own pieces in parallel with the others.
-  nlohmann::json mine = {{"error", ""}, {"chunks", nlohmann::json::array()}, {"decls", nlohmann::json::array()},
-                         {"values", nlohmann::json::object()}, {"files", nlohmann::json::object()}};
-  int64_t local_bytes = 0;
-  try {
-    const std::string file = rank_file_name(rank);
-    std::unique_ptr<FileWriter> w;
-    const auto mode = options.direct_io ? FileWriter::Mode::Direct : FileWriter::Mode::Buffered;
-    auto writer = [&]() -> FileWriter& {
-      if (!w) w = std::make_unique<FileWriter>((fs::path(tmp) / file).string(), mode);
-      return *w;
-    };
+  const auto codec = make_codec(options.format, options.block_bytes);
+  SaveJob job;
+  job.group = options.local_only ? nullptr : resolve_group(options.group);
+  job.path = path;
+  job.mode = options.direct_io ? FileWriter::Mode::Direct : FileWriter::Mode::Buffered;
+  job.world_size = job.group ? job.group->size() : 1;
+  job.saved_on = options.saved_on;
+  job.block_bytes = options.block_bytes;
+  const int rank = job.group ? job.group->rank() : 0;
+  const std::string file = codec->data_file_name(rank, 0);
+  return save_with_codec(*codec, job, [&](PieceSink& sink) {
+    // Rank 0 declares every tensor (also those of which it holds no piece) and writes the whole tensors; each
+    // rank writes the sharded pieces that plan_write gives it (replicas once).
     for (const auto& [fqn, t] : state.tensors) {
-      if (rank == 0) mine["decls"].push_back({{"fqn", fqn}, {"dtype", safetensors::dtype_name(t.dtype())}, {"shape", t.sizes()}});
+      if (rank == 0) sink.declare(fqn, t.dtype(), t.sizes());
       const WritePlan plan = plan_write(fqn, t);
-      if (plan.write) mine["chunks"].push_back(write_piece(writer(), file, fqn, t.local(), t.sizes(), plan.box, options.block_bytes));
+      if (plan.write) sink.piece(fqn, t.local(), t.sizes(), plan.box, file);
     }
     if (rank == 0) {
       for (const auto& [fqn, t] : state.full) {
         TORCH_CHECK(t.defined(), "checkpoint: '", fqn, "' is an undefined tensor");
         TORCH_CHECK(!state.tensors.count(fqn), "checkpoint: key '", fqn, "' is both sharded and full");
-        mine["decls"].push_back({{"fqn", fqn}, {"dtype", safetensors::dtype_name(t.scalar_type())}, {"shape", t.sizes().vec()}});
-        if (t.numel() == 0) continue;
-        const Box box{std::vector<int64_t>(t.dim(), 0), t.sizes().vec()};
-        mine["chunks"].push_back(write_piece(writer(), file, fqn, t, t.sizes().vec(), box, options.block_bytes));
+        sink.declare(fqn, t.scalar_type(), t.sizes().vec());
+        if (t.numel() > 0) sink.piece(fqn, t, t.sizes().vec(), Box{std::vector<int64_t>(t.dim(), 0), t.sizes().vec()}, file);
       }
     }
-    for (const auto& [key, text] : state.values) {
-      try {
-        mine["values"][key] = nlohmann::json::parse(text);
-      } catch (const std::exception& e) {
-        TORCH_CHECK(false, "checkpoint: value '", key, "' is not valid JSON: ", e.what());
-      }
-    }
-    if (w) {
-      w->fsync();
-      w->close();
-      local_bytes = w->size();
-      mine["files"][file] = w->size();
-    }
-  } catch (const std::exception& e) {
-    mine["error"] = "rank " + std::to_string(rank) + ": " + error_text(e);
-  }
-
-  // 3. The coordinator collects every rank's chunk list, writes the metadata last and commits with one rename.
-  const std::vector<std::string> all = all_gather_strings(group, mine.dump());
-  auto write_metadata_and_commit = [&]() -> int64_t {
-    int64_t bytes = 0;
-    const std::vector<nlohmann::json> reports = parse_rank_reports(all);
-    Metadata md;
-    md.block_bytes = options.block_bytes;
-    md.world_size = world_size;
-    md.saved_on = options.saved_on;
-    auto declare = [&](const nlohmann::json& d) -> TensorMeta& {
-      return declare_tensor(md.tensors, d, &TensorMeta::shape);
-    };
-    for (const auto& r : reports) {
-      for (const auto& d : r["decls"]) declare(d);
-    }
-    for (const auto& r : reports) {
-      for (const auto& c : r["chunks"]) declare(c).chunks.push_back(chunk_from_json(c["chunk"]));
-      for (auto f = r["files"].begin(); f != r["files"].end(); ++f) {
-        md.files[f.key()] = f.value().get<int64_t>();
-        bytes += f.value().get<int64_t>();
-      }
-      for (auto v = r["values"].begin(); v != r["values"].end(); ++v) md.values.try_emplace(v.key(), v.value().dump());
-    }
-    for (const auto& [fqn, t] : md.tensors) {
-      TORCH_CHECK(!md.values.count(fqn), "checkpoint: key '", fqn, "' is both a tensor and a value");
-    }
-    validate(md, final_dir);
-    write_file_atomic((fs::path(tmp) / kMetadataFile).string(), to_json_text(md));
-    commit_dir(tmp, final_dir);
-    return bytes;
-  };
-  const int64_t total_bytes =
-      commit_on_coordinator(group, rank == 0, tmp, "checkpoint::save", final_dir, write_metadata_and_commit);
-  SaveResult res;
-  res.path = final_dir;
-  res.local_bytes = local_bytes;
-  res.total_bytes = total_bytes;
-  res.seconds = since(t0);
-  return res;
+    for (const auto& [key, text] : state.values) sink.value(key, text);
+  });
 }
 
 // ---- load ---------------------------------------------------------------------------------------------------
@@ -221,9 +106,14 @@ namespace {
 
 constexpr int64_t kReadPieceBytes = int64_t(16) << 20;
 
+struct PieceReadStats {
+  int64_t bytes = 0;
+  int threads = 0;  // threads that took part (the caller's included)
+};
+
 // Runs the pieces on up to `threads` threads, in order of their index (so the reads stay roughly sequential
 // in each file); the first error stops the others and is raised here.
-int64_t read_pieces(const OpenCheckpoint& ck, const std::vector<OpenCheckpoint::FillPiece>& pieces, int threads) {
+PieceReadStats read_pieces(const OpenCheckpoint& ck, const std::vector<OpenCheckpoint::FillPiece>& pieces, int threads) {
   std::atomic<size_t> next{0};
   std::atomic<int64_t> bytes{0};
   std::atomic<bool> failed{false};
@@ -245,7 +135,7 @@ int64_t read_pieces(const OpenCheckpoint& ck, const std::vector<OpenCheckpoint::
   work();
   for (auto& t : pool) t.join();
   if (error) std::rethrow_exception(error);
-  return bytes;
+  return {bytes, static_cast<int>(std::max<size_t>(helpers, 1))};
 }
 
 LoadResult load_local(StateDict& state, const std::string& path, const LoadOptions& options) {
@@ -309,16 +199,16 @@ LoadResult load_local(StateDict& state, const std::string& path, const LoadOptio
   }
   TORCH_CHECK(options.read_threads >= 1, "checkpoint::load: read_threads must be >= 1, got ", options.read_threads);
   c10::NoGradGuard no_grad;
-  if (ck.is_dcp()) {
-    for (auto& [fqn, dest] : todo) res.bytes_read += ck.fill(fqn, dest.first, dest.second);
-  } else {
-    std::vector<OpenCheckpoint::FillPiece> pieces;
-    for (auto& [fqn, dest] : todo) {
-      auto p = ck.plan_fill(fqn, dest.first, dest.second, kReadPieceBytes);
-      std::move(p.begin(), p.end(), std::back_inserter(pieces));
-    }
-    res.bytes_read += read_pieces(ck, pieces, options.read_threads);
+  // Both formats: every overlap of a saved chunk with a local piece is an independent piece of work, read on
+  // up to read_threads threads (DCP: one archive decoded per piece).
+  std::vector<OpenCheckpoint::FillPiece> pieces;
+  for (auto& [fqn, dest] : todo) {
+    auto p = ck.plan_fill(fqn, dest.first, dest.second, kReadPieceBytes);
+    std::move(p.begin(), p.end(), std::back_inserter(pieces));
   }
+  const PieceReadStats stats = read_pieces(ck, pieces, options.read_threads);
+  res.bytes_read += stats.bytes;
+  res.read_threads_used = stats.threads;
   for (const auto& key : value_keys) state.values[key] = md.values.at(key);
   return res;
 }
@@ -345,9 +235,10 @@ LoadResult load(StateDict& state, const std::string& path, const LoadOptions& op
 // ---- inspection ---------------------------------------------------------------------------------------------
 
 namespace {
-CheckpointSummary summarize(const Metadata& md) {
+CheckpointSummary summarize(const OpenCheckpoint& ck) {
+  const Metadata& md = ck.md();
   CheckpointSummary s;
-  s.format = md.dcp ? Format::PytorchDcp : Format::Libfsdp;
+  s.format = ck.format();
   s.unreadable_values = md.unreadable;
   s.version = md.version;
   s.world_size = md.world_size;
@@ -362,10 +253,10 @@ CheckpointSummary summarize(const Metadata& md) {
 }
 }  // namespace
 
-CheckpointSummary inspect(const std::string& path) { return summarize(OpenCheckpoint(path).md()); }
+CheckpointSummary inspect(const std::string& path) { return summarize(OpenCheckpoint(path)); }
 
 struct Reader::Impl {
-  explicit Impl(const std::string& path) : ck(path), summary(summarize(ck.md())) {}
+  explicit Impl(const std::string& path) : ck(path), summary(summarize(ck)) {}
   OpenCheckpoint ck;
   CheckpointSummary summary;
 };

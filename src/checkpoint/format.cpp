@@ -214,8 +214,9 @@ Metadata parse_metadata(const std::string& text, const std::string& where) {
   return md;
 }
 
-void validate(const Metadata& md, const std::string& where) {
-  TORCH_CHECK(md.dcp || (md.block_bytes >= 64 && md.block_bytes <= (int64_t(1) << 32)), "checkpoint: ", where,
+void validate(const Metadata& md, const std::string& where, ChunkEncoding encoding) {
+  const bool raw = encoding == ChunkEncoding::RawBlocks;
+  TORCH_CHECK(!raw || (md.block_bytes >= 64 && md.block_bytes <= (int64_t(1) << 32)), "checkpoint: ", where,
               ": block_bytes ", md.block_bytes, " out of range");
   TORCH_CHECK(md.world_size >= 1, "checkpoint: ", where, ": world_size ", md.world_size, " < 1");
   for (const auto& [name, size] : md.files) {
@@ -246,13 +247,13 @@ void validate(const Metadata& md, const std::string& where) {
       }
       const int64_t cnumel = checked_numel(c.sizes, cw);
       TORCH_CHECK(cnumel > 0, cw, ": empty chunk");
-      TORCH_CHECK(md.dcp ? c.length > 0 : c.length == cnumel * esize, cw, ": holds ", c.length,
+      TORCH_CHECK(raw ? c.length == cnumel * esize : c.length > 0, cw, ": holds ", c.length,
                   " bytes but its box needs ", cnumel * esize);
       auto f = md.files.find(c.file);
       TORCH_CHECK(f != md.files.end(), cw, ": file not listed in \"files\"");
       TORCH_CHECK(c.offset >= 0 && c.offset <= f->second && c.length <= f->second - c.offset, cw, ": bytes [",
                   c.offset, ", +", c.length, ") outside the file's ", f->second, " bytes");
-      if (!md.dcp) {
+      if (raw) {
         const int64_t blocks = (c.length + md.block_bytes - 1) / md.block_bytes;
         TORCH_CHECK(static_cast<int64_t>(c.hashes.size()) == blocks, cw, ": ", c.hashes.size(), " hashes for ",
                     blocks, " blocks");

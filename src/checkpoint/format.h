@@ -42,11 +42,11 @@ struct TensorMeta {
   int64_t nbytes() const;
 };
 
+// The metadata of a checkpoint of either format, as the save loop builds it and OpenCheckpoint reads it. The
+// format itself is not recorded here: it is what the codec writes and what checkpoint_format() detects. A DCP
+// checkpoint's chunks are torch.save archives (ChunkEncoding::Archive: length = the archive's bytes, no hashes).
 struct Metadata {
-  // A PyTorch DCP checkpoint read through dcp_format.h: chunks are torch.save archives (length = the
-  // archive's bytes), without checksums (hashes empty, block_bytes 0); values are the items that are plain
-  // data, `unreadable` the others (key -> why).
-  bool dcp = false;
+  // DCP values that are not plain data (key -> why): listed, never loaded.
   std::map<std::string, std::string> unreadable;
   int version = kFormatVersion;
   int64_t block_bytes = 4 << 20;
@@ -73,8 +73,12 @@ std::string to_json_text(const Metadata& md);
 // chunks covering the tensor, byte lengths matching sizes x dtype, byte ranges inside the recorded file sizes
 // and not overlapping, one hash per block, file names plain (no '/', not '.' or '..').
 Metadata parse_metadata(const std::string& text, const std::string& where);
+// How a chunk's bytes hold its elements. RawBlocks (libfsdp): exactly the row-major elements, one hash per
+// block of block_bytes. Archive (PyTorch DCP): one self-describing torch.save archive of any length, no hashes
+// (block_bytes unused).
+enum class ChunkEncoding { RawBlocks, Archive };
 // The same checks on an in-memory Metadata (the coordinator runs them before committing a save).
-void validate(const Metadata& md, const std::string& where);
+void validate(const Metadata& md, const std::string& where, ChunkEncoding encoding = ChunkEncoding::RawBlocks);
 
 bool is_plain_file_name(const std::string& name);
 int64_t checked_numel(const std::vector<int64_t>& shape, const std::string& what);

@@ -2,6 +2,7 @@
 #include "checkpoint/open_checkpoint.h"
 
 #include "checkpoint/agreement.h"
+#include "checkpoint/codec.h"
 #include "checkpoint/dcp_format.h"
 
 #include <ATen/ATen.h>
@@ -15,22 +16,28 @@
 namespace fsdp::checkpoint::detail {
 namespace fs = std::filesystem;
 
-bool is_dcp_dir(const std::string& dir) {
-  std::error_code ec;
-  return !fs::exists(fs::path(dir) / kMetadataFile, ec) && fs::is_regular_file(fs::path(dir) / dcp::kMetadataFile, ec);
+namespace {
+// How DCP read errors name a chunk.
+std::string dcp_chunk_what(const std::string& fqn, size_t k, const ChunkMeta& c) {
+  return "tensor '" + fqn + "' chunk " + std::to_string(k) + " (" + c.file + " bytes [" + std::to_string(c.offset) +
+         ", +" + std::to_string(c.length) + "))";
 }
+}  // namespace
+
 
 OpenCheckpoint::OpenCheckpoint(std::string dir) : dir_(std::move(dir)) {
-  const std::string md_path = (fs::path(dir_) / kMetadataFile).string();
   std::error_code ec;
   TORCH_CHECK(fs::is_directory(dir_, ec), "checkpoint: ", dir_, " does not exist or is not a directory");
-  if (is_dcp_dir(dir_)) {
+  const auto format = checkpoint_format(dir_);
+  TORCH_CHECK(format, "checkpoint: ", (fs::path(dir_) / kMetadataFile).string(),
+              " is missing: not a complete libfsdp checkpoint (interrupted save?), nor a PyTorch DCP checkpoint "
+              "(no .metadata)");
+  format_ = *format;
+  if (format_ == Format::PytorchDcp) {
     open_dcp();
     return;
   }
-  TORCH_CHECK(fs::is_regular_file(md_path, ec), "checkpoint: ", md_path,
-              " is missing: not a complete libfsdp checkpoint (interrupted save?), nor a PyTorch DCP checkpoint "
-              "(no .metadata)");
+  const std::string md_path = (fs::path(dir_) / kMetadataFile).string();
   md_ = parse_metadata(read_small_file(md_path, kMaxMetadataBytes), md_path);
 }
 
@@ -59,7 +66,6 @@ void OpenCheckpoint::open_dcp() {
   const std::string path = (fs::path(dir_) / dcp::kMetadataFile).string();
   const dcp::Metadata d = dcp::parse_metadata(read_small_file(path, kMaxMetadataBytes), path);
   Metadata md;
-  md.dcp = true;
   md.block_bytes = 0;
   md.saved_on = "PyTorch DCP" + (d.version.empty() ? std::string() : " " + d.version);
   // Data files: sizes from the directory (DCP records none); a listed file that is absent is an error here.
@@ -93,7 +99,7 @@ void OpenCheckpoint::open_dcp() {
   }
   for (const auto& [key, item] : d.values) add_file(item.file);
   md.world_size = std::max<int64_t>(1, static_cast<int64_t>(ranks.size()));
-  validate(md, path);
+  validate(md, path, ChunkEncoding::Archive);
   md_ = std::move(md);  // the value items are read through file(), which checks sizes against md_
   for (const auto& [key, item] : d.values) {
     const int64_t size = md_.files.at(item.file);
@@ -120,7 +126,7 @@ std::vector<OpenCheckpoint::ChunkRead> OpenCheckpoint::plan_reads(const std::str
     const Box saved{c.offsets, c.sizes};
     auto overlap = intersect(saved, dest_box);
     if (!overlap) continue;
-    if (md_.dcp) {  // an archive decodes only whole
+    if (format_ == Format::PytorchDcp) {  // an archive decodes only whole
       reads.push_back({k, 0, c.length, std::move(*overlap)});
       continue;
     }
@@ -132,7 +138,6 @@ std::vector<OpenCheckpoint::ChunkRead> OpenCheckpoint::plan_reads(const std::str
 
 std::vector<OpenCheckpoint::FillPiece> OpenCheckpoint::plan_fill(const std::string& fqn, const at::Tensor& dest,
                                                                  const Box& dest_box, int64_t piece_bytes) {
-  TORCH_INTERNAL_ASSERT(!md_.dcp, "plan_fill is for libfsdp checkpoints");
   const TensorMeta& t = md_.tensors.at(fqn);
   const int64_t es = static_cast<int64_t>(c10::elementSize(t.dtype));
   const int64_t B = md_.block_bytes;
@@ -142,34 +147,74 @@ std::vector<OpenCheckpoint::FillPiece> OpenCheckpoint::plan_fill(const std::stri
     try {
       file(c.file);  // opened (and its size checked) here, on the calling thread
     } catch (const std::exception& e) {
+      if (format_ == Format::PytorchDcp) TORCH_CHECK(false, "checkpoint: ", dcp_chunk_what(fqn, r.chunk, c), ": ", error_text(e));
       TORCH_CHECK(false, "checkpoint: tensor '", fqn, "' (chunk ", r.chunk, "): ", error_text(e));
     }
-    const auto [first, last] = element_span(Box{c.offsets, c.sizes}, r.overlap);
     at::Tensor dst = dest;
     for (size_t d = 0; d < r.overlap.sizes.size(); ++d) {
       dst = dst.narrow(static_cast<int64_t>(d), r.overlap.offsets[d] - dest_box.offsets[d], r.overlap.sizes[d]);
     }
+    if (format_ == Format::PytorchDcp) {
+      std::vector<int64_t> src_offsets(r.overlap.offsets.size());
+      for (size_t d = 0; d < src_offsets.size(); ++d) src_offsets[d] = r.overlap.offsets[d] - c.offsets[d];
+      FillPiece p;
+      p.fqn = fqn;
+      p.chunk = r.chunk;
+      p.begin = r.begin;
+      p.end = r.end;
+      p.dst = dst;
+      p.sizes = r.overlap.sizes;
+      p.src_offsets = std::move(src_offsets);
+      pieces.push_back(std::move(p));
+      continue;
+    }
+    const auto [first, last] = element_span(Box{c.offsets, c.sizes}, r.overlap);
     // Fast path: the overlap is exactly the block-aligned byte span, contiguous in the destination and of the
     // same dtype (e.g. the same sharding as saved): read straight into the destination, verify in place.
     const bool direct = first * es == r.begin && (last + 1) * es == r.end && dst.is_contiguous() &&
                         dst.scalar_type() == t.dtype && dst.device().is_cpu() && last - first + 1 == r.overlap.numel();
     if (!direct) {
       pieces.push_back({fqn, r.chunk, r.begin, r.end, dst, false, first * es - r.begin, r.overlap.sizes,
-                        contiguous_strides(c.sizes)});
+                        contiguous_strides(c.sizes), {}});
       continue;
     }
     const at::Tensor bytes = dst.detach().view({-1}).view(at::kByte);
     const int64_t step = std::max<int64_t>(1, piece_bytes / B) * B;
     for (int64_t at = r.begin, end; at < r.end; at = end) {
       end = r.end - at <= step ? r.end : at + step;  // never at + step past r.end: fill() passes a huge step
-      pieces.push_back({fqn, r.chunk, at, end, bytes.narrow(0, at - r.begin, end - at), true, 0, {}, {}});
+      pieces.push_back({fqn, r.chunk, at, end, bytes.narrow(0, at - r.begin, end - at), true, 0, {}, {}, {}});
     }
   }
   return pieces;
 }
 
+at::Tensor OpenCheckpoint::decode_dcp_chunk(const std::string& fqn, size_t k, const std::string& raw) const {
+  const TensorMeta& t = md_.tensors.at(fqn);
+  const ChunkMeta& c = t.chunks[k];
+  const std::string what = dcp_chunk_what(fqn, k, c);
+  at::Tensor x = dcp::read_tensor_item(raw.data(), raw.size(), (fs::path(dir_) / c.file).string() + ": " + what);
+  TORCH_CHECK(x.scalar_type() == t.dtype && x.sizes().vec() == c.sizes, "checkpoint: ", dir_, ": ", what,
+              " holds a ", x.scalar_type(), " tensor of shape ", x.sizes(), " but the metadata records ", t.dtype,
+              " ", c10::IntArrayRef(c.sizes));
+  return x;
+}
+
 int64_t OpenCheckpoint::read_piece(const FillPiece& piece) const {
   const ChunkMeta& c = md_.tensors.at(piece.fqn).chunks[piece.chunk];
+  if (format_ == Format::PytorchDcp) {
+    std::string raw(static_cast<size_t>(c.length), '\0');
+    try {
+      readers_.at(c.file)->read(c.offset, c.length, raw.data());
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "checkpoint: ", dcp_chunk_what(piece.fqn, piece.chunk, c), ": ", error_text(e));
+    }
+    at::Tensor src = decode_dcp_chunk(piece.fqn, piece.chunk, raw);
+    for (size_t d = 0; d < piece.sizes.size(); ++d) {
+      src = src.narrow(static_cast<int64_t>(d), piece.src_offsets[d], piece.sizes[d]);
+    }
+    piece.dst.copy_(src);
+    return c.length;
+  }
   const int64_t B = md_.block_bytes, b0 = piece.begin, b1 = piece.end;
   const RangeReader& r = *readers_.at(c.file);
   at::Tensor buf = piece.direct ? piece.dst : at::empty({b1 - b0}, at::kByte);
@@ -194,7 +239,7 @@ int64_t OpenCheckpoint::read_piece(const FillPiece& piece) const {
 }
 
 int64_t OpenCheckpoint::fill(const std::string& fqn, const at::Tensor& dest, const Box& dest_box) {
-  if (md_.dcp) return fill_dcp(fqn, dest, dest_box);
+  if (format_ == Format::PytorchDcp) return fill_dcp(fqn, dest, dest_box);
   int64_t bytes = 0;
   for (const FillPiece& p : plan_fill(fqn, dest, dest_box, std::numeric_limits<int64_t>::max())) bytes += read_piece(p);
   return bytes;
@@ -210,14 +255,9 @@ int64_t OpenCheckpoint::fill_dcp(const std::string& fqn, const at::Tensor& dest,
     const std::string key = fqn + "#" + std::to_string(k);
     if (cached_key_ != key) {
       cached_key_.clear();
-      const std::string what = "tensor '" + fqn + "' chunk " + std::to_string(k) + " (" + c.file + " bytes [" +
-                               std::to_string(c.offset) + ", +" + std::to_string(c.length) + "))";
-      const std::string raw = read_bytes(c.file, c.offset, c.length, what);
+      const std::string raw = read_bytes(c.file, c.offset, c.length, dcp_chunk_what(fqn, k, c));
       bytes += c.length;
-      at::Tensor x = dcp::read_tensor_item(raw.data(), raw.size(), (fs::path(dir_) / c.file).string() + ": " + what);
-      TORCH_CHECK(x.scalar_type() == t.dtype && x.sizes().vec() == c.sizes, "checkpoint: ", dir_, ": ", what,
-                  " holds a ", x.scalar_type(), " tensor of shape ", x.sizes(), " but the metadata records ", t.dtype,
-                  " ", c10::IntArrayRef(c.sizes));
+      at::Tensor x = decode_dcp_chunk(fqn, k, raw);
       cached_ = x;
       cached_key_ = key;
     }

@@ -5,6 +5,8 @@
 // copies the part of a saved tensor that overlaps any box, which is all resharding needs.
 
 #include "checkpoint/format.h"
+
+#include <fsdp/checkpoint/checkpoint.h>
 #include "checkpoint/planning.h"
 #include "checkpoint/storage.h"
 
@@ -21,7 +23,7 @@ class OpenCheckpoint {
   explicit OpenCheckpoint(std::string dir);
   const Metadata& md() const { return md_; }
   const std::string& dir() const { return dir_; }
-  bool is_dcp() const { return md_.dcp; }
+  Format format() const { return format_; }
 
   const RangeReader& file(const std::string& name);
   // Copies the part of saved tensor `fqn` that overlaps `dest_box` into `dest` (whose box it is). libfsdp:
@@ -30,21 +32,22 @@ class OpenCheckpoint {
   // Returns the bytes read.
   int64_t fill(const std::string& fqn, const at::Tensor& dest, const Box& dest_box);
 
-  // One independent piece of a fill (libfsdp format): read bytes [begin, end) of a saved chunk, verify the
-  // checksum blocks they cover, place them. load() runs the pieces of all tensors on several threads, which
-  // keeps several reads in flight (one sequential reader leaves this kind of disk half idle) and spreads the
-  // checksum work.
+  // One independent piece of a fill. libfsdp: read bytes [begin, end) of a saved chunk, verify the checksum
+  // blocks they cover, place them. DCP: read the chunk's archive (begin 0, end its length), decode it, copy the
+  // overlap. load() runs the pieces of all tensors on several threads, which keeps several reads in flight (one
+  // sequential reader leaves this kind of disk half idle) and spreads the checksum or decoding work.
   struct FillPiece {
     std::string fqn;
     size_t chunk = 0;
-    int64_t begin = 0, end = 0;  // chunk-relative, whole checksum blocks
+    int64_t begin = 0, end = 0;  // chunk-relative; libfsdp: whole checksum blocks
     at::Tensor dst;              // direct: exactly these bytes, contiguous, same dtype; else the overlap's view
     bool direct = false;
-    int64_t skip = 0;                     // not direct: bytes from `begin` to the overlap's first element
-    std::vector<int64_t> sizes, strides;  // not direct: the overlap inside the saved chunk (elements)
+    int64_t skip = 0;                     // libfsdp, not direct: bytes from `begin` to the overlap's first element
+    std::vector<int64_t> sizes, strides;  // libfsdp, not direct: the overlap inside the saved chunk (elements)
+    std::vector<int64_t> src_offsets;     // DCP: the overlap's offsets inside the decoded chunk
   };
-  // The pieces of fill(fqn, dest, dest_box) for a libfsdp checkpoint, direct ones split into pieces of about
-  // `piece_bytes`. Opens the files they read, so read_piece() may then run on any thread.
+  // The pieces of fill(fqn, dest, dest_box), libfsdp's direct ones split into pieces of about `piece_bytes`.
+  // Opens the files they read, so read_piece() may then run on any thread.
   std::vector<FillPiece> plan_fill(const std::string& fqn, const at::Tensor& dest, const Box& dest_box,
                                    int64_t piece_bytes);
   int64_t read_piece(const FillPiece& piece) const;  // thread-safe; returns the bytes read
@@ -62,14 +65,14 @@ class OpenCheckpoint {
   int64_t fill_dcp(const std::string& fqn, const at::Tensor& dest, const Box& dest_box);
   std::string read_bytes(const std::string& file, int64_t offset, int64_t length, const std::string& what);
 
+  at::Tensor decode_dcp_chunk(const std::string& fqn, size_t chunk, const std::string& raw) const;
+
   std::string dir_;
+  Format format_ = Format::Libfsdp;
   Metadata md_;
   std::map<std::string, std::unique_ptr<RangeReader>> readers_;
   std::string cached_key_;  // DCP: "<fqn>#<chunk>" of cached_
   at::Tensor cached_;
 };
-
-// Which format `dir` holds: metadata.json (ours) wins over .metadata (DCP); error when neither.
-bool is_dcp_dir(const std::string& dir);
 
 }  // namespace fsdp::checkpoint::detail

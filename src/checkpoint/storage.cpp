@@ -3,6 +3,8 @@
 
 #include "checkpoint/format.h"
 
+#include <fsdp/checkpoint/checkpoint.h>  // checkpoint_format: the one format detection
+
 #include <c10/util/Exception.h>
 
 #include <fcntl.h>
@@ -262,8 +264,7 @@ std::vector<int64_t> complete_steps(const std::string& folder) {
     std::smatch m;
     if (!std::regex_match(name, m, pattern)) continue;
     // libfsdp's metadata.json, or PyTorch DCP's .metadata (both written last: their presence marks completeness).
-    if (!fs::is_regular_file(entry.path() / kMetadataFile, ec) && !fs::is_regular_file(entry.path() / ".metadata", ec))
-      continue;
+    if (!checkpoint_format(entry.path().string())) continue;
     out.push_back(std::stoll(m[1].str()));
   }
   std::sort(out.begin(), out.end());

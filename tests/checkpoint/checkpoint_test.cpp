@@ -185,6 +185,33 @@ TEST(Checkpoint, PurgeKeepsTheNewestAndInFlightSaves) {
   fs::remove_all(dir);
 }
 
+// One format detection for loads, detect_format and complete_steps: real saves of both formats, then the
+// marker files alone (metadata.json wins; a marker that is not a regular file does not count).
+TEST(Checkpoint, FormatDetection) {
+  const auto dir = fresh_dir("detect");
+  Sample s(1);
+  ckpt::save(s.sd, ckpt::step_path(dir.string(), 1));
+  ckpt::SaveOptions dcp;
+  dcp.format = ckpt::Format::PytorchDcp;
+  ckpt::save(s.sd, ckpt::step_path(dir.string(), 2), dcp);
+  EXPECT_EQ(ckpt::checkpoint_format(ckpt::step_path(dir.string(), 1)), ckpt::Format::Libfsdp);
+  EXPECT_EQ(ckpt::checkpoint_format(ckpt::step_path(dir.string(), 2)), ckpt::Format::PytorchDcp);
+  EXPECT_EQ(ckpt::inspect(ckpt::step_path(dir.string(), 2)).format, ckpt::Format::PytorchDcp);
+  const fs::path both = dir / "step-3", dir_named = dir / "step-4", none = dir / "step-5";
+  fs::create_directories(both);
+  std::ofstream(both / "metadata.json") << "{}";
+  std::ofstream(both / ".metadata") << "x";
+  fs::create_directories(dir_named / "metadata.json");  // a directory, not the file
+  std::ofstream(dir_named / ".metadata") << "x";
+  fs::create_directories(none);
+  EXPECT_EQ(ckpt::checkpoint_format(both.string()), ckpt::Format::Libfsdp);
+  EXPECT_EQ(ckpt::checkpoint_format(dir_named.string()), ckpt::Format::PytorchDcp);
+  EXPECT_EQ(ckpt::checkpoint_format(none.string()), std::nullopt);
+  EXPECT_ERROR_HAS(error_of([&] { ckpt::detect_format(none.string()); }), "neither", "metadata.json", ".metadata");
+  EXPECT_EQ(ckpt::complete_steps(dir.string()), (std::vector<int64_t>{1, 2, 3, 4}));
+  fs::remove_all(dir);
+}
+
 // The library's async save: the state is snapshotted before save() returns (changing it afterwards does not
 // change the checkpoint), the write runs on another thread (held open here by blocking its `after` callback),
 // and the checkpoint equals the state at the call.

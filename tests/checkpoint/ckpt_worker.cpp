@@ -11,6 +11,11 @@
 //                                           (each rank reading only its own rows: bytes counted against the
 //                                           rows it owns), compare with the file, then export_safetensors to
 //                                           <file>.export/ in small files for the test to compare
+//   ckpt_worker golden <dir> <mesh> -       save a fixed state (no RNG, no training: the same bytes on every
+//                                           run) as <dir>/libfsdp and <dir>/dcp; rank 0 then converts each into
+//                                           the other format (<dir>/libfsdp-to-dcp, <dir>/dcp-to-libfsdp). The
+//                                           test hashes every file against committed hashes (byte identity of the
+//                                           writers across refactors)
 //   <mesh>: "N" (1-D over N ranks) or "RxS" (HSDP: R replicas x S shards); <optim>: adamw | adam | sgd
 // Exit status 0 = everything matched; messages name what did not.
 #include "comm/dist_env.h"
@@ -143,6 +148,50 @@ int run(int argc, char** argv) {
     std::cout << "rank " << world->rank() << " read " << res.bytes_read << " bytes; exported " << ex.total_bytes
               << " bytes in " << ex.files.size() << " files; " << (failures ? "FAILED" : "all equal") << "\n";
     return failures ? 1 : 0;
+  }
+
+  if (mode == "golden") {
+    // Every kind of entry a save writes: uneven row shards (the last rank's may be empty), column shards, a
+    // replicated tensor (written by rank 0 only), whole tensors of several dtypes, a scalar, an empty tensor,
+    // values (TorchTitan-style keys, so the DCP planner data covers nested paths).
+    const int64_t n = mesh.size(0);
+    const int64_t r = mesh.coordinate()[0];
+    auto rows = [&](int64_t total, int64_t cols, double scale) {
+      auto full = torch::arange(total * cols, torch::kFloat).reshape({total, cols}).mul(scale);
+      return fsdp::ShardedTensor::from_local(full.chunk(n, 0).size() > static_cast<size_t>(r)
+                                                 ? full.chunk(n, 0)[r].contiguous()
+                                                 : torch::empty({0, cols}),
+                                             mesh, {fsdp::Shard(0)}, {total, cols});
+    };
+    ckpt::StateDict sd;
+    sd.tensors["model.w1"] = rows(7, 5, 0.5);
+    sd.tensors["model.w2"] = rows(2, 3, -1.25);  // fewer rows than ranks on 3 ranks: an empty shard
+    auto cols = torch::arange(4 * 9, torch::kFloat).reshape({4, 9}).to(torch::kBFloat16);
+    sd.tensors["model.wc"] = fsdp::ShardedTensor::from_local(cols.chunk(n, 1)[r].contiguous(), mesh, {fsdp::Shard(1)}, {4, 9});
+    sd.tensors["model.rep"] = fsdp::ShardedTensor::from_local(torch::linspace(-1, 1, 6), mesh, {fsdp::Replicate()}, {6});
+    sd.tensors["optimizer.state.model.w1.exp_avg"] = rows(7, 5, 0.125);
+    sd.full["model.ids"] = torch::arange(10, torch::kLong).reshape({5, 2});
+    sd.full["model.half"] = torch::arange(12, torch::kFloat).to(torch::kHalf);
+    sd.full["optimizer.state.model.w1.step"] = torch::scalar_tensor(static_cast<int64_t>(3), torch::kLong);
+    sd.full["model.empty"] = torch::empty({0, 4});
+    sd.values["train_state.step"] = "3";
+    sd.values["lr_scheduler.state"] = R"({"last_epoch": 3, "base_lrs": [0.001], "name": "warmup"})";
+    ckpt::SaveOptions so;
+    so.block_bytes = 64;
+    so.saved_on = "mesh " + mesh_spec;
+    ckpt::save(sd, dir + "/libfsdp", so);
+    so.format = ckpt::Format::PytorchDcp;
+    ckpt::save(sd, dir + "/dcp", so);
+    if (world->rank() == 0) {
+      ckpt::ConvertOptions co;
+      co.to = ckpt::Format::PytorchDcp;
+      ckpt::convert(dir + "/libfsdp", dir + "/libfsdp-to-dcp", co);
+      co.to = ckpt::Format::Libfsdp;
+      ckpt::convert(dir + "/dcp", dir + "/dcp-to-libfsdp", co);
+    }
+    world->barrier().wait();
+    std::cout << "rank " << world->rank() << " saved the golden state\n";
+    return 0;
   }
 
   if (mode == "save") {

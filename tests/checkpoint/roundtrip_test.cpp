@@ -8,6 +8,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <set>
 #include <fstream>
@@ -116,4 +118,48 @@ TEST(CheckpointRoundTrip, SafetensorsImportReadsOwnRowsAndExportRoundTrips) {
     }
   }
   fs::remove_all(dir);
+}
+
+// Byte identity of the writers: a fixed state saved by 3 ranks in both formats, and each converted into the other,
+// must hash to the committed SHA-256 sums (golden/codec_3ranks.sha256, written by the writers before the save
+// path was unified into one codec loop). Both formats are deterministic: no timestamps, libtorch's torch.save
+// archives are byte-stable, and DCP's .metadata records the absolute checkpoint path (hence the fixed folder) and
+// a random save_id (zeroed before hashing).
+// FSDP_UPDATE_GOLDEN=1 rewrites the committed file (only when a format change is intended).
+TEST(CheckpointCodec, WritersAreByteIdenticalToTheCommittedHashes) {
+  const fs::path dir = "/tmp/fsdp_ckpt_codec_golden";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  ASSERT_EQ(run_worker(3, "golden " + dir.string() + " 3 -", dir.string() + ".log"), 0);
+  std::ostringstream cmd;
+  // DCP's .metadata records a fresh save_id (a uuid4, as FileSystemWriter does): the one byte range that differs
+  // on every save, zeroed before hashing.
+  cmd << "cd " << dir << " && for f in $(find libfsdp dcp libfsdp-to-dcp dcp-to-libfsdp -type f | LC_ALL=C sort); do "
+      << "case $f in *.metadata) h=$(perl -0pe "
+      << "'s/[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}/00000000-0000-0000-0000-000000000000/g' $f"
+      << " | sha256sum);; *) h=$(sha256sum < $f);; esac; echo \"${h%% *}  $f\"; done";
+  std::string got;
+  {
+    FILE* p = ::popen(cmd.str().c_str(), "r");
+    ASSERT_NE(p, nullptr);
+    char buf[4096];
+    for (size_t k; (k = std::fread(buf, 1, sizeof buf, p)) > 0;) got.append(buf, k);
+    ASSERT_EQ(::pclose(p), 0) << cmd.str();
+  }
+  // Not vacuous: every format's metadata and data files are there.
+  for (const char* f : {"libfsdp/metadata.json", "libfsdp/rank-00002.bin", "dcp/.metadata", "dcp/__2_0.distcp",
+                        "libfsdp-to-dcp/.metadata", "dcp-to-libfsdp/metadata.json"}) {
+    EXPECT_NE(got.find(f), std::string::npos) << f << " not written:\n" << got;
+  }
+  if (std::getenv("FSDP_UPDATE_GOLDEN")) {
+    std::ofstream(CODEC_GOLDEN) << got;
+    GTEST_SKIP() << "rewrote " << CODEC_GOLDEN;
+  }
+  std::ifstream f(CODEC_GOLDEN);
+  ASSERT_TRUE(f) << CODEC_GOLDEN;
+  std::stringstream want;
+  want << f.rdbuf();
+  EXPECT_EQ(got, want.str()) << "the checkpoint writers no longer write the committed bytes";
+  fs::remove_all(dir);
+  fs::remove(dir.string() + ".log");
 }

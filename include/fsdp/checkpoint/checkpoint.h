@@ -53,7 +53,11 @@ struct StateDict {
 //               no checksums. See docs/interop.md.
 enum class Format { Libfsdp, PytorchDcp };
 const char* format_name(Format f);  // "libfsdp", "pytorch-dcp"
-// The format of the checkpoint directory `path`; error when it holds neither metadata.json nor .metadata.
+// The format of the checkpoint directory `path`: metadata.json (libfsdp) wins over .metadata (DCP); nullopt
+// when it holds neither as a regular file (no checkpoint, or an interrupted save). The one format detection:
+// loads, detect_format and complete_steps all ask it.
+std::optional<Format> checkpoint_format(const std::string& path);
+// The same; error when it holds neither metadata.json nor .metadata.
 Format detect_format(const std::string& path);
 
 struct SaveOptions {
@@ -87,8 +91,9 @@ struct LoadOptions {
   // requested are listed in the error. Non-strict: missing keys are skipped (listed in the result).
   bool strict = true;
   std::vector<std::string> exclude_prefixes;  // keys starting with any of these are neither loaded nor required
-  // Threads per rank reading and verifying pieces of the checkpoint in parallel (libfsdp format; a DCP
-  // checkpoint is read by one). Several reads in flight use a disk better than one sequential reader.
+  // Threads per rank reading pieces of the checkpoint in parallel (both formats: libfsdp pieces are verified
+  // against their checksums, DCP pieces are torch.save archives decoded). Several reads in flight use a disk
+  // better than one sequential reader.
   int read_threads = 2;
 };
 
@@ -96,6 +101,7 @@ struct LoadResult {
   std::vector<std::string> missing;     // requested but not in the checkpoint (non-strict loads)
   std::vector<std::string> unexpected;  // in the checkpoint but not requested
   int64_t bytes_read = 0;               // by this rank, checksummed blocks included
+  int read_threads_used = 0;            // threads that read pieces: min(read_threads, pieces), at least 1
   double seconds = 0;
 };
 
