@@ -52,6 +52,10 @@ std::vector<Field> fields(JobConfig& c) {
       {"model", "moe_route_scale", &c.model.moe_route_scale, "MoE flavors: routed weights scale; 0 = the flavor's"},
       {"model", "moe_load_balance_coeff", &c.model.moe_load_balance_coeff,
        "MoE flavors: DeepSeek-V3 aux-loss-free bias step; -1 = the flavor's (1e-3), 0 = off"},
+      {"model", "moe_num_expert_groups", &c.model.moe_num_expert_groups,
+       "MoE flavors: DeepSeek-V3 group-limited routing, the number of expert groups (0 = off)"},
+      {"model", "moe_num_limited_groups", &c.model.moe_num_limited_groups,
+       "MoE flavors: with moe_num_expert_groups, the best groups (by their two best scores) a token may use"},
       {"model", "moe_sequence_aux_loss_coeff", &c.model.moe_sequence_aux_loss_coeff,
        "MoE flavors: DeepSeek-V3's sequence-wise balance loss weight alpha (1e-4 there), added to the training loss; "
        "0 = off"},

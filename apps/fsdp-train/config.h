@@ -36,6 +36,8 @@ struct JobConfig {
     std::string moe_route_norm;  // "" | "true" | "false"
     double moe_route_scale = 0;  // 0 = the flavor's
     double moe_load_balance_coeff = -1;  // -1 = the flavor's (1e-3); 0 = no aux-loss-free bias
+    int64_t moe_num_expert_groups = 0;   // DeepSeek-V3 group-limited routing: expert groups (0 = off) ...
+    int64_t moe_num_limited_groups = 0;  // ... and how many of them each token may use
     double moe_sequence_aux_loss_coeff = 0;  // DeepSeek-V3's sequence-wise balance loss alpha (1e-4 there); 0 = off  // "" = byte-level tokenizer; else a Hugging Face tokenizer.json (byte-level BPE)
   } model;
   struct Optimizer {

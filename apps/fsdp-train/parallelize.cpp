@@ -122,7 +122,8 @@ fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config) {
     throw ConfigError(std::string("config error: model.flavor: ") + e.what_without_backtrace());
   }
   const bool overrides = !m.moe_score_func.empty() || m.moe_shared_experts >= 0 || !m.moe_route_norm.empty() ||
-                         m.moe_route_scale != 0 || m.moe_load_balance_coeff >= 0 || m.moe_sequence_aux_loss_coeff > 0;
+                         m.moe_route_scale != 0 || m.moe_load_balance_coeff >= 0 || m.moe_sequence_aux_loss_coeff > 0 ||
+                         m.moe_num_expert_groups > 0;
   if (!overrides) return args;
   if (!args.moe) {
     throw ConfigError("config error: model.moe_* keys set, but " + m.name + " " + m.flavor +
@@ -136,6 +137,10 @@ fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config) {
   if (m.moe_load_balance_coeff == 0) o.load_balance_coeff.reset();
   else if (m.moe_load_balance_coeff > 0) o.load_balance_coeff = m.moe_load_balance_coeff;
   if (m.moe_sequence_aux_loss_coeff > 0) o.sequence_aux_loss_coeff = m.moe_sequence_aux_loss_coeff;
+  if (m.moe_num_expert_groups > 0) {
+    o.num_expert_groups = m.moe_num_expert_groups;
+    o.num_limited_groups = m.moe_num_limited_groups;
+  }
   return args;
 }
 

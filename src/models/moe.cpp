@@ -8,6 +8,7 @@
 #include <torch/nn/functional/activation.h>
 
 #include <cmath>
+#include <limits>
 
 namespace fsdp::nn::moe {
 namespace {
@@ -19,6 +20,15 @@ void check_options(const MoEOptions& o) {
               "], got ", o.top_k);
   TORCH_CHECK(o.score_func == "sigmoid" || o.score_func == "softmax", "moe: score_func must be \"sigmoid\" or ",
               "\"softmax\", got \"", o.score_func, "\"");
+  if (o.num_expert_groups > 0) {
+    TORCH_CHECK(o.num_experts % o.num_expert_groups == 0 && o.num_experts / o.num_expert_groups >= 2,
+                "moe: num_expert_groups = ", o.num_expert_groups, " must divide num_experts = ", o.num_experts,
+                " into groups of at least 2 experts");
+    TORCH_CHECK(o.num_limited_groups >= 1 && o.num_limited_groups <= o.num_expert_groups, "moe: num_limited_groups ",
+                "must be in [1, num_expert_groups = ", o.num_expert_groups, "], got ", o.num_limited_groups);
+    TORCH_CHECK(o.top_k <= o.num_limited_groups * (o.num_experts / o.num_expert_groups), "moe: top_k = ", o.top_k,
+                " exceeds the experts of ", o.num_limited_groups, " limited groups");
+  }
   TORCH_CHECK(o.num_shared_experts >= 0, "moe: num_shared_experts must be >= 0, got ", o.num_shared_experts);
   // at::_grouped_mm needs 16-byte row strides: 4 fp32 or 8 bf16 elements.
   TORCH_CHECK(!o.use_grouped_mm || (o.dim % 8 == 0 && o.hidden % 8 == 0), "moe: grouped GEMM needs dim and hidden ",
@@ -46,7 +56,17 @@ Routing TokenChoiceRouterImpl::forward(const at::Tensor& x, const at::Tensor& ex
   const at::Tensor logits = fsdp::nn::call(gate, x).to(at::kFloat);
   r.scores = options_.score_func == "sigmoid" ? at::sigmoid(logits) : at::softmax(logits, -1);
   // The bias steers the choice only; the weights are the original scores of the chosen experts.
-  const at::Tensor choice = expert_bias.defined() ? r.scores.detach() + expert_bias : r.scores.detach();
+  at::Tensor choice = expert_bias.defined() ? r.scores.detach() + expert_bias : r.scores.detach();
+  if (options_.num_expert_groups > 0) {
+    // Group-limited routing: rank the groups by the sum of their two best choice scores, keep the best
+    // num_limited_groups, and choose experts only there (the others' scores -inf).
+    const int64_t T = choice.size(0), G = options_.num_expert_groups;
+    const at::Tensor grouped = choice.view({T, G, -1});
+    const at::Tensor group_scores = std::get<0>(at::topk(grouped, 2, /*dim=*/-1)).sum(-1);  // [T, G]
+    const at::Tensor keep = std::get<1>(at::topk(group_scores, options_.num_limited_groups, /*dim=*/-1));
+    const at::Tensor group_mask = at::ones({T, G}, choice.options().dtype(at::kBool)).scatter_(1, keep, false);
+    choice = grouped.masked_fill(group_mask.unsqueeze(-1), -std::numeric_limits<double>::infinity()).view({T, -1});
+  }
   r.expert_ids = std::get<1>(at::topk(choice, options_.top_k, /*dim=*/-1, /*largest=*/true, /*sorted=*/true));
   r.weights = r.scores.gather(-1, r.expert_ids);
   if (options_.route_norm) r.weights = r.weights / (r.weights.sum(-1, /*keepdim=*/true) + 1e-20);

@@ -35,6 +35,22 @@ torch::Tensor reference(MoE& m, const torch::Tensor& x) {
     for (int64_t e = 0; e < o.num_experts; ++e) {
       choice[e] = scores[e].item<double>() + (m->expert_bias.defined() ? m->expert_bias[e].item<double>() : 0.0);
     }
+    if (o.num_expert_groups > 0) {
+      // DeepSeek-V3: a group's score is the sum of its two best choices; experts outside the best
+      // num_limited_groups groups cannot be chosen.
+      const int64_t per = o.num_experts / o.num_expert_groups;
+      std::vector<std::pair<double, int64_t>> groups;
+      for (int64_t g = 0; g < o.num_expert_groups; ++g) {
+        std::vector<double> c(choice.begin() + g * per, choice.begin() + (g + 1) * per);
+        std::sort(c.rbegin(), c.rend());
+        groups.push_back({c[0] + c[1], g});
+      }
+      std::stable_sort(groups.begin(), groups.end(), [](auto& a, auto& b) { return a.first > b.first; });
+      std::vector<bool> kept(static_cast<size_t>(o.num_expert_groups), false);
+      for (int64_t i = 0; i < o.num_limited_groups; ++i) kept[static_cast<size_t>(groups[i].second)] = true;
+      for (int64_t e = 0; e < o.num_experts; ++e)
+        if (!kept[static_cast<size_t>(e / per)]) choice[e] = -1e30;
+    }
     std::vector<int64_t> ids(static_cast<size_t>(o.num_experts));
     std::iota(ids.begin(), ids.end(), 0);
     std::stable_sort(ids.begin(), ids.end(), [&](int64_t a, int64_t b) { return choice[a] > choice[b]; });
@@ -127,6 +143,14 @@ TEST(MoE, EqualsTheTokenByTokenReference) {
   o.top_k = 1;
   o.num_experts = 16;  // 14 tokens over 16 experts: some experts receive none
   expect_matches_reference(o, "top 1 of 16 experts (empty experts)");
+  o = base();
+  o.num_experts = 16;
+  o.top_k = 3;
+  o.num_expert_groups = 4;
+  o.num_limited_groups = 2;
+  o.route_norm = true;
+  o.route_scale = 2.5;
+  expect_matches_reference(o, "DeepSeek-V3 group-limited routing: 4 groups of 4, best 2, top 3");
 }
 
 TEST(MoE, EmptyExpertsReallyOccurAndGetZeroGradients) {
@@ -192,6 +216,15 @@ TEST(MoE, BadOptionsAreRefusedWithTheReason) {
   o = base();
   o.dim = 12;
   expect_error(o, "multiples of 8");
+  o = base();
+  o.num_expert_groups = 3;
+  o.num_limited_groups = 1;
+  expect_error(o, "must divide num_experts = 8");
+  o = base();
+  o.num_expert_groups = 4;
+  o.num_limited_groups = 1;
+  o.top_k = 3;
+  expect_error(o, "exceeds the experts of 1 limited groups");
 }
 
 // DeepSeek-V3's sequence-wise balance loss against its definition, token by token: for each sequence,

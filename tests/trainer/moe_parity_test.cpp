@@ -5,7 +5,7 @@
 // the load-balancing bias, which steers the routing, was updated identically (its L1 norm is compared too).
 // Layouts: ep 2 on 2 ranks; ep 2 and ep 4 on 4 ranks (dp_shard 4: the experts' FSDP over the 2 or 1 ranks left);
 // HSDP 2 x 2 with ep 2. Routing: Qwen3's (softmax, top-k renormalised, no shared expert) and DeepSeek-V3's
-// (sigmoid, one shared expert, route scale 2.5). The batches (one sample of 16 tokens per rank and step) leave
+// (sigmoid, one shared expert, route scale 2.5, group-limited: 4 groups, the best 2 per token). The batches (one sample of 16 tokens per rank and step) leave
 // some experts without tokens on some ranks (checked, so the zero-token path is exercised).
 #include "config.h"
 #include "train_env.h"
@@ -39,6 +39,8 @@ JobConfig base(const std::string& name, Routing routing) {
     c.model.moe_shared_experts = 1;
     c.model.moe_route_norm = "true";
     c.model.moe_route_scale = 2.5;
+    c.model.moe_num_expert_groups = 4;  // 4 groups of 2 experts, each token within its best 2 groups
+    c.model.moe_num_limited_groups = 2;
   }
   // The 1-rank references, run by every process, get a folder each; distributed runs share one.
   c.job.dump_folder = ::testing::TempDir() + "/fsdp_train_moe_" + name;

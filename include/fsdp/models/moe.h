@@ -33,6 +33,11 @@ struct MoEOptions {
   std::string score_func = "sigmoid";  // "sigmoid" | "softmax"
   bool route_norm = false;             // divide the chosen scores by their sum (Qwen3's norm_topk_prob)
   double route_scale = 1.0;
+  // DeepSeek-V3's group-limited routing (TorchTitan's num_expert_groups / num_limited_groups): the experts form
+  // `num_expert_groups` groups of E / groups; each token ranks the groups by the sum of their two best choice
+  // scores and picks its top-k experts only inside its `num_limited_groups` best groups. 0 = off.
+  int64_t num_expert_groups = 0;
+  int64_t num_limited_groups = 0;
   // Aux-loss-free load balancing: the bias step size (TorchTitan's load_balance_coeff, 1e-3); nullopt = off.
   std::optional<double> load_balance_coeff = 1e-3;
   int64_t num_shared_experts = 0;  // shared SwiGLU on every token with hidden F x this
