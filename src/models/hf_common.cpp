@@ -121,6 +121,15 @@ nlohmann::json decoder_config_json(const nn::llama::LlamaArgs& a, const std::str
   return c;
 }
 
+void ConfigCheck::expect_decoder_sizes(const nn::llama::LlamaArgs& a) {
+  expect_int("hidden_size", a.dim);
+  expect_int("num_hidden_layers", a.n_layers);
+  expect_int("num_attention_heads", a.n_heads);
+  expect_int("num_key_value_heads", a.kv_heads());
+  expect_int("vocab_size", a.vocab_size);
+  expect_int("head_dim", a.head_dim());
+}
+
 ConfigCheck::ConfigCheck(std::string path, std::string who) : path_(std::move(path)), who_(std::move(who)) {
   try {
     config_ = nlohmann::json::parse(checkpoint::detail::read_small_file(path_, 1 << 24));

@@ -67,6 +67,9 @@ class ConfigCheck {
   // An integer field, when present, must equal ours.
   void expect_int(const char* field, int64_t ours);
   void expect_rope_theta(double ours);
+  // The sizes every decoder's config.json states the same way (decoder_config_json's): hidden size, layers,
+  // heads, kv heads, vocabulary, head_dim.
+  void expect_decoder_sizes(const nn::llama::LlamaArgs& args);
   void fail(std::string what) { bad_.push_back(std::move(what)); }
   // Throws "<who>: <path> does not describe this model: <mismatches>" when there are any.
   void finish() const;

@@ -46,13 +46,8 @@ double number(const nlohmann::json& j) { return j.get<double>(); }
 void check_config(const std::string& path, const llama::LlamaArgs& a) {
   common::ConfigCheck check(path, "import_llama");
   const nlohmann::json& c = check.config();
-  check.expect_int("hidden_size", a.dim);
-  check.expect_int("num_hidden_layers", a.n_layers);
-  check.expect_int("num_attention_heads", a.n_heads);
-  check.expect_int("num_key_value_heads", a.kv_heads());
-  check.expect_int("vocab_size", a.vocab_size);
+  check.expect_decoder_sizes(a);
   check.expect_int("intermediate_size", a.ffn_hidden_dim());
-  check.expect_int("head_dim", a.head_dim());
   check.expect_rope_theta(a.rope_theta);
   // Llama 3.1 RoPE scaling: rope_parameters (transformers >= 5) or rope_scaling, rope_type "llama3".
   nlohmann::json scaling;

@@ -68,12 +68,7 @@ void check_config(const std::string& path, const llama::LlamaArgs& a) {
   if (!type.empty() && type != (a.moe ? "qwen3_moe" : "qwen3")) {
     check.fail("model_type = \"" + type + "\" (the model is " + (a.moe ? "qwen3_moe" : "qwen3") + ")");
   }
-  check.expect_int("hidden_size", a.dim);
-  check.expect_int("num_hidden_layers", a.n_layers);
-  check.expect_int("num_attention_heads", a.n_heads);
-  check.expect_int("num_key_value_heads", a.kv_heads());
-  check.expect_int("vocab_size", a.vocab_size);
-  check.expect_int("head_dim", a.head_dim());
+  check.expect_decoder_sizes(a);
   if (has_dense_layer(a)) check.expect_int("intermediate_size", a.ffn_hidden_dim());
   check.expect_rope_theta(a.rope_theta);
   if (c.contains("rope_parameters") && c["rope_parameters"].is_object()) {
