@@ -126,6 +126,8 @@ class TraceReader {
       if (name == "process_name") process_names[{file, key.pid}] = (*args)["name"].get<std::string>();
       if (name == "thread_name") thread_names[key] = (*args)["name"].get<std::string>();
     } else if (ph == "X") {
+      // Kineto's whole-window "PyTorch Profiler (0)" span (category "Trace") is the recording, not work.
+      if (const auto cat = e.find("cat"); cat != e.end() && cat->is_string() && cat->get<std::string>() == "Trace") return;
       const double ts = number("ts"), dur = number("dur");
       if (dur < 0) throw std::runtime_error(where(name) + "negative \"dur\" " + std::to_string(dur));
       rows[key].spans.push_back({ts, ts + dur, is_communication(name)});
