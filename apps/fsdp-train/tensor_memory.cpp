@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 namespace fsdp_train::tensor_memory {
@@ -40,16 +41,28 @@ void add(int64_t n) {
   }
 }
 
-// The wrapped allocation: the base allocator's DataPtr (its deleter runs when this is destroyed) and its size.
-struct Counted {
-  c10::DataPtr base;
-  int64_t bytes;
+// Each counted storage: its size and how the base allocator frees it. Keyed by the data pointer, which is also
+// the DataPtr's context: libtorch's raw_allocate (used e.g. by bfloat16 kernels' scratch buffers) requires
+// context == data, so the size cannot travel in a context object of its own.
+struct Block {
+  int64_t bytes = 0;
+  c10::DeleterFnPtr base_deleter = nullptr;
+  void* base_context = nullptr;
 };
+std::mutex g_blocks_mutex;
+std::unordered_map<void*, Block> g_blocks;
 
-void delete_counted(void* ctx) {
-  auto* c = static_cast<Counted*>(ctx);
-  record(g_live.fetch_sub(c->bytes, std::memory_order_relaxed) - c->bytes);
-  delete c;  // frees the storage through the base allocator's deleter
+void delete_counted(void* data) {
+  Block block;
+  {
+    std::lock_guard<std::mutex> lock(g_blocks_mutex);
+    const auto it = g_blocks.find(data);
+    if (it == g_blocks.end()) return;  // never counted (cannot happen: only this allocator hands this deleter out)
+    block = it->second;
+    g_blocks.erase(it);
+  }
+  record(g_live.fetch_sub(block.bytes, std::memory_order_relaxed) - block.bytes);
+  if (block.base_deleter) block.base_deleter(block.base_context);  // frees through the base allocator
 }
 
 class CountingAllocator final : public c10::Allocator {
@@ -58,11 +71,18 @@ class CountingAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     c10::DataPtr base = base_->allocate(n);
     void* data = base.get();
+    if (data == nullptr) return base;  // empty storage: nothing to count
     const c10::Device device = base.device();
-    auto* ctx = new Counted{std::move(base), static_cast<int64_t>(n)};
-    add(ctx->bytes);
-    return {data, ctx, &delete_counted, device};
+    Block block{static_cast<int64_t>(n), base.get_deleter(), nullptr};
+    block.base_context = base.release_context();
+    {
+      std::lock_guard<std::mutex> lock(g_blocks_mutex);
+      g_blocks[data] = block;
+    }
+    add(block.bytes);
+    return {data, data, &delete_counted, device};
   }
+  c10::DeleterFnPtr raw_deleter() const override { return &delete_counted; }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
   }

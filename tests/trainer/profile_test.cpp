@@ -250,6 +250,29 @@ TEST(Profiling, TraceHoldsEveryCollectiveWithItsSizeAndAgreesWithTheTimeline) {
   fsdp::world()->barrier().wait();
 }
 
+// bfloat16 parameters: libtorch's kernels then take scratch memory through the CPU allocator's raw_allocate, which
+// the counting allocator must serve (it once stopped the run with an internal assert).
+TEST(Profiling, MemoryTimelineUnderBfloat16) {
+  const std::string dir = shared_dir("profile", "bf16");
+  JobConfig config = load_config({"--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--training.local_batch_size",
+                                  "2", "--training.global_batch_size", "-1", "--training.steps", "1",
+                                  "--metrics.peak_tflops", "1", "--training.mixed_precision_param", "bfloat16",
+                                  "--profiling.enable_memory_snapshot", "--profiling.profile_freq", "1",
+                                  "--metrics.tensor_memory"});
+  config.job.dump_folder = dir;
+  const TrainEnv env = world_env();
+  const TrainSummary summary = run_training(config, env, false);
+  ASSERT_EQ(summary.tensor_memory.size(), 1u);
+  const auto memory = read_json(dir + "/memory_snapshot/iteration_1/rank" + std::to_string(env.rank) +
+                                "_memory_timeline.json");
+  int64_t high = 0;
+  for (const auto& e : memory.at("traceEvents"))
+    if (e.value("ph", "") == "C") high = std::max(high, e.at("args").at("bytes").get<int64_t>());
+  EXPECT_EQ(high, summary.tensor_memory[0].peak);
+  EXPECT_FALSE(std::filesystem::exists(dir + "/profile_traces")) << "only the memory timeline was asked for";
+  fsdp::world()->barrier().wait();
+}
+
 TEST(Profiling, PipelineActionsAndTheirSendsAndReceives) {
   const std::string dir = shared_dir("profile", "pp");
   const JobConfig config = profiled_job(dir, {"--parallelism.pipeline_parallel_degree", "2",
