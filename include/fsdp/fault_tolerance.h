@@ -92,7 +92,7 @@ class Manager {
   // failure) within the timeout. One decision per round, stored atomically: every voter gets the same answer.
   bool should_commit(bool local_ok = true);
 
-  // The first failure of the current step (empty when none).
+  // The first failure of the current (or just voted) step, or why the vote aborted it; empty when none.
   const std::string& error() const;
   // The quorum's process group (this rank's shard index across the members); null before the first quorum.
   ProcessGroupPtr quorum_group() const;

@@ -247,30 +247,38 @@ bool Coordinator::keeps_group(const ClosedRound& round) {
   return before.members == round.members;
 }
 
-bool Coordinator::vote(int64_t round, int member_index, int rank, int num_members, int group_size, bool ok) {
+Coordinator::Decision Coordinator::vote(int64_t round, int member_index, int rank, int num_members, int group_size,
+                                       bool ok) {
   store_->set(round_key(round, "vote/" + std::to_string(member_index) + "/" + std::to_string(rank)),
               bytes(ok ? "1" : "0"));
-  std::vector<std::string> keys;
-  for (int i = 0; i < num_members; ++i) {
-    for (int r = 0; r < group_size; ++r) {
-      keys.push_back(round_key(round, "vote/" + std::to_string(i) + "/" + std::to_string(r)));
-    }
-  }
   const std::string decision = round_key(round, "decision");
   const auto deadline = Clock::now() + options_.timeout;
   while (true) {
-    if (exists(*store_, decision)) return text(store_->get(decision)) == "commit";
-    std::string verdict;
-    bool all_in = true;
-    for (const std::string& key : keys) {
-      if (!exists(*store_, key)) {
-        all_in = false;
-        continue;
-      }
-      if (text(store_->get(key)) != "1") verdict = "abort";  // one failed voter decides at once
+    if (exists(*store_, decision)) {
+      const std::string value = text(store_->get(decision));
+      // "abort: <why>" — the why of whoever decided, so that every voter can say it.
+      return value == "commit" ? Decision{true, ""} : Decision{false, value.substr(std::min<size_t>(7, value.size()))};
     }
-    if (verdict.empty() && all_in) verdict = "commit";
-    if (verdict.empty() && Clock::now() >= deadline) verdict = "abort";  // a voter is gone or hangs
+    std::string failed, missing;
+    for (int i = 0; i < num_members; ++i) {
+      for (int r = 0; r < group_size; ++r) {
+        const std::string key = round_key(round, "vote/" + std::to_string(i) + "/" + std::to_string(r));
+        const std::string who = c10::str("member ", i, " rank ", r);
+        if (!exists(*store_, key)) {
+          missing += (missing.empty() ? "" : ", ") + who;
+        } else if (text(store_->get(key)) != "1") {
+          failed += (failed.empty() ? "" : ", ") + who;
+        }
+      }
+    }
+    std::string verdict;
+    if (!failed.empty()) {
+      verdict = "abort: " + failed + " voted not ok";  // one failed voter decides at once
+    } else if (missing.empty()) {
+      verdict = "commit";
+    } else if (Clock::now() >= deadline) {
+      verdict = c10::str("abort: no vote from ", missing, " within ", options_.timeout.count(), " ms");  // gone or hung
+    }
     if (!verdict.empty()) {
       store_->compareSet(decision, {}, bytes(verdict));  // the first verdict stored wins; everyone reads it back
       continue;

@@ -12,7 +12,7 @@
 //   round/<q>/member/<n>        "replica_id step incarnation" of the joiner at position n
 //   round/<q>/closed            the number of positions in the membership (compareSet from absent, once)
 //   round/<q>/vote/<i>/<rank>   "1" / "0": the commit vote of member i's rank
-//   round/<q>/decision          "commit" / "abort" (compareSet from absent, once)
+//   round/<q>/decision          "commit" / "abort: <why>" (compareSet from absent, once)
 //   pg/<q>/shard<s>/            key space of the quorum process group made in round q for shard index s
 
 #include <fsdp/fault_tolerance.h>
@@ -79,8 +79,12 @@ class Coordinator {
   ClosedRound read_round(int64_t id, int64_t positions);
   // The quorum group of round-1 can be kept: same members (same incarnations) and round-1 committed.
   bool keeps_group(const ClosedRound& round);
-  // The commit vote of one rank; returns the round's decision (the same for every voter).
-  bool vote(int64_t round, int member_index, int rank, int num_members, int group_size, bool ok);
+  // The commit vote of one rank; returns the round's decision (the same for every voter) and, for an abort, why.
+  struct Decision {
+    bool commit = false;
+    std::string why;
+  };
+  Decision vote(int64_t round, int member_index, int rank, int num_members, int group_size, bool ok);
 
   const StorePtr& store() const { return store_; }
   static std::string group_prefix(int64_t round, int shard) {

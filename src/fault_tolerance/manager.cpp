@@ -277,8 +277,10 @@ bool Manager::should_commit(bool local_ok) {
   if (!local_ok && m.error.empty()) m.error = "the caller voted not ok (should_commit(false))";
   bool commit = false;
   try {
-    commit = m.coordinator->vote(m.quorum.id, m.quorum.replica_index, m.shard, m.quorum.num_participants(),
-                                 m.group_size, ok);
+    const auto decision = m.coordinator->vote(m.quorum.id, m.quorum.replica_index, m.shard,
+                                              m.quorum.num_participants(), m.group_size, ok);
+    commit = decision.commit;
+    if (!commit && m.error.empty()) m.error = c10::str("round ", m.quorum.id, " aborted: ", decision.why);
   } catch (const std::exception& e) {
     m.record("the commit vote", e);  // the coordinator is unreachable: never apply a step nobody confirmed
   }

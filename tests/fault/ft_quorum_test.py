@@ -179,7 +179,7 @@ steps0 = [int(field(l, "step")) for l in commits0]
 fu.check(steps0 == list(range(STEPS)), f"replica 0 committed steps 0..{STEPS - 1} once each, in order "
          f"(got {steps0[:5]}...{steps0[-3:]}, {len(steps0)} commits)")
 aborts0 = [int(field(l, "step")) for l in lines_of(r0, "ABORT")]
-fu.observed(f"replica 0 discarded steps {aborts0}: " + "; ".join(field(l, "error") or "" for l in lines_of(r0, "ABORT"))[:400])
+fu.observed(f"replica 0 discarded steps {aborts0}: " + "; ".join(l.split("error=", 1)[-1] for l in lines_of(r0, "ABORT"))[:600])
 fu.check(kill_step in aborts0, f"replica 0 discarded step {kill_step}, the one replica 1 was killed in")
 if stop_step is not None:
     fu.check(stop_step in aborts0, f"replica 0 discarded step {stop_step}, the one replica 1 was stopped in")
