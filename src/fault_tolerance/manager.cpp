@@ -11,6 +11,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cinttypes>
+#include <cstdio>
 #include <chrono>
 #include <cstdlib>
 #include <random>
@@ -48,6 +50,7 @@ struct Manager::Impl {
   Phase phase = Phase::Idle;
   Quorum quorum;
   int64_t last_round = 0;
+  int64_t calls = 0;  // start_quorum calls so far (the same count on every rank of the group)
   ProcessGroupPtr group;  // the quorum group, made in round group_round
   std::string error;      // the step's first failure
   int64_t missed = 0;
@@ -87,8 +90,16 @@ Manager::Manager(ManagerOptions options, ProcessGroupPtr replica_group) : impl_(
   m.group_size = m.replica_group->size();
   m.store = connect_coordinator(options.lighthouse, options.timeout);
   m.coordinator = std::make_unique<Coordinator>(m.store, options);
+  // Rank 0's incarnation, known to every rank of the group: it names the keys through which rank 0 tells them the
+  // rounds it joined (start_quorum).
+  int64_t incarnation = m.shard == 0 ? static_cast<int64_t>(new_incarnation()) : 0;
+  if (m.group_size > 1) {
+    at::Tensor t = at::full({1}, incarnation, at::kLong).to(m.replica_group->device());
+    m.replica_group->broadcast(t, 0).wait();
+    incarnation = t.cpu().item<int64_t>();
+  }
+  m.incarnation = static_cast<uint64_t>(incarnation);
   if (m.shard == 0) {
-    m.incarnation = new_incarnation();
     // append creates the key for the first replica; a restarted replica lists its id again (read as a set).
     const std::string id = std::to_string(options.replica_id) + ",";
     m.store->append("fsdp-ft/replicas", std::vector<uint8_t>(id.begin(), id.end()));
@@ -107,21 +118,25 @@ const Quorum& Manager::start_quorum(int64_t step) {
   m.error.clear();
 
   // Rank 0 joins for the whole replica group and tells its ranks which round (and how many join positions) closed
-  // with it inside; every rank then reads the same membership from the store.
+  // with it inside, through a key of its own in the store (not a collective of the replica group: joining may take
+  // up to quorum_timeout, longer than the group's collective timeout); every rank then reads the same membership.
   ClosedRound round;
-  int64_t where[2] = {0, 0};
+  const std::string told = c10::str("fsdp-ft/replica/", m.options.replica_id, "/", m.incarnation, "/call/", m.calls++);
   if (m.shard == 0) {
     round = m.coordinator->join(Member{m.options.replica_id, step, m.incarnation, 0}, m.last_round, m.missed);
-    where[0] = round.id;
-    where[1] = round.positions;
-  }
-  if (m.group_size > 1) {
-    at::Tensor t = at::tensor({where[0], where[1]}, at::kLong).to(m.replica_group->device());
-    m.replica_group->broadcast(t, 0).wait();
-    t = t.cpu();
-    where[0] = t[0].item<int64_t>();
-    where[1] = t[1].item<int64_t>();
-    if (m.shard != 0) round = m.coordinator->read_round(where[0], where[1]);
+    if (m.group_size > 1) m.store->set(told, c10::str(round.id, " ", round.positions));
+  } else {
+    try {
+      m.store->wait({told}, m.options.quorum_timeout + m.options.timeout);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "fsdp::ft: ", m.who(), ": rank 0 of this replica group did not report a quorum within ",
+                  (m.options.quorum_timeout + m.options.timeout).count(), " ms: ", detail::message_of(e));
+    }
+    const std::string value = m.store->get_to_str(told);
+    int64_t id = 0, positions = 0;
+    TORCH_CHECK(std::sscanf(value.c_str(), "%" SCNd64 " %" SCNd64, &id, &positions) == 2, "fsdp::ft: ", m.who(),
+                ": malformed round record '", value, "' under ", told);
+    round = m.coordinator->read_round(id, positions);
   }
   m.last_round = round.id;
 

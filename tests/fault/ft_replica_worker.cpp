@@ -1,11 +1,16 @@
-// One replica group of one rank for ft_quorum_test.py: trains a tiny linear model under fsdp::ft::Manager and logs
-// every step so that the driver can replay it against its own reference (PyTorch in the venv).
+// One rank of a replica group for ft_quorum_test.py: trains a tiny linear model under fsdp::ft::Manager and logs
+// every step so that the driver can replay it against its own reference (PyTorch in the venv). Started directly, it
+// is a replica group of one rank; under fsdprun (RANK set), one of WORLD_SIZE ranks. With several ranks it stands in
+// for HSDP's layout: every rank computes a gradient on its own batch, the replica group averages them (all-reduce),
+// rank s keeps shard s of the flat gradient (what FSDP's reduce-scatter leaves it), averages that shard across the
+// quorum's replicas over the quorum group of shard index s, and the group all-gathers the averaged shards. (Every
+// rank keeps the whole tiny model and optimizer state, and heals all of it from its peer of the same shard index.)
 //
 //   ft_replica_worker --replica-id R --steps S --out FILE [--min-replicas N] [--expected N] [--join-timeout-ms MS]
 //                     [--timeout-ms MS] [--pause-before-vote-ms MS]
 //
-// Data rule (docs/reliability.md): the batch of replica r at step t is a fixed function of (t, r) — data(t, r)
-// below, mirrored in the driver. A replica missing from step t's quorum contributes nothing: its batch of step t is
+// Data rule (docs/reliability.md): the batch of rank s of replica r at step t is a fixed function of (t, r, s) —
+// data(t, r, s) below, mirrored in the driver. A replica missing from step t's quorum contributes nothing: its batch of step t is
 // skipped, and the gradient is the average over the members' batches.
 //
 // Output lines (stdout, flushed):
@@ -15,7 +20,8 @@
 //   COMMIT step=<t> members=<ids> w=<the parameters after the update, %.9g each>
 //   ABORT step=<t> error=<why>
 //   DONE step=<t>
-// and at the end FILE holds the parameters and momentum buffers as raw float32 bytes.
+// (only rank 0 prints them, but ALLREDUCED, prefixed "[rank s] " by fsdprun) and at the end FILE (FILE.rank<s> on
+// rank s > 0) holds the parameters and momentum buffers as raw float32 bytes.
 
 #include <fsdp/fault_tolerance.h>
 #include <fsdp/process_group.h>
@@ -62,8 +68,8 @@ Args parse(int argc, char** argv) {
 }
 
 // The driver computes the same with the same torch ops (float32 throughout).
-std::pair<torch::Tensor, torch::Tensor> data(int64_t step, int replica) {
-  const double shift = static_cast<double>(step) * 1.3 + replica * 2.1;
+std::pair<torch::Tensor, torch::Tensor> data(int64_t step, int replica, int shard) {
+  const double shift = static_cast<double>(step) * 1.3 + replica * 2.1 + shard * 0.9;
   torch::Tensor x = torch::arange(32, torch::kFloat).mul(0.37).add(shift).sin().view({8, 4});
   torch::Tensor y = torch::arange(24, torch::kFloat).mul(0.21).add(static_cast<double>(step) * 0.7 - replica * 0.5)
                         .cos().view({8, 3});
@@ -86,10 +92,15 @@ int main(int argc, char** argv) {
   const Args a = parse(argc, argv);
   torch::manual_seed(0);
   fsdp::InitOptions init;
-  init.rank = 0;
-  init.world_size = 1;
   init.backend = "gloo";
+  init.timeout = std::chrono::seconds(30);
+  if (!std::getenv("RANK")) {  // started directly: a replica group of one rank
+    init.rank = 0;
+    init.world_size = 1;
+  }
   auto world = fsdp::init_process_group(init);
+  const int shard = world->rank(), shards = world->size();
+  const bool talk = shard == 0;  // the protocol lines come from rank 0 only
 
   fsdp::ft::ManagerOptions opt;
   opt.replica_id = a.replica_id;
@@ -126,7 +137,7 @@ int main(int argc, char** argv) {
   int64_t step = 0;
   while (step < a.steps) {
     const fsdp::ft::Quorum& q = manager.start_quorum(step);
-    say("QUORUM id=" + std::to_string(q.id) + " step=" + std::to_string(step) + " members=" + ids(q.replica_ids) +
+    if (talk) say("QUORUM id=" + std::to_string(q.id) + " step=" + std::to_string(step) + " members=" + ids(q.replica_ids) +
         " heal=" + std::to_string(q.heal) + " rebuilt=" + std::to_string(q.group_rebuilt));
     bool ok = true;
     if (q.heal || !q.heal_targets.empty()) {
@@ -137,17 +148,24 @@ int main(int argc, char** argv) {
         ok = healed.has_value();
         if (healed) {
           step = healed->step;
-          say("HEALED step=" + std::to_string(step) + " position=" + healed->data_position);
+          if (talk) say("HEALED step=" + std::to_string(step) + " position=" + healed->data_position);
         }
       } else {
         manager.send_state(state, step, "step " + std::to_string(step));
       }
     }
     optimizer.zero_grad();
-    auto [x, y] = data(step, a.replica_id);
+    auto [x, y] = data(step, a.replica_id, shard);
     torch::mse_loss(model->forward(x), y).backward();
-    torch::Tensor flat = torch::cat({model->weight.grad().flatten(), model->bias.grad().flatten()});
-    manager.allreduce_average(flat);
+    // 15 gradient values, padded to a multiple of the shard count.
+    const int64_t chunk = (15 + shards - 1) / shards;
+    torch::Tensor flat = torch::zeros({chunk * shards});
+    flat.narrow(0, 0, 15).copy_(torch::cat({model->weight.grad().flatten(), model->bias.grad().flatten()}));
+    world->all_reduce(flat).wait();
+    flat.div_(shards);
+    torch::Tensor mine = flat.narrow(0, shard * chunk, chunk).clone();
+    manager.allreduce_average(mine);
+    world->all_gather_into_tensor(flat, mine).wait();
     say("ALLREDUCED step=" + std::to_string(step));
     if (a.pause_before_vote_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(a.pause_before_vote_ms));
     if (manager.should_commit(ok)) {
@@ -163,16 +181,16 @@ int main(int argc, char** argv) {
           w += buf;
         }
       }
-      say("COMMIT step=" + std::to_string(step) + " members=" + ids(q.replica_ids) + " w=" + w);
+      if (talk) say("COMMIT step=" + std::to_string(step) + " members=" + ids(q.replica_ids) + " w=" + w);
       ++step;
     } else {
       // Discarded: no update, the gradient is dropped (zero_grad at the next attempt), the same step is retried.
-      say("ABORT step=" + std::to_string(step) + " error=" + manager.error());
+      if (talk) say("ABORT step=" + std::to_string(step) + " error=" + manager.error());
     }
   }
-  std::ofstream out(a.out, std::ios::binary);
+  std::ofstream out(shard == 0 ? a.out : a.out + ".rank" + std::to_string(shard), std::ios::binary);
   for (auto& p : params) out.write(static_cast<const char*>(p.data_ptr()), p.numel() * sizeof(float));
   for (auto& b : momentum()) out.write(static_cast<const char*>(b.data_ptr()), b.numel() * sizeof(float));
-  say("DONE step=" + std::to_string(step));
+  if (talk) say("DONE step=" + std::to_string(step));
   return 0;
 }
