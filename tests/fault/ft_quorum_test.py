@@ -40,6 +40,9 @@ ap.add_argument("--steps", type=int, default=36)
 ap.add_argument("--ranks-per-replica", type=int, default=1)
 ap.add_argument("--fsdprun", help="needed with --ranks-per-replica > 1")
 ap.add_argument("--name", default="ft_quorum_test")
+ap.add_argument("--kill-point", choices=["before_allreduce", "after_allreduce", "random"], default="random",
+                help="where in the step replica 1's rank dies: as the step starts (replica 0's all-reduce then fails) "
+                     "or between its all-reduce and its vote (replica 0's vote then times out)")
 a = ap.parse_args()
 G = a.ranks_per_replica
 if G > 1 and not a.fsdprun:
@@ -58,7 +61,7 @@ except ImportError:
 torch.set_num_threads(1)
 
 STEPS = a.steps
-JOIN_MS, TIMEOUT_MS, PAUSE_MS = 1000, 3000, 250
+JOIN_MS, TIMEOUT_MS, PAUSE_MS = 1000, 3000, 150
 jobs = []
 
 
@@ -81,7 +84,8 @@ def start_replica(rid, tag):
     job = fu.Job(launcher + [a.worker, "--replica-id", str(rid), "--steps", str(STEPS), "--out",
                   os.path.join(a.workdir, f"final-{rid}.bin"), "--min-replicas", "1", "--expected", "2",
                   "--join-timeout-ms", str(JOIN_MS), "--timeout-ms", str(TIMEOUT_MS),
-                  "--pause-before-vote-ms", str(PAUSE_MS)], f"replica {rid} ({tag})", FSDP_LIGHTHOUSE=lighthouse_addr,
+                  "--pause-after-quorum-ms", str(PAUSE_MS), "--pause-before-vote-ms", str(PAUSE_MS)],
+                 f"replica {rid} ({tag})", FSDP_LIGHTHOUSE=lighthouse_addr,
                  FT_REPLICA_ID=rid)
     jobs.append(job)
     return job
@@ -142,17 +146,22 @@ r0 = start_replica(0, "survivor")
 r1 = start_replica(1, "first run")
 kill_step = rng.randrange(3, 9)
 kill_rank = rng.randrange(G)
+kill_point = a.kill_point if a.kill_point != "random" else rng.choice(["before_allreduce", "after_allreduce"])
+# Rank 0 prints the step's QUORUM line as the step starts; every rank prints ALLREDUCED before its pause and vote.
+kill_line = (rank_prefix() + rf"QUORUM id=\d+ step={kill_step}\b" if kill_point == "before_allreduce"
+             else rank_prefix(kill_rank) + rf"ALLREDUCED step={kill_step}\b")
 stop_step = None
 killed_at = stopped_at = None
 r1b = None
 try:
-    if wait_line(r1, rank_prefix(kill_rank) + rf"ALLREDUCED step={kill_step}\b", 120):
+    if wait_line(r1, kill_line, 120):
         victim = r1.proc.pid if G == 1 else rank_pid(1, kill_rank)
         if victim:
             os.kill(victim, signal.SIGKILL)
             killed_at = time.monotonic()
-            fu.injected(f"SIGKILL rank {kill_rank} of replica 1 (pid {victim}) after its all-reduce of step {kill_step}, "
-                        "before its vote")
+            fu.injected(f"SIGKILL rank {kill_rank} of replica 1 (pid {victim}) in step {kill_step}, " +
+                        ("as it starts (before the gradient all-reduce)" if kill_point == "before_allreduce"
+                         else "after its gradient all-reduce, before its vote"))
     fu.check(killed_at is not None, f"replica 1 reached step {kill_step} and was killed")
     if G == 1:
         # Replica 0 goes on alone; after 3 solo steps replica 1 is started again.
@@ -226,9 +235,12 @@ fu.check(steps0 == list(range(STEPS)), f"replica 0 committed steps 0..{STEPS - 1
          f"(got {steps0[:5]}...{steps0[-3:]}, {len(steps0)} commits)")
 aborts0 = [int(field(l, "step")) for l in lines_of(r0, "ABORT")]
 fu.observed(f"replica 0 discarded steps {aborts0}: " + "; ".join(l.split("error=", 1)[-1] for l in lines_of(r0, "ABORT"))[:600])
-# The kill lands in the victim's pause between its all-reduce and its vote (PAUSE_MS); on a machine so loaded that it
-# landed after the vote, the step was committed by both, legitimately: then say so instead of failing.
-if any(field(l, "step") == str(kill_step) for l in lines_of(r1, "COMMIT")):
+# The kill lands in one of the victim's pauses (PAUSE_MS, after its quorum or before its vote); on a machine so loaded
+# that it landed after the vote, the step was committed by both, legitimately: then say so instead of failing.
+# (The killed incarnation's lines: those before the first quorum line after the kill, which a restart prints.)
+back = [t for t, l in r1.lines if killed_at and t >= killed_at and re.search(rank_prefix() + "QUORUM ", l)]
+victim_lines = [re.sub(r"^\[rank \d+\] ", "", l) for t, l in r1.lines if not back or t < back[0]]
+if any(l.startswith(f"COMMIT step={kill_step} ") for l in victim_lines):
     fu.observed(f"the kill landed after replica 1's vote on step {kill_step}: the step committed on both")
 else:
     fu.check(kill_step in aborts0, f"replica 0 discarded step {kill_step}, the one replica 1 was killed in")

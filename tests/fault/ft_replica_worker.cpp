@@ -7,7 +7,7 @@
 // rank keeps the whole tiny model and optimizer state, and heals all of it from its peer of the same shard index.)
 //
 //   ft_replica_worker --replica-id R --steps S --out FILE [--min-replicas N] [--expected N] [--join-timeout-ms MS]
-//                     [--timeout-ms MS] [--pause-before-vote-ms MS]
+//                     [--timeout-ms MS] [--pause-after-quorum-ms MS] [--pause-before-vote-ms MS]
 //
 // Data rule (docs/reliability.md): the batch of rank s of replica r at step t is a fixed function of (t, r, s) —
 // data(t, r, s) below, mirrored in the driver. A replica missing from step t's quorum contributes nothing: its batch of step t is
@@ -15,6 +15,8 @@
 //
 // Output lines (stdout, flushed):
 //   QUORUM id=<q> step=<t> members=<ids> heal=<0|1> rebuilt=<0|1>
+//                                        (then it sleeps --pause-after-quorum-ms: a kill there comes before the
+//                                        all-reduce, which then fails on the other replica)
 //   HEALED step=<t> position=<blob>
 //   ALLREDUCED step=<t>                  (then it sleeps --pause-before-vote-ms: the window the driver kills in)
 //   COMMIT step=<t> members=<ids> w=<the parameters after the update, %.9g each>
@@ -47,6 +49,7 @@ struct Args {
   int join_timeout_ms = 1000;
   int timeout_ms = 3000;
   int pause_before_vote_ms = 0;
+  int pause_after_quorum_ms = 0;
 };
 
 Args parse(int argc, char** argv) {
@@ -61,6 +64,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--join-timeout-ms") a.join_timeout_ms = std::stoi(v);
     else if (k == "--timeout-ms") a.timeout_ms = std::stoi(v);
     else if (k == "--pause-before-vote-ms") a.pause_before_vote_ms = std::stoi(v);
+    else if (k == "--pause-after-quorum-ms") a.pause_after_quorum_ms = std::stoi(v);
     else TORCH_CHECK(false, "ft_replica_worker: unknown argument ", k);
   }
   TORCH_CHECK(a.replica_id >= 0 && !a.out.empty(), "ft_replica_worker: --replica-id and --out are required");
@@ -154,6 +158,7 @@ int main(int argc, char** argv) {
         manager.send_state(state, step, "step " + std::to_string(step));
       }
     }
+    if (a.pause_after_quorum_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(a.pause_after_quorum_ms));
     optimizer.zero_grad();
     auto [x, y] = data(step, a.replica_id, shard);
     torch::mse_loss(model->forward(x), y).backward();
