@@ -6,6 +6,7 @@
 #include "comm/launch_check.h"
 #include <fsdp/launch_check.h>
 #include "comm/process_group_impl.h"
+#include "comm/store_group.h"
 
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
@@ -125,9 +126,19 @@ std::shared_ptr<::gloo::transport::Device> make_gloo_device() {
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
-// Builds a group (caller holds the registry lock). `ranks` are world ranks; `group_rank` is ours in it.
-ProcessGroupPtr make_group(Registry& r, const std::string& prefix, const std::string& name,
-                           const std::vector<int>& ranks, int group_rank) {
+// What a new group is built from: the world's settings (make_group below) or a caller's store (group_over_store).
+struct GroupSetup {
+  c10::intrusive_ptr<c10d::Store> store;
+  std::string backend;
+  c10::Device device{c10::kCPU};
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  std::shared_ptr<::gloo::transport::Device> gloo_device;
+};
+
+// Builds a group over `r.store` under `prefix`. `ranks` are the members' ranks in whatever numbering the caller
+// uses (world ranks, or member indices for group_over_store); `group_rank` is ours in the group.
+ProcessGroupPtr build_group(const GroupSetup& r, const std::string& prefix, const std::string& name,
+                            const std::vector<int>& ranks, int group_rank) {
   auto impl = std::make_unique<ProcessGroup::Impl>();
   impl->rank = group_rank;
   impl->size = static_cast<int>(ranks.size());
@@ -170,6 +181,13 @@ ProcessGroupPtr make_group(Registry& r, const std::string& prefix, const std::st
   impl->collectives = comm::make_collective_backend(std::move(communicator), r.backend, r.device,
                                                     env_flag("FSDP_NATIVE_COLLECTIVES"));
   return std::make_shared<ProcessGroup>(std::move(impl));
+}
+
+// Builds a group of the world (caller holds the registry lock).
+ProcessGroupPtr make_group(Registry& r, const std::string& prefix, const std::string& name,
+                           const std::vector<int>& ranks, int group_rank) {
+  return build_group(GroupSetup{r.store, r.backend, r.device, r.timeout, r.gloo_device}, prefix, name, ranks,
+                     group_rank);
 }
 
 }  // namespace
@@ -296,6 +314,34 @@ ProcessGroupPtr new_group(const std::vector<int>& ranks, const std::string& name
   const int64_t id = r.groups_created++;
   if (me < 0) return nullptr;
   return make_group(r, c10::str("fsdp/group", id), name.empty() ? c10::str("group", id) : name, ranks, me);
+}
+
+ProcessGroupPtr comm::group_over_store(const StoreGroupSpec& spec) {
+  TORCH_CHECK(spec.store, "fsdp: group_over_store '", spec.name, "': no store");
+  TORCH_CHECK(spec.size >= 1 && spec.rank >= 0 && spec.rank < spec.size, "fsdp: group_over_store '", spec.name,
+              "': rank ", spec.rank, " is outside a group of size ", spec.size);
+  TORCH_CHECK(spec.timeout.count() > 0, "fsdp: group_over_store '", spec.name, "': timeout must be positive");
+  GroupSetup setup;
+  {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    // The same backend and device as the world's collectives when there is a world (a replica group's ranks are a
+    // world of their own), Gloo on the CPU otherwise. The Gloo transport device is the registry's one, made here
+    // when the world has a single rank and never needed one.
+    setup.backend = r.world ? r.backend : "gloo";
+    setup.device = r.world ? r.device : c10::Device(c10::kCPU);
+    if (setup.backend == "gloo" && spec.size > 1) {
+      if (!r.gloo_device) r.gloo_device = make_gloo_device();
+      setup.gloo_device = r.gloo_device;
+    }
+  }
+  setup.store = spec.store;
+  setup.timeout = spec.timeout;
+  std::vector<int> members(spec.size);
+  for (int i = 0; i < spec.size; ++i) members[i] = i;
+  // Outside the registry lock: connecting waits for the other members (up to the timeout), and the world's own
+  // group creation must not wait behind it.
+  return build_group(setup, spec.prefix, spec.name, members, spec.rank);
 }
 
 void destroy_process_group() {
