@@ -17,23 +17,23 @@
 namespace fsdp_train {
 namespace {
 
-c10::ScalarType dtype_of(const std::string& name) { return name == "bfloat16" ? c10::kBFloat16 : c10::kFloat; }
+c10::ScalarType dtype_of(MixedPrecision p) { return p == MixedPrecision::BFloat16 ? c10::kBFloat16 : c10::kFloat; }
 
 // [activation_checkpoint] on every transformer block, before fully_shard (TorchTitan's order: AC wrap, then FSDP).
 std::string apply_activation_checkpointing(fsdp::nn::llama::Transformer& model, const JobConfig& config) {
   const auto& ac = config.activation_checkpoint;
-  if (ac.mode == "none") return "no activation checkpointing";
+  if (ac.mode == AcMode::None) return "no activation checkpointing";
   std::vector<std::shared_ptr<torch::nn::Module>> blocks;
   for (auto& b : model->blocks()) blocks.push_back(b.ptr());
-  if (ac.mode == "full") {
+  if (ac.mode == AcMode::Full) {
     fsdp::checkpoint_every_kth(blocks, 1);
     return "full activation checkpointing (every block)";
   }
-  if (ac.selective_ac_option == "op") {
+  if (ac.selective_ac_option.kind == SelectiveAcOption::Kind::Op) {
     fsdp::checkpoint_every_kth(blocks, 1, {fsdp::CheckpointPolicy::SelectiveOp});
     return "op-level selective activation checkpointing (every 2nd matmul kept)";
   }
-  const int64_t k = std::stoll(ac.selective_ac_option);  // validated in config.cpp
+  const int64_t k = ac.selective_ac_option.k;  // Kind::EveryKth: validate() refuses an unparsed option
   const size_t n = fsdp::checkpoint_every_kth(blocks, k);
   return "layer-selective activation checkpointing (every " + std::to_string(k <= 1 ? 1 : k) + " blocks: " +
          std::to_string(n) + " of " + std::to_string(blocks.size()) + ")";
@@ -117,22 +117,23 @@ fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config) {
   const auto& m = config.model;
   fsdp::nn::llama::LlamaArgs args;
   try {
-    args = fsdp::nn::llama::model_flavor(m.name, m.flavor);
+    args = fsdp::nn::llama::model_flavor(to_string(m.name), m.flavor);
   } catch (const c10::Error& e) {
     throw ConfigError(std::string("config error: model.flavor: ") + e.what_without_backtrace());
   }
-  const bool overrides = !m.moe_score_func.empty() || m.moe_shared_experts >= 0 || !m.moe_route_norm.empty() ||
+  const bool overrides = m.moe_score_func != MoeScoreFunc::FlavorDefault || m.moe_shared_experts >= 0 ||
+                         m.moe_route_norm != MoeRouteNorm::FlavorDefault ||
                          m.moe_route_scale != 0 || m.moe_load_balance_coeff >= 0 || m.moe_sequence_aux_loss_coeff > 0 ||
                          m.moe_num_expert_groups > 0;
   if (!overrides) return args;
   if (!args.moe) {
-    throw ConfigError("config error: model.moe_* keys set, but " + m.name + " " + m.flavor +
+    throw ConfigError("config error: model.moe_* keys set, but " + std::string(to_string(m.name)) + " " + m.flavor +
                       " has no MoE layers (use a *_moe flavor)");
   }
   auto& o = *args.moe;
-  if (!m.moe_score_func.empty()) o.score_func = m.moe_score_func;
+  if (m.moe_score_func != MoeScoreFunc::FlavorDefault) o.score_func = to_string(m.moe_score_func);  // libfsdp's names
   if (m.moe_shared_experts >= 0) o.num_shared_experts = m.moe_shared_experts;
-  if (!m.moe_route_norm.empty()) o.route_norm = m.moe_route_norm == "true";
+  if (m.moe_route_norm != MoeRouteNorm::FlavorDefault) o.route_norm = m.moe_route_norm == MoeRouteNorm::On;
   if (m.moe_route_scale != 0) o.route_scale = m.moe_route_scale;
   if (m.moe_load_balance_coeff == 0) o.load_balance_coeff.reset();
   else if (m.moe_load_balance_coeff > 0) o.load_balance_coeff = m.moe_load_balance_coeff;
@@ -170,7 +171,8 @@ namespace {
 fsdp::FullyShardOptions fsdp_base_options(const JobConfig& config, const fsdp::DeviceMesh& dp_mesh) {
   fsdp::FullyShardOptions base;
   base.mesh = dp_mesh;
-  if (config.training.mixed_precision_param != "float32" || config.training.mixed_precision_reduce != "float32") {
+  if (config.training.mixed_precision_param != MixedPrecision::Float32 ||
+      config.training.mixed_precision_reduce != MixedPrecision::Float32) {
     base.mp_policy.param_dtype = dtype_of(config.training.mixed_precision_param);
     base.mp_policy.reduce_dtype = dtype_of(config.training.mixed_precision_reduce);
   }
@@ -224,7 +226,7 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
 
   // Stages: TorchTitan's split, placed by the schedule (loop or V).
   const auto& p = config.parallelism;
-  const auto kind = fsdp::pipeline::parse_schedule_name(p.pipeline_parallel_schedule);
+  const auto kind = fsdp::pipeline::parse_schedule_name(to_string(p.pipeline_parallel_schedule));
   const int64_t n_layers = model->args().n_layers;
   int64_t num_stages = dims.pp * fsdp::pipeline::default_stages_per_rank(kind);
   const bool explicit_fqns = !p.module_fqns_per_model_part.empty();
@@ -260,7 +262,7 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
   plan.num_stages = static_cast<int>(num_stages);
   plan.stage_indices = schedule.stages_of_rank(plan.pp_group->rank());
   const fsdp::FullyShardOptions base = fsdp_base_options(config, dp_mesh);
-  const std::string& policy = config.parallelism.fsdp_reshard_after_forward;
+  const ReshardAfterForward policy = config.parallelism.fsdp_reshard_after_forward;
   std::string layers;
   for (int s : plan.stage_indices) {
     const auto [begin, end] = ranges[static_cast<size_t>(s)];
@@ -271,7 +273,7 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
     }
     fsdp::FullyShardOptions opts = base;
     // Under PP TorchTitan keeps parameters across microbatches (default -> false); "always" reshards anyway.
-    opts.reshard_after_forward = policy == "always";
+    opts.reshard_after_forward = policy == ReshardAfterForward::Always;
     for (auto& block : stage->blocks()) plan.fsdp_modules.push_back(fsdp::fully_shard(block, opts));
     plan.fsdp_modules.push_back(fsdp::fully_shard(stage, opts));
     layers += (layers.empty() ? "" : ", ") + std::string("stage ") + std::to_string(s) + " = layers " +
@@ -288,7 +290,7 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
                      " microbatches; this rank: " + layers + ") + " + (dims.tp > 1 ? "TP " + std::to_string(dims.tp) +
                      " (sequence parallel) + " : std::string()) + (dims.dp_replicate > 1 ? "HSDP" : "FSDP") +
                      " mesh " + plan.mesh.to_string() + ", reshard_after_forward " +
-                     (policy == "always" ? "always" : "false (PP)");
+                     (policy == ReshardAfterForward::Always ? "always" : "false (PP)");
   return plan;
 }
 
@@ -299,7 +301,7 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
   bool has_moe = false;
   for (auto& block : model->blocks()) has_moe = has_moe || moe_of(*block) != nullptr;
   if (has_moe && (dims.pp > 1 || dims.tp > 1)) {
-    throw ConfigError("config error: MoE models (" + config.model.name + " " + config.model.flavor + ") with " +
+    throw ConfigError("config error: MoE models (" + std::string(to_string(config.model.name)) + " " + config.model.flavor + ") with " +
                       (dims.pp > 1 ? "pipeline" : "tensor") + " parallelism are not supported yet; use FSDP, HSDP "
                       "and parallelism.expert_parallel_degree");
   }
@@ -307,7 +309,8 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
     throw ConfigError("config error: checkpoint.initial_load_in_hf / last_save_in_hf with an MoE model on several "
                       "ranks is not supported yet (the Qwen3-MoE adapter needs the whole model); convert on 1 rank");
   }
-  if (has_moe && config.activation_checkpoint.mode == "selective" && config.activation_checkpoint.selective_ac_option == "op") {
+  if (has_moe && config.activation_checkpoint.mode == AcMode::Selective &&
+      config.activation_checkpoint.selective_ac_option.kind == SelectiveAcOption::Kind::Op) {
     // Op-level SAC runs the forward twice with gradients on: the experts' token counts (load balancing) would
     // double. Full and layer-selective AC count once (their first pass runs without gradients).
     throw ConfigError("config error: activation_checkpoint.selective_ac_option = \"op\" with an MoE model is not "
@@ -361,7 +364,7 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
   }
   const ExpertSharding experts = apply_expert_parallel_to_blocks(model, dims, device);
   const fsdp::FullyShardOptions base = fsdp_base_options(config, dp_mesh);
-  const std::string& policy = config.parallelism.fsdp_reshard_after_forward;
+  const ReshardAfterForward policy = config.parallelism.fsdp_reshard_after_forward;
   auto& blocks = model->blocks();
   for (size_t i = 0; i < blocks.size(); ++i) {
     fsdp::FullyShardOptions opts = base;
@@ -375,20 +378,21 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
         return experts.mesh.valid() ? fsdp::ShardPlacement{experts.dim, experts.mesh} : fsdp::ShardPlacement{experts.dim};
       };
     }
-    if (policy == "always") opts.reshard_after_forward = true;
-    else if (policy == "never") opts.reshard_after_forward = false;
+    if (policy == ReshardAfterForward::Always) opts.reshard_after_forward = true;
+    else if (policy == ReshardAfterForward::Never) opts.reshard_after_forward = false;
     else opts.reshard_after_forward = i + 1 < blocks.size();  // backward starts with the last block: keep it
     plan.fsdp_modules.push_back(fsdp::fully_shard(blocks[i], opts));
   }
   fsdp::FullyShardOptions root = base;
-  if (policy == "always") root.reshard_after_forward = true;  // default/never: the root stays unsharded (FSDP2's root rule)
+  if (policy == ReshardAfterForward::Always) root.reshard_after_forward = true;  // default/never: the root stays unsharded (FSDP2's root rule)
   plan.fsdp_modules.push_back(fsdp::fully_shard(model, root));
   for (auto& m : plan.fsdp_modules) m.set_gradient_divide_factor(1.0);
   plan.fsdp = true;
   plan.description = tp_description + experts.description + std::string(dims.dp_replicate > 1 ? "HSDP" : "FSDP") +
                      " mesh " + plan.mesh.to_string() +
-                     ", reshard_after_forward " + policy + ", param " + config.training.mixed_precision_param +
-                     ", reduce " + config.training.mixed_precision_reduce;
+                     ", reshard_after_forward " + to_string(policy) + ", param " +
+                     to_string(config.training.mixed_precision_param) + ", reduce " +
+                     to_string(config.training.mixed_precision_reduce);
   return plan;
 }
 
