@@ -217,25 +217,8 @@ JobConfig load_config(const std::vector<std::string>& args);
 // The effective configuration as TOML (every key), for logs and the dump folder.
 std::string to_toml(const JobConfig& config);
 
-// Degrees resolved against the world size: shard -1 = leftover; gradient accumulation from the batch sizes.
-struct ParallelDims {
-  int64_t world_size = 1;
-  int64_t dp_replicate = 1;
-  int64_t dp_shard = 1;
-  int64_t tp = 1;  // tensor-parallel degree (innermost mesh dim: ranks r*tp .. r*tp+tp-1 share a data shard)
-  int64_t pp = 1;  // pipeline degree (outermost mesh dim: the pp ranks of a data-parallel rank read the same samples)
-  int64_t pp_microbatches = 1;
-  int64_t ep = 1;  // expert-parallel degree (inside dp_shard: ranks r*ep .. r*ep+ep-1 of a shard group split the experts)
-  int64_t dp_degree() const { return dp_replicate * dp_shard; }
-  // The data-parallel rank of a world rank (mesh [pp, dp_replicate, dp_shard, tp]).
-  int64_t dp_rank_of(int64_t rank) const { return (rank % (dp_degree() * tp)) / tp; }
-  int64_t local_batch_size = 1;
-  int64_t global_batch_size = 1;
-  int64_t grad_accum_steps = 1;  // global / (local x dp)
-};
-ParallelDims resolve_parallelism(const JobConfig& config, int64_t world_size);
-
-// Checks of values that do not depend on the world size (enums, ranges). load_config() calls it.
+// Checks of values that do not depend on the world size (ranges, rules across keys; the choices were checked on
+// reading). load_config() calls it; resolve_parallelism (parallel_dims.h) adds the world-size checks.
 void validate(const JobConfig& config);
 
 }  // namespace fsdp_train

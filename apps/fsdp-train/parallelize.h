@@ -19,6 +19,7 @@
 // the global token count, so the sum is the full-batch gradient.
 
 #include "config.h"
+#include "parallel_dims.h"
 
 #include <fsdp/device_mesh.h>
 #include <fsdp/fully_shard.h>

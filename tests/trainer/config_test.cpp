@@ -2,6 +2,7 @@
 // input (the message must name the key, what was expected and where).
 #include "config.h"
 #include "data.h"
+#include "parallel_dims.h"
 
 #include <gtest/gtest.h>
 
