@@ -26,37 +26,34 @@ struct ChoiceName {
 };
 template <class E>
 struct Choices;  // names: the table; case_insensitive: how a text is matched
-template <>
-struct Choices<ModelName> {
+struct ExactNames {  // the names match exactly (case included), as TorchTitan compares them
   static constexpr bool case_insensitive = false;
+};
+template <>
+struct Choices<ModelName> : ExactNames {
   static constexpr ChoiceName<ModelName> names[] = {{ModelName::Llama3, "llama3"}, {ModelName::Qwen3, "qwen3"}};
 };
 template <>
-struct Choices<MoeScoreFunc> {
-  static constexpr bool case_insensitive = false;
+struct Choices<MoeScoreFunc> : ExactNames {
   static constexpr ChoiceName<MoeScoreFunc> names[] = {
       {MoeScoreFunc::FlavorDefault, ""}, {MoeScoreFunc::Softmax, "softmax"}, {MoeScoreFunc::Sigmoid, "sigmoid"}};
 };
 template <>
-struct Choices<MoeRouteNorm> {
-  static constexpr bool case_insensitive = false;
+struct Choices<MoeRouteNorm> : ExactNames {
   static constexpr ChoiceName<MoeRouteNorm> names[] = {
       {MoeRouteNorm::FlavorDefault, ""}, {MoeRouteNorm::On, "true"}, {MoeRouteNorm::Off, "false"}};
 };
 template <>
-struct Choices<OptimizerName> {
-  static constexpr bool case_insensitive = false;
+struct Choices<OptimizerName> : ExactNames {
   static constexpr ChoiceName<OptimizerName> names[] = {{OptimizerName::AdamW, "AdamW"}, {OptimizerName::Adam, "Adam"}};
 };
 template <>
-struct Choices<DecayType> {
-  static constexpr bool case_insensitive = false;
+struct Choices<DecayType> : ExactNames {
   static constexpr ChoiceName<DecayType> names[] = {
       {DecayType::Linear, "linear"}, {DecayType::Sqrt, "sqrt"}, {DecayType::Cosine, "cosine"}};
 };
 template <>
-struct Choices<Dataset> {
-  static constexpr bool case_insensitive = false;
+struct Choices<Dataset> : ExactNames {
   static constexpr ChoiceName<Dataset> names[] = {{Dataset::CommonLicenses, "common_licenses"},
                                                   {Dataset::CommonLicensesValidation, "common_licenses_validation"},
                                                   {Dataset::Text, "text"},
@@ -64,19 +61,16 @@ struct Choices<Dataset> {
                                                   {Dataset::Tokens, "tokens"}};
 };
 template <>
-struct Choices<BadRecords> {
-  static constexpr bool case_insensitive = false;
+struct Choices<BadRecords> : ExactNames {
   static constexpr ChoiceName<BadRecords> names[] = {{BadRecords::Skip, "skip"}, {BadRecords::Error, "error"}};
 };
 template <>
-struct Choices<MixedPrecision> {
-  static constexpr bool case_insensitive = false;
+struct Choices<MixedPrecision> : ExactNames {
   static constexpr ChoiceName<MixedPrecision> names[] = {{MixedPrecision::Float32, "float32"},
                                                          {MixedPrecision::BFloat16, "bfloat16"}};
 };
 template <>
-struct Choices<ReshardAfterForward> {
-  static constexpr bool case_insensitive = false;
+struct Choices<ReshardAfterForward> : ExactNames {
   static constexpr ChoiceName<ReshardAfterForward> names[] = {{ReshardAfterForward::Default, "default"},
                                                               {ReshardAfterForward::Always, "always"},
                                                               {ReshardAfterForward::Never, "never"}};
@@ -92,32 +86,27 @@ struct Choices<PipelineSchedule> {
                                                            {PipelineSchedule::ZBVZeroBubble, "ZBVZeroBubble"}};
 };
 template <>
-struct Choices<ExportDtype> {
-  static constexpr bool case_insensitive = false;
+struct Choices<ExportDtype> : ExactNames {
   static constexpr ChoiceName<ExportDtype> names[] = {
       {ExportDtype::Float32, "float32"}, {ExportDtype::BFloat16, "bfloat16"}, {ExportDtype::Float16, "float16"}};
 };
 template <>
-struct Choices<AsyncMode> {
-  static constexpr bool case_insensitive = false;
+struct Choices<AsyncMode> : ExactNames {
   static constexpr ChoiceName<AsyncMode> names[] = {{AsyncMode::Disabled, "disabled"},
                                                     {AsyncMode::Async, "async"},
                                                     {AsyncMode::AsyncWithPinnedMem, "async_with_pinned_mem"}};
 };
 template <>
-struct Choices<CheckpointFormat> {
-  static constexpr bool case_insensitive = false;
+struct Choices<CheckpointFormat> : ExactNames {
   static constexpr ChoiceName<CheckpointFormat> names[] = {{CheckpointFormat::Libfsdp, "libfsdp"},
                                                            {CheckpointFormat::Dcp, "dcp"}};
 };
 template <>
-struct Choices<AcMode> {
-  static constexpr bool case_insensitive = false;
+struct Choices<AcMode> : ExactNames {
   static constexpr ChoiceName<AcMode> names[] = {{AcMode::Selective, "selective"}, {AcMode::Full, "full"}, {AcMode::None, "none"}};
 };
 template <>
-struct Choices<CheckpointPart> {
-  static constexpr bool case_insensitive = false;
+struct Choices<CheckpointPart> : ExactNames {
   static constexpr ChoiceName<CheckpointPart> names[] = {{CheckpointPart::Optimizer, "optimizer"},
                                                          {CheckpointPart::LrScheduler, "lr_scheduler"},
                                                          {CheckpointPart::Dataloader, "dataloader"},
