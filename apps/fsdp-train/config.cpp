@@ -330,6 +330,17 @@ std::vector<Field> fields(JobConfig& c) {
       {"metrics", "peak_tflops", &c.metrics.peak_tflops, "per-rank peak for MFU; 0 = measure with a matmul benchmark at startup"},
       {"metrics", "tensor_memory", &c.metrics.tensor_memory,
        "count live CPU tensor bytes per step (start, end of forward, peak) into metrics.jsonl"},
+      {"profiling", "enable_profiling", &c.profiling.enable_profiling,
+       "every profile_freq steps, a Chrome trace of the step per rank (libtorch's Kineto profiler; FSDP's collectives, "
+       "copies and waits and the pipeline's actions as named ranges) and the step's communication overlap"},
+      {"profiling", "save_traces_folder", &c.profiling.save_traces_folder,
+       "under job.dump_folder: iteration_<step>/rank<r>_trace.json and rank<r>_comm.json"},
+      {"profiling", "profile_freq", &c.profiling.profile_freq, "profile the steps that are multiples of this"},
+      {"profiling", "enable_memory_snapshot", &c.profiling.enable_memory_snapshot,
+       "with the same steps, a memory timeline: on the CPU the live tensor bytes (a counting allocator) at every "
+       "allocation and free of the step, as a Chrome trace counter track"},
+      {"profiling", "save_memory_snapshot_folder", &c.profiling.save_memory_snapshot_folder,
+       "under job.dump_folder: iteration_<step>/rank<r>_memory_timeline.json"},
       {"comm", "init_timeout_seconds", &c.comm.init_timeout_seconds, "rendezvous and first collectives"},
       {"comm", "train_timeout_seconds", &c.comm.train_timeout_seconds, "collectives after the first step"},
       {"debug", "seed", &c.debug.seed, "model init and anything random"},
@@ -806,6 +817,7 @@ void validate(const JobConfig& c) {
   check(c.training.steps > 0, "training.steps: expected > 0, got " + std::to_string(c.training.steps));
   check(c.training.max_norm > 0, "training.max_norm: expected > 0");
   check(c.metrics.log_freq > 0, "metrics.log_freq: expected > 0");
+  check(c.profiling.profile_freq > 0, "profiling.profile_freq: expected > 0");
   check(c.metrics.peak_tflops >= 0, "metrics.peak_tflops: expected >= 0");
   check(c.parallelism.data_parallel_replicate_degree >= 1,
         "parallelism.data_parallel_replicate_degree: expected >= 1, got " +

@@ -188,6 +188,16 @@ struct JobConfig {
     double peak_tflops = 0.0;  // 0 = measure with a short matmul benchmark at startup
     bool tensor_memory = false;  // count live CPU tensor bytes (tensor_memory.h): start/forward/peak per step
   } metrics;
+  // TorchTitan's [profiling]: every profile_freq steps (the steps with step % profile_freq == 0), a Chrome trace of
+  // that step per rank from libtorch's profiler (Kineto) under <dump_folder>/<save_traces_folder>/iteration_<step>/,
+  // and with enable_memory_snapshot a memory timeline of the same step under <save_memory_snapshot_folder>.
+  struct Profiling {
+    bool enable_profiling = false;
+    std::string save_traces_folder = "profile_traces";
+    int64_t profile_freq = 10;
+    bool enable_memory_snapshot = false;
+    std::string save_memory_snapshot_folder = "memory_snapshot";
+  } profiling;
   struct Comm {
     int64_t init_timeout_seconds = 300;
     int64_t train_timeout_seconds = 100;

@@ -3,6 +3,7 @@
 //   fsdp-train --print-config [...]                             the effective config as TOML
 //   fsdp-train plot <metrics.jsonl> <out.png|.svg>              loss, lr, tokens/s, memory (and MoE load) panels
 //   fsdp-train plot-trace <trace.json>... <out.png|.svg>        per-rank timeline of Chrome traces (compute vs comm)
+//   fsdp-train merge-traces <trace.json|folder>... <out.json>  one Chrome trace of every rank's [profiling] files
 //   fsdp-train generate --checkpoint DIR --prompt TEXT [...]    sample text from a trained checkpoint (KV cache)
 //   fsdp-train tokenize [--tokenizer PATH] --out FILE.tok IN... pre-tokenize text / JSON Lines (.gz too) into a token file
 // Multi-process: start it with fsdprun (or torchrun-compatible variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
@@ -11,6 +12,7 @@
 #include "generate.h"
 #include "metrics.h"
 #include "plot.h"
+#include "trace_merge.h"
 #include "trainer.h"
 
 #include <fsdp/process_group.h>
@@ -31,6 +33,7 @@ constexpr const char* kUsage =
     "       fsdp-train --print-config [--config FILE] [--section.key value ...]\n"
     "       fsdp-train plot <metrics.jsonl> <out.png|out.svg>\n"
     "       fsdp-train plot-trace <trace.json>... <out.png|out.svg>\n"
+    "       fsdp-train merge-traces <trace.json|folder>... <out.json>\n"
     "       fsdp-train generate --checkpoint DIR --prompt TEXT [--max_new_tokens N --temperature T --top_k K --seed S]\n"
     "       fsdp-train tokenize [--tokenizer tokenizer.json] [--text-field F] [--bad-records skip|error] --out FILE.tok INPUT...\n"
     "Keys and defaults: docs/trainer.md (TorchTitan's names: job, model, optimizer, lr_scheduler, training,\n"
@@ -45,6 +48,20 @@ int plot_main(const std::vector<std::string>& args) {
   std::cout << "wrote " << args[1] << " (" << figure.width << "x" << figure.height << ", " << figure.records
             << " records; panels:";
   for (const auto& p : figure.panels) std::cout << " " << p.title << (p.has_data() ? "" : " (no data)") << ";";
+  std::cout << ")\n";
+  return 0;
+}
+
+int merge_traces_main(const std::vector<std::string>& args) {
+  if (args.size() < 2) {
+    std::cerr << "usage: fsdp-train merge-traces <trace.json|folder>... <out.json>\n"
+                 "  e.g. fsdp-train merge-traces outputs/profile_traces/iteration_10 "
+                 "outputs/memory_snapshot/iteration_10 merged.json\n";
+    return 2;
+  }
+  const auto merged = fsdp_train::merge_traces({args.begin(), args.end() - 1}, args.back());
+  std::cout << "wrote " << args.back() << " (" << merged.events << " events from " << merged.files << " files; ranks";
+  for (int r : merged.ranks) std::cout << " " << r;
   std::cout << ")\n";
   return 0;
 }
@@ -143,6 +160,7 @@ int main(int argc, char** argv) {
   try {
     if (!args.empty() && args[0] == "plot") return plot_main({args.begin() + 1, args.end()});
     if (!args.empty() && args[0] == "plot-trace") return plot_trace_main({args.begin() + 1, args.end()});
+    if (!args.empty() && args[0] == "merge-traces") return merge_traces_main({args.begin() + 1, args.end()});
     if (!args.empty() && args[0] == "tokenize") return tokenize_main({args.begin() + 1, args.end()});
     if (!args.empty() && args[0] == "generate") return fsdp_train::generate_main({args.begin() + 1, args.end()});
     for (const auto& a : args)

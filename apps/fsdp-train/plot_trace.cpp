@@ -2,6 +2,7 @@
 #include "plot.h"
 
 #include "plot_canvas.h"
+#include "trace_file.h"
 
 #include <nlohmann/json.hpp>
 
@@ -30,6 +31,8 @@ constexpr const char* kCommunicationWords[] = {"all_gather", "reduce_scatter", "
 
 bool is_communication(const std::string& name) {
   const std::string lower = lowercase(name);
+  // FSDP's copy-in / copy-out around an all-gather or reduce-scatter are local copies: compute.
+  if (lower.find("copy_in") != std::string::npos || lower.find("copy_out") != std::string::npos) return false;
   for (const char* w : kCommunicationWords)
     if (lower.find(w) != std::string::npos) return true;
   return false;
@@ -80,30 +83,9 @@ class TraceReader {
   std::map<RowKey, std::string> thread_names;
 
   void read(size_t file_index, const std::string& path) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw std::runtime_error("plot-trace: cannot open '" + path + "'");
-    std::stringstream buf;
-    buf << in.rdbuf();
-    const std::string text = buf.str();
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(text);
-    } catch (const nlohmann::json::parse_error& e) {
-      // e.byte: 1-based offset of the offending character; a trace is often one long line, so the column too.
-      const size_t at = std::min<size_t>(e.byte > 0 ? e.byte - 1 : 0, text.size());
-      const size_t line = 1 + static_cast<size_t>(std::count(text.begin(), text.begin() + static_cast<long>(at), '\n'));
-      const size_t line_start = text.rfind('\n', at == 0 ? 0 : at - 1);
-      const size_t column = at - (line_start == std::string::npos ? 0 : line_start + 1) + 1;
-      throw std::runtime_error("plot-trace: " + path + ":" + std::to_string(line) + ":" + std::to_string(column) +
-                               ": not JSON: " + json_error_reason(e.what()));
-    }
-    const nlohmann::json* events = nullptr;
-    if (j.is_object() && j.contains("traceEvents")) events = &j["traceEvents"];
-    else if (j.is_array()) events = &j;
-    if (!events || !events->is_array())
-      throw std::runtime_error("plot-trace: " + path +
-                               ": expected a Chrome trace, {\"traceEvents\": [...]} or an array of events");
-    for (size_t i = 0; i < events->size(); ++i) add_event(file_index, path, i, (*events)[i]);
+    const TraceFile file = read_trace_file(path, "plot-trace");
+    const nlohmann::json& events = file.events();
+    for (size_t i = 0; i < events.size(); ++i) add_event(file_index, path, i, events[i]);
   }
 
  private:
@@ -144,6 +126,8 @@ class TraceReader {
       if (name == "process_name") process_names[{file, key.pid}] = (*args)["name"].get<std::string>();
       if (name == "thread_name") thread_names[key] = (*args)["name"].get<std::string>();
     } else if (ph == "X") {
+      // Kineto's whole-window "PyTorch Profiler (0)" span (category "Trace") is the recording, not work.
+      if (const auto cat = e.find("cat"); cat != e.end() && cat->is_string() && cat->get<std::string>() == "Trace") return;
       const double ts = number("ts"), dur = number("dur");
       if (dur < 0) throw std::runtime_error(where(name) + "negative \"dur\" " + std::to_string(dur));
       rows[key].spans.push_back({ts, ts + dur, is_communication(name)});

@@ -5,7 +5,9 @@
 #include <c10/core/CPUAllocator.h>
 
 #include <atomic>
+#include <chrono>
 #include <mutex>
+#include <vector>
 
 namespace fsdp_train::tensor_memory {
 namespace {
@@ -14,8 +16,25 @@ std::atomic<int64_t> g_live{0};
 std::atomic<int64_t> g_peak{0};
 std::atomic<bool> g_installed{false};
 
+// The timeline (start_timeline): checked without the lock on every allocation, appended under it.
+std::atomic<bool> g_recording{false};
+std::mutex g_timeline_mutex;
+std::vector<Sample> g_timeline;
+
+int64_t unix_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+void record(int64_t live) {
+  if (!g_recording.load(std::memory_order_relaxed)) return;
+  std::lock_guard<std::mutex> lock(g_timeline_mutex);
+  if (g_recording.load(std::memory_order_relaxed)) g_timeline.push_back({unix_ns(), live});
+}
+
 void add(int64_t n) {
   const int64_t now = g_live.fetch_add(n, std::memory_order_relaxed) + n;
+  record(now);
   int64_t peak = g_peak.load(std::memory_order_relaxed);
   while (now > peak && !g_peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
   }
@@ -29,7 +48,7 @@ struct Counted {
 
 void delete_counted(void* ctx) {
   auto* c = static_cast<Counted*>(ctx);
-  g_live.fetch_sub(c->bytes, std::memory_order_relaxed);
+  record(g_live.fetch_sub(c->bytes, std::memory_order_relaxed) - c->bytes);
   delete c;  // frees the storage through the base allocator's deleter
 }
 
@@ -68,5 +87,19 @@ bool installed() { return g_installed.load(); }
 int64_t live_bytes() { return g_live.load(std::memory_order_relaxed); }
 int64_t peak_bytes() { return g_peak.load(std::memory_order_relaxed); }
 void reset_peak() { g_peak.store(g_live.load(std::memory_order_relaxed), std::memory_order_relaxed); }
+
+void start_timeline() {
+  std::lock_guard<std::mutex> lock(g_timeline_mutex);
+  g_timeline.clear();
+  g_timeline.push_back({unix_ns(), live_bytes()});
+  g_recording = true;
+}
+
+std::vector<Sample> stop_timeline() {
+  std::lock_guard<std::mutex> lock(g_timeline_mutex);
+  g_recording = false;
+  g_timeline.push_back({unix_ns(), live_bytes()});
+  return std::move(g_timeline);
+}
 
 }  // namespace fsdp_train::tensor_memory

@@ -6,6 +6,7 @@
 // and per step it gives the peak of activations, unsharded parameters in flight and loss tensors above the
 // step's starting state. Storages allocated before install() keep their own deleters and are not counted.
 #include <cstdint>
+#include <vector>
 
 namespace fsdp_train::tensor_memory {
 
@@ -18,5 +19,15 @@ int64_t live_bytes();
 int64_t peak_bytes();
 // Sets the peak to the current live bytes.
 void reset_peak();
+
+// A timeline of live_bytes() ([profiling] enable_memory_snapshot on the CPU): between start_timeline() and
+// stop_timeline(), every counted allocation and free appends its wall-clock time (system_clock, as the profiler's
+// traces) and the live bytes right after it. The first sample is taken at start_timeline().
+struct Sample {
+  int64_t unix_ns = 0;
+  int64_t live_bytes = 0;
+};
+void start_timeline();
+std::vector<Sample> stop_timeline();
 
 }  // namespace fsdp_train::tensor_memory

@@ -7,6 +7,7 @@
 #include "metrics.h"
 #include "metrics_processor.h"
 #include "parallelize.h"
+#include "profiling.h"
 #include "tensor_memory.h"
 #include "tensorboard.h"
 #include "validate.h"
@@ -171,6 +172,8 @@ class Trainer {
   std::optional<LRSchedule> schedule_;
   TrainSummary summary_;
   std::unique_ptr<MetricsProcessor> metrics_;
+  std::unique_ptr<StepProfiler> profiler_;
+  std::vector<fsdp::ProcessGroupPtr> profiled_groups() const;
   std::unique_ptr<Checkpointer> checkpointer_;
   TrainState state_;
   int64_t first_step_ = 1;
@@ -187,7 +190,7 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
   torch::manual_seed(static_cast<uint64_t>(config.debug.seed));
   if (config.debug.deterministic) at::globalContext().setDeterministicAlgorithms(true, false);
   // Before the model exists, so that its storages are counted (tensor_memory.h).
-  if (track_tensors_) tensor_memory::install();
+  if (track_tensors_ || config.profiling.enable_memory_snapshot) tensor_memory::install();
 
   // ---- tokenizer, data ----
   tokenizer_ = make_tokenizer(config.model.tokenizer_path);
@@ -220,6 +223,7 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
     summary_.peak_tflops = all_reduce(env.group, {summary_.peak_tflops}, fsdp::ReduceOp::Min)[0];
   }
   metrics_ = std::make_unique<MetricsProcessor>(config, env.rank, env.verbose);
+  profiler_ = std::make_unique<StepProfiler>(config, env.rank, profiled_groups());
   if (main_rank_) {
     std::filesystem::create_directories(config.job.dump_folder);
     std::ofstream(std::filesystem::path(config.job.dump_folder) / "config.toml") << to_toml(config);
@@ -463,6 +467,16 @@ Trainer::StepResult Trainer::train_step(int64_t step) {
   return r;
 }
 
+// The groups whose collectives a profiled step times (profiling.h): the world and every group of the meshes.
+std::vector<fsdp::ProcessGroupPtr> Trainer::profiled_groups() const {
+  std::vector<fsdp::ProcessGroupPtr> groups{env_.group, plan_.dp_group, plan_.pp_group};
+  for (const fsdp::DeviceMesh* mesh : {&plan_.mesh, &plan_.tp_mesh}) {
+    if (!mesh->valid()) continue;
+    for (int64_t d = 0; d < mesh->ndim(); ++d) groups.push_back(mesh->group(d));
+  }
+  return groups;
+}
+
 // Every group the step uses (the mesh's groups carry FSDP's all-gathers and reduce-scatters), not only the
 // world: a rank that stops participating must make the others fail within comm.train_timeout_seconds.
 void Trainer::set_train_timeouts() {
@@ -534,7 +548,9 @@ TrainSummary Trainer::train(bool compute_entropy) {
   const int64_t tokens_per_step_local = dims_.local_batch_size * dims_.grad_accum_steps * S / dims_.tp / dims_.pp;
   metrics_->start();
   for (int64_t step = state_.step + 1; step <= config_.training.steps; ++step) {
+    profiler_->begin_step(step);
     const StepResult r = train_step(step);
+    profiler_->end_step(step);
     if (step == first_step_) set_train_timeouts();
     state_.step = step;
     state_.ntokens_seen = step * dims_.global_batch_size * S;
@@ -553,6 +569,7 @@ TrainSummary Trainer::train(bool compute_entropy) {
     const std::filesystem::path dump(config_.job.dump_folder);
     summary_.outputs.push_back({"effective config", (dump / "config.toml").string()});
     for (auto& o : metrics_->outputs()) summary_.outputs.push_back(o);
+    for (auto& o : profiler_->outputs()) summary_.outputs.push_back(o);
     if (config_.checkpoint.enable)
       summary_.outputs.push_back({"checkpoints", (dump / config_.checkpoint.folder).string()});
   }

@@ -111,26 +111,56 @@ std::vector<CollectiveSpan> comm_timeline(const ProcessGroup& group) {
 
 namespace comm {
 void trace(ProcessGroup::Impl& g, Work::Impl& w, const char* collective, int64_t bytes, bool own_task) {
-  if (!g.timeline) return;
-  auto log = g.timeline->log;
-  auto span = std::make_shared<CollectiveSpan>();
-  span->collective = collective;
-  span->bytes = bytes;
-  span->issued = CollectiveSpan::Clock::now();
-  {
-    std::lock_guard<std::mutex> lock(log->mutex);
-    log->spans.push_back(span);
+  w.collective = collective;
+  if (auto profiler = listening_profiler()) {
+    TransferInfo info;
+    info.collective = collective;
+    info.group = g.name;
+    info.group_size = g.size;
+    info.bytes = bytes;
+    info.what = w.what;
+    w.watch = std::make_shared<TransferWatch>(std::move(info), std::move(*profiler));
   }
-  w.span_log = log;
-  w.span = span;
+  if (!g.timeline && !w.watch) return;
+  std::shared_ptr<SpanLog> log;
+  std::shared_ptr<CollectiveSpan> span;
+  if (g.timeline) {
+    log = g.timeline->log;
+    span = std::make_shared<CollectiveSpan>();
+    span->collective = collective;
+    span->bytes = bytes;
+    span->issued = CollectiveSpan::Clock::now();
+    {
+      std::lock_guard<std::mutex> lock(log->mutex);
+      log->spans.push_back(span);
+    }
+    w.span_log = log;
+    w.span = span;
+  }
   if (own_task || w.pending.empty()) return;
-  // The observer waits on the transfers (the same bound as Work::wait's backstop) and stamps completion.
+  // The waiting task (the same bound as Work::wait's backstop) stamps completion.
   auto pending = std::move(w.pending);
   w.pending.clear();
   const auto bound = w.timeout + std::max(std::chrono::milliseconds(1000), w.timeout / 10);
-  w.task = g.timeline->observer.submit([pending, log, span, bound] {
+  ProgressThread& waiter = w.watch ? g.lane(collective) : g.timeline->observer;
+  w.task = waiter.submit([pending, log, span, watch = w.watch, bound] {
     for (const auto& p : pending) TORCH_CHECK(p->wait(bound), "the collective was aborted");
-    log->stamp(*span, &CollectiveSpan::completed);
+    if (span) log->stamp(*span, &CollectiveSpan::completed);
+    if (watch) watch->completed_us = profiler_clock_us();
+  });
+  report_when_done(g, w);
+}
+
+void report_when_done(ProcessGroup::Impl& g, const Work::Impl& w) {
+  if (!w.watch || !w.task) return;
+  const auto bound = w.timeout + std::max(std::chrono::milliseconds(1000), w.timeout / 10);
+  g.lane(w.collective).submit([task = w.task, watch = w.watch, bound] {
+    try {
+      if (!task->wait_done(bound)) return;
+    } catch (const std::exception&) {
+      return;  // failed: Work::wait reports it
+    }
+    report_transfer(*watch);
   });
 }
 

@@ -4,6 +4,7 @@
 
 #include "comm/buffer_pool.h"
 #include "comm/collective_backend.h"
+#include "comm/profiling.h"
 #include "comm/progress_thread.h"
 #include "util/exception_message.h"
 
@@ -17,6 +18,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -77,6 +79,10 @@ struct ProcessGroup::Impl {
   // `collectives` for why it is declared after it).
   std::unique_ptr<comm::ProgressThread> progress;
   comm::ProgressThread& progress_thread();
+  // While a profiler records (comm/profiling.h): one thread per collective kind that waits on its transfers
+  // inside a named range, started on first use. After `progress` for the same reason.
+  std::map<std::string, std::unique_ptr<comm::ProgressThread>> lanes;
+  comm::ProgressThread& lane(const char* collective);
   std::unique_ptr<comm::Timeline> timeline;  // null unless recording
 
   // The group's key space in the rendezvous store (null for size-1 groups) and the number of collectives issued
@@ -96,6 +102,10 @@ using detail::message_of;  // util/exception_message.h: errors of comm wrap the 
 // failures.
 template <typename F>
 c10::intrusive_ptr<c10d::Work> launch(const std::string& what, F&& f) {
+  // Without profiler ranges: c10d's Work would record its own ("gloo:send") from this call to the transfer's end on
+  // the calling thread's track, drawn over whatever that thread computes meanwhile. comm::trace shows the same
+  // transfer, with its sizes, on a track of its own (comm/profiling.h).
+  at::DisableRecordFunctionGuard no_backend_ranges;
   try {
     return f();
   } catch (const std::exception& e) {
@@ -123,6 +133,10 @@ struct Work::Impl {
   // Recording (record_timeline): this collective's span and where it lives.
   std::shared_ptr<comm::SpanLog> span_log;
   std::shared_ptr<CollectiveSpan> span;
+  // Profiling (comm/profiling.h), set by comm::trace: the collective's name (for the wait range) and, while a
+  // profiler listens, what its transfer event will say.
+  const char* collective = "collective";
+  std::shared_ptr<comm::TransferWatch> watch;  // null unless a profiler listened when it was issued
 };
 
 namespace comm {
@@ -140,10 +154,17 @@ std::string missing_ranks(const Work::Impl& w);
 Work pipelined_reduce_scatter(ProcessGroup::Impl& g, const c10::intrusive_ptr<c10d::Backend>& communicator,
                               std::string what, const at::Tensor& output, const at::Tensor& input, ReduceOp op);
 // Called by every collective that communicates, just before it returns its Work: when the group records a
-// timeline, opens the span and hands the waiting on `w.pending` to the timeline's observer thread (the
-// training thread's wait() then waits for the observer, so only one thread ever waits on a transfer). Work
-// that already runs a task (the reduce-scatter) stamps its own completion: pass `own_task`.
+// timeline, opens the span; when a profiler listens on the calling thread, prepares w.watch (comm/profiling.h).
+// In either case hands the waiting on `w.pending` to a task on another thread — the collective's lane thread
+// while profiling, else the timeline's observer — that stamps the completion when it happens (the training
+// thread's wait() then waits for that task, or runs it itself if it has not started: only one thread ever waits
+// on a transfer, as Gloo's point-to-point requires), then report_when_done. Work that already runs a task (the
+// reduce-scatter) stamps its own completion and calls report_when_done once its task exists: pass `own_task`.
 void trace(ProcessGroup::Impl& g, Work::Impl& w, const char* collective, int64_t bytes, bool own_task = false);
+// While profiling (w.watch): a task on the lane thread of w's collective that waits, without claiming it, for
+// w.task to finish, then reports the transfer (the lane's track, whoever ran w.task). Failed transfers are not
+// reported: Work::wait reports the failure.
+void report_when_done(ProcessGroup::Impl& g, const Work::Impl& w);
 }  // namespace comm
 
 namespace detail {

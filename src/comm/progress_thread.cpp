@@ -34,6 +34,10 @@ bool TaskState::done() const {
 
 bool TaskState::wait(std::chrono::milliseconds timeout) {
   run_if_unclaimed();
+  return wait_done(timeout);
+}
+
+bool TaskState::wait_done(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (!cv_.wait_for(lock, timeout, [&] { return done_; })) return false;
   if (error_) std::rethrow_exception(error_);

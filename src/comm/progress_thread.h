@@ -31,6 +31,9 @@ class TaskState {
   // Runs the task here if unclaimed, else blocks until it ran or `timeout` passed (false). Rethrows the
   // task's exception.
   bool wait(std::chrono::milliseconds timeout);
+  // Blocks until the task ran (on whichever thread claims it) or `timeout` passed (false), without claiming it:
+  // for a thread that only watches. Rethrows the task's exception.
+  bool wait_done(std::chrono::milliseconds timeout);
 
  private:
   mutable std::mutex mutex_;

@@ -180,10 +180,12 @@ Work pipelined_reduce_scatter(ProcessGroup::Impl& g, const c10::intrusive_ptr<c1
   for (int64_t j = 0; j < ex->depth; ++j) ex->post_recvs(j);
   comm::trace(g, *impl, "reduce_scatter_tensor", static_cast<int64_t>(input.numel() * input.element_size()),
               /*own_task=*/true);
-  impl->task = g.progress_thread().submit([ex, log = impl->span_log, span = impl->span] {
+  impl->task = g.progress_thread().submit([ex, log = impl->span_log, span = impl->span, watch = impl->watch] {
     ex->run();
     if (span) log->stamp(*span, &CollectiveSpan::completed);
+    if (watch) watch->completed_us = profiler_clock_us();
   });
+  report_when_done(g, *impl);
   // The sends read `input` and the task writes `output` until they complete: keep both alive with the work.
   impl->on_complete = [ex] {};
   return Work(std::move(impl));
@@ -196,6 +198,12 @@ namespace fsdp {
 comm::ProgressThread& ProcessGroup::Impl::progress_thread() {
   if (!progress) progress = std::make_unique<comm::ProgressThread>("fsdp-" + name);
   return *progress;
+}
+
+comm::ProgressThread& ProcessGroup::Impl::lane(const char* collective) {
+  auto& thread = lanes[collective];
+  if (!thread) thread = std::make_unique<comm::ProgressThread>(comm::lane_name(collective, name));
+  return *thread;
 }
 
 }  // namespace fsdp

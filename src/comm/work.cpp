@@ -26,6 +26,7 @@ void Work::wait() {
   TORCH_CHECK(w.error.empty(), w.error);
   if (w.done) return;
   if (w.span) w.span_log->stamp(*w.span, &CollectiveSpan::wait_begin);
+  const comm::WaitRange range(w.collective);
   // Gloo enforces the timeout itself on every transfer; c10d's wait() timeout is a backstop for work that
   // never started (e.g. queued behind a stuck collective). The slack lets Gloo's more precise message win.
   const auto backstop = w.timeout + std::max(std::chrono::milliseconds(1000), w.timeout / 10);

@@ -1,6 +1,7 @@
 #include "fully_shard/fsdp_collectives.h"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 
 #include <cmath>
@@ -234,6 +235,8 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam*>& params, const 
   AllGatherResult result;
   at::Tensor input;
   {
+    // Named ranges for libtorch's profiler (the names PyTorch's FSDP2 gives the same steps).
+    RECORD_USER_SCOPE("FSDP::all_gather_copy_in");
     // The output is allocated on the copy-in stream, which is where its memory is reused.
     CommStreamGuard on_copy_in(copy_in);
     result.output = collective.allocate(shard_world * layout.per_rank_bytes, at::kByte, device);
@@ -252,6 +255,7 @@ AllGatherResult foreach_all_gather(const std::vector<FSDPParam*>& params, const 
   }
   if (streams) streams->wait_stream(*gather, *copy_in);
   {
+    RECORD_USER_SCOPE("FSDP::all_gather");
     CommStreamGuard on_gather(gather);
     result.work = collective(result.output, input, group);
   }
@@ -281,6 +285,7 @@ StreamEvent foreach_all_gather_copy_out(const std::vector<FSDPParam*>& params, c
                                         const at::Tensor& output, CommStreams* streams) {
   // The full parameters are allocated only now, not when the (possibly prefetched) all-gather was issued: a
   // prefetched group then costs one buffer while the current group computes.
+  RECORD_USER_SCOPE("FSDP::all_gather_copy_out");
   for (FSDPParam* p : params) p->alloc_unsharded();
   unpack_all_gather(params, layout, output);
   return streams ? streams->record(streams->current()) : StreamEvent();
@@ -349,7 +354,11 @@ PendingReduce foreach_reduce_scatter(const std::vector<FSDPParam*>& params, std:
   }
   // Packed on the current stream, where autograd produced the gradients: they can be freed right after
   // (as in Python's foreach_reduce; packing on the reduce-scatter stream would need them kept alive).
-  at::Tensor input = pack_reduce_scatter_input(params, grads, pending.layout, mesh.device);
+  at::Tensor input;
+  {
+    RECORD_USER_SCOPE("FSDP::reduce_scatter_copy_in");
+    input = pack_reduce_scatter_input(params, grads, pending.layout, mesh.device);
+  }
   grads.clear();  // the unsharded gradients are no longer needed once packed
   pending.division = gradient_division(pending.layout.dtype, mesh.shard_size, mesh.hsdp() ? mesh.replicate_size : 1,
                                        divide_factor, force_sum);
@@ -359,6 +368,7 @@ PendingReduce foreach_reduce_scatter(const std::vector<FSDPParam*>& params, std:
   }
   {
     // Pre-division and the collective on the reduce-scatter stream; the output is allocated there.
+    RECORD_USER_SCOPE("FSDP::reduce_scatter");
     CommStreamGuard on_reduce_scatter(pending.stream);
     if (pending.division.pre_divide) input.div_(*pending.division.pre_divide);
     pending.output = collective.allocate(pending.layout.per_rank_numel, input.scalar_type(), input.device());
@@ -376,6 +386,7 @@ PendingReduce foreach_reduce_scatter(const std::vector<FSDPParam*>& params, std:
 
 ReduceFinish finish_reduce(PendingReduce pending, const std::vector<FSDPParam*>& params, const MeshInfo& mesh,
                            bool requires_all_reduce, const FSDPModule::AllReduceHook& hook, CommContext* comm) {
+  RECORD_USER_SCOPE("FSDP::post_reduce");
   CommStreams* s = pending.stream && comm ? &comm->streams : nullptr;
   ReduceFinish finish;
   // Everything after the collective runs on the stream it was issued on (the reduce-scatter stream, or the

@@ -4,6 +4,7 @@
 #include "fully_shard/storage.h"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 
 #include <cmath>
@@ -289,10 +290,25 @@ void FSDPParamGroup::end_full_init() {
   for (FSDPParam* p : param_ptrs_) p->end_full_init();
 }
 
+namespace {
+// A range for libtorch's profiler while it lives: "FSDP::pre_forward (layers.0)", as PyTorch's FSDP2 names its
+// steps. Nothing is formatted unless a profiler records.
+class StepRange {
+ public:
+  StepRange(const char* step, const std::string& group) {
+    if (range_.isActive()) range_.before(c10::str(step, " (", group, ")"));
+  }
+
+ private:
+  at::RecordFunction range_{at::RecordScope::USER_SCOPE};
+};
+}  // namespace
+
 // ---------------------------------------------------------------------------------------------------------
 // Forward / backward
 
 void FSDPParamGroup::pre_forward() {
+  const StepRange range("FSDP::pre_forward", name_);
   machine_.apply(Event::PreForward);
   unshard();
   wait_for_unshard();
@@ -309,6 +325,7 @@ void FSDPParamGroup::forget_use(bool registered_node) {
 }
 
 void FSDPParamGroup::post_forward(bool grad_enabled) {
+  const StepRange range("FSDP::post_forward", name_);
   if (!grad_enabled) {
     // No backward follows this call: holding full parameters would only grow memory (PyTorch issue 149029).
     // (A backward of an earlier use gathers again.)
@@ -321,6 +338,7 @@ void FSDPParamGroup::post_forward(bool grad_enabled) {
 
 void FSDPParamGroup::pre_backward() {
   if (machine_.phase() == Phase::PreBackward) return;  // another output of the same use got its gradient
+  const StepRange range("FSDP::pre_backward", name_);
   machine_.apply(Event::PreBackward);
   if (!unshard_in_backward && !machine_.unsharded()) {
     // The user promised backward reads none of these parameters: show their full-sized (freed) storage, so
@@ -350,6 +368,7 @@ void FSDPParamGroup::post_backward_from_node() {
 }
 
 void FSDPParamGroup::reduce_gradients(bool force_sync) {
+  const StepRange range("FSDP::post_backward", name_);
   if (!requires_gradient_sync && !force_sync) {
     for (FSDPParam* p : param_ptrs_) p->accumulate_unsharded_grad();
     if (reshard_after_backward) reshard();

@@ -22,6 +22,7 @@
 #include "pipeline/split_backward.h"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -395,7 +396,12 @@ struct Pipeline::Impl {
       PipelineActionSpan span;
       span.action = a.str();
       span.start = std::chrono::steady_clock::now();
-      execute(a);
+      {
+        // A named range per action for libtorch's profiler ("PP:1F3", as torch.distributed.pipelining names them).
+        at::RecordFunction range(at::RecordScope::USER_SCOPE);
+        if (range.isActive()) range.before("PP:" + span.action);
+        execute(a);
+      }
       span.end = std::chrono::steady_clock::now();
       timeline.push_back(std::move(span));
     }
