@@ -32,6 +32,16 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+// checkpoint.async_mode as libfsdp's (the same three modes, TorchTitan's names).
+ckpt::AsyncMode async_mode_of(AsyncMode mode) {
+  switch (mode) {
+    case AsyncMode::Async: return ckpt::AsyncMode::Async;
+    case AsyncMode::AsyncWithPinnedMem: return ckpt::AsyncMode::AsyncWithPinnedMem;
+    case AsyncMode::Disabled: break;
+  }
+  return ckpt::AsyncMode::Disabled;
+}
+
 // Whether the checkpoint in `dir` holds the training state (step, optimizer, ...), not only the model.
 bool holds_train_state(const std::string& dir) { return ckpt::inspect(dir).values.count("train_state.step") > 0; }
 
@@ -60,7 +70,7 @@ class DistributedCheckpointer final : public Checkpointer {
       : cfg_(config.checkpoint), model_name_(config.model.name), base_lr_(config.optimizer.lr), rank_(rank), world_(group ? group->size() : 1),
         job_group_(std::move(group)) {
     folder_ = (fs::path(config.job.dump_folder) / cfg_.folder).string();
-    const ckpt::AsyncMode mode = ckpt::parse_async_mode(cfg_.async_mode);
+    const ckpt::AsyncMode mode = async_mode_of(cfg_.async_mode);
     // Background saves talk on their own group so that they never interleave with the training collectives.
     if (cfg_.enable && job_group_ && world_ > 1) {
       std::vector<int> ranks(static_cast<size_t>(world_));
@@ -131,11 +141,9 @@ class DistributedCheckpointer final : public Checkpointer {
                     summary.unreadable_values.count(part) ? " (pickled Python data)" : "");
       }
     }
-    for (const auto& e : cfg_.exclude_from_loading) {
-      TORCH_CHECK(e == "optimizer" || e == "lr_scheduler" || e == "dataloader" || e == "train_state" || e == "rng",
-                  "checkpoint.exclude_from_loading: unknown state '", e,
-                  "' (optimizer, lr_scheduler, dataloader, train_state or rng; the model is always loaded)");
-      if (std::find(exclude.begin(), exclude.end(), e + ".") == exclude.end()) exclude.push_back(e + ".");
+    for (const CheckpointPart part : cfg_.exclude_from_loading) {  // names checked where the config was read
+      const std::string prefix = std::string(to_string(part)) + ".";  // the part's entries: "<part>.*"
+      if (std::find(exclude.begin(), exclude.end(), prefix) == exclude.end()) exclude.push_back(prefix);
     }
     ckpt::StateDict sd = state_dict(s, model_only, /*for_save=*/false);
     ckpt::LoadOptions lo;
@@ -190,8 +198,8 @@ class DistributedCheckpointer final : public Checkpointer {
     wait();  // at most one save in flight
     const bool model_only = last && cfg_.last_save_model_only;
     std::optional<at::ScalarType> cast;
-    if (model_only && cfg_.export_dtype == "bfloat16") cast = at::kBFloat16;
-    if (model_only && cfg_.export_dtype == "float16") cast = at::kHalf;
+    if (model_only && cfg_.export_dtype == ExportDtype::BFloat16) cast = at::kBFloat16;
+    if (model_only && cfg_.export_dtype == ExportDtype::Float16) cast = at::kHalf;
     const std::string dir = ckpt::step_path(folder_, s.step);
     if (model_only && cfg_.last_save_in_hf) {
       save_hf(s, dir, cast);
@@ -202,7 +210,7 @@ class DistributedCheckpointer final : public Checkpointer {
     so.group = group_;
     so.local_only = !job_group_;
     so.saved_on = "fsdp-train step " + std::to_string(s.step);
-    so.format = cfg_.format == "dcp" ? ckpt::Format::PytorchDcp : ckpt::Format::Libfsdp;
+    so.format = cfg_.format == CheckpointFormat::Dcp ? ckpt::Format::PytorchDcp : ckpt::Format::Libfsdp;
     so.direct_io = cfg_.direct_io;
     const auto t0 = Clock::now();
     if (saver_->mode() != ckpt::AsyncMode::Disabled && !last) {
@@ -280,7 +288,7 @@ class DistributedCheckpointer final : public Checkpointer {
   bool load_hf(TrainState& s, const std::string& dir) {
     const auto t0 = Clock::now();
     auto& model = llama_of(s, "initial_load_in_hf");
-    const auto r = model_name_ == "qwen3" ? ckpt::hf::import_qwen3(model, dir) : ckpt::hf::import_llama(model, dir);
+    const auto r = model_name_ == ModelName::Qwen3 ? ckpt::hf::import_qwen3(model, dir) : ckpt::hf::import_llama(model, dir);
     if (rank_ == 0) {
       std::printf("checkpoint: loaded Hugging Face weights %s (model only) in %.3f s (%.1f MB read by rank 0)\n",
                   dir.c_str(), since(t0), r.bytes_read / 1e6);
@@ -295,7 +303,7 @@ class DistributedCheckpointer final : public Checkpointer {
     ckpt::SafetensorsExportOptions eo;
     eo.dtype = cast;
     auto& model = llama_of(s, "last_save_in_hf");
-    const auto r = model_name_ == "qwen3" ? ckpt::hf::export_qwen3(model, dir, eo) : ckpt::hf::export_llama(model, dir, eo);
+    const auto r = model_name_ == ModelName::Qwen3 ? ckpt::hf::export_qwen3(model, dir, eo) : ckpt::hf::export_llama(model, dir, eo);
     if (rank_ == 0) {
       std::printf("checkpoint: last step Hugging Face save of %s done in %.3f s (%.1f MB, %zu files)\n", dir.c_str(),
                   since(t0), r.total_bytes / 1e6, r.files.size());
@@ -369,7 +377,7 @@ class DistributedCheckpointer final : public Checkpointer {
   }
 
   JobConfig::Checkpoint cfg_;
-  std::string model_name_;  // model.name: which Hugging Face adapter (llama3 | qwen3)
+  ModelName model_name_;  // model.name: which Hugging Face adapter
   double base_lr_;
   int rank_;
   int world_;

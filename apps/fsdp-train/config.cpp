@@ -4,17 +4,10 @@
 #include <algorithm>
 #include <cctype>
 
-// toml++ 3.3 (Debian's) marks "impossible" branches with __builtin_unreachable(), and its generated
-// is_non_ascii_horizontal_whitespace() does reach one for some non-ASCII characters (found by fuzzing:
-// tests/fuzz/corpus/toml_config/regression_*). Undefined behaviour becomes a defined abort here, and
-// reject_non_ascii_outside_strings() below keeps such characters away from that function in the first place.
-#include <toml++/impl/preprocessor.h>
-#undef TOML_UNREACHABLE
-#define TOML_UNREACHABLE ::std::abort()
-#include <cstdlib>
-#include <toml++/toml.h>
+#include "toml_workaround.h"  // toml++ itself, with the workaround for its 3.3 bug
 
 #include <cerrno>
+#include <functional>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -25,8 +18,175 @@
 namespace fsdp_train {
 namespace {
 
+// The spellings of each string-choice enum (config.h), in the order the errors and docs list them.
+template <class E>
+struct ChoiceName {
+  E value;
+  const char* text;
+};
+template <class E>
+struct Choices;  // names: the table; case_insensitive: how a text is matched
+struct ExactNames {  // the names match exactly (case included), as TorchTitan compares them
+  static constexpr bool case_insensitive = false;
+};
+template <>
+struct Choices<ModelName> : ExactNames {
+  static constexpr ChoiceName<ModelName> names[] = {{ModelName::Llama3, "llama3"}, {ModelName::Qwen3, "qwen3"}};
+};
+template <>
+struct Choices<MoeScoreFunc> : ExactNames {
+  static constexpr ChoiceName<MoeScoreFunc> names[] = {
+      {MoeScoreFunc::FlavorDefault, ""}, {MoeScoreFunc::Softmax, "softmax"}, {MoeScoreFunc::Sigmoid, "sigmoid"}};
+};
+template <>
+struct Choices<MoeRouteNorm> : ExactNames {
+  static constexpr ChoiceName<MoeRouteNorm> names[] = {
+      {MoeRouteNorm::FlavorDefault, ""}, {MoeRouteNorm::On, "true"}, {MoeRouteNorm::Off, "false"}};
+};
+template <>
+struct Choices<OptimizerName> : ExactNames {
+  static constexpr ChoiceName<OptimizerName> names[] = {{OptimizerName::AdamW, "AdamW"}, {OptimizerName::Adam, "Adam"}};
+};
+template <>
+struct Choices<DecayType> : ExactNames {
+  static constexpr ChoiceName<DecayType> names[] = {
+      {DecayType::Linear, "linear"}, {DecayType::Sqrt, "sqrt"}, {DecayType::Cosine, "cosine"}};
+};
+template <>
+struct Choices<Dataset> : ExactNames {
+  static constexpr ChoiceName<Dataset> names[] = {{Dataset::CommonLicenses, "common_licenses"},
+                                                  {Dataset::CommonLicensesValidation, "common_licenses_validation"},
+                                                  {Dataset::Text, "text"},
+                                                  {Dataset::Jsonl, "jsonl"},
+                                                  {Dataset::Tokens, "tokens"}};
+};
+template <>
+struct Choices<BadRecords> : ExactNames {
+  static constexpr ChoiceName<BadRecords> names[] = {{BadRecords::Skip, "skip"}, {BadRecords::Error, "error"}};
+};
+template <>
+struct Choices<MixedPrecision> : ExactNames {
+  static constexpr ChoiceName<MixedPrecision> names[] = {{MixedPrecision::Float32, "float32"},
+                                                         {MixedPrecision::BFloat16, "bfloat16"}};
+};
+template <>
+struct Choices<ReshardAfterForward> : ExactNames {
+  static constexpr ChoiceName<ReshardAfterForward> names[] = {{ReshardAfterForward::Default, "default"},
+                                                              {ReshardAfterForward::Always, "always"},
+                                                              {ReshardAfterForward::Never, "never"}};
+};
+template <>
+struct Choices<PipelineSchedule> {
+  static constexpr bool case_insensitive = true;  // torch's get_schedule_class lowercases the name
+  static constexpr ChoiceName<PipelineSchedule> names[] = {{PipelineSchedule::GPipe, "GPipe"},
+                                                           {PipelineSchedule::OneFOneB, "1F1B"},
+                                                           {PipelineSchedule::LoopedBFS, "LoopedBFS"},
+                                                           {PipelineSchedule::Interleaved1F1B, "Interleaved1F1B"},
+                                                           {PipelineSchedule::InterleavedZeroBubble, "InterleavedZeroBubble"},
+                                                           {PipelineSchedule::ZBVZeroBubble, "ZBVZeroBubble"}};
+};
+template <>
+struct Choices<ExportDtype> : ExactNames {
+  static constexpr ChoiceName<ExportDtype> names[] = {
+      {ExportDtype::Float32, "float32"}, {ExportDtype::BFloat16, "bfloat16"}, {ExportDtype::Float16, "float16"}};
+};
+template <>
+struct Choices<AsyncMode> : ExactNames {
+  static constexpr ChoiceName<AsyncMode> names[] = {{AsyncMode::Disabled, "disabled"},
+                                                    {AsyncMode::Async, "async"},
+                                                    {AsyncMode::AsyncWithPinnedMem, "async_with_pinned_mem"}};
+};
+template <>
+struct Choices<CheckpointFormat> : ExactNames {
+  static constexpr ChoiceName<CheckpointFormat> names[] = {{CheckpointFormat::Libfsdp, "libfsdp"},
+                                                           {CheckpointFormat::Dcp, "dcp"}};
+};
+template <>
+struct Choices<AcMode> : ExactNames {
+  static constexpr ChoiceName<AcMode> names[] = {{AcMode::Selective, "selective"}, {AcMode::Full, "full"}, {AcMode::None, "none"}};
+};
+template <>
+struct Choices<CheckpointPart> : ExactNames {
+  static constexpr ChoiceName<CheckpointPart> names[] = {{CheckpointPart::Optimizer, "optimizer"},
+                                                         {CheckpointPart::LrScheduler, "lr_scheduler"},
+                                                         {CheckpointPart::Dataloader, "dataloader"},
+                                                         {CheckpointPart::TrainState, "train_state"},
+                                                         {CheckpointPart::Rng, "rng"}};
+};
+
+template <class E>
+const char* name_of(E value) {
+  for (const auto& n : Choices<E>::names)
+    if (n.value == value) return n.text;
+  return "?";  // unreachable for a value of the enum: every enumerator is in its table (the schema test prints all)
+}
+
+bool same_text(std::string_view a, std::string_view b, bool case_insensitive) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const auto x = static_cast<unsigned char>(a[i]), y = static_cast<unsigned char>(b[i]);
+    if (case_insensitive ? std::tolower(x) != std::tolower(y) : x != y) return false;
+  }
+  return true;
+}
+
+// "one of a | b | c" for the errors ("" is shown as "\"\"").
+template <class E>
+std::string choice_list() {
+  std::string list;
+  for (const auto& n : Choices<E>::names) list += (list.empty() ? "" : " | ") + std::string(*n.text ? n.text : "\"\"");
+  return "one of " + list + (Choices<E>::case_insensitive ? " (case-insensitive)" : "");
+}
+
+// A key whose TOML value is a string (or an array of strings) parsed into a typed field where it is read.
+struct ParsedString {
+  std::function<std::string()> text;  // the field as its TOML string
+  // Sets the field from `text`; else returns what was expected ("one of a | b").
+  std::function<std::optional<std::string>(const std::string& text)> parse;
+};
+struct ParsedStringList {
+  std::function<std::vector<std::string>()> texts;
+  std::function<void()> clear;
+  std::function<std::optional<std::string>(const std::string& text)> append;
+};
+
+template <class E>
+ParsedString choice(E* field) {
+  return {[field] { return std::string(name_of(*field)); },
+          [field](const std::string& text) -> std::optional<std::string> {
+            const auto value = parse_choice<E>(text);
+            if (!value) return choice_list<E>();
+            *field = *value;
+            return std::nullopt;
+          }};
+}
+
+template <class E>
+ParsedStringList choices(std::vector<E>* field) {
+  return {[field] {
+            std::vector<std::string> out;
+            for (E v : *field) out.push_back(name_of(v));
+            return out;
+          },
+          [field] { field->clear(); },
+          [field](const std::string& text) -> std::optional<std::string> {
+            const auto value = parse_choice<E>(text);
+            if (!value) return choice_list<E>();
+            field->push_back(*value);
+            return std::nullopt;
+          }};
+}
+
+ParsedString selective_ac(SelectiveAcOption* field) {
+  return {[field] { return field->to_string(); },
+          [field](const std::string& text) -> std::optional<std::string> {
+            *field = SelectiveAcOption::parse(text);  // an unparsed text is refused by validate() in selective mode
+            return std::nullopt;
+          }};
+}
+
 using FieldPtr = std::variant<bool*, int64_t*, double*, std::string*, std::optional<double>*, std::vector<std::string>*,
-                              std::vector<std::vector<std::string>>*>;
+                              std::vector<std::vector<std::string>>*, ParsedString, ParsedStringList>;
 
 struct Field {
   const char* section;
@@ -41,13 +201,13 @@ std::vector<Field> fields(JobConfig& c) {
   return {
       {"job", "dump_folder", &c.job.dump_folder, "folder for metrics.jsonl, the effective config.toml and checkpoints"},
       {"job", "description", &c.job.description, "free text, printed at startup"},
-      {"model", "name", &c.model.name, "model family: llama3 | qwen3"},
+      {"model", "name", choice(&c.model.name), "model family: llama3 | qwen3"},
       {"model", "flavor", &c.model.flavor,
        "llama3: cpu_tiny, cpu_small, cpu_medium, debugmodel, 1B, 3B, 8B, 70B, 405B; qwen3: cpu_tiny, cpu_small, "
        "cpu_tiny_moe, cpu_small_moe, debugmodel, debugmodel_moe, 0.6B ... 32B, 30B-A3B, 235B-A22B"},
-      {"model", "moe_score_func", &c.model.moe_score_func, "MoE flavors: \"\" (the flavor's) | softmax | sigmoid"},
+      {"model", "moe_score_func", choice(&c.model.moe_score_func), "MoE flavors: \"\" (the flavor's) | softmax | sigmoid"},
       {"model", "moe_shared_experts", &c.model.moe_shared_experts, "MoE flavors: shared experts; -1 = the flavor's"},
-      {"model", "moe_route_norm", &c.model.moe_route_norm,
+      {"model", "moe_route_norm", choice(&c.model.moe_route_norm),
        "MoE flavors: \"\" (the flavor's) | true | false: divide the top-k scores by their sum"},
       {"model", "moe_route_scale", &c.model.moe_route_scale, "MoE flavors: routed weights scale; 0 = the flavor's"},
       {"model", "moe_load_balance_coeff", &c.model.moe_load_balance_coeff,
@@ -62,7 +222,7 @@ std::vector<Field> fields(JobConfig& c) {
       {"model", "tokenizer_path", &c.model.tokenizer_path,
        "\"\" = byte-level tokenizer (256 bytes + BOS + EOS); else a Hugging Face tokenizer.json (byte-level BPE). "
        "The model's vocab_size is set to the tokenizer's, as TorchTitan does"},
-      {"optimizer", "name", &c.optimizer.name, "AdamW or Adam"},
+      {"optimizer", "name", choice(&c.optimizer.name), "AdamW or Adam"},
       {"optimizer", "lr", &c.optimizer.lr, "peak learning rate"},
       {"optimizer", "beta1", &c.optimizer.beta1, "Adam beta1"},
       {"optimizer", "beta2", &c.optimizer.beta2, "Adam beta2"},
@@ -71,9 +231,9 @@ std::vector<Field> fields(JobConfig& c) {
       {"lr_scheduler", "warmup_steps", &c.lr_scheduler.warmup_steps, "linear warmup steps (capped at training.steps)"},
       {"lr_scheduler", "decay_ratio", &c.lr_scheduler.decay_ratio,
        "unset = decay over every step after warmup; a value in [0,1] = warmup-stable-decay with that share of steps decaying"},
-      {"lr_scheduler", "decay_type", &c.lr_scheduler.decay_type, "linear | sqrt | cosine"},
+      {"lr_scheduler", "decay_type", choice(&c.lr_scheduler.decay_type), "linear | sqrt | cosine"},
       {"lr_scheduler", "min_lr_factor", &c.lr_scheduler.min_lr_factor, "the decay ends at lr x min_lr_factor"},
-      {"training", "dataset", &c.training.dataset,
+      {"training", "dataset", choice(&c.training.dataset),
        "common_licenses (Debian's /usr/share/common-licenses, always installed, less the held-out Apache-2.0) | "
        "common_licenses_validation (only Apache-2.0) | text (text files; also JSON Lines by name) | jsonl (JSON Lines "
        "files only: *.jsonl, *.ndjson) | tokens (pre-tokenized files). Text and JSON Lines files may be gzip-compressed (*.gz)"},
@@ -82,7 +242,7 @@ std::vector<Field> fields(JobConfig& c) {
        "pre-tokenized, *.jsonl/*.ndjson are JSON Lines, anything else is text; a trailing .gz is decompressed"},
       {"training", "dataset_text_field", &c.training.dataset_text_field,
        "JSON Lines: the field of each record holding its text (each record is one document, framed by BOS/EOS)"},
-      {"training", "bad_records", &c.training.bad_records,
+      {"training", "bad_records", choice(&c.training.bad_records),
        "a JSON Lines record that is not an object with a string text field: skip (reported with file:line, counted) | error"},
       {"training", "local_batch_size", &c.training.local_batch_size, "samples per rank per micro-batch"},
       {"training", "global_batch_size", &c.training.global_batch_size,
@@ -90,15 +250,15 @@ std::vector<Field> fields(JobConfig& c) {
       {"training", "seq_len", &c.training.seq_len, "tokens per sample"},
       {"training", "max_norm", &c.training.max_norm, "gradient clipping: max global L2 norm"},
       {"training", "steps", &c.training.steps, "optimizer steps"},
-      {"training", "mixed_precision_param", &c.training.mixed_precision_param,
+      {"training", "mixed_precision_param", choice(&c.training.mixed_precision_param),
        "float32 | bfloat16: FSDP all-gathers and computes in this dtype (only when FSDP is applied)"},
-      {"training", "mixed_precision_reduce", &c.training.mixed_precision_reduce, "float32 | bfloat16: gradient reduction dtype (FSDP)"},
+      {"training", "mixed_precision_reduce", choice(&c.training.mixed_precision_reduce), "float32 | bfloat16: gradient reduction dtype (FSDP)"},
       {"training", "enable_cpu_offload", &c.training.enable_cpu_offload, "FSDP CPU offload policy (no effect on a CPU run)"},
       {"training", "device", &c.training.device,
        "cpu | cuda | cuda:N: the mesh's device (FSDP's parameters and collectives); not a TorchTitan key (TorchTitan "
        "takes CUDA when present). An unavailable device is an error at start"},
       {"validation", "enable", &c.validation.enable, "validate every `freq` steps (and at step 1) on a held-out stream"},
-      {"validation", "dataset", &c.validation.dataset,
+      {"validation", "dataset", choice(&c.validation.dataset),
        "common_licenses_validation (the license held out of common_licenses) | any training.dataset kind"},
       {"validation", "dataset_path", &c.validation.dataset_path, "as training.dataset_path; \"\" = the dataset's default location"},
       {"validation", "freq", &c.validation.freq, "validate when step % freq == 0 (and at step 1), as TorchTitan"},
@@ -110,7 +270,7 @@ std::vector<Field> fields(JobConfig& c) {
        "replicas (HSDP's replicate dim; plain DDP when the shard degree is 1)"},
       {"parallelism", "data_parallel_shard_degree", &c.parallelism.data_parallel_shard_degree,
        "FSDP shard group size; -1 = the ranks left over"},
-      {"parallelism", "fsdp_reshard_after_forward", &c.parallelism.fsdp_reshard_after_forward, "default | always | never"},
+      {"parallelism", "fsdp_reshard_after_forward", choice(&c.parallelism.fsdp_reshard_after_forward), "default | always | never"},
       {"parallelism", "tensor_parallel_degree", &c.parallelism.tensor_parallel_degree,
        "TorchTitan's Llama TP plan with sequence parallel over this many ranks (innermost mesh dim); FSDP over the rest"},
       {"parallelism", "disable_loss_parallel", &c.parallelism.disable_loss_parallel,
@@ -120,7 +280,7 @@ std::vector<Field> fields(JobConfig& c) {
        "data_parallel_shard_degree and the expert count); experts' FSDP over the shard ranks left"},
       {"parallelism", "pipeline_parallel_degree", &c.parallelism.pipeline_parallel_degree,
        "pipeline ranks (outermost mesh dim: [pp, dp_replicate, dp_shard, tp]); each holds one or more stages"},
-      {"parallelism", "pipeline_parallel_schedule", &c.parallelism.pipeline_parallel_schedule,
+      {"parallelism", "pipeline_parallel_schedule", choice(&c.parallelism.pipeline_parallel_schedule),
        "GPipe | 1F1B | LoopedBFS | Interleaved1F1B | InterleavedZeroBubble | ZBVZeroBubble (torch's names)"},
       {"parallelism", "pipeline_parallel_microbatch_size", &c.parallelism.pipeline_parallel_microbatch_size,
        "samples per pipeline microbatch: local_batch_size / this microbatches per step"},
@@ -143,22 +303,22 @@ std::vector<Field> fields(JobConfig& c) {
       {"checkpoint", "initial_load_path", &c.checkpoint.initial_load_path, "checkpoint to start from when the folder has none"},
       {"checkpoint", "initial_load_model_only", &c.checkpoint.initial_load_model_only, "load only the model from initial_load_path"},
       {"checkpoint", "last_save_model_only", &c.checkpoint.last_save_model_only, "final save without optimizer and trainer state"},
-      {"checkpoint", "export_dtype", &c.checkpoint.export_dtype, "dtype of a model-only save: float32 | bfloat16 | float16"},
-      {"checkpoint", "async_mode", &c.checkpoint.async_mode, "disabled | async | async_with_pinned_mem (= async on CPU)"},
+      {"checkpoint", "export_dtype", choice(&c.checkpoint.export_dtype), "dtype of a model-only save: float32 | bfloat16 | float16"},
+      {"checkpoint", "async_mode", choice(&c.checkpoint.async_mode), "disabled | async | async_with_pinned_mem (= async on CPU)"},
       {"checkpoint", "keep_latest_k", &c.checkpoint.keep_latest_k, "older checkpoints are deleted in the background (0 = keep all)"},
       {"checkpoint", "load_step", &c.checkpoint.load_step, "-1 = latest"},
-      {"checkpoint", "exclude_from_loading", &c.checkpoint.exclude_from_loading, "optimizer | lr_scheduler | dataloader | train_state | rng"},
+      {"checkpoint", "exclude_from_loading", choices(&c.checkpoint.exclude_from_loading), "optimizer | lr_scheduler | dataloader | train_state | rng"},
       {"checkpoint", "enable_first_step_checkpoint", &c.checkpoint.enable_first_step_checkpoint, "also save after step 1"},
-      {"checkpoint", "format", &c.checkpoint.format,
+      {"checkpoint", "format", choice(&c.checkpoint.format),
        "libfsdp | dcp: format of the saves (dcp = PyTorch DCP, loadable by dcp.load and TorchTitan); loading reads both"},
       {"checkpoint", "initial_load_in_hf", &c.checkpoint.initial_load_in_hf,
        "initial_load_path is a Hugging Face Llama directory (safetensors + index; model only)"},
       {"checkpoint", "last_save_in_hf", &c.checkpoint.last_save_in_hf,
        "write the last save as Hugging Face Llama safetensors + config.json (needs last_save_model_only)"},
       {"checkpoint", "direct_io", &c.checkpoint.direct_io, "write data files with O_DIRECT (false: through the page cache)"},
-      {"activation_checkpoint", "mode", &c.activation_checkpoint.mode,
+      {"activation_checkpoint", "mode", choice(&c.activation_checkpoint.mode),
        "none | full (every block) | selective (selective_ac_option), applied to each block before fully_shard"},
-      {"activation_checkpoint", "selective_ac_option", &c.activation_checkpoint.selective_ac_option,
+      {"activation_checkpoint", "selective_ac_option", selective_ac(&c.activation_checkpoint.selective_ac_option),
        "\"op\" = op-level SAC (every 2nd matmul kept) | \"k\" = full AC on every k-th block (\"0\"/\"1\" = all)"},
       {"metrics", "log_freq", &c.metrics.log_freq, "log every N steps (and the first and last step)"},
       {"metrics", "enable_tensorboard", &c.metrics.enable_tensorboard,
@@ -196,7 +356,9 @@ const char* type_name(const FieldPtr& p) {
     case 3: return "string";
     case 4: return "float (optional)";
     case 5: return "array of strings";
-    default: return "array of arrays of strings";
+    case 6: return "array of arrays of strings";
+    case 7: return "string";
+    default: return "array of strings";
   }
 }
 
@@ -228,9 +390,15 @@ std::string quote(const std::string& s) {
 
 std::string value_text(const FieldPtr& p) {
   return std::visit(
-      [](auto* v) -> std::string {
-        using T = std::remove_pointer_t<decltype(v)>;
-        if constexpr (std::is_same_v<T, bool>) return *v ? "true" : "false";
+      [](const auto& v) -> std::string {
+        using T = std::remove_pointer_t<std::decay_t<decltype(v)>>;
+        if constexpr (std::is_same_v<T, ParsedString>) {
+          return quote(v.text());
+        } else if constexpr (std::is_same_v<T, ParsedStringList>) {
+          std::string s = "[";
+          for (const auto& t : v.texts()) s += (s.size() > 1 ? ", " : "") + quote(t);
+          return s + "]";
+        } else if constexpr (std::is_same_v<T, bool>) return *v ? "true" : "false";
         else if constexpr (std::is_same_v<T, int64_t>) return std::to_string(*v);
         else if constexpr (std::is_same_v<T, double>) return format_double(*v);
         else if constexpr (std::is_same_v<T, std::string>) return quote(*v);
@@ -305,10 +473,26 @@ void set_from_node(const Field& f, const toml::node& n) {
     throw ConfigError("config error: " + name + ": expected " + type_name(f.ptr) + ", got " + toml_type_name(n) + " (" +
                       where(n.source()) + ")");
   };
+  // A string-choice value not among the choices: the key, the value, the choices and where.
+  auto parse_text = [&](const auto& parse, const toml::node& e) {
+    const std::string text = e.as_string()->get();
+    if (const auto expected = parse(text))
+      throw ConfigError("config error: " + name + ": expected " + *expected + ", got '" + text + "' (" +
+                        where(e.source()) + ")");
+  };
   std::visit(
-      [&](auto* v) {
-        using T = std::remove_pointer_t<decltype(v)>;
-        if constexpr (std::is_same_v<T, bool>) {
+      [&](const auto& v) {
+        using T = std::remove_pointer_t<std::decay_t<decltype(v)>>;
+        if constexpr (std::is_same_v<T, ParsedString>) {
+          if (!n.is_string()) fail();
+          parse_text(v.parse, n);
+        } else if constexpr (std::is_same_v<T, ParsedStringList>) {
+          if (!n.is_array()) fail();
+          for (const auto& e : *n.as_array())
+            if (!e.is_string()) fail();
+          v.clear();
+          for (const auto& e : *n.as_array()) parse_text(v.append, e);
+        } else if constexpr (std::is_same_v<T, bool>) {
           if (!n.is_boolean()) fail();
           *v = n.as_boolean()->get();
         } else if constexpr (std::is_same_v<T, int64_t>) {
@@ -349,10 +533,22 @@ void set_from_text(const Field& f, const std::string& text, const std::string& o
   auto fail = [&]() {
     throw ConfigError("config error: " + name + ": expected " + type_name(f.ptr) + ", got '" + text + "' (" + origin + ")");
   };
+  auto parse_text = [&](const auto& parse, const std::string& item) {
+    if (const auto expected = parse(item))
+      throw ConfigError("config error: " + name + ": expected " + *expected + ", got '" + item + "' (" + origin + ")");
+  };
   std::visit(
-      [&](auto* v) {
-        using T = std::remove_pointer_t<decltype(v)>;
-        if constexpr (std::is_same_v<T, bool>) {
+      [&](const auto& v) {
+        using T = std::remove_pointer_t<std::decay_t<decltype(v)>>;
+        if constexpr (std::is_same_v<T, ParsedString>) {
+          parse_text(v.parse, text);
+        } else if constexpr (std::is_same_v<T, ParsedStringList>) {
+          v.clear();  // as for other lists: comma-separated, empty items dropped
+          std::stringstream ss(text);
+          std::string item;
+          while (std::getline(ss, item, ','))
+            if (!item.empty()) parse_text(v.append, item);
+        } else if constexpr (std::is_same_v<T, bool>) {
           if (text == "true" || text == "1") *v = true;
           else if (text == "false" || text == "0") *v = false;
           else fail();
@@ -398,19 +594,56 @@ void set_from_text(const Field& f, const std::string& text, const std::string& o
       f.ptr);
 }
 
-void check_choice(const std::string& name, const std::string& value, const std::vector<std::string>& choices) {
-  for (const auto& c : choices)
-    if (value == c) return;
-  std::string list;
-  for (const auto& c : choices) list += (list.empty() ? "" : " | ") + c;
-  throw ConfigError("config error: " + name + ": expected one of " + list + ", got '" + value + "'");
-}
-
 void check(bool ok, const std::string& msg) {
   if (!ok) throw ConfigError("config error: " + msg);
 }
 
 }  // namespace
+
+template <class E>
+std::optional<E> parse_choice(std::string_view text) {
+  for (const auto& n : Choices<E>::names)
+    if (same_text(text, n.text, Choices<E>::case_insensitive)) return n.value;
+  return std::nullopt;
+}
+
+// One to_string and one parse_choice per string-choice enum (the template's only instances).
+#define FSDP_TRAIN_CHOICE_ENUM(E)                                      \
+  const char* to_string(E v) { return name_of(v); }                  \
+  template std::optional<E> parse_choice<E>(std::string_view text);
+FSDP_TRAIN_CHOICE_ENUM(ModelName)
+FSDP_TRAIN_CHOICE_ENUM(MoeScoreFunc)
+FSDP_TRAIN_CHOICE_ENUM(MoeRouteNorm)
+FSDP_TRAIN_CHOICE_ENUM(OptimizerName)
+FSDP_TRAIN_CHOICE_ENUM(DecayType)
+FSDP_TRAIN_CHOICE_ENUM(Dataset)
+FSDP_TRAIN_CHOICE_ENUM(BadRecords)
+FSDP_TRAIN_CHOICE_ENUM(MixedPrecision)
+FSDP_TRAIN_CHOICE_ENUM(ReshardAfterForward)
+FSDP_TRAIN_CHOICE_ENUM(PipelineSchedule)
+FSDP_TRAIN_CHOICE_ENUM(ExportDtype)
+FSDP_TRAIN_CHOICE_ENUM(AsyncMode)
+FSDP_TRAIN_CHOICE_ENUM(CheckpointFormat)
+FSDP_TRAIN_CHOICE_ENUM(AcMode)
+FSDP_TRAIN_CHOICE_ENUM(CheckpointPart)
+#undef FSDP_TRAIN_CHOICE_ENUM
+
+SelectiveAcOption SelectiveAcOption::parse(const std::string& text) {
+  if (text == "op") return op();
+  // At most 9 digits: any k fits int64_t (and no real model has more blocks).
+  const bool every_k = !text.empty() && text.size() <= 9 &&
+                       std::all_of(text.begin(), text.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+  if (every_k) return every_kth(std::stoll(text));
+  return {Kind::Unparsed, 0, text};
+}
+
+std::string SelectiveAcOption::to_string() const {
+  switch (kind) {
+    case Kind::Op: return "op";
+    case Kind::EveryKth: return std::to_string(k);
+    default: return unparsed;
+  }
+}
 
 std::vector<KeyInfo> config_schema() {
   JobConfig defaults;
@@ -421,122 +654,6 @@ std::vector<KeyInfo> config_schema() {
   }
   return out;
 }
-
-namespace {
-
-// TOML allows non-ASCII characters only inside strings and comments. Checked before toml++ sees the text, with a
-// clear error, because toml++ 3.3 misclassifies some of them as whitespace candidates (see the include above).
-// Where a string really starts matters: toml++ reads a value that does not start with a quote as one bare token up
-// to a value terminator (whitespace, newline, ']', '}', ',', '#'), quotes included, classifying every character
-// on the way. So in `interval = 500[g"§"` the '"' opens no string, and the '§' reaches the faulty classifier
-// (found by fuzzing: tests/fuzz/corpus/toml_config/regression_quote_in_bare_value.toml). The scan therefore
-// tracks where a value is expected (after '=', and after '[' or ',' inside an array) and treats such bare tokens
-// as toml++ does. In a multi-line basic string, a non-ASCII character right after a backslash, or after a
-// line-ending backslash and the whitespace it trims, is rejected too (tests/fuzz/corpus/toml_config/
-// regression_backslash_nonascii.toml).
-void reject_non_ascii_outside_strings(std::string_view t, const std::string& source) {
-  enum class S { kNormal, kComment, kBasic, kLiteral, kMlBasic, kMlLiteral, kBareValue } st = S::kNormal;
-  std::string nesting;        // open '[' (array values) and '{' (inline tables), innermost last
-  bool expect_value = false;  // the next non-blank character starts a value
-  int64_t line = 1, col = 1;
-  size_t i = t.substr(0, 3) == "\xEF\xBB\xBF" ? 3 : 0;  // a leading UTF-8 byte order mark is fine
-  auto fail = [&](const char* what) {
-    throw ConfigError("config error: invalid TOML: " + std::string(what) + " (" + source + ":" + std::to_string(line) +
-                      ":" + std::to_string(col) + ")");
-  };
-  auto starts = [&](const char* s) { return t.substr(i, std::char_traits<char>::length(s)) == s; };
-  auto advance = [&](size_t n) {
-    for (size_t k = 0; k < n && i < t.size(); ++k, ++i) {
-      if (t[i] == '\n') { ++line; col = 1; } else if ((static_cast<unsigned char>(t[i]) & 0xC0) != 0x80) { ++col; }
-    }
-  };
-  auto ends_bare_value = [](unsigned char c) {
-    return c == ' ' || c == '\t' || c == '\r' || c == '\n' || c == ']' || c == '}' || c == ',' || c == '#';
-  };
-  while (i < t.size()) {
-    const unsigned char c = static_cast<unsigned char>(t[i]);
-    switch (st) {
-      case S::kNormal:
-        if (c >= 0x80) fail("a non-ASCII character outside a string or comment");
-        if (c == '#') { st = S::kComment; break; }
-        if (c == ' ' || c == '\t' || c == '\r') break;
-        if (c == '\n') {
-          if (nesting.empty()) expect_value = false;
-          break;
-        }
-        if (starts("\"\"\"")) { st = S::kMlBasic; expect_value = false; advance(3); continue; }
-        if (starts("'''")) { st = S::kMlLiteral; expect_value = false; advance(3); continue; }
-        if (c == '"') { st = S::kBasic; expect_value = false; break; }
-        if (c == '\'') { st = S::kLiteral; expect_value = false; break; }
-        if (c == '[' && (expect_value || !nesting.empty())) {
-          nesting.push_back('[');  // an array value (a '[' at a line's start is a table header)
-          expect_value = true;
-          break;
-        }
-        if (c == '{') {
-          nesting.push_back('{');
-          expect_value = false;  // a key comes first
-          break;
-        }
-        if (c == ']' || c == '}') {
-          if (!nesting.empty()) nesting.pop_back();
-          expect_value = false;
-          break;
-        }
-        if (c == ',') {
-          expect_value = !nesting.empty() && nesting.back() == '[';
-          break;
-        }
-        if (c == '=') {
-          expect_value = true;
-          break;
-        }
-        if (expect_value) {
-          st = S::kBareValue;  // a number, boolean, date...: one token up to a value terminator
-          expect_value = false;
-        }
-        break;
-      case S::kBareValue:
-        if (c >= 0x80) fail("a non-ASCII character in a value that is not a quoted string");
-        if (ends_bare_value(c)) {
-          st = S::kNormal;
-          continue;  // the terminator is read again, as structure
-        }
-        break;
-      case S::kComment:
-        if (c == '\n') { st = S::kNormal; continue; }
-        break;
-      case S::kBasic:
-        if (c == '\\') { advance(2); continue; }
-        if (c == '"' || c == '\n') st = S::kNormal;
-        break;
-      case S::kLiteral:
-        if (c == '\'' || c == '\n') st = S::kNormal;
-        break;
-      case S::kMlBasic:
-        if (starts("\"\"\"")) { st = S::kNormal; advance(3); continue; }
-        if (c == '\\') {
-          // toml++ asks whether the character after a backslash is whitespace (a line-ending backslash), and
-          // after one, whether the next line starts with whitespace: neither may be a non-ASCII character.
-          size_t j = i + 1;
-          while (j < t.size() && (t[j] == ' ' || t[j] == '\t' || t[j] == '\r' || t[j] == '\n')) ++j;
-          if (j < t.size() && static_cast<unsigned char>(t[j]) >= 0x80) {
-            advance(j - i);
-            fail("a non-ASCII character right after a backslash in a multi-line string (not supported by toml++ 3.3)");
-          }
-          advance(2);
-          continue;
-        }
-        break;
-      case S::kMlLiteral:
-        if (starts("'''")) { st = S::kNormal; advance(3); continue; }
-        break;
-    }
-    advance(1);
-  }
-}
-
-}  // namespace
 
 JobConfig parse_toml(std::string_view text, const std::string& source) {
   reject_non_ascii_outside_strings(text, source);
@@ -653,33 +770,22 @@ std::string to_toml(const JobConfig& config_in) {
 }
 
 void validate(const JobConfig& c) {
-  check_choice("model.name", c.model.name, {"llama3", "qwen3"});
-  if (!c.model.moe_score_func.empty()) check_choice("model.moe_score_func", c.model.moe_score_func, {"softmax", "sigmoid"});
-  if (!c.model.moe_route_norm.empty()) check_choice("model.moe_route_norm", c.model.moe_route_norm, {"true", "false"});
   check(c.model.moe_shared_experts >= -1, "model.moe_shared_experts: expected >= 0 (or -1 = the flavor's), got " +
                                               std::to_string(c.model.moe_shared_experts));
   check(c.model.moe_sequence_aux_loss_coeff >= 0, "model.moe_sequence_aux_loss_coeff: expected >= 0, got " +
                                                       std::to_string(c.model.moe_sequence_aux_loss_coeff));
-  check(c.model.moe_sequence_aux_loss_coeff == 0 || c.activation_checkpoint.mode == "none",
+  check(c.model.moe_sequence_aux_loss_coeff == 0 || c.activation_checkpoint.mode == AcMode::None,
         "model.moe_sequence_aux_loss_coeff with activation checkpointing is not supported yet (the loss is taken "
         "from the forward, which AC runs without gradients)");
   check(c.parallelism.expert_parallel_degree >= 1,
         "parallelism.expert_parallel_degree: expected >= 1, got " + std::to_string(c.parallelism.expert_parallel_degree));
-  check_choice("optimizer.name", c.optimizer.name, {"AdamW", "Adam"});
-  check_choice("lr_scheduler.decay_type", c.lr_scheduler.decay_type, {"linear", "sqrt", "cosine"});
-  const std::vector<std::string> datasets = {"common_licenses", "common_licenses_validation", "text", "jsonl", "tokens"};
-  check_choice("training.bad_records", c.training.bad_records, {"skip", "error"});
   check(!c.training.dataset_text_field.empty(), "training.dataset_text_field: expected a field name, got \"\"");
-  check_choice("training.dataset", c.training.dataset, datasets);
-  check_choice("validation.dataset", c.validation.dataset, datasets);
   check(c.validation.freq > 0, "validation.freq: expected > 0, got " + std::to_string(c.validation.freq));
   check(c.validation.steps == -1 || c.validation.steps > 0,
         "validation.steps: expected -1 (one full pass) or > 0, got " + std::to_string(c.validation.steps));
   check(c.validation.local_batch_size > 0,
         "validation.local_batch_size: expected > 0, got " + std::to_string(c.validation.local_batch_size));
   check(c.validation.seq_len > 0, "validation.seq_len: expected > 0, got " + std::to_string(c.validation.seq_len));
-  check_choice("training.mixed_precision_param", c.training.mixed_precision_param, {"float32", "bfloat16"});
-  check_choice("training.mixed_precision_reduce", c.training.mixed_precision_reduce, {"float32", "bfloat16"});
   {
     const std::string& d = c.training.device;
     const bool cuda_index = d.size() > 5 && d.compare(0, 5, "cuda:") == 0 && d.size() <= 8 &&
@@ -687,24 +793,15 @@ void validate(const JobConfig& c) {
     check(d == "cpu" || d == "cuda" || cuda_index,
           "training.device: expected \"cpu\", \"cuda\" or \"cuda:N\", got \"" + d + "\"");
   }
-  check_choice("parallelism.fsdp_reshard_after_forward", c.parallelism.fsdp_reshard_after_forward,
-               {"default", "always", "never"});
-  check_choice("checkpoint.async_mode", c.checkpoint.async_mode, {"disabled", "async", "async_with_pinned_mem"});
-  check_choice("checkpoint.export_dtype", c.checkpoint.export_dtype, {"float32", "bfloat16", "float16"});
-  check_choice("checkpoint.format", c.checkpoint.format, {"libfsdp", "dcp"});
   check(!c.checkpoint.last_save_in_hf || c.checkpoint.last_save_model_only,
         "checkpoint.last_save_in_hf needs checkpoint.last_save_model_only = true (as TorchTitan)");
   check(c.checkpoint.interval > 0, "checkpoint.interval: expected > 0");
   check(c.checkpoint.keep_latest_k != 1, "checkpoint.keep_latest_k: 1 is not allowed (the newest may still be in flight); use 0 or >= 2");
-  check_choice("activation_checkpoint.mode", c.activation_checkpoint.mode, {"selective", "full", "none"});
-  if (c.activation_checkpoint.mode == "selective") {
-    const std::string& opt = c.activation_checkpoint.selective_ac_option;
-    const bool every_k = !opt.empty() && opt.size() <= 9 && std::all_of(opt.begin(), opt.end(), [](char ch) {
-      return ch >= '0' && ch <= '9';
-    });
-    check(opt == "op" || every_k, "activation_checkpoint.selective_ac_option: expected \"op\" (op-level selective AC) "
-                                  "or a non-negative integer k as a string (full AC on every k-th block), got \"" + opt +
-                                  "\"");
+  if (c.activation_checkpoint.mode == AcMode::Selective) {
+    const SelectiveAcOption& opt = c.activation_checkpoint.selective_ac_option;
+    check(opt.kind != SelectiveAcOption::Kind::Unparsed,
+          "activation_checkpoint.selective_ac_option: expected \"op\" (op-level selective AC) or a non-negative "
+          "integer k as a string (full AC on every k-th block), got \"" + opt.unparsed + "\"");
   }
   check(c.optimizer.lr > 0, "optimizer.lr: expected > 0, got " + format_double(c.optimizer.lr));
   check(c.lr_scheduler.warmup_steps >= 0, "lr_scheduler.warmup_steps: expected >= 0");
@@ -742,18 +839,6 @@ void validate(const JobConfig& c) {
   check(c.parallelism.pipeline_parallel_first_stage_less_layers >= 0 &&
             c.parallelism.pipeline_parallel_last_stage_less_layers >= 0,
         "parallelism.pipeline_parallel_first/last_stage_less_layers: expected >= 0");
-  {
-    // torch's schedule names, case-insensitive. This library has no libtorch (fast to build); the trainer's
-    // parallelize step parses the name with fsdp::pipeline::parse_schedule_name, the authority, again.
-    std::string name = c.parallelism.pipeline_parallel_schedule;
-    std::transform(name.begin(), name.end(), name.begin(), [](unsigned char ch) { return std::tolower(ch); });
-    const std::vector<std::string> known{"gpipe", "1f1b", "loopedbfs", "interleaved1f1b", "interleavedzerobubble",
-                                         "zbvzerobubble"};
-    check(std::find(known.begin(), known.end(), name) != known.end(),
-          "parallelism.pipeline_parallel_schedule: expected one of GPipe, 1F1B, LoopedBFS, Interleaved1F1B, "
-          "InterleavedZeroBubble, ZBVZeroBubble (case-insensitive), got '" + c.parallelism.pipeline_parallel_schedule +
-          "'");
-  }
   check(c.parallelism.pipeline_parallel_degree == 1 || (!c.checkpoint.initial_load_in_hf && !c.checkpoint.last_save_in_hf),
         "checkpoint.initial_load_in_hf / last_save_in_hf with parallelism.pipeline_parallel_degree > 1: the Hugging "
         "Face adapter needs the whole model on every rank; not supported under pipeline parallelism yet (save in "
@@ -768,79 +853,6 @@ void validate(const JobConfig& c) {
         "validation.seq_len (" + std::to_string(c.validation.seq_len) + ") must be divisible by "
         "parallelism.tensor_parallel_degree (" + std::to_string(c.parallelism.tensor_parallel_degree) +
         ") for sequence parallel");
-}
-
-ParallelDims resolve_parallelism(const JobConfig& c, int64_t world_size) {
-  validate(c);  // the divisions below need positive degrees and batch sizes (found by fuzzing)
-  check(world_size >= 1, "world size must be >= 1, got " + std::to_string(world_size));
-  ParallelDims d;
-  d.world_size = world_size;
-  d.dp_replicate = c.parallelism.data_parallel_replicate_degree;
-  d.tp = c.parallelism.tensor_parallel_degree;
-  d.pp = c.parallelism.pipeline_parallel_degree;
-  check(world_size % d.pp == 0, "parallelism.pipeline_parallel_degree (" + std::to_string(d.pp) +
-                                    ") must divide the world size (" + std::to_string(world_size) + ")");
-  check((world_size / d.pp) % d.tp == 0, "parallelism.tensor_parallel_degree (" + std::to_string(d.tp) +
-                                             ") must divide the world size" +
-                                             (d.pp > 1 ? " / pipeline_parallel_degree (" : " (") +
-                                             std::to_string(world_size / d.pp) + ")");
-  world_size /= d.tp * d.pp;  // the data-parallel ranks
-  const std::string W = std::to_string(world_size) +
-                        (d.tp > 1 || d.pp > 1 ? " = world / (pipeline_parallel_degree x tensor_parallel_degree)" : ""),
-                    R = std::to_string(d.dp_replicate);
-  if (c.parallelism.data_parallel_shard_degree == -1) {
-    check(world_size % d.dp_replicate == 0, "parallelism.data_parallel_replicate_degree (" + R +
-                                                ") must divide the world size (" + W + ") when data_parallel_shard_degree = -1");
-    d.dp_shard = world_size / d.dp_replicate;
-  } else {
-    d.dp_shard = c.parallelism.data_parallel_shard_degree;
-    int64_t product = 0;
-    const bool overflow = __builtin_mul_overflow(d.dp_replicate, d.dp_shard, &product);
-    check(!overflow && product == world_size,
-          "parallelism.data_parallel_replicate_degree (" + R + ") x parallelism.data_parallel_shard_degree (" +
-              std::to_string(d.dp_shard) + ") = " + (overflow ? "overflow" : std::to_string(product)) +
-              ", expected the world size " + W);
-  }
-  d.local_batch_size = c.training.local_batch_size;
-  int64_t per_micro = 0;
-  const bool micro_overflow = __builtin_mul_overflow(d.local_batch_size, d.dp_degree(), &per_micro);
-  check(!micro_overflow,
-        "training.local_batch_size (" + std::to_string(d.local_batch_size) + ") x data-parallel degree overflows");
-  d.global_batch_size = c.training.global_batch_size == -1 ? per_micro : c.training.global_batch_size;
-  check(d.global_batch_size % per_micro == 0,
-        "training.global_batch_size (" + std::to_string(d.global_batch_size) +
-            ") must be a multiple of training.local_batch_size (" + std::to_string(d.local_batch_size) +
-            ") x data-parallel degree (" + std::to_string(d.dp_degree()) + ") = " + std::to_string(per_micro));
-  d.grad_accum_steps = d.global_batch_size / per_micro;
-  d.ep = c.parallelism.expert_parallel_degree;
-  if (d.ep > 1) {
-    check(d.dp_shard % d.ep == 0, "parallelism.expert_parallel_degree (" + std::to_string(d.ep) +
-                                      ") must divide the data-parallel shard degree (" + std::to_string(d.dp_shard) +
-                                      "): expert parallelism borrows its ranks from FSDP's shard dim");
-    check(d.tp == 1 && d.pp == 1, "parallelism.expert_parallel_degree > 1 with tensor or pipeline parallelism is "
-                                  "not supported yet (expert parallelism composes with FSDP and HSDP)");
-  }
-  if (d.pp > 1) {
-    const int64_t n = c.parallelism.num_pp_microbatches;
-    const int64_t size = c.parallelism.pipeline_parallel_microbatch_size;
-    if (n > 0) {
-      check(d.local_batch_size % n == 0, "parallelism.num_pp_microbatches (" + std::to_string(n) +
-                                             ") must divide training.local_batch_size (" +
-                                             std::to_string(d.local_batch_size) + ")");
-      d.pp_microbatches = n;
-    } else {
-      check(d.local_batch_size % size == 0, "parallelism.pipeline_parallel_microbatch_size (" + std::to_string(size) +
-                                                ") must divide training.local_batch_size (" +
-                                                std::to_string(d.local_batch_size) + ")");
-      d.pp_microbatches = d.local_batch_size / size;
-    }
-    // Validation runs the same schedule forward-only: its batch splits into the same number of microbatches.
-    check(!c.validation.enable || c.validation.local_batch_size % d.pp_microbatches == 0,
-          "validation.local_batch_size (" + std::to_string(c.validation.local_batch_size) +
-              ") must be a multiple of the pipeline's microbatches per step (" + std::to_string(d.pp_microbatches) +
-              ") under parallelism.pipeline_parallel_degree > 1");
-  }
-  return d;
 }
 
 }  // namespace fsdp_train

@@ -20,28 +20,85 @@ struct ConfigError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The string-choice keys, parsed once where the TOML or the command line is read (a bad value is a ConfigError
+// naming the key, the value, the choices and where it was written); to_string() gives back TorchTitan's spelling,
+// the one to_toml() and the schema print.
+enum class ModelName { Llama3, Qwen3 };                       // llama3 | qwen3
+enum class MoeScoreFunc { FlavorDefault, Softmax, Sigmoid };  // "" (the flavor's) | softmax | sigmoid
+enum class MoeRouteNorm { FlavorDefault, On, Off };           // "" (the flavor's) | true | false
+enum class OptimizerName { AdamW, Adam };                     // AdamW | Adam
+enum class DecayType { Linear, Sqrt, Cosine };                // linear | sqrt | cosine
+enum class Dataset { CommonLicenses, CommonLicensesValidation, Text, Jsonl, Tokens };  // see config_schema()
+enum class BadRecords { Skip, Error };                        // skip | error
+enum class MixedPrecision { Float32, BFloat16 };              // float32 | bfloat16
+enum class ReshardAfterForward { Default, Always, Never };    // default | always | never
+// torch's schedule names, case-insensitive: GPipe | 1F1B | LoopedBFS | Interleaved1F1B | InterleavedZeroBubble |
+// ZBVZeroBubble.
+enum class PipelineSchedule { GPipe, OneFOneB, LoopedBFS, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble };
+enum class ExportDtype { Float32, BFloat16, Float16 };        // float32 | bfloat16 | float16
+enum class AsyncMode { Disabled, Async, AsyncWithPinnedMem }; // disabled | async | async_with_pinned_mem
+enum class CheckpointFormat { Libfsdp, Dcp };                 // libfsdp | dcp
+enum class AcMode { None, Selective, Full };                  // none | selective | full
+// checkpoint.exclude_from_loading's items: optimizer | lr_scheduler | dataloader | train_state | rng.
+enum class CheckpointPart { Optimizer, LrScheduler, Dataloader, TrainState, Rng };
+
+const char* to_string(ModelName v);
+const char* to_string(MoeScoreFunc v);
+const char* to_string(MoeRouteNorm v);
+const char* to_string(OptimizerName v);
+const char* to_string(DecayType v);
+const char* to_string(Dataset v);
+const char* to_string(BadRecords v);
+const char* to_string(MixedPrecision v);
+const char* to_string(ReshardAfterForward v);
+const char* to_string(PipelineSchedule v);
+const char* to_string(ExportDtype v);
+const char* to_string(AsyncMode v);
+const char* to_string(CheckpointFormat v);
+const char* to_string(AcMode v);
+const char* to_string(CheckpointPart v);
+
+// The value a string-choice key's text names (the spellings the config accepts, case rules included), or nullopt.
+// For tools and tests that take the same names outside a config (fsdp-train tokenize --bad-records).
+template <class Enum>
+std::optional<Enum> parse_choice(std::string_view text);
+
+// activation_checkpoint.selective_ac_option: "op" (op-level SAC) or a non-negative integer k as a string (full AC
+// on every k-th block). Parsed where it is read; text that is neither is kept as written and refused by validate()
+// only when activation_checkpoint.mode = selective, the only mode in which TorchTitan reads the option.
+struct SelectiveAcOption {
+  enum class Kind { Op, EveryKth, Unparsed };
+  Kind kind = Kind::EveryKth;
+  int64_t k = 2;             // Kind::EveryKth: every k-th block (0 and 1: every block)
+  std::string unparsed;      // Kind::Unparsed: the text as written
+  static SelectiveAcOption op() { return {Kind::Op, 0, {}}; }
+  static SelectiveAcOption every_kth(int64_t k) { return {Kind::EveryKth, k, {}}; }
+  static SelectiveAcOption parse(const std::string& text);
+  std::string to_string() const;  // "op", "k", or the unparsed text
+};
+
 struct JobConfig {
   struct Job {
     std::string dump_folder = "./outputs";
     std::string description = "default job";
   } job;
   struct Model {
-    std::string name = "llama3";
+    ModelName name = ModelName::Llama3;
     std::string flavor = "debugmodel";
-    std::string tokenizer_path;
+    std::string tokenizer_path;  // "" = byte-level tokenizer; else a Hugging Face tokenizer.json (byte-level BPE)
     // MoE overrides of the flavor's block (qwen3 *_moe flavors; "" / -1 = the flavor's own): DeepSeek-V3-style
     // routing is moe_score_func = "sigmoid", moe_shared_experts = 1, moe_route_norm = "true", moe_route_scale.
-    std::string moe_score_func;
+    MoeScoreFunc moe_score_func = MoeScoreFunc::FlavorDefault;
     int64_t moe_shared_experts = -1;
-    std::string moe_route_norm;  // "" | "true" | "false"
+    MoeRouteNorm moe_route_norm = MoeRouteNorm::FlavorDefault;
     double moe_route_scale = 0;  // 0 = the flavor's
     double moe_load_balance_coeff = -1;  // -1 = the flavor's (1e-3); 0 = no aux-loss-free bias
     int64_t moe_num_expert_groups = 0;   // DeepSeek-V3 group-limited routing: expert groups (0 = off) ...
     int64_t moe_num_limited_groups = 0;  // ... and how many of them each token may use
-    double moe_sequence_aux_loss_coeff = 0;  // DeepSeek-V3's sequence-wise balance loss alpha (1e-4 there); 0 = off  // "" = byte-level tokenizer; else a Hugging Face tokenizer.json (byte-level BPE)
+    double moe_sequence_aux_loss_coeff = 0;  // DeepSeek-V3's sequence-wise balance loss alpha (1e-4 there); 0 = off
   } model;
   struct Optimizer {
-    std::string name = "AdamW";
+    OptimizerName name = OptimizerName::AdamW;
     double lr = 8e-4;
     double beta1 = 0.9;
     double beta2 = 0.95;
@@ -51,21 +108,21 @@ struct JobConfig {
   struct LRScheduler {
     int64_t warmup_steps = 200;
     std::optional<double> decay_ratio;  // unset = decay over all steps after warmup; set = warmup-stable-decay
-    std::string decay_type = "linear";  // linear | sqrt | cosine
+    DecayType decay_type = DecayType::Linear;
     double min_lr_factor = 0.0;
   } lr_scheduler;
   struct Training {
-    std::string dataset = "common_licenses";
+    Dataset dataset = Dataset::CommonLicenses;
     std::string dataset_path;  // "" = the dataset's default location
     std::string dataset_text_field = "text";  // JSON Lines: the field holding each document's text
-    std::string bad_records = "skip";         // skip (report file:line, count) | error
+    BadRecords bad_records = BadRecords::Skip;  // skip (report file:line, count) | error
     int64_t local_batch_size = 8;
     int64_t global_batch_size = -1;  // -1 = local_batch_size x data-parallel degree (no accumulation)
     int64_t seq_len = 2048;
     double max_norm = 1.0;
     int64_t steps = 10000;
-    std::string mixed_precision_param = "bfloat16";
-    std::string mixed_precision_reduce = "float32";
+    MixedPrecision mixed_precision_param = MixedPrecision::BFloat16;
+    MixedPrecision mixed_precision_reduce = MixedPrecision::Float32;
     bool enable_cpu_offload = false;
     // The device of the mesh: FSDP's parameters and collectives (cpu | cuda | cuda:N). Not a TorchTitan key
     // (TorchTitan takes CUDA when it is there); here the CPU unless asked.
@@ -74,7 +131,7 @@ struct JobConfig {
   // TorchTitan's [validation]: a forward under no_grad over a held-out stream every `freq` steps (and step 1).
   struct Validation {
     bool enable = false;
-    std::string dataset = "common_licenses_validation";  // TorchTitan: c4_validation
+    Dataset dataset = Dataset::CommonLicensesValidation;  // TorchTitan: c4_validation
     std::string dataset_path;                            // "" = the dataset's default location
     int64_t freq = 10;
     int64_t steps = -1;  // -1 = one full pass over the held-out stream; else this many batches (wrapping)
@@ -84,7 +141,7 @@ struct JobConfig {
   struct Parallelism {
     int64_t data_parallel_replicate_degree = 1;
     int64_t data_parallel_shard_degree = -1;  // -1 = the ranks left over by the other degrees
-    std::string fsdp_reshard_after_forward = "default";  // default | always | never
+    ReshardAfterForward fsdp_reshard_after_forward = ReshardAfterForward::Default;
     int64_t tensor_parallel_degree = 1;   // TorchTitan's Llama TP plan (with sequence parallel) over this many ranks
     bool disable_loss_parallel = false;   // with TP: gather the logits instead of a vocabulary-sharded loss
     // Expert parallelism (MoE models): routed experts split over this many ranks, borrowed from the data-parallel
@@ -92,7 +149,7 @@ struct JobConfig {
     int64_t expert_parallel_degree = 1;
     // Pipeline parallelism (TorchTitan's keys): the outermost mesh dim.
     int64_t pipeline_parallel_degree = 1;
-    std::string pipeline_parallel_schedule = "1F1B";  // torch's names, case-insensitive
+    PipelineSchedule pipeline_parallel_schedule = PipelineSchedule::OneFOneB;
     int64_t pipeline_parallel_microbatch_size = 1;    // microbatches = local_batch_size / this
     int64_t num_pp_microbatches = 0;                  // TorchTitan's newer key; > 0 overrides the line above
     int64_t pipeline_parallel_layers_per_stage = 0;   // 0 = the schedule's stages per rank
@@ -108,20 +165,20 @@ struct JobConfig {
     std::string initial_load_path;
     bool initial_load_model_only = true;
     bool last_save_model_only = true;
-    std::string export_dtype = "float32";
-    std::string async_mode = "disabled";  // disabled | async | async_with_pinned_mem
+    ExportDtype export_dtype = ExportDtype::Float32;
+    AsyncMode async_mode = AsyncMode::Disabled;
     int64_t keep_latest_k = 10;
     int64_t load_step = -1;
-    std::vector<std::string> exclude_from_loading;
+    std::vector<CheckpointPart> exclude_from_loading;  // the model is always loaded
     bool enable_first_step_checkpoint = false;
-    std::string format = "libfsdp";  // libfsdp | dcp (PyTorch DCP, readable by dcp.load / TorchTitan)
+    CheckpointFormat format = CheckpointFormat::Libfsdp;  // dcp: PyTorch DCP, readable by dcp.load / TorchTitan
     bool initial_load_in_hf = false;  // initial_load_path holds Hugging Face Llama safetensors (model only)
     bool last_save_in_hf = false;     // the last (model-only) save is Hugging Face Llama safetensors
     bool direct_io = true;            // data files written with O_DIRECT (fsdp::checkpoint::SaveOptions::direct_io)
   } checkpoint;
   struct ActivationCheckpoint {
-    std::string mode = "selective";  // selective | full | none
-    std::string selective_ac_option = "2";
+    AcMode mode = AcMode::Selective;
+    SelectiveAcOption selective_ac_option = SelectiveAcOption::every_kth(2);
   } activation_checkpoint;
   struct Metrics {
     int64_t log_freq = 10;
@@ -170,25 +227,8 @@ JobConfig load_config(const std::vector<std::string>& args);
 // The effective configuration as TOML (every key), for logs and the dump folder.
 std::string to_toml(const JobConfig& config);
 
-// Degrees resolved against the world size: shard -1 = leftover; gradient accumulation from the batch sizes.
-struct ParallelDims {
-  int64_t world_size = 1;
-  int64_t dp_replicate = 1;
-  int64_t dp_shard = 1;
-  int64_t tp = 1;  // tensor-parallel degree (innermost mesh dim: ranks r*tp .. r*tp+tp-1 share a data shard)
-  int64_t pp = 1;  // pipeline degree (outermost mesh dim: the pp ranks of a data-parallel rank read the same samples)
-  int64_t pp_microbatches = 1;
-  int64_t ep = 1;  // expert-parallel degree (inside dp_shard: ranks r*ep .. r*ep+ep-1 of a shard group split the experts)
-  int64_t dp_degree() const { return dp_replicate * dp_shard; }
-  // The data-parallel rank of a world rank (mesh [pp, dp_replicate, dp_shard, tp]).
-  int64_t dp_rank_of(int64_t rank) const { return (rank % (dp_degree() * tp)) / tp; }
-  int64_t local_batch_size = 1;
-  int64_t global_batch_size = 1;
-  int64_t grad_accum_steps = 1;  // global / (local x dp)
-};
-ParallelDims resolve_parallelism(const JobConfig& config, int64_t world_size);
-
-// Checks of values that do not depend on the world size (enums, ranges). load_config() calls it.
+// Checks of values that do not depend on the world size (ranges, rules across keys; the choices were checked on
+// reading). load_config() calls it; resolve_parallelism (parallel_dims.h) adds the world-size checks.
 void validate(const JobConfig& config);
 
 }  // namespace fsdp_train

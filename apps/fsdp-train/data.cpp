@@ -110,14 +110,13 @@ std::vector<uint32_t> read_token_file(const std::string& path) {
   return {tmp.begin(), tmp.end()};
 }
 
-std::vector<std::string> resolve_dataset_files(const std::string& dataset, const std::string& path_in,
-                                               const std::string& section) {
+std::vector<std::string> resolve_dataset_files(Dataset dataset, const std::string& path_in, const std::string& section) {
   const std::string key = section + ".dataset_path";
-  const bool licenses = dataset == "common_licenses" || dataset == "common_licenses_validation";
+  const bool licenses = dataset == Dataset::CommonLicenses || dataset == Dataset::CommonLicensesValidation;
   std::string path = path_in;
   if (path.empty()) {
     if (licenses) path = "/usr/share/common-licenses";
-    else throw std::runtime_error(key + ": required for " + section + ".dataset = '" + dataset + "'");
+    else throw std::runtime_error(key + ": required for " + section + ".dataset = '" + to_string(dataset) + "'");
   }
   std::vector<std::string> files;
   std::stringstream ss(path);
@@ -144,13 +143,13 @@ std::vector<std::string> resolve_dataset_files(const std::string& dataset, const
     if (held_out.empty() || train.empty())
       throw std::runtime_error(key + ": '" + path + "' must hold " + kHeldOutLicense +
                                " (the held-out license of common_licenses_validation) and at least one other file");
-    files = dataset == "common_licenses" ? train : held_out;
+    files = dataset == Dataset::CommonLicenses ? train : held_out;
   }
   for (const auto& f : files) {
-    if (dataset == "jsonl" && !is_jsonl_file(f))
+    if (dataset == Dataset::Jsonl && !is_jsonl_file(f))
       throw std::runtime_error(key + ": '" + f + "' is not a JSON Lines file (*.jsonl, *.ndjson, optionally .gz) but " +
                                section + ".dataset = 'jsonl'");
-    if (dataset == "tokens" && !is_token_file(f))
+    if (dataset == Dataset::Tokens && !is_token_file(f))
       throw std::runtime_error(key + ": '" + f + "' is not a token file (*.tok, *.u16, *.u32) but " + section +
                                ".dataset = 'tokens'");
   }

@@ -16,6 +16,7 @@
 // tokens consumed in the chunk) and the loader's sample/micro-batch counters; load_state() reproduces the next
 // batch bit for bit.
 
+#include "config.h"  // Dataset
 #include "file_content.h"
 #include "tokenizer.h"
 
@@ -47,7 +48,7 @@ std::vector<uint32_t> read_token_file(const std::string& path);  // whole file (
 // such as GPL -> GPL-3 are not read twice) or a comma-separated list. Throws naming <section>.dataset_path
 // when something is missing.
 inline constexpr const char* kHeldOutLicense = "Apache-2.0";
-std::vector<std::string> resolve_dataset_files(const std::string& dataset, const std::string& path,
+std::vector<std::string> resolve_dataset_files(Dataset dataset, const std::string& path,
                                                const std::string& section = "training");
 
 // How text files are read. JSON Lines files (*.jsonl, *.ndjson, optionally .gz; the usual export of a Hugging

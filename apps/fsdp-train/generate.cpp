@@ -77,13 +77,13 @@ GenerateResult generate(const JobConfig& config, const GenerateOptions& o) {
         saved = reader.read(item.key());
       } catch (const std::exception& e) {
         throw std::runtime_error("generate: checkpoint '" + r.checkpoint_dir + "' has no usable '" + item.key() +
-                                 "' for " + config.model.name + " " + config.model.flavor + " (vocab " + std::to_string(args.vocab_size) +
+                                 "' for " + to_string(config.model.name) + " " + config.model.flavor + " (vocab " + std::to_string(args.vocab_size) +
                                  "; is --config the job that trained it?): " + e.what());
       }
       if (saved.sizes() != item.value().sizes()) {
         std::ostringstream msg;
         msg << "generate: '" << item.key() << "' in '" << r.checkpoint_dir << "' has shape " << saved.sizes()
-            << ", " << config.model.name << " " << config.model.flavor << " with vocab " << args.vocab_size << " expects "
+            << ", " << to_string(config.model.name) << " " << config.model.flavor << " with vocab " << args.vocab_size << " expects "
             << item.value().sizes() << " (is --config the job that trained it?)";
         throw std::runtime_error(msg.str());
       }
@@ -188,7 +188,7 @@ int generate_main(const std::vector<std::string>& args) {
   }
   const JobConfig config = load_config(config_args);
   const GenerateResult r = generate(config, o);
-  std::cerr << "generate: " << config.model.name << " " << config.model.flavor << " from " << r.checkpoint_dir << ", "
+  std::cerr << "generate: " << to_string(config.model.name) << " " << config.model.flavor << " from " << r.checkpoint_dir << ", "
             << r.new_tokens.size() << " new tokens (temperature " << o.temperature << ", top_k " << o.top_k
             << ", seed " << o.seed << (o.kv_cache ? ", KV cache" : ", no KV cache") << ")\n";
   std::cout << o.prompt << r.text << std::endl;

@@ -7,7 +7,7 @@
 namespace fsdp_train {
 
 LRSchedule LRSchedule::build(int64_t training_steps, int64_t warmup_steps, const double* decay_ratio,
-                             const std::string& decay_type, double min_lr_factor) {
+                             DecayType decay_type, double min_lr_factor) {
   LRSchedule s;
   s.warmup_steps = std::min(warmup_steps, training_steps);
   if (decay_ratio) {
@@ -30,10 +30,9 @@ double LRSchedule::factor(int64_t step) const {
   if (step < warmup_steps) return static_cast<double>(step + 1) / static_cast<double>(warmup_steps + 1);
   if (step < warmup_stable || decay_steps == 0) return 1.0;
   const double progress = static_cast<double>(step + 1 - warmup_stable) / static_cast<double>(decay_steps + 1);
-  double adj;
-  if (decay_type == "sqrt") adj = 1.0 - std::sqrt(progress);
-  else if (decay_type == "cosine") adj = 0.5 * (1.0 + std::cos(M_PI * progress));
-  else adj = 1.0 - progress;
+  double adj = 1.0 - progress;  // linear
+  if (decay_type == DecayType::Sqrt) adj = 1.0 - std::sqrt(progress);
+  else if (decay_type == DecayType::Cosine) adj = 0.5 * (1.0 + std::cos(M_PI * progress));
   return min_lr_factor + (1.0 - min_lr_factor) * adj;
 }
 

@@ -93,11 +93,12 @@ int tokenize_main(const std::vector<std::string>& args) {
     else if (args[i] == "--text-field" && has_value) text.text_field = args[++i];
     else if (args[i] == "--bad-records" && has_value) {
       const std::string v = args[++i];
-      if (v != "skip" && v != "error") {
+      const auto bad_records = fsdp_train::parse_choice<fsdp_train::BadRecords>(v);  // training.bad_records' names
+      if (!bad_records) {
         std::cerr << "fsdp-train tokenize: --bad-records expects skip or error, got '" << v << "'\n" << usage;
         return 2;
       }
-      text.skip_bad_records = v == "skip";
+      text.skip_bad_records = *bad_records == fsdp_train::BadRecords::Skip;
     } else if (args[i].rfind("--", 0) == 0) {
       std::cerr << "fsdp-train tokenize: unknown option '" << args[i] << "'\n" << usage;
       return 2;
@@ -112,7 +113,7 @@ int tokenize_main(const std::vector<std::string>& args) {
   auto tokenizer = fsdp_train::make_tokenizer(tokenizer_path);
   std::vector<std::string> files;
   for (const auto& in : inputs)
-    for (const auto& f : fsdp_train::resolve_dataset_files("text", in)) files.push_back(f);
+    for (const auto& f : fsdp_train::resolve_dataset_files(fsdp_train::Dataset::Text, in)) files.push_back(f);
   // Exactly one epoch of the stream the trainer would read from these files (BOS/EOS per text file or record).
   int64_t bad = 0;
   const auto epoch = fsdp_train::read_one_epoch(files, tokenizer, tokenizer->vocab_size(), text, &bad);

@@ -16,7 +16,7 @@ double seconds_since(MetricsProcessor::Clock::time_point t) {
 MetricsProcessor::MetricsProcessor(const JobConfig& config, int rank, bool verbose)
     : say_(rank == 0 && verbose),
       tty_(say_ && isatty(STDOUT_FILENO)),
-      lr_tag_("lr/" + config.optimizer.name),  // TorchTitan: lr/<optimizer class>
+      lr_tag_(std::string("lr/") + to_string(config.optimizer.name)),  // TorchTitan: lr/<optimizer class>
       log_freq_(config.metrics.log_freq) {
   const bool main_rank = rank == 0;
   const auto& m = config.metrics;

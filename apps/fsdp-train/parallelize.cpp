@@ -6,7 +6,6 @@
 #include <fsdp/models/moe.h>
 #include <fsdp/models/llama_tp_plan.h>
 #include <fsdp/models/qwen3.h>
-#include <fsdp/pipeline/schedule.h>
 #include <fsdp/replicate.h>
 #include <fsdp/tensor_parallel.h>
 
@@ -17,26 +16,19 @@
 namespace fsdp_train {
 namespace {
 
-c10::ScalarType dtype_of(const std::string& name) { return name == "bfloat16" ? c10::kBFloat16 : c10::kFloat; }
+c10::ScalarType dtype_of(MixedPrecision p) { return p == MixedPrecision::BFloat16 ? c10::kBFloat16 : c10::kFloat; }
 
-// [activation_checkpoint] on every transformer block, before fully_shard (TorchTitan's order: AC wrap, then FSDP).
-std::string apply_activation_checkpointing(fsdp::nn::llama::Transformer& model, const JobConfig& config) {
-  const auto& ac = config.activation_checkpoint;
-  if (ac.mode == "none") return "no activation checkpointing";
-  std::vector<std::shared_ptr<torch::nn::Module>> blocks;
-  for (auto& b : model->blocks()) blocks.push_back(b.ptr());
-  if (ac.mode == "full") {
-    fsdp::checkpoint_every_kth(blocks, 1);
-    return "full activation checkpointing (every block)";
+fsdp::pipeline::ScheduleKind schedule_kind(PipelineSchedule schedule) {
+  using K = fsdp::pipeline::ScheduleKind;
+  switch (schedule) {
+    case PipelineSchedule::GPipe: return K::GPipe;
+    case PipelineSchedule::OneFOneB: return K::OneFOneB;
+    case PipelineSchedule::LoopedBFS: return K::LoopedBFS;
+    case PipelineSchedule::Interleaved1F1B: return K::Interleaved1F1B;
+    case PipelineSchedule::InterleavedZeroBubble: return K::InterleavedZeroBubble;
+    case PipelineSchedule::ZBVZeroBubble: return K::ZBVZeroBubble;
   }
-  if (ac.selective_ac_option == "op") {
-    fsdp::checkpoint_every_kth(blocks, 1, {fsdp::CheckpointPolicy::SelectiveOp});
-    return "op-level selective activation checkpointing (every 2nd matmul kept)";
-  }
-  const int64_t k = std::stoll(ac.selective_ac_option);  // validated in config.cpp
-  const size_t n = fsdp::checkpoint_every_kth(blocks, k);
-  return "layer-selective activation checkpointing (every " + std::to_string(k <= 1 ? 1 : k) + " blocks: " +
-         std::to_string(n) + " of " + std::to_string(blocks.size()) + ")";
+  return K::OneFOneB;  // unreachable: every enumerator is handled above
 }
 
 // The MoE block of a transformer block, or null for a dense one (its feed-forward is a child named "moe").
@@ -47,54 +39,13 @@ fsdp::nn::moe::MoEImpl* moe_of(torch::nn::Module& block) {
   return nullptr;
 }
 
-// Where a block's routed experts are sharded (TorchTitan's apply_moe_ep + apply_fsdp): with expert parallelism
-// the experts are split over `ep` ranks first and FSDP shards each rank's experts over the data-parallel ranks
-// left (mesh [dp_replicate,] efsdp); without it, over the dense mesh. Shard(1) instead of Shard(0) when the
-// expert weights would be cut in more pieces (efsdp x ep = dp_shard) than there are experts (tt#1561: dim-0
-// shards would be mostly padding; the count excludes dp_replicate, tt#4767).
-struct ExpertSharding {
-  fsdp::DeviceMesh mesh;  // invalid: the block's own (dense) mesh
-  int64_t dim = 0;
-  std::string description;
-};
-
-ExpertSharding apply_expert_parallel_to_blocks(fsdp::nn::llama::Transformer& model, const ParallelDims& dims,
-                                               const std::string& device) {
-  ExpertSharding out;
-  int64_t num_experts = 0;
+// The routed experts per MoE block (0: a dense model).
+int64_t num_experts_of(fsdp::nn::llama::Transformer& model) {
+  int64_t n = 0;
   for (auto& block : model->blocks()) {
-    if (auto* moe = moe_of(*block)) num_experts = moe->options().num_experts;
+    if (auto* moe = moe_of(*block)) n = moe->options().num_experts;
   }
-  if (num_experts == 0) {
-    if (dims.ep > 1) {
-      throw ConfigError("config error: parallelism.expert_parallel_degree = " + std::to_string(dims.ep) +
-                        " but the model has no MoE layers (use a *_moe flavor)");
-    }
-    return out;
-  }
-  if (num_experts % dims.ep != 0) {
-    throw ConfigError("config error: parallelism.expert_parallel_degree = " + std::to_string(dims.ep) +
-                      " does not divide the model's " + std::to_string(num_experts) + " experts");
-  }
-  out.dim = dims.dp_shard > num_experts ? 1 : 0;
-  if (dims.ep > 1) {
-    std::vector<int64_t> shape{dims.dp_shard / dims.ep, dims.ep};
-    std::vector<std::string> names{"efsdp", "ep"};
-    if (dims.dp_replicate > 1) {
-      shape.insert(shape.begin(), dims.dp_replicate);
-      names.insert(names.begin(), "dp_replicate");
-    }
-    const fsdp::DeviceMesh sparse = fsdp::init_device_mesh(device, shape, names);
-    for (auto& block : model->blocks()) {
-      if (auto* moe = moe_of(*block)) fsdp::apply_expert_parallel(moe->experts.ptr(), sparse["ep"]);
-    }
-    out.mesh = dims.dp_replicate > 1 ? sparse.slice({"dp_replicate", "efsdp"}) : sparse["efsdp"];
-    out.description = "EP " + std::to_string(dims.ep) + " (experts' FSDP over " + out.mesh.to_string() + ", Shard(" +
-                      std::to_string(out.dim) + ")) + ";
-  } else if (out.dim == 1) {
-    out.description = "experts Shard(1) + ";
-  }
-  return out;
+  return n;
 }
 
 // Replicas without sharding or tensor parallelism: TorchTitan's DDP path.
@@ -102,13 +53,50 @@ bool plain_data_parallel(const ParallelDims& dims) {
   return dims.tp == 1 && dims.dp_shard == 1 && dims.dp_replicate > 1;
 }
 
-// Every block, then the root (bottom-up): one gradient all-reduce per block, issued as soon as its backward is
-// done (DDP's buckets, overlapping the rest of backward), rather than one flat all-reduce after backward.
-void apply_replicate(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& mesh, ParallelPlan& plan) {
-  fsdp::ReplicateOptions opts;
-  opts.mesh = mesh;
-  for (auto& block : model->blocks()) plan.fsdp_modules.push_back(fsdp::replicate(block, opts));
-  plan.fsdp_modules.push_back(fsdp::replicate(model, opts));
+// fully_shard on `blocks`, then `root`: the per-block reshard rule, the experts' placement (TorchTitan HEAD: one
+// fully_shard per block with per-parameter meshes, the routed experts in their own parameter group).
+template <class Root>
+std::vector<fsdp::FSDPModule> fully_shard_blocks_then_root(std::vector<fsdp::nn::llama::TransformerBlock>& blocks,
+                                                           Root& root, const FsdpOptions& o) {
+  fsdp::FullyShardOptions base;
+  base.mesh = o.mesh;
+  if (o.param_dtype != MixedPrecision::Float32 || o.reduce_dtype != MixedPrecision::Float32) {
+    base.mp_policy.param_dtype = dtype_of(o.param_dtype);
+    base.mp_policy.reduce_dtype = dtype_of(o.reduce_dtype);
+  }
+  base.offload_policy.cpu_offload = o.cpu_offload;
+  const ReshardAfterForward policy = o.reshard_after_forward;
+  const bool own_expert_placement = o.experts_mesh.valid() || o.experts_shard_dim != 0;
+  std::vector<fsdp::FSDPModule> out;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    fsdp::FullyShardOptions opts = base;
+    if (auto* moe = moe_of(*blocks[i]); moe && own_expert_placement) {
+      std::unordered_set<const c10::TensorImpl*> expert_params;
+      for (const auto& p : moe->experts->parameters()) expert_params.insert(p.unsafeGetTensorImpl());
+      opts.shard_placement_fn = [expert_params, mesh = o.experts_mesh,
+                                 dim = o.experts_shard_dim](const at::Tensor& p) -> std::optional<fsdp::ShardPlacement> {
+        if (!expert_params.count(p.unsafeGetTensorImpl())) return std::nullopt;
+        return mesh.valid() ? fsdp::ShardPlacement{dim, mesh} : fsdp::ShardPlacement{dim};
+      };
+    }
+    if (o.pipeline) {
+      // Under PP TorchTitan keeps parameters across microbatches (default -> false); "always" reshards anyway.
+      opts.reshard_after_forward = policy == ReshardAfterForward::Always;
+    } else if (policy == ReshardAfterForward::Always) {
+      opts.reshard_after_forward = true;
+    } else if (policy == ReshardAfterForward::Never) {
+      opts.reshard_after_forward = false;
+    } else {
+      opts.reshard_after_forward = i + 1 < blocks.size();  // backward starts with the last block: keep it
+    }
+    out.push_back(fsdp::fully_shard(blocks[i], opts));
+  }
+  fsdp::FullyShardOptions root_opts = base;
+  if (o.pipeline) root_opts.reshard_after_forward = policy == ReshardAfterForward::Always;
+  else if (policy == ReshardAfterForward::Always) root_opts.reshard_after_forward = true;
+  // (default / never without PP: the root's option is left as is; FSDP2's root rule keeps the root unsharded.)
+  out.push_back(fsdp::fully_shard(root, root_opts));
+  return out;
 }
 
 }  // namespace
@@ -117,22 +105,23 @@ fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config) {
   const auto& m = config.model;
   fsdp::nn::llama::LlamaArgs args;
   try {
-    args = fsdp::nn::llama::model_flavor(m.name, m.flavor);
+    args = fsdp::nn::llama::model_flavor(to_string(m.name), m.flavor);
   } catch (const c10::Error& e) {
     throw ConfigError(std::string("config error: model.flavor: ") + e.what_without_backtrace());
   }
-  const bool overrides = !m.moe_score_func.empty() || m.moe_shared_experts >= 0 || !m.moe_route_norm.empty() ||
+  const bool overrides = m.moe_score_func != MoeScoreFunc::FlavorDefault || m.moe_shared_experts >= 0 ||
+                         m.moe_route_norm != MoeRouteNorm::FlavorDefault ||
                          m.moe_route_scale != 0 || m.moe_load_balance_coeff >= 0 || m.moe_sequence_aux_loss_coeff > 0 ||
                          m.moe_num_expert_groups > 0;
   if (!overrides) return args;
   if (!args.moe) {
-    throw ConfigError("config error: model.moe_* keys set, but " + m.name + " " + m.flavor +
+    throw ConfigError("config error: model.moe_* keys set, but " + std::string(to_string(m.name)) + " " + m.flavor +
                       " has no MoE layers (use a *_moe flavor)");
   }
   auto& o = *args.moe;
-  if (!m.moe_score_func.empty()) o.score_func = m.moe_score_func;
+  if (m.moe_score_func != MoeScoreFunc::FlavorDefault) o.score_func = to_string(m.moe_score_func);  // libfsdp's names
   if (m.moe_shared_experts >= 0) o.num_shared_experts = m.moe_shared_experts;
-  if (!m.moe_route_norm.empty()) o.route_norm = m.moe_route_norm == "true";
+  if (m.moe_route_norm != MoeRouteNorm::FlavorDefault) o.route_norm = m.moe_route_norm == MoeRouteNorm::On;
   if (m.moe_route_scale != 0) o.route_scale = m.moe_route_scale;
   if (m.moe_load_balance_coeff == 0) o.load_balance_coeff.reset();
   else if (m.moe_load_balance_coeff > 0) o.load_balance_coeff = m.moe_load_balance_coeff;
@@ -165,32 +154,157 @@ bool plan_needs_full_init(const ParallelDims& dims, bool has_group) {
   return !has_group || plain_data_parallel(dims) || dims.tp > 1 || dims.ep > 1;
 }
 
-namespace {
-
-fsdp::FullyShardOptions fsdp_base_options(const JobConfig& config, const fsdp::DeviceMesh& dp_mesh) {
-  fsdp::FullyShardOptions base;
-  base.mesh = dp_mesh;
-  if (config.training.mixed_precision_param != "float32" || config.training.mixed_precision_reduce != "float32") {
-    base.mp_policy.param_dtype = dtype_of(config.training.mixed_precision_param);
-    base.mp_policy.reduce_dtype = dtype_of(config.training.mixed_precision_reduce);
+ParallelMeshes build_meshes(const ParallelDims& dims, const std::string& device_type) {
+  // TorchTitan's order: pp, dp_replicate, dp_shard, tp (pp outermost; TP innermost: contiguous ranks).
+  std::vector<int64_t> shape;
+  std::vector<std::string> names;
+  auto add = [&](int64_t size, const char* name) {
+    shape.push_back(size);
+    names.emplace_back(name);
+  };
+  if (dims.pp > 1) add(dims.pp, "pp");
+  if (dims.dp_replicate > 1) add(dims.dp_replicate, "dp_replicate");
+  add(dims.dp_shard, "dp_shard");
+  if (dims.tp > 1) add(dims.tp, "tp");
+  ParallelMeshes m;
+  m.world = fsdp::init_device_mesh(device_type, shape, names);
+  const bool only_dp = dims.pp == 1 && dims.tp == 1;  // the world mesh is the data-parallel mesh itself
+  m.dp = only_dp ? m.world : dims.dp_replicate > 1 ? m.world.slice({"dp_replicate", "dp_shard"}) : m.world["dp_shard"];
+  if (dims.tp > 1) m.tp = m.world["tp"];
+  if (dims.ep > 1) {
+    // Expert parallelism borrows ep of the dp_shard ranks: [dp_replicate,] efsdp, ep (a second mesh over the same
+    // ranks, TorchTitan's sparse mesh).
+    std::vector<int64_t> sparse_shape{dims.dp_shard / dims.ep, dims.ep};
+    std::vector<std::string> sparse_names{"efsdp", "ep"};
+    if (dims.dp_replicate > 1) {
+      sparse_shape.insert(sparse_shape.begin(), dims.dp_replicate);
+      sparse_names.insert(sparse_names.begin(), "dp_replicate");
+    }
+    const fsdp::DeviceMesh sparse = fsdp::init_device_mesh(device_type, sparse_shape, sparse_names);
+    m.ep = sparse["ep"];
+    m.expert_dp = dims.dp_replicate > 1 ? sparse.slice({"dp_replicate", "efsdp"}) : sparse["efsdp"];
   }
-  base.offload_policy.cpu_offload = config.training.enable_cpu_offload;
-  return base;
+  return m;
 }
 
-// TorchTitan's Llama TP plan without the entries for modules this stage does not hold.
-fsdp::ParallelizePlan stage_tp_plan(const fsdp::nn::llama::LlamaArgs& args, int64_t tp, bool loss_parallel,
-                                    const fsdp::nn::llama::LlamaStageImpl& stage) {
-  fsdp::ParallelizePlan all = fsdp::nn::llama::tensor_parallel_plan(args, tp, {true, loss_parallel});
+std::string apply_ac(fsdp::nn::llama::Transformer& model, AcMode mode, const SelectiveAcOption& option) {
+  if (mode == AcMode::None) return "no activation checkpointing";
+  std::vector<std::shared_ptr<torch::nn::Module>> blocks;
+  for (auto& b : model->blocks()) blocks.push_back(b.ptr());
+  if (mode == AcMode::Full) {
+    fsdp::checkpoint_every_kth(blocks, 1);
+    return "full activation checkpointing (every block)";
+  }
+  if (option.kind == SelectiveAcOption::Kind::Op) {
+    fsdp::checkpoint_every_kth(blocks, 1, {fsdp::CheckpointPolicy::SelectiveOp});
+    return "op-level selective activation checkpointing (every 2nd matmul kept)";
+  }
+  TORCH_CHECK(option.kind == SelectiveAcOption::Kind::EveryKth,
+              "activation_checkpoint.selective_ac_option: expected \"op\" or an integer k, got \"", option.unparsed, "\"");
+  const int64_t k = option.k;
+  const size_t n = fsdp::checkpoint_every_kth(blocks, k);
+  return "layer-selective activation checkpointing (every " + std::to_string(k <= 1 ? 1 : k) + " blocks: " +
+         std::to_string(n) + " of " + std::to_string(blocks.size()) + ")";
+}
+
+void apply_tp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& tp_mesh, bool loss_parallel) {
+  fsdp::parallelize_module(model, tp_mesh,
+                           fsdp::nn::llama::tensor_parallel_plan(model->args(), tp_mesh.size(), {true, loss_parallel}));
+}
+
+void apply_tp(fsdp::nn::llama::LlamaStage& stage, const fsdp::nn::llama::LlamaArgs& args,
+              const fsdp::DeviceMesh& tp_mesh, bool loss_parallel) {
+  // TorchTitan's Llama TP plan without the entries for modules this stage does not hold.
   fsdp::ParallelizePlan kept;
-  for (auto& entry : all) {
+  for (auto& entry : fsdp::nn::llama::tensor_parallel_plan(args, tp_mesh.size(), {true, loss_parallel})) {
     const std::string& pattern = entry.first;
-    if (pattern == "tok_embeddings" && !stage.first()) continue;
-    if ((pattern == "norm" || pattern == "output") && !stage.last()) continue;
-    if (pattern.rfind("layers.", 0) == 0 && stage.begin() == stage.end()) continue;
+    if (pattern == "tok_embeddings" && !stage->first()) continue;
+    if ((pattern == "norm" || pattern == "output") && !stage->last()) continue;
+    if (pattern.rfind("layers.", 0) == 0 && stage->begin() == stage->end()) continue;
     kept.push_back(std::move(entry));
   }
-  return kept;
+  fsdp::parallelize_module(stage, tp_mesh, kept);
+  stage->sequence_shards = tp_mesh.size();  // the plan is sequence parallel: hidden states travel split on the sequence
+}
+
+void apply_ep(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& ep_mesh) {
+  for (auto& block : model->blocks()) {
+    if (auto* moe = moe_of(*block)) fsdp::apply_expert_parallel(moe->experts.ptr(), ep_mesh);
+  }
+}
+
+std::vector<fsdp::FSDPModule> apply_fsdp(fsdp::nn::llama::Transformer& model, const FsdpOptions& options) {
+  return fully_shard_blocks_then_root(model->blocks(), model, options);
+}
+
+std::vector<fsdp::FSDPModule> apply_fsdp(fsdp::nn::llama::LlamaStage& stage, const FsdpOptions& options) {
+  return fully_shard_blocks_then_root(stage->blocks(), stage, options);
+}
+
+std::vector<fsdp::FSDPModule> apply_ddp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& mesh) {
+  // Every block, then the root (bottom-up): one gradient all-reduce per block, issued as soon as its backward is
+  // done (DDP's buckets, overlapping the rest of backward), rather than one flat all-reduce after backward.
+  fsdp::ReplicateOptions opts;
+  opts.mesh = mesh;
+  std::vector<fsdp::FSDPModule> out;
+  for (auto& block : model->blocks()) out.push_back(fsdp::replicate(block, opts));
+  out.push_back(fsdp::replicate(model, opts));
+  return out;
+}
+
+PipelineSplit split_pipeline(const fsdp::nn::llama::LlamaArgs& args, const PipelineSplitOptions& o) {
+  // Stages: TorchTitan's split, placed by the schedule (loop or V).
+  const auto kind = schedule_kind(o.schedule);
+  const int64_t n_layers = args.n_layers;
+  PipelineSplit split;
+  split.num_stages = o.pp * fsdp::pipeline::default_stages_per_rank(kind);
+  const bool explicit_fqns = !o.module_fqns_per_model_part.empty();
+  if (explicit_fqns) {
+    split.num_stages = static_cast<int64_t>(o.module_fqns_per_model_part.size());
+    if (split.num_stages % o.pp != 0) {
+      throw ConfigError("config error: parallelism.module_fqns_per_model_part lists " +
+                        std::to_string(split.num_stages) + " stages, not a multiple of pipeline_parallel_degree = " +
+                        std::to_string(o.pp));
+    }
+  } else if (o.layers_per_stage > 0) {
+    split.num_stages = fsdp::nn::llama::stages_for_layers_per_stage(n_layers, o.layers_per_stage,
+                                                                    o.first_stage_less_layers, o.last_stage_less_layers);
+    if (split.num_stages % o.pp != 0) {
+      throw ConfigError("config error: parallelism.pipeline_parallel_layers_per_stage = " +
+                        std::to_string(o.layers_per_stage) + " gives " + std::to_string(split.num_stages) +
+                        " stages for " + std::to_string(n_layers) + " layers, not a multiple of "
+                        "pipeline_parallel_degree = " + std::to_string(o.pp));
+    }
+  }
+  try {
+    split.layers = explicit_fqns ? fsdp::nn::llama::layers_from_fqns(args, o.module_fqns_per_model_part)
+                                 : fsdp::nn::llama::split_layers(n_layers, split.num_stages, o.first_stage_less_layers,
+                                                                 o.last_stage_less_layers);
+    split.schedule = fsdp::pipeline::build_schedule({kind, static_cast<int>(o.pp),
+                                                     static_cast<int>(split.num_stages / o.pp),
+                                                     static_cast<int>(o.microbatches)});
+  } catch (const c10::Error& e) {
+    throw ConfigError(std::string("config error: parallelism: ") + e.what_without_backtrace());
+  }
+  return split;
+}
+
+namespace {
+
+FsdpOptions fsdp_options(const JobConfig& config, const fsdp::DeviceMesh& dp_mesh, bool pipeline) {
+  FsdpOptions o;
+  o.mesh = dp_mesh;
+  o.param_dtype = config.training.mixed_precision_param;
+  o.reduce_dtype = config.training.mixed_precision_reduce;
+  o.cpu_offload = config.training.enable_cpu_offload;
+  o.reshard_after_forward = config.parallelism.fsdp_reshard_after_forward;
+  o.pipeline = pipeline;
+  return o;
+}
+
+void set_sum_gradients(ParallelPlan& plan) {
+  for (auto& m : plan.fsdp_modules) m.set_gradient_divide_factor(1.0);
+  plan.fsdp = true;
 }
 
 ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, const JobConfig& config,
@@ -198,82 +312,36 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
   ParallelPlan plan;
   plan.dp_group = group;
   const std::string device = mesh_device(config).is_cuda() ? "cuda" : "cpu";
-  plan.activation_checkpointing = apply_activation_checkpointing(model, config);
+  plan.activation_checkpointing =
+      apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option);
   TORCH_CHECK(group, "pipeline parallelism needs a process group (run under fsdprun)");
-  // Mesh [pp, dp_replicate, dp_shard, tp]: pp outermost (TorchTitan's order), TP innermost.
-  std::vector<int64_t> shape{dims.pp};
-  std::vector<std::string> names{"pp"};
-  if (dims.dp_replicate > 1) {
-    shape.push_back(dims.dp_replicate);
-    names.push_back("dp_replicate");
-  }
-  shape.push_back(dims.dp_shard);
-  names.push_back("dp_shard");
-  if (dims.tp > 1) {
-    shape.push_back(dims.tp);
-    names.push_back("tp");
-  }
-  plan.mesh = fsdp::init_device_mesh(device, shape, names);
+  const ParallelMeshes meshes = build_meshes(dims, device);
+  plan.mesh = meshes.world;
   plan.pp_group = plan.mesh.group("pp");
-  const fsdp::DeviceMesh dp_mesh =
-      dims.dp_replicate > 1 ? plan.mesh.slice({"dp_replicate", "dp_shard"}) : plan.mesh["dp_shard"];
   if (dims.tp > 1) {
-    plan.tp_mesh = plan.mesh["tp"];
+    plan.tp_mesh = meshes.tp;
     plan.loss_parallel = !config.parallelism.disable_loss_parallel;
   }
-
-  // Stages: TorchTitan's split, placed by the schedule (loop or V).
   const auto& p = config.parallelism;
-  const auto kind = fsdp::pipeline::parse_schedule_name(p.pipeline_parallel_schedule);
-  const int64_t n_layers = model->args().n_layers;
-  int64_t num_stages = dims.pp * fsdp::pipeline::default_stages_per_rank(kind);
-  const bool explicit_fqns = !p.module_fqns_per_model_part.empty();
-  if (explicit_fqns) {
-    num_stages = static_cast<int64_t>(p.module_fqns_per_model_part.size());
-    if (num_stages % dims.pp != 0) {
-      throw ConfigError("config error: parallelism.module_fqns_per_model_part lists " + std::to_string(num_stages) +
-                        " stages, not a multiple of pipeline_parallel_degree = " + std::to_string(dims.pp));
-    }
-  } else if (p.pipeline_parallel_layers_per_stage > 0) {
-    num_stages = fsdp::nn::llama::stages_for_layers_per_stage(n_layers, p.pipeline_parallel_layers_per_stage,
-                                                              p.pipeline_parallel_first_stage_less_layers,
-                                                              p.pipeline_parallel_last_stage_less_layers);
-    if (num_stages % dims.pp != 0) {
-      throw ConfigError("config error: parallelism.pipeline_parallel_layers_per_stage = " +
-                        std::to_string(p.pipeline_parallel_layers_per_stage) + " gives " + std::to_string(num_stages) +
-                        " stages for " + std::to_string(n_layers) + " layers, not a multiple of "
-                        "pipeline_parallel_degree = " + std::to_string(dims.pp));
-    }
-  }
-  std::vector<std::pair<int64_t, int64_t>> ranges;
-  fsdp::pipeline::PipelineSchedule schedule;
-  try {
-    ranges = explicit_fqns ? fsdp::nn::llama::layers_from_fqns(model->args(), p.module_fqns_per_model_part)
-                           : fsdp::nn::llama::split_layers(n_layers, num_stages,
-                                                           p.pipeline_parallel_first_stage_less_layers,
-                                                           p.pipeline_parallel_last_stage_less_layers);
-    schedule = fsdp::pipeline::build_schedule({kind, static_cast<int>(dims.pp), static_cast<int>(num_stages / dims.pp),
-                                               static_cast<int>(dims.pp_microbatches)});
-  } catch (const c10::Error& e) {
-    throw ConfigError(std::string("config error: parallelism: ") + e.what_without_backtrace());
-  }
+  PipelineSplitOptions so;
+  so.schedule = p.pipeline_parallel_schedule;
+  so.pp = dims.pp;
+  so.microbatches = dims.pp_microbatches;
+  so.layers_per_stage = p.pipeline_parallel_layers_per_stage;
+  so.first_stage_less_layers = p.pipeline_parallel_first_stage_less_layers;
+  so.last_stage_less_layers = p.pipeline_parallel_last_stage_less_layers;
+  so.module_fqns_per_model_part = p.module_fqns_per_model_part;
+  const PipelineSplit split = split_pipeline(model->args(), so);
+  const int64_t num_stages = split.num_stages;
   plan.num_stages = static_cast<int>(num_stages);
-  plan.stage_indices = schedule.stages_of_rank(plan.pp_group->rank());
-  const fsdp::FullyShardOptions base = fsdp_base_options(config, dp_mesh);
-  const std::string& policy = config.parallelism.fsdp_reshard_after_forward;
+  plan.stage_indices = split.schedule.stages_of_rank(plan.pp_group->rank());
+  const FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/true);
   std::string layers;
   for (int s : plan.stage_indices) {
-    const auto [begin, end] = ranges[static_cast<size_t>(s)];
+    const auto [begin, end] = split.layers[static_cast<size_t>(s)];
     fsdp::nn::llama::LlamaStage stage(*model, begin, end, s == 0, s == num_stages - 1);
-    if (dims.tp > 1) {
-      fsdp::parallelize_module(stage, plan.tp_mesh, stage_tp_plan(model->args(), dims.tp, plan.loss_parallel, *stage));
-      stage->sequence_shards = dims.tp;  // the plan is sequence parallel: hidden states travel split on the sequence
-    }
-    fsdp::FullyShardOptions opts = base;
-    // Under PP TorchTitan keeps parameters across microbatches (default -> false); "always" reshards anyway.
-    opts.reshard_after_forward = policy == "always";
-    for (auto& block : stage->blocks()) plan.fsdp_modules.push_back(fsdp::fully_shard(block, opts));
-    plan.fsdp_modules.push_back(fsdp::fully_shard(stage, opts));
+    if (dims.tp > 1) apply_tp(stage, model->args(), plan.tp_mesh, plan.loss_parallel);
+    for (auto& m : apply_fsdp(stage, fsdp)) plan.fsdp_modules.push_back(m);
     layers += (layers.empty() ? "" : ", ") + std::string("stage ") + std::to_string(s) + " = layers " +
               std::to_string(begin) + ".." + std::to_string(end - 1) + (s == 0 ? " + tok_embeddings" : "") +
               (s == num_stages - 1 ? " + norm, output" : "");
@@ -281,14 +349,14 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
   }
   plan.holds_first_stage = plan.stage_indices.front() == 0;
   plan.holds_last_stage = plan.stage_indices.back() == num_stages - 1;
-  for (auto& m : plan.fsdp_modules) m.set_gradient_divide_factor(1.0);
-  plan.fsdp = true;
-  plan.description = "PP " + std::to_string(dims.pp) + " (" + fsdp::pipeline::schedule_name(kind) + ", " +
+  set_sum_gradients(plan);
+  const bool always = p.fsdp_reshard_after_forward == ReshardAfterForward::Always;
+  plan.description = "PP " + std::to_string(dims.pp) + " (" + to_string(p.pipeline_parallel_schedule) + ", " +
                      std::to_string(num_stages) + " stages, " + std::to_string(dims.pp_microbatches) +
                      " microbatches; this rank: " + layers + ") + " + (dims.tp > 1 ? "TP " + std::to_string(dims.tp) +
                      " (sequence parallel) + " : std::string()) + (dims.dp_replicate > 1 ? "HSDP" : "FSDP") +
                      " mesh " + plan.mesh.to_string() + ", reshard_after_forward " +
-                     (policy == "always" ? "always" : "false (PP)");
+                     (always ? "always" : "false (PP)");
   return plan;
 }
 
@@ -296,18 +364,19 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
 
 ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobConfig& config, const ParallelDims& dims,
                                const fsdp::ProcessGroupPtr& group) {
-  bool has_moe = false;
-  for (auto& block : model->blocks()) has_moe = has_moe || moe_of(*block) != nullptr;
+  const int64_t num_experts = num_experts_of(model);
+  const bool has_moe = num_experts > 0;
+  const auto& ac = config.activation_checkpoint;
   if (has_moe && (dims.pp > 1 || dims.tp > 1)) {
-    throw ConfigError("config error: MoE models (" + config.model.name + " " + config.model.flavor + ") with " +
-                      (dims.pp > 1 ? "pipeline" : "tensor") + " parallelism are not supported yet; use FSDP, HSDP "
-                      "and parallelism.expert_parallel_degree");
+    throw ConfigError("config error: MoE models (" + std::string(to_string(config.model.name)) + " " +
+                      config.model.flavor + ") with " + (dims.pp > 1 ? "pipeline" : "tensor") +
+                      " parallelism are not supported yet; use FSDP, HSDP and parallelism.expert_parallel_degree");
   }
   if (has_moe && group && group->size() > 1 && (config.checkpoint.initial_load_in_hf || config.checkpoint.last_save_in_hf)) {
     throw ConfigError("config error: checkpoint.initial_load_in_hf / last_save_in_hf with an MoE model on several "
                       "ranks is not supported yet (the Qwen3-MoE adapter needs the whole model); convert on 1 rank");
   }
-  if (has_moe && config.activation_checkpoint.mode == "selective" && config.activation_checkpoint.selective_ac_option == "op") {
+  if (has_moe && ac.mode == AcMode::Selective && ac.selective_ac_option.kind == SelectiveAcOption::Kind::Op) {
     // Op-level SAC runs the forward twice with gradients on: the experts' token counts (load balancing) would
     // double. Full and layer-selective AC count once (their first pass runs without gradients).
     throw ConfigError("config error: activation_checkpoint.selective_ac_option = \"op\" with an MoE model is not "
@@ -317,78 +386,65 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
   ParallelPlan plan;
   plan.dp_group = group;
   const std::string device = mesh_device(config).is_cuda() ? "cuda" : "cpu";  // init_device_mesh takes the type
-  plan.activation_checkpointing = apply_activation_checkpointing(model, config);
+  plan.activation_checkpointing = apply_ac(model, ac.mode, ac.selective_ac_option);
   if (!group) {
     // fully_shard needs a process group (even a 1-rank one, as under fsdprun); a bare process trains unsharded.
     plan.description = "single process (no process group: run under fsdprun to apply fully_shard)";
     return plan;
   }
+  if (has_moe || dims.ep > 1) {
+    if (num_experts == 0) {
+      throw ConfigError("config error: parallelism.expert_parallel_degree = " + std::to_string(dims.ep) +
+                        " but the model has no MoE layers (use a *_moe flavor)");
+    }
+    if (num_experts % dims.ep != 0) {
+      throw ConfigError("config error: parallelism.expert_parallel_degree = " + std::to_string(dims.ep) +
+                        " does not divide the model's " + std::to_string(num_experts) + " experts");
+    }
+  }
+  const ParallelMeshes meshes = build_meshes(dims, device);
+  plan.mesh = meshes.world;
   if (plain_data_parallel(dims)) {
     // TorchTitan's DDP path, in FSDP2's style (fsdp::replicate). Full precision, as TorchTitan's DDP: the
     // mixed_precision_* keys apply to FSDP.
-    plan.mesh = fsdp::init_device_mesh(device, {dims.dp_replicate, 1}, {"dp_replicate", "dp_shard"});
-    apply_replicate(model, plan.mesh, plan);
-    for (auto& m : plan.fsdp_modules) m.set_gradient_divide_factor(1.0);
-    plan.fsdp = true;
+    plan.fsdp_modules = apply_ddp(model, plan.mesh);
+    set_sum_gradients(plan);
     plan.description = "data parallel (replicate " + std::to_string(dims.dp_replicate) +
                        ", fsdp::replicate: gradient all-reduce per block)";
     return plan;
   }
-  fsdp::DeviceMesh dp_mesh;
   std::string tp_description;
   if (dims.tp > 1) {
-    // TorchTitan's order: dp_replicate, dp_shard, tp (TP innermost: contiguous ranks).
-    std::vector<int64_t> shape{dims.dp_shard, dims.tp};
-    std::vector<std::string> names{"dp_shard", "tp"};
-    if (dims.dp_replicate > 1) {
-      shape.insert(shape.begin(), dims.dp_replicate);
-      names.insert(names.begin(), "dp_replicate");
-    }
-    plan.mesh = fsdp::init_device_mesh(device, shape, names);
-    plan.tp_mesh = plan.mesh["tp"];
-    dp_mesh = dims.dp_replicate > 1 ? plan.mesh.slice({"dp_replicate", "dp_shard"}) : plan.mesh["dp_shard"];
+    plan.tp_mesh = meshes.tp;
     plan.loss_parallel = !config.parallelism.disable_loss_parallel;
-    fsdp::parallelize_module(model, plan.tp_mesh,
-                             fsdp::nn::llama::tensor_parallel_plan(model->args(), dims.tp, {true, plan.loss_parallel}));
+    apply_tp(model, plan.tp_mesh, plan.loss_parallel);
     tp_description = "TP " + std::to_string(dims.tp) + " (sequence parallel, " +
                      (plan.loss_parallel ? "loss parallel" : "logits gathered") + ") + ";
-  } else if (dims.dp_replicate > 1) {
-    plan.mesh = fsdp::init_device_mesh(device, {dims.dp_replicate, dims.dp_shard}, {"dp_replicate", "dp_shard"});
-    dp_mesh = plan.mesh;
-  } else {
-    plan.mesh = fsdp::init_device_mesh(device, {dims.dp_shard}, {"dp_shard"});
-    dp_mesh = plan.mesh;
   }
-  const ExpertSharding experts = apply_expert_parallel_to_blocks(model, dims, device);
-  const fsdp::FullyShardOptions base = fsdp_base_options(config, dp_mesh);
-  const std::string& policy = config.parallelism.fsdp_reshard_after_forward;
-  auto& blocks = model->blocks();
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    fsdp::FullyShardOptions opts = base;
-    if (auto* moe = moe_of(*blocks[i]); moe && (experts.mesh.valid() || experts.dim != 0)) {
-      // One fully_shard per block with per-parameter meshes (TorchTitan HEAD): the routed experts go to their
-      // own parameter group, the rest of the block to the dense one.
-      std::unordered_set<const c10::TensorImpl*> expert_params;
-      for (const auto& p : moe->experts->parameters()) expert_params.insert(p.unsafeGetTensorImpl());
-      opts.shard_placement_fn = [expert_params, experts](const at::Tensor& p) -> std::optional<fsdp::ShardPlacement> {
-        if (!expert_params.count(p.unsafeGetTensorImpl())) return std::nullopt;
-        return experts.mesh.valid() ? fsdp::ShardPlacement{experts.dim, experts.mesh} : fsdp::ShardPlacement{experts.dim};
-      };
+  FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/false);
+  std::string experts_description;
+  if (has_moe) {
+    // Where the routed experts are sharded (TorchTitan's apply_moe_ep + apply_fsdp): with expert parallelism over
+    // the data-parallel ranks left after ep; without it, over the dense mesh. Shard(1) instead of Shard(0) when
+    // the expert weights would be cut in more pieces (efsdp x ep = dp_shard) than there are experts (tt#1561:
+    // dim-0 shards would be mostly padding; the count excludes dp_replicate, tt#4767).
+    fsdp.experts_shard_dim = dims.dp_shard > num_experts ? 1 : 0;
+    if (dims.ep > 1) {
+      apply_ep(model, meshes.ep);
+      fsdp.experts_mesh = meshes.expert_dp;
+      experts_description = "EP " + std::to_string(dims.ep) + " (experts' FSDP over " + fsdp.experts_mesh.to_string() +
+                            ", Shard(" + std::to_string(fsdp.experts_shard_dim) + ")) + ";
+    } else if (fsdp.experts_shard_dim == 1) {
+      experts_description = "experts Shard(1) + ";
     }
-    if (policy == "always") opts.reshard_after_forward = true;
-    else if (policy == "never") opts.reshard_after_forward = false;
-    else opts.reshard_after_forward = i + 1 < blocks.size();  // backward starts with the last block: keep it
-    plan.fsdp_modules.push_back(fsdp::fully_shard(blocks[i], opts));
   }
-  fsdp::FullyShardOptions root = base;
-  if (policy == "always") root.reshard_after_forward = true;  // default/never: the root stays unsharded (FSDP2's root rule)
-  plan.fsdp_modules.push_back(fsdp::fully_shard(model, root));
-  for (auto& m : plan.fsdp_modules) m.set_gradient_divide_factor(1.0);
-  plan.fsdp = true;
-  plan.description = tp_description + experts.description + std::string(dims.dp_replicate > 1 ? "HSDP" : "FSDP") +
-                     " mesh " + plan.mesh.to_string() +
-                     ", reshard_after_forward " + policy + ", param " + config.training.mixed_precision_param +
-                     ", reduce " + config.training.mixed_precision_reduce;
+  plan.fsdp_modules = apply_fsdp(model, fsdp);
+  set_sum_gradients(plan);
+  plan.description = tp_description + experts_description + std::string(dims.dp_replicate > 1 ? "HSDP" : "FSDP") +
+                     " mesh " + plan.mesh.to_string() + ", reshard_after_forward " +
+                     to_string(config.parallelism.fsdp_reshard_after_forward) + ", param " +
+                     to_string(config.training.mixed_precision_param) + ", reduce " +
+                     to_string(config.training.mixed_precision_reduce);
   return plan;
 }
 

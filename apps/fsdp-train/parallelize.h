@@ -1,34 +1,42 @@
 #pragma once
-// TorchTitan's declarative split between the model and its parallelisation: the model (fsdp/models/llama.h) knows
-// nothing of FSDP; this step applies fsdp::fully_shard to every transformer block and then to the root, from
-// the [parallelism] and [training] keys:
-//   mesh            1-D over the data-parallel ranks, or 2-D ("dp_replicate", "dp_shard") = HSDP; on the device
-//                   of training.device
-//   shard degree 1  with replicate > 1: plain data parallelism (TorchTitan's DDP path) through fsdp::replicate
-//                   on every block and the root: parameters broadcast from rank 0, never sharded, gradients
-//                   summed by one all-reduce per block as its backward finishes
-//   reshard         fsdp_reshard_after_forward: default (every block but the last, which backward needs at
-//                   once; root kept, as TorchTitan), always, never
-//   precision       mixed_precision_param / mixed_precision_reduce (FSDP only, as in TorchTitan)
-//   AC              [activation_checkpoint] on every block first (any plan): full, every k-th block, or op SAC
-//   TP              tensor_parallel_degree > 1: mesh [dp_replicate,] dp_shard, tp (TP innermost), TorchTitan's
-//                   Llama plan (sequence parallel; loss parallel unless disable_loss_parallel) applied before
-//                   fully_shard, which then shards over the data-parallel dims (HSDP when replicate > 1, even
-//                   with shard degree 1). The model is initialized whole on every rank first (no meta init).
+// TorchTitan's parallelize step (torchtitan/models/llama3/infra/parallelize.py): the model (fsdp/models/llama.h)
+// knows nothing of any parallelism; one apply_* function per parallelism changes it, each taking the module, its
+// mesh and the few typed options it needs, and parallelize_llama composes them from the config:
+//   apply_ac        [activation_checkpoint] on every block, first (any plan): full, every k-th block, or op SAC
+//   apply_tp        tensor_parallel_degree > 1: TorchTitan's Llama plan (sequence parallel; loss parallel unless
+//                   disable_loss_parallel) over the innermost mesh dim "tp"; the model is initialized whole on
+//                   every rank first (no meta init)
+//   apply_ep        expert_parallel_degree > 1: each MoE block's routed experts split over "ep", borrowed from
+//                   the data-parallel shard dim (mesh [dp_replicate,] efsdp, ep)
+//   apply_fsdp      fully_shard on every block, then on the root, over the data-parallel mesh: 1-D "dp_shard",
+//                   or 2-D (dp_replicate, dp_shard) = HSDP (also with shard degree 1 under TP); reshard
+//                   fsdp_reshard_after_forward (default: every block but the last, which backward needs at once;
+//                   root kept, as TorchTitan; under PP: kept, one all-gather per step), mixed_precision_param /
+//                   _reduce, CPU offload; MoE experts on their own mesh (EP's efsdp) and shard dim
+//   apply_ddp       shard degree 1 with replicate > 1 and no TP: plain data parallelism (TorchTitan's DDP path)
+//                   through fsdp::replicate on every block and the root (parameters broadcast from rank 0, never
+//                   sharded, one gradient all-reduce per block as its backward finishes; full precision)
+//   split_pipeline  pipeline_parallel_degree > 1: TorchTitan's stage split and the schedule's stage placement;
+//                   parallelize_llama then gives each stage this rank holds apply_tp and apply_fsdp
+// Meshes are built once (build_meshes): [pp, dp_replicate, dp_shard, tp] with the dims of size 1 left out (but
+// dp_shard, and dp_replicate on the DDP path), on the device type of training.device.
 // Gradients are summed, not averaged, across ranks (gradient divide factor 1): the loss is already divided by
 // the global token count, so the sum is the full-batch gradient.
 
 #include "config.h"
+#include "parallel_dims.h"
 
 #include <fsdp/device_mesh.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/models/llama.h>
 #include <fsdp/models/llama_pipeline.h>
+#include <fsdp/pipeline/schedule.h>
 #include <fsdp/process_group.h>
 
 #include <c10/core/Device.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fsdp_train {
@@ -63,11 +71,78 @@ bool plan_uses_fully_shard(const ParallelDims& dims, bool has_group);
 // Whether the trainer must build and initialize the model whole before parallelize_llama (meta init otherwise).
 bool plan_needs_full_init(const ParallelDims& dims, bool has_group);
 
-// `group` is the world group when distributed, or null for a single process (no collectives at all).
-// With pipeline_parallel_degree > 1: mesh [pp, dp_replicate, dp_shard, tp] (dims of size 1 left out but pp), the
-// model split into stages as TorchTitan splits it (fsdp/models/llama_pipeline.h), this rank's stages each given
-// TP, then fully_shard per block and on the stage (reshard_after_forward false unless "always": TorchTitan's
-// default under PP, one all-gather per step).
+// ---- the meshes -------------------------------------------------------------------------------------------
+
+struct ParallelMeshes {
+  fsdp::DeviceMesh world;     // [pp, dp_replicate, dp_shard, tp], dims of size 1 left out (see above)
+  fsdp::DeviceMesh dp;        // the data-parallel dims: dp_shard, or (dp_replicate, dp_shard)
+  fsdp::DeviceMesh tp;        // valid when dims.tp > 1
+  fsdp::DeviceMesh ep;        // valid when dims.ep > 1: the expert-parallel dim ...
+  fsdp::DeviceMesh expert_dp; // ... and the experts' data-parallel mesh: efsdp, or (dp_replicate, efsdp)
+};
+// Collective over the world (every rank, same order). `device_type`: "cpu" or "cuda".
+ParallelMeshes build_meshes(const ParallelDims& dims, const std::string& device_type);
+
+// ---- one apply_* per parallelism --------------------------------------------------------------------------
+
+// Activation checkpointing on every transformer block (before fully_shard: TorchTitan's order). Returns what it
+// applied, for the log.
+std::string apply_ac(fsdp::nn::llama::Transformer& model, AcMode mode, const SelectiveAcOption& option);
+
+// TorchTitan's Llama TP plan (sequence parallel) over the 1-D `tp_mesh`; loss_parallel: the output projection
+// keeps its logits sharded over the vocabulary.
+void apply_tp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& tp_mesh, bool loss_parallel);
+// The same for one pipeline stage: only the plan's entries for the modules it holds; its hidden states between
+// stages travel split along the sequence.
+void apply_tp(fsdp::nn::llama::LlamaStage& stage, const fsdp::nn::llama::LlamaArgs& args,
+              const fsdp::DeviceMesh& tp_mesh, bool loss_parallel);
+
+// The routed experts of every MoE block split over the 1-D `ep_mesh` (collective-free; before fully_shard).
+void apply_ep(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& ep_mesh);
+
+struct FsdpOptions {
+  fsdp::DeviceMesh mesh;  // the data-parallel mesh (1-D = FSDP, 2-D (replicate, shard) = HSDP)
+  MixedPrecision param_dtype = MixedPrecision::Float32;
+  MixedPrecision reduce_dtype = MixedPrecision::Float32;
+  bool cpu_offload = false;
+  ReshardAfterForward reshard_after_forward = ReshardAfterForward::Default;
+  bool pipeline = false;  // under PP "default" keeps every unit unsharded across microbatches (TorchTitan)
+  // MoE blocks' routed experts: sharded on `experts_mesh` (invalid: `mesh`) along `experts_shard_dim`.
+  fsdp::DeviceMesh experts_mesh;
+  int64_t experts_shard_dim = 0;
+};
+// fully_shard on every block, then on the root; returns the FSDP modules (blocks first, the root last).
+std::vector<fsdp::FSDPModule> apply_fsdp(fsdp::nn::llama::Transformer& model, const FsdpOptions& options);
+// The same for a pipeline stage (its blocks, then the stage).
+std::vector<fsdp::FSDPModule> apply_fsdp(fsdp::nn::llama::LlamaStage& stage, const FsdpOptions& options);
+
+// TorchTitan's DDP path: fsdp::replicate on every block, then the root, over `mesh` (dp_replicate, 1).
+std::vector<fsdp::FSDPModule> apply_ddp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& mesh);
+
+// ---- pipeline split -----------------------------------------------------------------------------------------
+
+struct PipelineSplitOptions {
+  PipelineSchedule schedule = PipelineSchedule::OneFOneB;
+  int64_t pp = 1;            // pipeline ranks
+  int64_t microbatches = 1;  // per step
+  int64_t layers_per_stage = 0;  // 0 = the schedule's stages per rank
+  int64_t first_stage_less_layers = 1, last_stage_less_layers = 1;
+  std::vector<std::vector<std::string>> module_fqns_per_model_part;  // explicit stages; empty = none
+};
+struct PipelineSplit {
+  int64_t num_stages = 0;
+  std::vector<std::pair<int64_t, int64_t>> layers;  // [begin, end) per stage
+  fsdp::pipeline::PipelineSchedule schedule;        // stages_of_rank(r): the stages pipeline rank r holds
+};
+// TorchTitan's split of `args.n_layers` into stages and the schedule that places them; a ConfigError naming the
+// [parallelism] keys when they do not fit. No collectives: any rank (or a test) can compute any rank's stages.
+PipelineSplit split_pipeline(const fsdp::nn::llama::LlamaArgs& args, const PipelineSplitOptions& options);
+
+// ---- the composition ------------------------------------------------------------------------------------------
+
+// `group` is the world group when distributed, or null for a single process (no collectives at all: only AC).
+// With pipeline_parallel_degree > 1: the model split into stages (split_pipeline), this rank's stages each given
+// TP, then fully_shard per block and on the stage.
 ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobConfig& config, const ParallelDims& dims,
                                const fsdp::ProcessGroupPtr& group);
 

@@ -201,7 +201,7 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
   // Mesh [pp, dp_replicate, dp_shard, tp]: the tp ranks of a data-parallel rank, and its pp ranks, read the
   // same samples (the first stage needs the tokens, the last the labels).
   const int64_t dp_rank = dims_.dp_rank_of(env.rank);
-  text_options_ = TextOptions{config.training.dataset_text_field, config.training.bad_records == "skip", main_rank_};
+  text_options_ = TextOptions{config.training.dataset_text_field, config.training.bad_records == BadRecords::Skip, main_rank_};
   loader_ = std::make_unique<DataLoader>(
       files_, tokenizer_, args_.vocab_size,
       LoaderOptions{config.training.seq_len, dims_.local_batch_size, dims_.grad_accum_steps, dp_rank, dims_.dp_degree()},
@@ -298,7 +298,7 @@ void Trainer::build_model() {
                         [stage](const torch::Tensor& x) { return fsdp::nn::call(stage, x); }});
     }
     fsdp::PipelineOptions popts;
-    popts.schedule = config.parallelism.pipeline_parallel_schedule;
+    popts.schedule = to_string(config.parallelism.pipeline_parallel_schedule);
     popts.microbatches = static_cast<int>(dims_.pp_microbatches);
     popts.num_stages = plan_.num_stages;
     pipeline_ = std::make_unique<fsdp::Pipeline>(
@@ -321,7 +321,7 @@ void Trainer::build_optimizer() {
       for (auto& p : stage->parameters()) params_.push_back(p);
     }
   }
-  if (o.name == "AdamW") {
+  if (o.name == OptimizerName::AdamW) {
     optimizer_ = std::make_unique<torch::optim::AdamW>(
         params_, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
   } else {
@@ -340,7 +340,7 @@ void Trainer::print_header() const {
   const auto& dims = dims_;
   const std::string tb = metrics_->tensorboard_dir();
   std::cout << "fsdp-train: " << config.job.description << "\n"
-            << "  model     " << config.model.name << " " << config.model.flavor << ": dim " << args.dim << ", "
+            << "  model     " << to_string(config.model.name) << " " << config.model.flavor << ": dim " << args.dim << ", "
             << args.n_layers << " layers, " << args.n_heads << " heads (" << args.kv_heads() << " kv), "
             << (args.moe ? std::to_string(args.moe->num_experts) + " experts (top-" + std::to_string(args.moe->top_k) +
                                ", " + args.moe->score_func + ", hidden " + std::to_string(args.moe->hidden) +
@@ -348,7 +348,7 @@ void Trainer::print_header() const {
                          : "ffn " + std::to_string(args.ffn_hidden_dim()))
             << ", vocab " << args.vocab_size << ", " << n_params_ << " parameters\n"
             << "  tokenizer " << tokenizer_->describe() << "\n"
-            << "  data      " << config.training.dataset << ": " << files_.size() << " files\n"
+            << "  data      " << to_string(config.training.dataset) << ": " << files_.size() << " files\n"
             << "  ranks     " << env_.world_size << " ("
             << (dims.pp > 1 ? "pp " + std::to_string(dims.pp) + " x " : std::string()) << "dp replicate "
             << dims.dp_replicate << " x shard " << dims.dp_shard
@@ -364,7 +364,7 @@ void Trainer::print_header() const {
             << "  output    " << config.job.dump_folder << "/metrics.jsonl"
             << (tb.empty() ? std::string() : ", TensorBoard " + tb) << "\n";
   if (validator_)
-    std::cout << "  validate  " << config.validation.dataset << ": " << validator_->files().size() << " files, "
+    std::cout << "  validate  " << to_string(config.validation.dataset) << ": " << validator_->files().size() << " files, "
               << validator_->num_samples() << " samples of " << config.validation.seq_len + 1 << " tokens, "
               << validator_->batches_per_run() << " batches of " << config.validation.local_batch_size
               << " per rank at step 1 and every " << config.validation.freq << " steps\n";

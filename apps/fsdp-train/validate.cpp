@@ -21,7 +21,7 @@ Validator::Validator(const JobConfig::Validation& config, std::shared_ptr<const 
   tokens_ = read_one_epoch(files_, std::move(tokenizer), vocab_limit, text, &bad_records_);
   num_samples_ = static_cast<int64_t>(tokens_.size()) / (config.seq_len + 1);
   if (num_samples_ == 0)
-    throw std::runtime_error("validation: the held-out stream (" + config.dataset + ", " +
+    throw std::runtime_error("validation: the held-out stream (" + std::string(to_string(config.dataset)) + ", " +
                              std::to_string(tokens_.size()) + " tokens) is shorter than one sample of validation.seq_len + 1 = " +
                              std::to_string(config.seq_len + 1) + " tokens");
 }

@@ -1,6 +1,7 @@
 // Fuzz target: fsdp-train's TOML job config (toml++ parse, schema types, unknown keys, value checks) and the
 // parallelism resolution over a few world sizes. An accepted config must round-trip through to_toml().
 #include "config.h"
+#include "parallel_dims.h"
 
 #include <cstdint>
 #include <exception>

@@ -34,7 +34,7 @@ TrainEnv quiet() {
 
 TEST(TrainerCheckpoint, BackgroundSaveErrorSurfacesAtTheNextCheckpointCall) {
   JobConfig c = tiny("async_error", 4);
-  c.checkpoint.async_mode = "async";
+  c.checkpoint.async_mode = AsyncMode::Async;
   // The checkpoint folder cannot be created: a regular file is in the way.
   fs::create_directories(c.job.dump_folder);
   std::ofstream(fs::path(c.job.dump_folder) / "checkpoint") << "not a directory";
@@ -60,7 +60,8 @@ TEST(TrainerCheckpoint, KeepLatestKAndLoadStep) {
   EXPECT_EQ(again.losses[0], full.losses[6]);
   EXPECT_EQ(again.losses[1], full.losses[7]);
   // Excluding the optimizer and the train state: the model is loaded, training restarts at step 1.
-  c.checkpoint.exclude_from_loading = {"optimizer", "train_state", "lr_scheduler", "dataloader"};
+  c.checkpoint.exclude_from_loading = {CheckpointPart::Optimizer, CheckpointPart::TrainState, CheckpointPart::LrScheduler,
+                                      CheckpointPart::Dataloader};
   const TrainSummary fresh = run_training(c, quiet(), false);
   EXPECT_EQ(fresh.losses.size(), 8u);
   EXPECT_LT(fresh.losses[0], full.losses[0] - 0.1);  // started from the trained weights

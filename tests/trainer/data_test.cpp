@@ -184,11 +184,11 @@ TEST(DataLoader, TokenFilesGiveTheSameBatchesAsText) {
 TEST(DataLoader, ResolvesDirectoriesSortedWithoutSymlinks) {
   const Corpus c = make_corpus("resolve");
   fs::create_symlink(c.files[0], c.dir + "/alias.txt");
-  EXPECT_EQ(resolve_dataset_files("text", c.dir), c.files);
-  EXPECT_EQ(resolve_dataset_files("text", c.files[2] + "," + c.files[0]), (std::vector<std::string>{c.files[2], c.files[0]}));
-  EXPECT_THROW(resolve_dataset_files("tokens", c.files[0]), std::runtime_error);
+  EXPECT_EQ(resolve_dataset_files(Dataset::Text, c.dir), c.files);
+  EXPECT_EQ(resolve_dataset_files(Dataset::Text, c.files[2] + "," + c.files[0]), (std::vector<std::string>{c.files[2], c.files[0]}));
+  EXPECT_THROW(resolve_dataset_files(Dataset::Tokens, c.files[0]), std::runtime_error);
   // The default dataset is present on every Debian system.
-  const auto licenses = resolve_dataset_files("common_licenses", "");
+  const auto licenses = resolve_dataset_files(Dataset::CommonLicenses, "");
   EXPECT_GE(licenses.size(), 5u);
 }
 
@@ -206,8 +206,8 @@ TEST(UnigramEntropy, MatchesTheHandComputedValue) {
 // ---- held-out split, JSON Lines, gzip, bad records ------------------------------------------------------------
 
 TEST(DataLoader, CommonLicensesHoldsOutApache) {
-  const auto train = resolve_dataset_files("common_licenses", "");
-  const auto held_out = resolve_dataset_files("common_licenses_validation", "");
+  const auto train = resolve_dataset_files(Dataset::CommonLicenses, "");
+  const auto held_out = resolve_dataset_files(Dataset::CommonLicensesValidation, "");
   ASSERT_EQ(held_out.size(), 1u);
   EXPECT_EQ(fs::path(held_out[0]).filename(), "Apache-2.0");
   for (const auto& f : train) EXPECT_NE(fs::path(f).filename(), "Apache-2.0");
@@ -217,7 +217,7 @@ TEST(DataLoader, CommonLicensesHoldsOutApache) {
   EXPECT_EQ(train.size() + 1, all.size());
   // Errors name the section's key.
   try {
-    resolve_dataset_files("text", "/nonexistent/x.txt", "validation");
+    resolve_dataset_files(Dataset::Text, "/nonexistent/x.txt", "validation");
     FAIL() << "no error";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("validation.dataset_path"), std::string::npos) << e.what();
@@ -266,8 +266,8 @@ TEST(DataLoader, JsonLinesRecordsAreDocumentsOfTheConfiguredField) {
   const int64_t n = static_cast<int64_t>(c.epoch_tokens.size());
   const auto got = stream_tokens({c.path}, 2 * n + 5, opt);  // beyond one epoch
   for (int64_t i = 0; i < 2 * n + 5; ++i) ASSERT_EQ(got[static_cast<size_t>(i)], c.epoch_tokens[static_cast<size_t>(i % n)]) << i;
-  EXPECT_EQ(resolve_dataset_files("jsonl", c.path), std::vector<std::string>{c.path});
-  EXPECT_THROW(resolve_dataset_files("jsonl", fs::path(c.path).parent_path().string() + "/../fsdp_train_data_plain_missing"),
+  EXPECT_EQ(resolve_dataset_files(Dataset::Jsonl, c.path), std::vector<std::string>{c.path});
+  EXPECT_THROW(resolve_dataset_files(Dataset::Jsonl, fs::path(c.path).parent_path().string() + "/../fsdp_train_data_plain_missing"),
                std::runtime_error);
   // The loader's saved position inside a JSON Lines file reproduces the next batch (line numbers recomputed).
   DataLoader a({c.path}, bytes(), 258, {500, 2, 1, 0, 1}, opt);

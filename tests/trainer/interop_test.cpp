@@ -83,7 +83,7 @@ TEST(TrainerInterop, DcpFormatSavesResumesAndStartsNewJobs) {
   // The same run saving PyTorch DCP, stopped right after its step-3 save.
   const std::string dcp_run = shared_dir("dcp");
   JobConfig dcp_cfg = base(dcp_run);
-  dcp_cfg.checkpoint.format = "dcp";
+  dcp_cfg.checkpoint.format = CheckpointFormat::Dcp;
   ASSERT_EQ(run_training(dcp_cfg, dist_env(/*stop_after=*/3), false).losses.size(), 3u);
   fsdp::world()->barrier().wait();
   const std::string dcp_step3 = dcp_run + "/checkpoint/step-3";

@@ -9,11 +9,12 @@
 
 #include <cmath>
 
+using fsdp_train::DecayType;
 using fsdp_train::LRSchedule;
 
 TEST(LRSchedule, WarmupThenLinearDecayWithoutDecayRatio) {
   // steps 10, warmup 2, decay_ratio unset -> decay 8, stable 0.
-  auto s = LRSchedule::build(10, 2, nullptr, "linear", 0.0);
+  auto s = LRSchedule::build(10, 2, nullptr, DecayType::Linear, 0.0);
   EXPECT_EQ(s.warmup_steps, 2);
   EXPECT_EQ(s.decay_steps, 8);
   EXPECT_EQ(s.stable_steps, 0);
@@ -29,7 +30,7 @@ TEST(LRSchedule, WarmupThenLinearDecayWithoutDecayRatio) {
 TEST(LRSchedule, WarmupStableDecayCosineWithFloor) {
   // steps 100, warmup 10, decay_ratio 0.3 -> decay 30, stable 60; cosine to 0.1.
   const double ratio = 0.3;
-  auto s = LRSchedule::build(100, 10, &ratio, "cosine", 0.1);
+  auto s = LRSchedule::build(100, 10, &ratio, DecayType::Cosine, 0.1);
   EXPECT_EQ(s.decay_steps, 30);
   EXPECT_EQ(s.stable_steps, 60);
   EXPECT_DOUBLE_EQ(s.factor(4), 5.0 / 11);
@@ -47,17 +48,17 @@ TEST(LRSchedule, WarmupStableDecayCosineWithFloor) {
 TEST(LRSchedule, SqrtDecayAndCaps) {
   const double ratio = 0.9;
   // warmup 5 + decay round(9) = 14 > 10 steps -> decay capped at 5, stable 0.
-  auto s = LRSchedule::build(10, 5, &ratio, "sqrt", 0.0);
+  auto s = LRSchedule::build(10, 5, &ratio, DecayType::Sqrt, 0.0);
   EXPECT_EQ(s.decay_steps, 5);
   EXPECT_EQ(s.stable_steps, 0);
   EXPECT_DOUBLE_EQ(s.factor(5), 1.0 - std::sqrt(1.0 / 6));
   EXPECT_DOUBLE_EQ(s.factor(8), 1.0 - std::sqrt(4.0 / 6));
   // warmup larger than the run is capped at the step count: pure warmup.
-  auto w = LRSchedule::build(4, 10, nullptr, "linear", 0.0);
+  auto w = LRSchedule::build(4, 10, nullptr, DecayType::Linear, 0.0);
   EXPECT_EQ(w.warmup_steps, 4);
   EXPECT_EQ(w.decay_steps, 0);
   EXPECT_DOUBLE_EQ(w.factor(3), 4.0 / 5);
   // Python's round() is half-to-even: 10 * 0.25 = 2.5 -> 2.
   const double quarter = 0.25;
-  EXPECT_EQ(LRSchedule::build(10, 0, &quarter, "linear", 0.0).decay_steps, 2);
+  EXPECT_EQ(LRSchedule::build(10, 0, &quarter, DecayType::Linear, 0.0).decay_steps, 2);
 }

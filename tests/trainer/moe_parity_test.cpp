@@ -35,9 +35,9 @@ JobConfig base(const std::string& name, Routing routing) {
                              "--training.local_batch_size", "1", "--training.global_batch_size", global,
                              "--training.steps", "8", "--lr_scheduler.warmup_steps", "2", "--metrics.peak_tflops", "1"});
   if (routing == Routing::DeepSeekV3) {
-    c.model.moe_score_func = "sigmoid";
+    c.model.moe_score_func = MoeScoreFunc::Sigmoid;
     c.model.moe_shared_experts = 1;
-    c.model.moe_route_norm = "true";
+    c.model.moe_route_norm = MoeRouteNorm::On;
     c.model.moe_route_scale = 2.5;
     c.model.moe_num_expert_groups = 4;  // 4 groups of 2 experts, each token within its best 2 groups
     c.model.moe_num_limited_groups = 2;

@@ -112,7 +112,7 @@ void expect_pipeline_parity(int64_t pp, int64_t shard, int64_t tp, const std::ve
     config.validation.steps = 4 / shard;  // the same 16 held-out samples over the data-parallel ranks
     config.training.local_batch_size = 4;
     config.parallelism.pipeline_parallel_degree = pp;
-    config.parallelism.pipeline_parallel_schedule = schedule;
+    config.parallelism.pipeline_parallel_schedule = parse_choice<PipelineSchedule>(schedule).value();
     config.parallelism.pipeline_parallel_microbatch_size = 1;
     const TrainSummary got = run_training(config, test::world_env(), false);
     EXPECT_NE(got.plan.find("PP " + std::to_string(pp) + " ("), std::string::npos) << got.plan;
@@ -156,7 +156,7 @@ TEST(TrainerParity, PipelineExplicitStagesAndBadConfigurations) {
   JobConfig config = base("pp_fqn", 1, 1);
   config.training.local_batch_size = 4;
   config.parallelism.pipeline_parallel_degree = 2;
-  config.parallelism.pipeline_parallel_schedule = "Interleaved1F1B";
+  config.parallelism.pipeline_parallel_schedule = PipelineSchedule::Interleaved1F1B;
   config.parallelism.module_fqns_per_model_part = {{"tok_embeddings"}, {"layers.0"}, {"layers.1"}, {"norm", "output"}};
   const TrainSummary got = run_training(config, test::world_env(), false);
   EXPECT_NE(got.plan.find("4 stages"), std::string::npos) << got.plan;
@@ -172,7 +172,7 @@ TEST(TrainerParity, PipelineExplicitStagesAndBadConfigurations) {
   JobConfig order = config;
   order.job.dump_folder += "_order";
   order.parallelism.module_fqns_per_model_part = {{"tok_embeddings", "layers.1"}, {"layers.0", "norm", "output"}};
-  order.parallelism.pipeline_parallel_schedule = "1F1B";
+  order.parallelism.pipeline_parallel_schedule = PipelineSchedule::OneFOneB;
   expect_refused(order, "the model's next module in order is 'layers.0'");
   JobConfig missing = order;
   missing.parallelism.module_fqns_per_model_part = {{"tok_embeddings", "layers.0"}, {"layers.1", "norm"}};
@@ -180,7 +180,7 @@ TEST(TrainerParity, PipelineExplicitStagesAndBadConfigurations) {
   JobConfig few = config;
   few.job.dump_folder += "_few";
   few.parallelism.module_fqns_per_model_part.clear();
-  few.parallelism.pipeline_parallel_schedule = "1F1B";
+  few.parallelism.pipeline_parallel_schedule = PipelineSchedule::OneFOneB;
   few.training.local_batch_size = 1;  // 1 microbatch for 2 stages
   few.training.global_batch_size = 1;
   expect_refused(few, "1F1B needs at least as many microbatches as stages");

@@ -31,7 +31,7 @@ JobConfig job(const std::string& folder, int64_t pp) {
   c.training.local_batch_size = 4;
   c.training.global_batch_size = 16;
   c.parallelism.pipeline_parallel_degree = pp;
-  c.parallelism.pipeline_parallel_schedule = "Interleaved1F1B";
+  c.parallelism.pipeline_parallel_schedule = PipelineSchedule::Interleaved1F1B;
   c.parallelism.pipeline_parallel_microbatch_size = 1;
   return c;
 }

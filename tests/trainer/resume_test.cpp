@@ -26,7 +26,7 @@ std::string shared_dir(const std::string& name) { return test::shared_dir("fsdp_
 JobConfig base(const std::string& folder, bool checkpoint, const std::string& async_mode = "disabled") {
   JobConfig c = test::checkpointed_job(folder);
   c.checkpoint.enable = checkpoint;
-  c.checkpoint.async_mode = async_mode;
+  c.checkpoint.async_mode = parse_choice<AsyncMode>(async_mode).value();
   return c;
 }
 

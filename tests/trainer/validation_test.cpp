@@ -47,7 +47,7 @@ JobConfig config(const std::string& name, bool validate, int64_t val_batch, cons
                              "--training.global_batch_size", "4", "--training.steps", "6", "--lr_scheduler.warmup_steps",
                              "2", "--metrics.peak_tflops", "1", "--metrics.log_freq", "3"});
   c.validation.enable = validate;
-  c.validation.dataset = "text";
+  c.validation.dataset = Dataset::Text;
   c.validation.dataset_path = held_out.string();
   c.validation.freq = 3;
   c.validation.steps = -1;

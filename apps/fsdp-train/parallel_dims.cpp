@@ -1,0 +1,88 @@
+// See parallel_dims.h.
+#include "parallel_dims.h"
+
+#include <string>
+
+namespace fsdp_train {
+namespace {
+
+void check(bool ok, const std::string& msg) {
+  if (!ok) throw ConfigError("config error: " + msg);
+}
+
+}  // namespace
+
+ParallelDims resolve_parallelism(const JobConfig& c, int64_t world_size) {
+  validate(c);  // the divisions below need positive degrees and batch sizes (found by fuzzing)
+  check(world_size >= 1, "world size must be >= 1, got " + std::to_string(world_size));
+  ParallelDims d;
+  d.world_size = world_size;
+  d.dp_replicate = c.parallelism.data_parallel_replicate_degree;
+  d.tp = c.parallelism.tensor_parallel_degree;
+  d.pp = c.parallelism.pipeline_parallel_degree;
+  check(world_size % d.pp == 0, "parallelism.pipeline_parallel_degree (" + std::to_string(d.pp) +
+                                    ") must divide the world size (" + std::to_string(world_size) + ")");
+  check((world_size / d.pp) % d.tp == 0, "parallelism.tensor_parallel_degree (" + std::to_string(d.tp) +
+                                             ") must divide the world size" +
+                                             (d.pp > 1 ? " / pipeline_parallel_degree (" : " (") +
+                                             std::to_string(world_size / d.pp) + ")");
+  world_size /= d.tp * d.pp;  // the data-parallel ranks
+  const std::string W = std::to_string(world_size) +
+                        (d.tp > 1 || d.pp > 1 ? " = world / (pipeline_parallel_degree x tensor_parallel_degree)" : ""),
+                    R = std::to_string(d.dp_replicate);
+  if (c.parallelism.data_parallel_shard_degree == -1) {
+    check(world_size % d.dp_replicate == 0, "parallelism.data_parallel_replicate_degree (" + R +
+                                                ") must divide the world size (" + W + ") when data_parallel_shard_degree = -1");
+    d.dp_shard = world_size / d.dp_replicate;
+  } else {
+    d.dp_shard = c.parallelism.data_parallel_shard_degree;
+    int64_t product = 0;
+    const bool overflow = __builtin_mul_overflow(d.dp_replicate, d.dp_shard, &product);
+    check(!overflow && product == world_size,
+          "parallelism.data_parallel_replicate_degree (" + R + ") x parallelism.data_parallel_shard_degree (" +
+              std::to_string(d.dp_shard) + ") = " + (overflow ? "overflow" : std::to_string(product)) +
+              ", expected the world size " + W);
+  }
+  d.local_batch_size = c.training.local_batch_size;
+  int64_t per_micro = 0;
+  const bool micro_overflow = __builtin_mul_overflow(d.local_batch_size, d.dp_degree(), &per_micro);
+  check(!micro_overflow,
+        "training.local_batch_size (" + std::to_string(d.local_batch_size) + ") x data-parallel degree overflows");
+  d.global_batch_size = c.training.global_batch_size == -1 ? per_micro : c.training.global_batch_size;
+  check(d.global_batch_size % per_micro == 0,
+        "training.global_batch_size (" + std::to_string(d.global_batch_size) +
+            ") must be a multiple of training.local_batch_size (" + std::to_string(d.local_batch_size) +
+            ") x data-parallel degree (" + std::to_string(d.dp_degree()) + ") = " + std::to_string(per_micro));
+  d.grad_accum_steps = d.global_batch_size / per_micro;
+  d.ep = c.parallelism.expert_parallel_degree;
+  if (d.ep > 1) {
+    check(d.dp_shard % d.ep == 0, "parallelism.expert_parallel_degree (" + std::to_string(d.ep) +
+                                      ") must divide the data-parallel shard degree (" + std::to_string(d.dp_shard) +
+                                      "): expert parallelism borrows its ranks from FSDP's shard dim");
+    check(d.tp == 1 && d.pp == 1, "parallelism.expert_parallel_degree > 1 with tensor or pipeline parallelism is "
+                                  "not supported yet (expert parallelism composes with FSDP and HSDP)");
+  }
+  if (d.pp > 1) {
+    const int64_t n = c.parallelism.num_pp_microbatches;
+    const int64_t size = c.parallelism.pipeline_parallel_microbatch_size;
+    if (n > 0) {
+      check(d.local_batch_size % n == 0, "parallelism.num_pp_microbatches (" + std::to_string(n) +
+                                             ") must divide training.local_batch_size (" +
+                                             std::to_string(d.local_batch_size) + ")");
+      d.pp_microbatches = n;
+    } else {
+      check(d.local_batch_size % size == 0, "parallelism.pipeline_parallel_microbatch_size (" + std::to_string(size) +
+                                                ") must divide training.local_batch_size (" +
+                                                std::to_string(d.local_batch_size) + ")");
+      d.pp_microbatches = d.local_batch_size / size;
+    }
+    // Validation runs the same schedule forward-only: its batch splits into the same number of microbatches.
+    check(!c.validation.enable || c.validation.local_batch_size % d.pp_microbatches == 0,
+          "validation.local_batch_size (" + std::to_string(c.validation.local_batch_size) +
+              ") must be a multiple of the pipeline's microbatches per step (" + std::to_string(d.pp_microbatches) +
+              ") under parallelism.pipeline_parallel_degree > 1");
+  }
+  return d;
+}
+
+}  // namespace fsdp_train

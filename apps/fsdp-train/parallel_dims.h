@@ -1,0 +1,33 @@
+#pragma once
+// The parallel dimensions of a job: the [parallelism] degrees and the batch sizes resolved against the world size
+// (data_parallel_shard_degree -1 = the ranks left over, gradient accumulation from the batch sizes, pipeline
+// microbatches), with an error naming the keys when they cannot fit. TorchTitan's ParallelDims; the mesh itself is
+// built by the parallelize step (parallelize.h). No torch headers.
+
+#include "config.h"
+
+#include <cstdint>
+
+namespace fsdp_train {
+
+// Degrees resolved against the world size: shard -1 = leftover; gradient accumulation from the batch sizes.
+struct ParallelDims {
+  int64_t world_size = 1;
+  int64_t dp_replicate = 1;
+  int64_t dp_shard = 1;
+  int64_t tp = 1;  // tensor-parallel degree (innermost mesh dim: ranks r*tp .. r*tp+tp-1 share a data shard)
+  int64_t pp = 1;  // pipeline degree (outermost mesh dim: the pp ranks of a data-parallel rank read the same samples)
+  int64_t pp_microbatches = 1;
+  int64_t ep = 1;  // expert-parallel degree (inside dp_shard: ranks r*ep .. r*ep+ep-1 of a shard group split the experts)
+  int64_t dp_degree() const { return dp_replicate * dp_shard; }
+  // The data-parallel rank of a world rank (mesh [pp, dp_replicate, dp_shard, tp]).
+  int64_t dp_rank_of(int64_t rank) const { return (rank % (dp_degree() * tp)) / tp; }
+  int64_t local_batch_size = 1;
+  int64_t global_batch_size = 1;
+  int64_t grad_accum_steps = 1;  // global / (local x dp)
+};
+// validate()s the config first (the divisions need positive degrees and batch sizes); a ConfigError names the keys
+// and the world size when the degrees do not fit.
+ParallelDims resolve_parallelism(const JobConfig& config, int64_t world_size);
+
+}  // namespace fsdp_train
