@@ -792,6 +792,11 @@ void validate(const JobConfig& c) {
                             std::all_of(d.begin() + 5, d.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
     check(d == "cpu" || d == "cuda" || cuda_index,
           "training.device: expected \"cpu\", \"cuda\" or \"cuda:N\", got \"" + d + "\"");
+    // The timeline counts CPU tensors only: on a GPU it would show almost nothing and look like an answer.
+    check(!c.profiling.enable_memory_snapshot || d == "cpu",
+          "profiling.enable_memory_snapshot: on training.device \"" + d + "\" TorchTitan writes the CUDA caching "
+          "allocator's snapshot, which fsdp-train does not yet; the memory timeline it writes counts CPU tensors "
+          "(training.device = \"cpu\")");
   }
   check(!c.checkpoint.last_save_in_hf || c.checkpoint.last_save_model_only,
         "checkpoint.last_save_in_hf needs checkpoint.last_save_model_only = true (as TorchTitan)");

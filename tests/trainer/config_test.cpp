@@ -141,6 +141,8 @@ TEST(Config, InvalidValuesNameTheChoices) {
                       {"training.device", "\"cpu\", \"cuda\" or \"cuda:N\"", "\"gpu\""});
   expect_config_error([] { load_config({"--training.device", "cuda:x"}); }, {"training.device", "\"cuda:x\""});
   EXPECT_EQ(load_config({"--training.device", "cuda:1"}).training.device, "cuda:1");  // the form only: no CUDA asked
+  expect_config_error([] { load_config({"--training.device", "cuda", "--profiling.enable_memory_snapshot"}); },
+                      {"profiling.enable_memory_snapshot", "CUDA caching allocator", "\"cuda\""});
 }
 
 // Every string-choice key is an enum parsed where it is read. The reference: TorchTitan's spellings, listed here by
