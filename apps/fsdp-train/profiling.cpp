@@ -3,6 +3,7 @@
 #include "profiling.h"
 
 #include "tensor_memory.h"
+#include "trace_file.h"
 
 #include <fsdp/comm_stats.h>
 
@@ -14,7 +15,6 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
-#include <fstream>
 #include <iomanip>
 #include <set>
 #include <sstream>
@@ -44,20 +44,6 @@ std::string quoted(const std::string& s) {
     out += ch;
   }
   return out + "\"";
-}
-
-void write_file(const std::filesystem::path& path, const std::string& text) {
-  // Written whole to a temporary name, then renamed: a reader never sees half a file.
-  const auto tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << text;
-    out.close();
-    TORCH_CHECK(out, "fsdp-train: [profiling] cannot write ", tmp);
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  TORCH_CHECK(!ec, "fsdp-train: [profiling] cannot rename ", tmp, " to ", path.string(), ": ", ec.message());
 }
 
 double seconds(fsdp::CollectiveSpan::Clock::duration d) { return std::chrono::duration<double>(d).count(); }
@@ -140,9 +126,10 @@ void StepProfiler::end_step(int64_t step) {
           << static_cast<double>(s.unix_ns - base_ns) / 1000.0 << ", \"args\": {\"bytes\": " << s.live_bytes << "}}";
     }
     out << "\n]}\n";
-    write_file(step_folder(dump_folder_, options_.save_memory_snapshot_folder, step) /
-                   ("rank" + r + "_memory_timeline.json"),
-               out.str());
+    write_file_whole((step_folder(dump_folder_, options_.save_memory_snapshot_folder, step) /
+                      ("rank" + r + "_memory_timeline.json"))
+                         .string(),
+                     out.str(), "fsdp-train: [profiling]");
     wrote_memory_ = true;
   }
   if (rec->kineto) {
@@ -181,7 +168,7 @@ void StepProfiler::end_step(int64_t step) {
     out << "{\"rank\": " << rank_ << ", \"step\": " << step << ", \"groups\": [" << names.str()
         << "], \"collectives\": " << collectives << ", \"in_flight_s\": " << in_flight << ", \"exposed_s\": " << exposed
         << ", \"hidden_fraction\": " << last_hidden_fraction_ << ", \"spans\": [" << spans.str() << "\n]}\n";
-    write_file(folder / ("rank" + r + "_comm.json"), out.str());
+    write_file_whole((folder / ("rank" + r + "_comm.json")).string(), out.str(), "fsdp-train: [profiling]");
     wrote_traces_ = true;
   }
 }

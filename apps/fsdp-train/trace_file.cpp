@@ -3,6 +3,7 @@
 #include "plot_canvas.h"  // json_error_reason
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -32,6 +33,19 @@ TraceFile read_trace_file(const std::string& path, const std::string& who) {
   if (!ok)
     throw std::runtime_error(who + ": " + path + ": expected a Chrome trace, {\"traceEvents\": [...]} or an array of events");
   return file;
+}
+
+void write_file_whole(const std::string& path, const std::string& text, const std::string& who) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << text;
+    out.close();
+    if (!out) throw std::runtime_error(who + ": cannot write '" + tmp + "'");
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) throw std::runtime_error(who + ": cannot rename '" + tmp + "' to '" + path + "': " + ec.message());
 }
 
 }  // namespace fsdp_train

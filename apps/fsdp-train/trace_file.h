@@ -1,6 +1,6 @@
 #pragma once
-// Chrome trace JSON files ({"traceEvents": [...]} or a bare array of events), read whole: what plot-trace and
-// merge-traces share. No torch headers.
+// Chrome trace JSON files ({"traceEvents": [...]} or a bare array of events), read and written whole: what
+// plot-trace, merge-traces and [profiling] (profiling.h) share. No torch headers.
 
 #include <nlohmann/json.hpp>
 
@@ -17,5 +17,9 @@ struct TraceFile {
 
 // Throws std::runtime_error naming `who` and the file, with line:column for JSON syntax errors.
 TraceFile read_trace_file(const std::string& path, const std::string& who);
+
+// Writes `text` to `path` through `path`.tmp and a rename, so a reader never sees half a file; throws
+// std::runtime_error naming `who` and the file.
+void write_file_whole(const std::string& path, const std::string& text, const std::string& who);
 
 }  // namespace fsdp_train

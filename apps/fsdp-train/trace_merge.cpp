@@ -6,7 +6,6 @@
 #include <cctype>
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <regex>
 #include <set>
@@ -142,16 +141,7 @@ MergedTrace merge_traces(const std::vector<std::string>& inputs, const std::stri
                         {"baseTimeNanoseconds", base},
                         {"mergedFrom", paths},
                         {"traceEvents", std::move(merged_events)}};
-  const std::string tmp = out_path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    f << out.dump();
-    f.close();
-    if (!f) throw std::runtime_error(std::string(kWho) + ": cannot write '" + tmp + "'");
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, out_path, ec);
-  if (ec) throw std::runtime_error(std::string(kWho) + ": cannot rename '" + tmp + "' to '" + out_path + "': " + ec.message());
+  write_file_whole(out_path, out.dump(), kWho);
   return result;
 }
 

@@ -138,10 +138,10 @@ void trace(ProcessGroup::Impl& g, Work::Impl& w, const char* collective, int64_t
     w.span = span;
   }
   if (own_task || w.pending.empty()) return;
-  // The waiting task (the same bound as Work::wait's backstop) stamps completion.
+  // The waiting task (bounded as Work::wait is) stamps completion.
   auto pending = std::move(w.pending);
   w.pending.clear();
-  const auto bound = w.timeout + std::max(std::chrono::milliseconds(1000), w.timeout / 10);
+  const auto bound = w.backstop();
   ProgressThread& waiter = w.watch ? g.lane(collective) : g.timeline->observer;
   w.task = waiter.submit([pending, log, span, watch = w.watch, bound] {
     for (const auto& p : pending) TORCH_CHECK(p->wait(bound), "the collective was aborted");
@@ -153,7 +153,7 @@ void trace(ProcessGroup::Impl& g, Work::Impl& w, const char* collective, int64_t
 
 void report_when_done(ProcessGroup::Impl& g, const Work::Impl& w) {
   if (!w.watch || !w.task) return;
-  const auto bound = w.timeout + std::max(std::chrono::milliseconds(1000), w.timeout / 10);
+  const auto bound = w.backstop();
   g.lane(w.collective).submit([task = w.task, watch = w.watch, bound] {
     try {
       if (!task->wait_done(bound)) return;

@@ -16,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -79,8 +80,8 @@ struct ProcessGroup::Impl {
   // `collectives` for why it is declared after it).
   std::unique_ptr<comm::ProgressThread> progress;
   comm::ProgressThread& progress_thread();
-  // While a profiler records (comm/profiling.h): one thread per collective kind that waits on its transfers
-  // inside a named range, started on first use. After `progress` for the same reason.
+  // While a profiler records (comm/profiling.h): one thread per collective kind that waits on its transfers and
+  // reports them to the profiler, started on first use. After `progress` for the same reason.
   std::map<std::string, std::unique_ptr<comm::ProgressThread>> lanes;
   comm::ProgressThread& lane(const char* collective);
   std::unique_ptr<comm::Timeline> timeline;  // null unless recording
@@ -137,6 +138,13 @@ struct Work::Impl {
   // profiler listens, what its transfer event will say.
   const char* collective = "collective";
   std::shared_ptr<comm::TransferWatch> watch;  // null unless a profiler listened when it was issued
+
+  // How long any thread waits on this work's transfers or task before giving up. Gloo enforces the timeout itself
+  // on every transfer; this is a backstop for work that never started (e.g. queued behind a stuck collective),
+  // with slack so that Gloo's more precise message wins.
+  std::chrono::milliseconds backstop() const {
+    return timeout + std::max(std::chrono::milliseconds(1000), timeout / 10);
+  }
 };
 
 namespace comm {

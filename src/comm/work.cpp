@@ -27,9 +27,7 @@ void Work::wait() {
   if (w.done) return;
   if (w.span) w.span_log->stamp(*w.span, &CollectiveSpan::wait_begin);
   const comm::WaitRange range(w.collective);
-  // Gloo enforces the timeout itself on every transfer; c10d's wait() timeout is a backstop for work that
-  // never started (e.g. queued behind a stuck collective). The slack lets Gloo's more precise message win.
-  const auto backstop = w.timeout + std::max(std::chrono::milliseconds(1000), w.timeout / 10);
+  const auto backstop = w.backstop();
   try {
     for (auto& p : w.pending) {
       // NCCL: no timeout argument — with one, c10d's NCCL work busy-waits on the CPU; without, the current
