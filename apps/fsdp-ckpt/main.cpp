@@ -9,7 +9,8 @@
 //                                               to PyTorch DCP (dcp.load / TorchTitan read it) or to ours, one
 //                                               saved chunk at a time, keeping each rank's file
 // <ckpt> is a libfsdp checkpoint or a PyTorch DCP directory (.metadata read without executing anything).
-//   fsdp-ckpt diff    <a> <b> [--atol 0]        max abs/rel difference per tensor (exit 1 when they differ)
+//   fsdp-ckpt diff    <a> <b> [--atol 0] [--ignore PREFIX]...
+//                                               max abs/rel difference per tensor (exit 1 when they differ)
 #include <fsdp/checkpoint/checkpoint.h>
 #include <fsdp/checkpoint/safetensors.h>
 
@@ -17,6 +18,7 @@
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -156,11 +158,17 @@ int cmd_convert_checkpoint(const std::string& path, const std::string& out, cons
   return 0;
 }
 
-int cmd_diff(const std::string& a, const std::string& b, double atol) {
+int cmd_diff(const std::string& a, const std::string& b, double atol, const std::vector<std::string>& ignore) {
   ckpt::Reader ra(a), rb(b);
+  // Entries under an ignored prefix (e.g. "dataloader." of two replica groups, which read different data).
+  auto ignored = [&](const std::string& key) {
+    return std::any_of(ignore.begin(), ignore.end(), [&](const std::string& p) { return key.rfind(p, 0) == 0; });
+  };
   std::map<std::string, ckpt::TensorSummary> ta, tb;
-  for (const auto& t : ra.summary().tensors) ta[t.name] = t;
-  for (const auto& t : rb.summary().tensors) tb[t.name] = t;
+  for (const auto& t : ra.summary().tensors)
+    if (!ignored(t.name)) ta[t.name] = t;
+  for (const auto& t : rb.summary().tensors)
+    if (!ignored(t.name)) tb[t.name] = t;
   int differing = 0;
   for (const auto& [name, t] : ta) {
     auto it = tb.find(name);
@@ -192,8 +200,10 @@ int cmd_diff(const std::string& a, const std::string& b, double atol) {
   const auto& va = ra.summary().values;
   const auto& vb = rb.summary().values;
   std::set<std::string> keys;
-  for (const auto& [k, v] : va) keys.insert(k);
-  for (const auto& [k, v] : vb) keys.insert(k);
+  for (const auto& [k, v] : va)
+    if (!ignored(k)) keys.insert(k);
+  for (const auto& [k, v] : vb)
+    if (!ignored(k)) keys.insert(k);
   for (const auto& k : keys) {
     auto x = va.find(k), y = vb.find(k);
     if (x != va.end() && y != vb.end() && x->second == y->second) continue;
@@ -230,13 +240,15 @@ int main(int argc, char** argv) {
   diff->add_option("a", path, "first checkpoint")->required();
   diff->add_option("b", other, "second checkpoint")->required();
   diff->add_option("--atol", atol, "differences up to this are equal");
+  std::vector<std::string> ignore;
+  diff->add_option("--ignore", ignore, "leave out entries whose key starts with this (repeatable)");
   CLI11_PARSE(app, argc, argv);
   try {
     if (*inspect) return cmd_inspect(path, values);
     if (*verify) return cmd_verify(path);
     if (*convert && to != "safetensors") return cmd_convert_checkpoint(path, out, to, model_only);
     if (*convert) return cmd_convert(path, out, parse_size(max_shard), model_only, dtype);
-    if (*diff) return cmd_diff(path, other, atol);
+    if (*diff) return cmd_diff(path, other, atol, ignore);
   } catch (const c10::Error& e) {
     std::cerr << "fsdp-ckpt: " << e.msg() << "\n";
     return 2;

@@ -341,6 +341,21 @@ std::vector<Field> fields(JobConfig& c) {
        "allocation and free of the step, as a Chrome trace counter track"},
       {"profiling", "save_memory_snapshot_folder", &c.profiling.save_memory_snapshot_folder,
        "under job.dump_folder: iteration_<step>/rank<r>_memory_timeline.json"},
+      {"fault_tolerance", "enable", &c.fault_tolerance.enable,
+       "this job is one replica group of a fault-tolerant run (fsdp::ft::Manager; start fsdp-lighthouse first)"},
+      {"fault_tolerance", "replica_id", &c.fault_tolerance.replica_id,
+       "this replica group's id, 0 .. group_size-1 (its share of every global batch)"},
+      {"fault_tolerance", "group_size", &c.fault_tolerance.group_size, "the number of replica groups of the run"},
+      {"fault_tolerance", "min_replica_size", &c.fault_tolerance.min_replica_size,
+       "a step needs at least this many replica groups in its quorum"},
+      {"fault_tolerance", "lighthouse", &c.fault_tolerance.lighthouse,
+       "fsdp-lighthouse's host:port; empty = the environment variable FSDP_LIGHTHOUSE"},
+      {"fault_tolerance", "process_group_timeout_ms", &c.fault_tolerance.process_group_timeout_ms,
+       "cross-group gradient all-reduce, healing transfers and the commit vote"},
+      {"fault_tolerance", "join_timeout_ms", &c.fault_tolerance.join_timeout_ms,
+       "how long a quorum round waits for the groups of the previous quorum"},
+      {"fault_tolerance", "quorum_timeout_seconds", &c.fault_tolerance.quorum_timeout_seconds,
+       "fail when no quorum of min_replica_size groups forms within this"},
       {"comm", "init_timeout_seconds", &c.comm.init_timeout_seconds, "rendezvous and first collectives"},
       {"comm", "train_timeout_seconds", &c.comm.train_timeout_seconds, "collectives after the first step"},
       {"debug", "seed", &c.debug.seed, "model init and anything random"},
@@ -850,6 +865,27 @@ void validate(const JobConfig& c) {
         "libfsdp or dcp format and convert with fsdp-ckpt)");
   check(c.parallelism.tensor_parallel_degree >= 1,
         "parallelism.tensor_parallel_degree: expected >= 1, got " + std::to_string(c.parallelism.tensor_parallel_degree));
+  if (c.fault_tolerance.enable) {
+    const auto& ft = c.fault_tolerance;
+    check(ft.group_size >= 1, "fault_tolerance.group_size: expected >= 1 (the number of replica groups) when "
+                              "fault_tolerance.enable, got " + std::to_string(ft.group_size));
+    check(ft.replica_id >= 0 && ft.replica_id < ft.group_size,
+          "fault_tolerance.replica_id: expected 0 .. group_size-1 = " + std::to_string(ft.group_size - 1) + ", got " +
+              std::to_string(ft.replica_id));
+    check(ft.min_replica_size >= 1 && ft.min_replica_size <= ft.group_size,
+          "fault_tolerance.min_replica_size: expected 1 .. group_size = " + std::to_string(ft.group_size) + ", got " +
+              std::to_string(ft.min_replica_size));
+    check(ft.process_group_timeout_ms > 0 && ft.join_timeout_ms > 0 && ft.quorum_timeout_seconds > 0,
+          "fault_tolerance.process_group_timeout_ms / join_timeout_ms / quorum_timeout_seconds: expected > 0");
+    // What the replica groups replace, and what has not been made fault-tolerant yet: said, not run wrongly.
+    check(c.parallelism.data_parallel_replicate_degree == 1,
+          "fault_tolerance.enable with parallelism.data_parallel_replicate_degree > 1: the replica groups are the "
+          "replicate dimension (each group shards with FSDP inside); set data_parallel_replicate_degree = 1");
+    check(c.parallelism.pipeline_parallel_degree == 1 && c.parallelism.tensor_parallel_degree == 1 &&
+              c.parallelism.expert_parallel_degree == 1,
+          "fault_tolerance.enable with pipeline, tensor or expert parallelism is not supported yet (replica groups "
+          "of FSDP only)");
+  }
   check(c.training.seq_len % c.parallelism.tensor_parallel_degree == 0,
         "training.seq_len (" + std::to_string(c.training.seq_len) + ") must be divisible by "
         "parallelism.tensor_parallel_degree (" + std::to_string(c.parallelism.tensor_parallel_degree) +

@@ -198,6 +198,20 @@ struct JobConfig {
     bool enable_memory_snapshot = false;
     std::string save_memory_snapshot_folder = "memory_snapshot";
   } profiling;
+  // TorchTitan's [fault_tolerance] (torchft): each replica group — this job, its ranks sharding the model with
+  // FSDP — is one of group_size groups that train together through fsdp::ft::Manager (docs/reliability.md): a quorum
+  // every step over the coordinator (apps/fsdp-lighthouse), gradients averaged over the quorum's groups, a commit
+  // vote before the optimizer step, and a restarted group healing from a live one instead of from disk.
+  struct FaultTolerance {
+    bool enable = false;
+    int64_t replica_id = 0;        // this group's id, 0 .. group_size-1 (its share of every global batch)
+    int64_t group_size = 0;        // how many replica groups the run has (must be set when enabled)
+    int64_t min_replica_size = 1;  // a step needs at least this many groups in its quorum
+    std::string lighthouse;        // the coordinator's host:port; empty = environment variable FSDP_LIGHTHOUSE
+    int64_t process_group_timeout_ms = 10000;  // cross-group collectives, healing transfers, the commit vote
+    int64_t join_timeout_ms = 2000;            // how long a round waits for groups of the last quorum to join
+    int64_t quorum_timeout_seconds = 120;      // no quorum of min_replica_size groups within this: fail
+  } fault_tolerance;
   struct Comm {
     int64_t init_timeout_seconds = 300;
     int64_t train_timeout_seconds = 100;

@@ -404,6 +404,15 @@ Batch DataLoader::next() {
   return b;
 }
 
+void DataLoader::seek_step(int64_t step) {
+  const int64_t target = step * opt_.grad_accum_steps;
+  if (target < micro_)
+    throw std::runtime_error("data: cannot seek back to step " + std::to_string(step) + " (the loader has delivered " +
+                             std::to_string(micro_) + " micro-batches, " + std::to_string(opt_.grad_accum_steps) +
+                             " per step)");
+  micro_ = target;  // next() skips the samples in between (arithmetic for token files)
+}
+
 nlohmann::json DataLoader::state() const {
   return {{"stream", stream_.state()},
           {"next_sample", next_sample_},

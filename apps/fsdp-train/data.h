@@ -119,6 +119,10 @@ class DataLoader {
              LoaderOptions options, TextOptions text = {});
   int64_t bad_records() const { return stream_.bad_records(); }
   Batch next();  // the next micro-batch of this rank (grad_accum_steps of them per optimizer step)
+  // Moves forward to the first micro-batch of optimizer step `step` (0-based: the batches step `step` + 1 of the
+  // trainer reads). Throws when that is behind what was already delivered (a stream only moves forward).
+  void seek_step(int64_t step);
+  int64_t step() const { return micro_ / opt_.grad_accum_steps; }  // the step of the next micro-batch
   nlohmann::json state() const;
   void load_state(const nlohmann::json& state);
   const LoaderOptions& options() const { return opt_; }

@@ -150,7 +150,7 @@ void print_summary(const fsdp_train::JobConfig& config, const fsdp_train::TrainS
                 static_cast<long long>(s.bad_records), static_cast<long long>(s.validation_bad_records));
   std::printf("outputs:\n");
   for (const auto& [what, where] : s.outputs) std::printf("  %-22s %s\n", what.c_str(), where.c_str());
-  std::printf("  %-22s fsdp-train plot %s/metrics.jsonl metrics.png\n", "plot with", config.job.dump_folder.c_str());
+  std::printf("  %-22s fsdp-train plot %s/metrics.jsonl metrics.png\n", "plot with", s.dump_folder.c_str());
 }
 
 }  // namespace

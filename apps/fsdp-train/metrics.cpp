@@ -62,6 +62,10 @@ std::string format_log_line(const StepMetrics& m) {
     std::snprintf(moe, sizeof moe, "  expert load max/mean: %.2f", worst);
     line += moe;
   }
+  if (!m.ft_replicas.empty()) {
+    line += "  replicas: ";
+    for (size_t i = 0; i < m.ft_replicas.size(); ++i) line += (i ? "," : "") + std::to_string(m.ft_replicas[i]);
+  }
   return line;
 }
 
@@ -104,6 +108,7 @@ void JsonlWriter::write(const StepMetrics& m) {
     j["expert_tokens_mean"] = m.expert_tokens_mean;
   }
   if (m.moe_aux_loss >= 0) j["moe_aux_loss"] = m.moe_aux_loss;
+  if (!m.ft_replicas.empty()) j["ft_replicas"] = m.ft_replicas;
   out_ << j.dump() << "\n";
   out_.flush();  // a crash keeps every step written so far
 }

@@ -33,6 +33,8 @@ struct StepMetrics {
   std::vector<double> expert_tokens_min, expert_tokens_max;
   double expert_tokens_mean = 0;
   double moe_aux_loss = -1;  // the step's MoE sequence-wise balance loss (added to the loss); -1 = off
+  // [fault_tolerance]: the replica groups that trained the step (its quorum); empty = not a fault-tolerant run.
+  std::vector<int> ft_replicas;
 };
 
 // Peak resident set size of this process in bytes (VmHWM of /proc/self/status); 0 where unavailable.

@@ -43,16 +43,22 @@ ParallelDims resolve_parallelism(const JobConfig& c, int64_t world_size) {
               std::to_string(d.dp_shard) + ") = " + (overflow ? "overflow" : std::to_string(product)) +
               ", expected the world size " + W);
   }
+  if (c.fault_tolerance.enable) {
+    d.ft_groups = c.fault_tolerance.group_size;
+    d.ft_replica = c.fault_tolerance.replica_id;
+  }
   d.local_batch_size = c.training.local_batch_size;
   int64_t per_micro = 0;
-  const bool micro_overflow = __builtin_mul_overflow(d.local_batch_size, d.dp_degree(), &per_micro);
+  const bool micro_overflow = __builtin_mul_overflow(d.local_batch_size, d.data_degree(), &per_micro);
   check(!micro_overflow,
         "training.local_batch_size (" + std::to_string(d.local_batch_size) + ") x data-parallel degree overflows");
   d.global_batch_size = c.training.global_batch_size == -1 ? per_micro : c.training.global_batch_size;
   check(d.global_batch_size % per_micro == 0,
         "training.global_batch_size (" + std::to_string(d.global_batch_size) +
             ") must be a multiple of training.local_batch_size (" + std::to_string(d.local_batch_size) +
-            ") x data-parallel degree (" + std::to_string(d.dp_degree()) + ") = " + std::to_string(per_micro));
+            ") x data-parallel degree (" + std::to_string(d.dp_degree()) +
+            (d.ft_groups > 1 ? " x fault_tolerance.group_size " + std::to_string(d.ft_groups) : std::string()) +
+            ") = " + std::to_string(per_micro));
   d.grad_accum_steps = d.global_batch_size / per_micro;
   d.ep = c.parallelism.expert_parallel_degree;
   if (d.ep > 1) {

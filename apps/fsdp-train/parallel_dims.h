@@ -22,9 +22,16 @@ struct ParallelDims {
   int64_t dp_degree() const { return dp_replicate * dp_shard; }
   // The data-parallel rank of a world rank (mesh [pp, dp_replicate, dp_shard, tp]).
   int64_t dp_rank_of(int64_t rank) const { return (rank % (dp_degree() * tp)) / tp; }
+  // [fault_tolerance]: this job is replica group ft_replica of ft_groups; every global batch is split over all of
+  // them (TorchTitan's ft get_dp_info): data-parallel rank d of group g reads as data rank g x dp_degree + d of
+  // ft_groups x dp_degree.
+  int64_t ft_groups = 1;
+  int64_t ft_replica = 0;
+  int64_t data_degree() const { return dp_degree() * ft_groups; }
+  int64_t data_rank_of(int64_t rank) const { return ft_replica * dp_degree() + dp_rank_of(rank); }
   int64_t local_batch_size = 1;
   int64_t global_batch_size = 1;
-  int64_t grad_accum_steps = 1;  // global / (local x dp)
+  int64_t grad_accum_steps = 1;  // global / (local x dp x ft_groups)
 };
 // validate()s the config first (the divisions need positive degrees and batch sizes); a ConfigError names the keys
 // and the world size when the degrees do not fit.

@@ -3,6 +3,7 @@
 
 #include "checkpoint_seam.h"
 #include "data.h"
+#include "fault_tolerance.h"
 #include "lr_schedule.h"
 #include "metrics.h"
 #include "metrics_processor.h"
@@ -99,8 +100,14 @@ static void check_launch_matches(const JobConfig& config, const torch::nn::Modul
 TrainEnv init_distributed(const JobConfig& config) {
   TrainEnv env;
   const char* ws = std::getenv("WORLD_SIZE");
-  if (ws && std::atoi(ws) > 1) {
+  // A fault-tolerant replica group of one rank still needs its group: the Manager talks to the others through it.
+  const bool ft_single = config.fault_tolerance.enable && !(ws && std::atoi(ws) > 1);
+  if ((ws && std::atoi(ws) > 1) || ft_single) {
     fsdp::InitOptions opts;
+    if (ft_single) {
+      opts.rank = 0;
+      opts.world_size = 1;
+    }
     opts.timeout = std::chrono::seconds(config.comm.init_timeout_seconds);
     // The process group works on the mesh's device (training.device): Gloo for the CPU; for CUDA, NCCL where
     // libfsdp has it, else Gloo on CUDA tensors.
@@ -132,11 +139,14 @@ class Trainer {
     double aux_loss = -1;       // MoE sequence-wise balance loss of the step (all ranks); -1 = off
     double data_seconds = 0;
     ExpertLoad expert_load;
+    bool committed = true;      // [fault_tolerance]: false = the quorum discarded the step (nothing was applied)
   };
   void build_model();
   void build_optimizer();
   void print_header() const;
-  StepResult train_step(int64_t step);
+  // `ready`: [fault_tolerance] this rank's state is good for the step (its healing, if any, succeeded).
+  StepResult train_step(int64_t step, bool ready = true);
+  std::vector<Batch> step_batches(int64_t step);
   // The step's microbatches through the model (or the pipeline); returns this rank's summed token loss and
   // adds this rank's share of the MoE balance loss to `aux_sum`.
   double forward_backward(std::vector<Batch>& batches, double global_tokens, TrainSummary::TensorMemory& tmem,
@@ -177,6 +187,11 @@ class Trainer {
   std::unique_ptr<Checkpointer> checkpointer_;
   TrainState state_;
   int64_t first_step_ = 1;
+  bool train_timeouts_set_ = false;
+  std::unique_ptr<FaultTolerance> ft_;  // [fault_tolerance]
+  // The batches of a step not yet committed: a step the quorum discards is retried on the same data.
+  int64_t pending_step_ = -1;
+  std::vector<Batch> pending_batches_;
 };
 
 Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
@@ -192,6 +207,12 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
   // Before the model exists, so that its storages are counted (tensor_memory.h).
   if (track_tensors_ || config.profiling.enable_memory_snapshot) tensor_memory::install();
 
+  // First, before anything slow: the coordinator must be reachable.
+  if (config.fault_tolerance.enable) {
+    TORCH_CHECK(env.group, "fault_tolerance.enable needs the replica group's process group");
+    ft_ = std::make_unique<FaultTolerance>(config, env.group, say_);
+  }
+
   // ---- tokenizer, data ----
   tokenizer_ = make_tokenizer(config.model.tokenizer_path);
   files_ = resolve_dataset_files(config.training.dataset, config.training.dataset_path);
@@ -200,18 +221,27 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
   args_.max_seq_len = config.training.seq_len;
   // Mesh [pp, dp_replicate, dp_shard, tp]: the tp ranks of a data-parallel rank, and its pp ranks, read the
   // same samples (the first stage needs the tokens, the last the labels).
+  // [fault_tolerance]: every global batch is split over all replica groups (data_rank_of, data_degree); a group's
+  // validation runs on its own ranks over the whole held-out set.
   const int64_t dp_rank = dims_.dp_rank_of(env.rank);
   text_options_ = TextOptions{config.training.dataset_text_field, config.training.bad_records == BadRecords::Skip, main_rank_};
-  loader_ = std::make_unique<DataLoader>(
-      files_, tokenizer_, args_.vocab_size,
-      LoaderOptions{config.training.seq_len, dims_.local_batch_size, dims_.grad_accum_steps, dp_rank, dims_.dp_degree()},
-      text_options_);
+  loader_ = std::make_unique<DataLoader>(files_, tokenizer_, args_.vocab_size,
+                                         LoaderOptions{config.training.seq_len, dims_.local_batch_size,
+                                                       dims_.grad_accum_steps, dims_.data_rank_of(env.rank),
+                                                       dims_.data_degree()},
+                                         text_options_);
   if (config.validation.enable)
     validator_ = std::make_unique<Validator>(config.validation, tokenizer_, args_.vocab_size, dp_rank, dims_.dp_degree(),
                                              text_options_);
 
   build_model();
   build_optimizer();
+  if (ft_) {
+    TORCH_CHECK(moe_blocks_.empty(), "fault_tolerance.enable with an MoE model (", to_string(config.model.name), " ",
+                config.model.flavor, ") is not supported yet: the expert load-balancing update is not averaged over "
+                "the replica groups");
+    if (plan_.fsdp) ft_->attach(plan_.fsdp_modules);
+  }
 
   // ---- metrics ----
   summary_.plan = plan_.description + "; " + plan_.activation_checkpointing;
@@ -363,6 +393,15 @@ void Trainer::print_header() const {
             << flops_per_token_ / 1e6 << " MFLOP per token\n"
             << "  output    " << config.job.dump_folder << "/metrics.jsonl"
             << (tb.empty() ? std::string() : ", TensorBoard " + tb) << "\n";
+  if (config.fault_tolerance.enable) {
+    const auto& f = config.fault_tolerance;
+    const char* env_lighthouse = std::getenv("FSDP_LIGHTHOUSE");
+    std::cout << "  ft        replica group " << f.replica_id << " of " << f.group_size << " (a step needs "
+              << f.min_replica_size << "), lighthouse "
+              << (!f.lighthouse.empty() ? f.lighthouse : env_lighthouse ? std::string(env_lighthouse) + " (FSDP_LIGHTHOUSE)" : "?")
+              << "; reads data rank " << dims.data_rank_of(0) << ".." << dims.data_rank_of(dims.dp_degree() - 1)
+              << " of " << dims.data_degree() << "\n";
+  }
   if (validator_)
     std::cout << "  validate  " << to_string(config.validation.dataset) << ": " << validator_->files().size() << " files, "
               << validator_->num_samples() << " samples of " << config.validation.seq_len + 1 << " tokens, "
@@ -420,7 +459,18 @@ double Trainer::clip_gradients() {
   return torch::nn::utils::clip_grad_norm_(params_, config_.training.max_norm);
 }
 
-Trainer::StepResult Trainer::train_step(int64_t step) {
+std::vector<Batch> Trainer::step_batches(int64_t step) {
+  if (pending_step_ == step) return pending_batches_;  // a retried step (fault tolerance): the same data
+  std::vector<Batch> batches;
+  for (int64_t m = 0; m < dims_.grad_accum_steps; ++m) batches.push_back(loader_->next());
+  if (ft_) {
+    pending_step_ = step;
+    pending_batches_ = batches;
+  }
+  return batches;
+}
+
+Trainer::StepResult Trainer::train_step(int64_t step, bool ready) {
   StepResult r;
   r.lr = config_.optimizer.lr * schedule_->factor(step - 1);
   for (auto& group : optimizer_->param_groups()) group.options().set_lr(r.lr);
@@ -428,11 +478,9 @@ Trainer::StepResult Trainer::train_step(int64_t step) {
 
   // Data first, so that the global token count is known before any backward.
   const auto t_data = Clock::now();
-  std::vector<Batch> batches;
-  for (int64_t m = 0; m < dims_.grad_accum_steps; ++m) {
-    batches.push_back(loader_->next());
-    for (int64_t l : batches.back().labels) r.local_tokens += l != -100;
-  }
+  std::vector<Batch> batches = step_batches(step);
+  for (const Batch& b : batches)
+    for (int64_t l : b.labels) r.local_tokens += l != -100;
   r.data_seconds = seconds_since(t_data);
   // The TP and PP ranks of a data-parallel rank hold the same tokens: count them once.
   const double global_tokens =
@@ -450,7 +498,19 @@ Trainer::StepResult Trainer::train_step(int64_t step) {
     r.aux_loss = all_reduce(env_.group, {aux_sum})[0] / static_cast<double>(dims_.tp);
     summary_.aux_losses.push_back(r.aux_loss);
   }
+  // The loss of this replica group's batch (under [fault_tolerance]: averaged over the quorum's groups, as their
+  // gradients are).
+  r.loss = all_reduce(env_.group, {r.local_loss_sum})[0] / static_cast<double>(dims_.tp) / global_tokens;
+  if (ft_) {
+    if (!plan_.fsdp) ft_->average_gradients(params_);
+    r.loss = ft_->average(r.loss);
+  }
   r.grad_norm = clip_gradients();
+  if (ft_ && !(r.committed = ft_->commit(ready, step))) {
+    optimizer_->zero_grad();  // the step is dropped: no update, its gradients gone
+    return r;
+  }
+  pending_step_ = -1;
   // MoE: the step's expert load over the data-parallel ranks drives the load-balancing bias (TorchTitan runs
   // this as an optimizer step pre-hook; gradient accumulation has summed every microbatch's counts).
   r.expert_load = update_expert_load_balance(moe_blocks_, plan_.dp_group);
@@ -461,7 +521,6 @@ Trainer::StepResult Trainer::train_step(int64_t step) {
     tmem.peak = tensor_memory::peak_bytes();
     summary_.tensor_memory.push_back(tmem);
   }
-  r.loss = all_reduce(env_.group, {r.local_loss_sum})[0] / static_cast<double>(dims_.tp) / global_tokens;
   summary_.losses.push_back(r.loss);
   summary_.grad_norms.push_back(r.grad_norm);
   return r;
@@ -526,6 +585,7 @@ void Trainer::log(int64_t step, const StepResult& r, const TrainSummary::TensorM
   m.expert_tokens_max = r.expert_load.max_tokens;
   if (!r.expert_load.empty()) m.expert_tokens_mean = r.expert_load.mean_tokens.front();
   m.moe_aux_loss = r.aux_loss;
+  if (ft_) m.ft_replicas = ft_->members();
   if (track_tensors_) {
     m.tensor_start_bytes = tmem.start;
     m.tensor_forward_bytes = tmem.forward;
@@ -547,11 +607,25 @@ TrainSummary Trainer::train(bool compute_entropy) {
   // Under PP each pp rank runs 1/pp of the layers of its data-parallel rank's tokens: count them so as well.
   const int64_t tokens_per_step_local = dims_.local_batch_size * dims_.grad_accum_steps * S / dims_.tp / dims_.pp;
   metrics_->start();
-  for (int64_t step = state_.step + 1; step <= config_.training.steps; ++step) {
+  bool trained_here = false;
+  for (int64_t step = state_.step + 1; step <= config_.training.steps;) {
+    bool ready = true;
+    if (ft_) {
+      // The quorum of this step; a group behind it heals first and continues from the sender's step.
+      ready = ft_->begin_step(state_);
+      step = state_.step + 1;
+      if (!trained_here) first_step_ = step;
+      if (step > config_.training.steps) break;
+    }
     profiler_->begin_step(step);
-    const StepResult r = train_step(step);
+    const StepResult r = train_step(step, ready);
     profiler_->end_step(step);
-    if (step == first_step_) set_train_timeouts();
+    if (!train_timeouts_set_) {
+      set_train_timeouts();
+      train_timeouts_set_ = true;
+    }
+    if (!r.committed) continue;  // discarded by the quorum: the same step again, with the next quorum
+    trained_here = true;
     state_.step = step;
     state_.ntokens_seen = step * dims_.global_batch_size * S;
     const bool last = step == config_.training.steps;
@@ -560,11 +634,13 @@ TrainSummary Trainer::train(bool compute_entropy) {
     metrics_->add_step(tokens_per_step_local, r.data_seconds);
     if (validator_ && validator_->should_validate(step)) validate(step);
     log(step, r, summary_.tensor_memory.empty() ? TrainSummary::TensorMemory{} : summary_.tensor_memory.back());
+    ++step;
   }
 
   checkpointer_->wait();  // a background save or purge finishes (and reports its error) before the job ends
   summary_.seconds = metrics_->elapsed();
   summary_.tokens_seen = state_.step * dims_.global_batch_size * S;
+  summary_.dump_folder = config_.job.dump_folder;
   if (main_rank_) {
     const std::filesystem::path dump(config_.job.dump_folder);
     summary_.outputs.push_back({"effective config", (dump / "config.toml").string()});
@@ -592,7 +668,12 @@ TrainSummary Trainer::train(bool compute_entropy) {
 }  // namespace
 
 TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool compute_entropy) {
-  return Trainer(config, env).train(compute_entropy);
+  if (!config.fault_tolerance.enable) return Trainer(config, env).train(compute_entropy);
+  // Each replica group writes its own metrics, traces and checkpoints (its fallback when no other group is alive).
+  JobConfig per_group = config;
+  per_group.job.dump_folder = (std::filesystem::path(config.job.dump_folder) /
+                               ("replica_" + std::to_string(config.fault_tolerance.replica_id))).string();
+  return Trainer(per_group, env).train(compute_entropy);
 }
 
 }  // namespace fsdp_train

@@ -33,6 +33,7 @@ struct TrainSummary {
   double seconds = 0;               // wall time from the first step to the end
   int64_t tokens_seen = 0;          // global training tokens up to the last step (steps before a resume included)
   std::vector<std::pair<std::string, std::string>> outputs;  // rank 0: what was written where
+  std::string dump_folder;          // job.dump_folder, or under [fault_tolerance] this replica group's folder in it
   double mean_tps = 0;              // tokens/s per rank after the first step
   double mean_mfu = 0;
   double peak_tflops = 0;

@@ -29,9 +29,14 @@ struct ManagerOptions {
   std::string lighthouse;  // the coordinator's "host:port"; empty = environment variable FSDP_LIGHTHOUSE
   int min_replicas = 1;    // a quorum needs at least this many replica groups
   // When this many replica groups have joined a round it closes at once (0 = unknown). Otherwise a round closes as
-  // soon as every member of the previous quorum has joined, or join_timeout after this replica joined.
+  // soon as every member of the previous quorum has joined or is gone (heartbeat_timeout), or join_timeout after
+  // this replica joined.
   int expected_replicas = 0;
   std::chrono::milliseconds join_timeout{std::chrono::seconds(2)};
+  // Every rank of a replica group beats every 100 ms from its first start_quorum on (not while it is still starting
+  // up). A group some of whose ranks have not beaten for this long is gone: a round stops waiting for it, and the
+  // majority rule (more than half of the live groups must join) leaves it out.
+  std::chrono::milliseconds heartbeat_timeout{std::chrono::seconds(1)};
   // How long start_quorum waits for a quorum of min_replicas before it throws.
   std::chrono::milliseconds quorum_timeout{std::chrono::minutes(2)};
   // Connecting the quorum's process group, each collective over it, healing transfers, and the commit vote.

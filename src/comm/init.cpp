@@ -133,6 +133,7 @@ struct GroupSetup {
   c10::Device device{c10::kCPU};
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   std::shared_ptr<::gloo::transport::Device> gloo_device;
+  bool name_missing_ranks = true;  // StoreGroupSpec::name_missing_ranks
 };
 
 // Builds a group over `r.store` under `prefix`. `ranks` are the members' ranks in whatever numbering the caller
@@ -150,7 +151,7 @@ ProcessGroupPtr build_group(const GroupSetup& r, const std::string& prefix, cons
   c10::intrusive_ptr<c10d::Backend> communicator;  // none for a size-1 group: its collectives are local
   if (impl->size > 1) {
     auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, r.store);
-    impl->store = store;
+    if (r.name_missing_ranks) impl->store = store;  // comm::missing_ranks asks it after a failure
     try {
       if (r.backend == "gloo") {
         auto opts = c10d::ProcessGroupGloo::Options::create(r.timeout);
@@ -337,6 +338,7 @@ ProcessGroupPtr comm::group_over_store(const StoreGroupSpec& spec) {
   }
   setup.store = spec.store;
   setup.timeout = spec.timeout;
+  setup.name_missing_ranks = spec.name_missing_ranks;
   std::vector<int> members(spec.size);
   for (int i = 0; i < spec.size; ++i) members[i] = i;
   // Outside the registry lock: connecting waits for the other members (up to the timeout), and the world's own

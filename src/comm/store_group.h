@@ -20,6 +20,10 @@ struct StoreGroupSpec {
   int rank = 0;        // this member's index, 0 <= rank < size
   int size = 1;
   std::chrono::milliseconds timeout{std::chrono::seconds(30)};  // connecting and every later collective
+  // true: a failed collective's error names the members that never reached it, found through the store after a
+  // grace of up to 3 s (comm::missing_ranks). false: it fails at once — for groups where any failure ends the work
+  // at hand and every second counts (a fault-tolerant quorum group: the step is discarded whoever is missing).
+  bool name_missing_ranks = true;
 };
 
 // Builds the group collectively: every member calls it with the same prefix and size and its own rank; returns once

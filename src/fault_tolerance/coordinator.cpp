@@ -79,8 +79,10 @@ StorePtr connect_coordinator(const std::string& address, std::chrono::millisecon
   }
 }
 
-Heartbeat::Heartbeat(StorePtr store, int replica_id)
-    : store_(std::move(store)), key_("fsdp-ft/hb/" + std::to_string(replica_id)), thread_([this] { run(); }) {}
+Heartbeat::Heartbeat(StorePtr store, int replica_id, int rank)
+    : store_(std::move(store)),
+      key_("fsdp-ft/hb/" + std::to_string(replica_id) + "/" + std::to_string(rank)),
+      thread_([this] { run(); }) {}
 
 Heartbeat::~Heartbeat() {
   {
@@ -120,19 +122,21 @@ std::vector<int> Coordinator::live_replicas(Clock::time_point now) {
   }
   std::vector<int> live;
   for (int id : ids) {
-    const std::string key = "fsdp-ft/hb/" + std::to_string(id);
-    const int64_t beats = exists(*store_, key) ? store_->add(key, 0) : -1;
-    auto it = std::find_if(seen_.begin(), seen_.end(), [&](const auto& s) { return s.first == id; });
-    if (it == seen_.end()) {
-      seen_.push_back({id, Seen{beats, now}});
-      it = std::prev(seen_.end());
-    } else if (it->second.beats != beats) {
-      it->second = Seen{beats, now};
+    const std::string size_key = "fsdp-ft/size/" + std::to_string(id);
+    const int64_t ranks = exists(*store_, size_key) ? parse_int(text(store_->get(size_key)), size_key) : 1;
+    // Alive = every rank's counter moved within the last heartbeat_timeout of watching: a group with one rank
+    // stopped or hung cannot take part in a step, whatever its other ranks do. A rank first seen just now counts as
+    // alive until it has had heartbeat_timeout to show a beat: waiting for a dead one costs time, dropping a live
+    // one would split the run in two quorums.
+    bool alive = true;
+    for (int rank = 0; rank < ranks; ++rank) {
+      const std::string key = "fsdp-ft/hb/" + std::to_string(id) + "/" + std::to_string(rank);
+      const int64_t beats = exists(*store_, key) ? store_->add(key, 0) : -1;
+      auto [it, first] = seen_.try_emplace({id, rank}, Seen{beats, now});
+      if (!first && it->second.beats != beats) it->second = Seen{beats, now};
+      alive = alive && now - it->second.changed < options_.heartbeat_timeout;
     }
-    // Alive = its counter moved within the last join_timeout of watching. A replica first seen just now counts as
-    // alive until it has had join_timeout to show a beat: waiting for a dead one costs time, dropping a live one
-    // would split the run in two quorums.
-    if (now - it->second.changed < options_.join_timeout) live.push_back(id);
+    if (alive) live.push_back(id);
   }
   return live;
 }
@@ -199,16 +203,20 @@ bool Coordinator::try_round(int64_t q, const Member& me, Clock::time_point deadl
     const int count = static_cast<int>(ids.size());
     bool close = false;
     if (count >= options_.min_replicas) {
-      // Everyone expected is here, or everyone of the last quorum is back: no reason to wait.
+      // The joiners must be more than half of the replicas alive (torchft's majority rule: a restarted replica alone
+      // must not form a quorum of its own while the others are busy in a step).
+      std::set<int> alive(live.begin(), live.end());
+      alive.insert(ids.begin(), ids.end());
+      const bool majority = 2 * count > static_cast<int>(alive.size());
+      const bool live_previous_back =
+          have_previous && std::all_of(previous.begin(), previous.end(), [&](int id) {
+            return ids.count(id) || !std::binary_search(live.begin(), live.end(), id);
+          });
+      // Everyone expected is here, or everyone of the last quorum is back: no reason to wait. Members of the last
+      // quorum that are gone (no heartbeat) are not waited for either; otherwise stragglers get join_timeout.
       close = (options_.expected_replicas > 0 && count >= options_.expected_replicas) ||
-              (have_previous && std::all_of(previous.begin(), previous.end(), [&](int id) { return ids.count(id); }));
-      if (!close && now - joined_at >= options_.join_timeout) {
-        // Waited long enough for stragglers: close if the joiners are more than half of the replicas alive (a
-        // restarted replica alone must not form a quorum of its own while the others are busy in a step).
-        std::set<int> alive(live.begin(), live.end());
-        alive.insert(ids.begin(), ids.end());
-        close = 2 * count > static_cast<int>(alive.size());
-      }
+              (have_previous && std::all_of(previous.begin(), previous.end(), [&](int id) { return ids.count(id); })) ||
+              (live_previous_back && majority) || (now - joined_at >= options_.join_timeout && majority);
     }
     if (close) {
       store_->compareSet(closed_key, {}, bytes(std::to_string(prefix)));

@@ -6,7 +6,9 @@
 //
 // Keys, all under "fsdp-ft/":
 //   replicas                    append-only list "id,id,..." of the replica ids ever seen (whose heartbeats to watch)
-//   hb/<replica id>             a counter its replica's heartbeat thread bumps every 100 ms
+//   size/<replica id>           the number of ranks of that replica group (written by its rank 0 before it is listed)
+//   hb/<replica id>/<rank>      a counter each rank's heartbeat thread bumps every 100 ms; a replica group is alive
+//                               while every one of its ranks beats (a group with one hung rank cannot train)
 //   latest                      the newest closed round (a hint for where to join)
 //   round/<q>/joined            add() counter: the n-th joiner of round q gets position n
 //   round/<q>/member/<n>        "replica_id step incarnation" of the joiner at position n
@@ -22,6 +24,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -49,11 +52,11 @@ struct ClosedRound {
   int64_t positions = 0;        // join positions the round closed over (the value of its "closed" key)
 };
 
-// Bumps hb/<replica id> every 100 ms on its own store connection (so that a Gloo rendezvous blocking the main
+// Bumps hb/<replica id>/<rank> every 100 ms on its own store connection (so that a Gloo rendezvous blocking the main
 // connection cannot starve it) until destroyed. A process that is killed or stopped stops beating.
 class Heartbeat {
  public:
-  Heartbeat(StorePtr store, int replica_id);
+  Heartbeat(StorePtr store, int replica_id, int rank);
   ~Heartbeat();
   Heartbeat(const Heartbeat&) = delete;
   Heartbeat& operator=(const Heartbeat&) = delete;
@@ -97,12 +100,13 @@ class Coordinator {
 
   StorePtr store_;
   ManagerOptions options_;
-  // Heartbeat observation: the last counter seen per replica id and when it last changed (this process's clock).
+  // Heartbeat observation: the last counter seen per (replica id, rank) and when it last changed (this process's
+  // clock).
   struct Seen {
     int64_t beats = -1;
     std::chrono::steady_clock::time_point changed;
   };
-  std::vector<std::pair<int, Seen>> seen_;
+  std::map<std::pair<int, int>, Seen> seen_;
   std::chrono::steady_clock::time_point watching_since_;
 };
 

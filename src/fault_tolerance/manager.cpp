@@ -45,7 +45,8 @@ struct Manager::Impl {
   uint64_t incarnation = 0;
   StorePtr store;
   std::unique_ptr<Coordinator> coordinator;
-  std::unique_ptr<Heartbeat> heartbeat;  // rank 0 only
+  StorePtr heartbeat_store;              // its own connection (a Gloo rendezvous may block the main one)
+  std::unique_ptr<Heartbeat> heartbeat;  // this rank's beat (coordinator.h), started by the first start_quorum
 
   Phase phase = Phase::Idle;
   Quorum quorum;
@@ -76,8 +77,9 @@ Manager::Manager(ManagerOptions options, ProcessGroupPtr replica_group) : impl_(
               options.min_replicas);
   TORCH_CHECK(options.expected_replicas >= 0, "fsdp::ft::Manager: ManagerOptions.expected_replicas must be >= 0, got ",
               options.expected_replicas);
-  TORCH_CHECK(options.join_timeout.count() > 0 && options.quorum_timeout.count() > 0 && options.timeout.count() > 0,
-              "fsdp::ft::Manager: join_timeout, quorum_timeout and timeout must be positive");
+  TORCH_CHECK(options.join_timeout.count() > 0 && options.quorum_timeout.count() > 0 && options.timeout.count() > 0 &&
+                  options.heartbeat_timeout.count() > 0,
+              "fsdp::ft::Manager: join_timeout, heartbeat_timeout, quorum_timeout and timeout must be positive");
   if (options.lighthouse.empty()) {
     const char* env = std::getenv("FSDP_LIGHTHOUSE");
     TORCH_CHECK(env && *env, "fsdp::ft::Manager: no coordinator address: set ManagerOptions.lighthouse or "
@@ -99,12 +101,15 @@ Manager::Manager(ManagerOptions options, ProcessGroupPtr replica_group) : impl_(
     incarnation = t.cpu().item<int64_t>();
   }
   m.incarnation = static_cast<uint64_t>(incarnation);
+  // Every rank beats (the group is alive only while all of its ranks are, coordinator.h), from its first
+  // start_quorum on: a group still starting up is not waited for, the others train on without it meanwhile.
+  m.heartbeat_store = connect_coordinator(options.lighthouse, options.timeout);
   if (m.shard == 0) {
-    // append creates the key for the first replica; a restarted replica lists its id again (read as a set).
+    // The group's size first, so that whoever reads the list knows how many ranks' beats make it alive. append
+    // creates the list for the first replica; a restarted replica lists its id again (read as a set).
+    m.store->set(c10::str("fsdp-ft/size/", options.replica_id), std::to_string(m.group_size));
     const std::string id = std::to_string(options.replica_id) + ",";
     m.store->append("fsdp-ft/replicas", std::vector<uint8_t>(id.begin(), id.end()));
-    m.heartbeat = std::make_unique<Heartbeat>(connect_coordinator(options.lighthouse, options.timeout),
-                                              options.replica_id);
   }
 }
 
@@ -116,16 +121,33 @@ const Quorum& Manager::start_quorum(int64_t step) {
               ": the previous step was not ended (call should_commit first)");
   TORCH_CHECK(step >= 0, "fsdp::ft::Manager::start_quorum: step must be >= 0, got ", step);
   m.error.clear();
+  if (!m.heartbeat) m.heartbeat = std::make_unique<Heartbeat>(m.heartbeat_store, m.options.replica_id, m.shard);
 
   // Rank 0 joins for the whole replica group and tells its ranks which round (and how many join positions) closed
   // with it inside, through a key of its own in the store (not a collective of the replica group: joining may take
   // up to quorum_timeout, longer than the group's collective timeout); every rank then reads the same membership.
+  // Rank 0 joins only once every rank of its group has arrived here (torchft's manager server waits for all its
+  // workers alike): a group with a hung rank (stopped, or stuck in a collective) stays out of the rounds, so the
+  // others drop it after join_timeout instead of taking it in and failing every step on its missing rank.
   ClosedRound round;
   const std::string told = c10::str("fsdp-ft/replica/", m.options.replica_id, "/", m.incarnation, "/call/", m.calls++);
   if (m.shard == 0) {
+    if (m.group_size > 1) {
+      std::vector<std::string> arrived;
+      for (int r = 1; r < m.group_size; ++r) arrived.push_back(c10::str(told, "/arrived/", r));
+      const auto limit = m.options.quorum_timeout + m.options.timeout;
+      try {
+        m.store->wait(arrived, limit);
+      } catch (const std::exception& e) {
+        TORCH_CHECK(false, "fsdp::ft: ", m.who(), ": not every rank of this replica group reached step ", step,
+                    "'s quorum within ", limit.count(), " ms (a rank hung?): ", detail::message_of(e));
+      }
+      for (const auto& key : arrived) m.store->deleteKey(key);
+    }
     round = m.coordinator->join(Member{m.options.replica_id, step, m.incarnation, 0}, m.last_round, m.missed);
     if (m.group_size > 1) m.store->set(told, c10::str(round.id, " ", round.positions));
   } else {
+    m.store->set(c10::str(told, "/arrived/", m.shard), "1");
     try {
       m.store->wait({told}, m.options.quorum_timeout + m.options.timeout);
     } catch (const std::exception& e) {
@@ -174,7 +196,7 @@ const Quorum& Manager::start_quorum(int64_t step) {
       m.group = comm::group_over_store(comm::StoreGroupSpec{
           m.store, Coordinator::group_prefix(round.id, m.shard),
           c10::str("quorum ", round.id, " [shard ", m.shard, "]"), q.replica_index, q.num_participants(),
-          m.options.timeout});
+          m.options.timeout, /*name_missing_ranks=*/false});
     } catch (const std::exception& e) {
       m.record(c10::str("creating the quorum group of round ", round.id), e);
     }

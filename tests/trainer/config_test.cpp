@@ -273,6 +273,44 @@ TEST(Config, ImpossibleParallelismIsRejected) {
                        "data-parallel degree (2) = 16"});
 }
 
+TEST(Config, FaultToleranceKeysAndTheDataShareOfAReplicaGroup) {
+  JobConfig c = parse_toml("", "x");
+  EXPECT_FALSE(c.fault_tolerance.enable);  // TorchTitan's defaults
+  EXPECT_EQ(c.fault_tolerance.group_size, 0);
+  EXPECT_EQ(c.fault_tolerance.min_replica_size, 1);
+  EXPECT_EQ(c.fault_tolerance.process_group_timeout_ms, 10000);
+  expect_config_error([] { load_config({"--fault_tolerance.enable"}); },
+                      {"fault_tolerance.group_size: expected >= 1", "got 0"});
+  expect_config_error([] { load_config({"--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
+                                        "--fault_tolerance.replica_id", "2"}); },
+                      {"fault_tolerance.replica_id: expected 0 .. group_size-1 = 1, got 2"});
+  expect_config_error([] { load_config({"--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
+                                        "--fault_tolerance.min_replica_size", "3"}); },
+                      {"fault_tolerance.min_replica_size: expected 1 .. group_size = 2, got 3"});
+  expect_config_error([] { load_config({"--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
+                                        "--parallelism.data_parallel_replicate_degree", "2"}); },
+                      {"the replica groups are the replicate dimension"});
+  expect_config_error([] { load_config({"--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
+                                        "--parallelism.tensor_parallel_degree", "2"}); },
+                      {"pipeline, tensor or expert parallelism is not supported yet"});
+  // Disabled, the keys are not checked (as TorchTitan: group_size 0 is its default).
+  EXPECT_NO_THROW(load_config({"--fault_tolerance.replica_id", "7"}));
+
+  // Group 1 of 3, 2 ranks each: global batch 24 = local 2 x 2 ranks x 3 groups x accumulation 2; its ranks read as
+  // data ranks 2 and 3 of 6 (counted by hand).
+  JobConfig f = load_config({"--fault_tolerance.enable", "--fault_tolerance.group_size", "3", "--fault_tolerance.replica_id",
+                             "1", "--training.local_batch_size", "2", "--training.global_batch_size", "24"});
+  const ParallelDims d = resolve_parallelism(f, 2);
+  EXPECT_EQ(d.dp_shard, 2);
+  EXPECT_EQ(d.data_degree(), 6);
+  EXPECT_EQ(d.data_rank_of(0), 2);
+  EXPECT_EQ(d.data_rank_of(1), 3);
+  EXPECT_EQ(d.grad_accum_steps, 2);
+  f.training.global_batch_size = 20;
+  expect_config_error([&] { resolve_parallelism(f, 2); },
+                      {"training.global_batch_size (20)", "data-parallel degree (2 x fault_tolerance.group_size 3) = 12"});
+}
+
 TEST(Config, MissingDataFileNamesThePath) {
   try {
     resolve_dataset_files(Dataset::Text, "/nonexistent/corpus.txt");

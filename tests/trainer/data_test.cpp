@@ -127,6 +127,24 @@ TEST(DataLoader, OneRankWithAccumulationSeesTheUnionOfTwoRanks) {
   }
 }
 
+TEST(DataLoader, SeekStepSkipsToThatStepsSamplesAndNeverBack) {
+  // What a healed replica group does (fault tolerance): from step 0 straight to step 5's batches.
+  const Corpus c = make_corpus("seek");
+  const int64_t S = 32, L = 2, A = 2, D = 3, G = L * A * D, r = 1;
+  DataLoader loader(c.files, bytes(), 258, LoaderOptions{S, L, A, r, D});
+  loader.next();  // step 0, micro-batch 0 only
+  loader.seek_step(5);
+  EXPECT_EQ(loader.step(), 5);
+  for (int64_t m = 0; m < A; ++m) {
+    const Batch b = loader.next();
+    expect_batch_matches_reference(c, b, S);
+    for (int64_t i = 0; i < L; ++i) EXPECT_EQ(b.sample_ids[static_cast<size_t>(i)], 5 * G + r * L * A + m * L + i);
+  }
+  EXPECT_EQ(loader.step(), 6);
+  loader.seek_step(6);  // where it is: fine
+  EXPECT_THROW(loader.seek_step(4), std::runtime_error);
+}
+
 TEST(DataLoader, SavedStateReproducesTheNextBatchExactly) {
   const Corpus c = make_corpus("state");
   for (int64_t stop : {1, 7, 23}) {  // positions inside the first chunk, the big file, and across its chunk cut

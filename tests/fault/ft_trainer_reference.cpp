@@ -1,0 +1,129 @@
+// The reference of ft_trainer_test.py: fsdp-train's training replayed in one process, without fully_shard, without
+// process groups and without fsdp::ft, given the membership of every step — what a fault-tolerant run of
+// fault_tolerance.group_size replica groups must compute under its documented data rule (docs/reliability.md):
+//   * replica group r's batch of step t is its share of global batch t (data rank r of group_size, the union of its
+//     ranks' samples), whether or not r takes part in step t — an absent group's batch is skipped, nobody reads it;
+//   * the gradient of step t is the mean over the step's members of each member's mean-token-loss gradient, and
+//     the logged loss the mean of their losses;
+//   * then clipping (training.max_norm over the whole gradient) and the optimizer step, as fsdp-train.
+// The model, tokenizer, data stream, schedule and optimizer come from fsdp-train's own building blocks (each checked
+// against PyTorch elsewhere); what is under test — sharding, the quorum, the cross-group average, the commit vote
+// and healing — is not here.
+//
+//   ft_trainer_reference MEMBERSHIP OUT -- <fsdp-train arguments of the run, [fault_tolerance] included>
+// MEMBERSHIP: one line per step, "<step> <id>,<id>,..." (steps 1..N in order); OUT: one line per step, "<step> <loss>".
+#include "config.h"
+#include "data.h"
+#include "lr_schedule.h"
+#include "parallel_dims.h"
+#include "parallelize.h"
+#include "tokenizer.h"
+
+#include <fsdp/models/llama.h>
+#include <fsdp/nn/module_call.h>
+
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+using namespace fsdp_train;
+
+int main(int argc, char** argv) {
+  if (argc < 4 || std::string(argv[3]) != "--") {
+    std::cerr << "usage: ft_trainer_reference MEMBERSHIP OUT -- <fsdp-train arguments>\n";
+    return 2;
+  }
+  try {
+    const JobConfig config = load_config(std::vector<std::string>(argv + 4, argv + argc));
+    TORCH_CHECK(config.fault_tolerance.enable, "the run's arguments must enable [fault_tolerance]");
+    // The group's size in ranks: the world of each replica job, taken from its data_parallel_shard_degree.
+    const int64_t ranks = config.parallelism.data_parallel_shard_degree;
+    TORCH_CHECK(ranks >= 1, "pass --parallelism.data_parallel_shard_degree (the ranks of one replica group)");
+    const ParallelDims dims = resolve_parallelism(config, ranks);
+    const int64_t groups = dims.ft_groups, A = dims.grad_accum_steps;
+
+    std::vector<std::vector<int>> members;
+    {
+      std::ifstream in(argv[1]);
+      TORCH_CHECK(in, "cannot read ", argv[1]);
+      int64_t step = 0;
+      std::string ids;
+      while (in >> step >> ids) {
+        TORCH_CHECK(step == static_cast<int64_t>(members.size()) + 1, argv[1], ": expected step ", members.size() + 1,
+                    ", got ", step);
+        members.emplace_back();
+        std::stringstream ss(ids);
+        for (std::string id; std::getline(ss, id, ',');) members.back().push_back(std::stoi(id));
+      }
+    }
+
+    torch::set_num_threads(1);
+    torch::manual_seed(static_cast<uint64_t>(config.debug.seed));
+    auto tokenizer = make_tokenizer(config.model.tokenizer_path);
+    const auto files = resolve_dataset_files(config.training.dataset, config.training.dataset_path);
+    auto args = model_args(config);
+    args.vocab_size = tokenizer->vocab_size();
+    args.max_seq_len = config.training.seq_len;
+    fsdp::nn::llama::Transformer model(args);
+    model->init_weights(static_cast<uint64_t>(config.debug.seed));
+
+    // Group g's share of every global batch: its ranks' samples, in their order (data ranks g*ranks .. +ranks-1).
+    std::vector<std::unique_ptr<DataLoader>> loaders;
+    const TextOptions text{config.training.dataset_text_field, config.training.bad_records == BadRecords::Skip, false};
+    for (int64_t g = 0; g < groups; ++g)
+      loaders.push_back(std::make_unique<DataLoader>(
+          files, tokenizer, args.vocab_size,
+          LoaderOptions{config.training.seq_len, dims.local_batch_size * ranks, A, g, groups}, text));
+
+    const auto& o = config.optimizer;
+    auto params = model->parameters();
+    torch::optim::AdamW optimizer(
+        params, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
+    const auto& s = config.lr_scheduler;
+    const double* decay_ratio = s.decay_ratio ? &*s.decay_ratio : nullptr;
+    const LRSchedule schedule =
+        LRSchedule::build(config.training.steps, s.warmup_steps, decay_ratio, s.decay_type, s.min_lr_factor);
+
+    std::ofstream out(argv[2]);
+    for (size_t i = 0; i < members.size(); ++i) {
+      const int64_t step = static_cast<int64_t>(i) + 1;
+      const double lr = o.lr * schedule.factor(step - 1);
+      for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
+      optimizer.zero_grad();
+      const double n = static_cast<double>(members[i].size());
+      double loss = 0;
+      for (int g : members[i]) {
+        TORCH_CHECK(g >= 0 && g < groups, "step ", step, ": replica ", g, " is not one of ", groups);
+        loaders[g]->seek_step(step - 1);
+        std::vector<Batch> batches;
+        int64_t tokens = 0;
+        for (int64_t m = 0; m < A; ++m) {
+          batches.push_back(loaders[g]->next());
+          for (int64_t l : batches.back().labels) tokens += l != -100;
+        }
+        for (auto& b : batches) {
+          auto inputs = torch::from_blob(b.inputs.data(), {b.batch, b.seq_len}, torch::kLong);
+          auto labels = torch::from_blob(b.labels.data(), {b.batch * b.seq_len}, torch::kLong);
+          auto logits = fsdp::nn::call(model, inputs);
+          auto sum = torch::nn::functional::cross_entropy(
+              logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), labels,
+              torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(-100));
+          (sum / static_cast<double>(tokens) / n).backward();
+          loss += sum.item<double>() / static_cast<double>(tokens) / n;
+        }
+      }
+      torch::nn::utils::clip_grad_norm_(params, config.training.max_norm);
+      optimizer.step();
+      char line[64];
+      std::snprintf(line, sizeof line, "%lld %.17g\n", static_cast<long long>(step), loss);
+      out << line;
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "ft_trainer_reference: " << e.what() << "\n";
+    return 1;
+  }
+}
