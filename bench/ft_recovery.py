@@ -7,8 +7,10 @@ and SIGKILL one rank of replica 1 at a random step (the same steps in both, from
         --max-restarts 1). Measured: from the kill to replica 1's first step back in the quorum, and the longest
         pause of replica 0 (the survivor) around the kill.
   disk  one fsdp-train job of 4 ranks (data_parallel_replicate_degree 2 x shard 2) under fsdprun --max-restarts 1,
-        a checkpoint after every step (the best case for disk: no step is lost). Measured: from the kill to the
-        job's first new step after the restart (every rank stopped, restarted and read the checkpoint).
+        a checkpoint every K steps (--disk-intervals; 1 is the best case for disk: no step is lost, but every step
+        pays a save). Measured: from the kill to the job's first step after the restart (every rank stopped,
+        restarted and read the checkpoint), and to its first step past the one it had reached (the redone steps
+        included).
 Each printed line is one kill; the table at the end gives the medians.
 
   python3 bench/ft_recovery.py --build build [--trials 3] [--flavor cpu_tiny] [--steps 80] [--seed N]
@@ -36,6 +38,7 @@ ap.add_argument("--steps", type=int, default=80)
 ap.add_argument("--seq-len", type=int, default=32)
 ap.add_argument("--seed", type=int, default=None)
 ap.add_argument("--workdir", default="/tmp/fsdp_ft_recovery")
+ap.add_argument("--disk-intervals", default="1,10", help="checkpoint.interval of the disk runs, comma-separated")
 a = ap.parse_args()
 seed = a.seed if a.seed is not None else random.randrange(1 << 30)
 rng = random.Random(seed)
@@ -129,10 +132,10 @@ def ft_trial(work, step, rank):
             "heal": heal_line.split("ft: ", 1)[-1]}
 
 
-def disk_trial(work, step, rank):
+def disk_trial(work, step, rank, interval):
     args = COMMON + ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree",
-                     "2", "--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2",
-                     "--job.dump_folder", work]
+                     "2", "--checkpoint.enable", "--checkpoint.interval", str(interval), "--checkpoint.keep_latest_k",
+                     "2", "--job.dump_folder", work]
     job = fu.Job([FSDPRUN, "--nproc-per-node", "4", "--max-restarts", "1", TRAIN] + args, "hsdp", BENCH_JOB="disk")
     try:
         # Replica 1's rank `rank` is world rank 2 + rank (mesh [dp_replicate, dp_shard]).
@@ -140,33 +143,53 @@ def disk_trial(work, step, rank):
         restart = wait_until([job], lambda: next((t for t, l in job.lines if t_kill and t >= t_kill and
                                                  "restarting" in l), None), 60)
         back = wait_until([job], lambda: next((t for t, _ in steps_of(job, restart)), None) if restart else None, 120)
+        reached = max((s for t, s in steps_of(job) if t_kill and t < t_kill), default=0)
+        past = wait_until([job], lambda: next((t for t, s in steps_of(job, restart) if s > reached), None)
+                          if restart else None, 120)
         wait_until([job], lambda: job.proc.poll() is not None, 300)
     finally:
         job.finish(15)
         dump_log(work, [job], t_kill if "t_kill" in dir() else None)
     load = next((l for _, l in job.lines if "checkpoint: loaded" in l), "")
-    return {"recovery_s": back - t_kill if t_kill and back else None, "load": load.split("] ", 1)[-1]}
+    times = [t for t, _ in steps_of(job)]
+    return {"recovery_s": back - t_kill if t_kill and back else None,
+            "caught_up_s": past - t_kill if t_kill and past else None,
+            "step_s": statistics.median([b - a for a, b in zip(times, times[1:])][:10]) if len(times) > 3 else None,
+            "load": load.split("] ", 1)[-1]}
 
 
 shutil.rmtree(a.workdir, ignore_errors=True)
 os.makedirs(a.workdir)
+intervals = [int(k) for k in a.disk_intervals.split(",")]
 print(f"# ft_recovery: flavor {a.flavor}, seq {a.seq_len}, {a.steps} steps, HSDP 2 x 2 on 4 ranks; seed {seed}")
 rows = []
 for n in range(a.trials):
     step, rank = rng.randrange(8, 25), rng.randrange(2)
     ft = ft_trial(os.path.join(a.workdir, f"ft{n}"), step, rank)
-    disk = disk_trial(os.path.join(a.workdir, f"disk{n}"), step, rank)
-    rows.append((ft, disk))
-    print(f"kill rank {rank} of replica 1 at step {step}: ft recovery {ft['recovery_s']:.2f} s (survivor's longest "
-          f"pause {ft['survivor_pause_s']:.2f} s, its step {ft['survivor_step_s'] * 1e3:.0f} ms; {ft['heal']}); "
-          f"disk restart {disk['recovery_s']:.2f} s ({disk['load']})", flush=True)
-ok = [(f, d) for f, d in rows if f["recovery_s"] and d["recovery_s"]]
-if ok:
-    fr = statistics.median(f["recovery_s"] for f, _ in ok)
-    fp = statistics.median(f["survivor_pause_s"] for f, _ in ok)
-    dr = statistics.median(d["recovery_s"] for _, d in ok)
-    print("\n| kills | ft: kill to replica 1 back in the quorum | ft: survivor's longest pause | "
-          "disk: kill to the job's first step after the restart | ft / disk |")
-    print("|---|---|---|---|---|")
-    print(f"| {len(ok)} | {fr:.2f} s | {fp:.2f} s | {dr:.2f} s | {fr / dr:.2f} |")
+    disks = {k: disk_trial(os.path.join(a.workdir, f"disk{n}_every{k}"), step, rank, k) for k in intervals}
+    rows.append((ft, disks))
+    line = (f"kill rank {rank} of replica 1 at step {step}: ft: replica 1 back in {ft['recovery_s']:.2f} s, survivor's "
+            f"longest pause {ft['survivor_pause_s']:.2f} s (its step {ft['survivor_step_s'] * 1e3:.0f} ms; "
+            f"{ft['heal']})")
+    for k, d in disks.items():
+        line += (f"; disk every {k}: first step after the restart {d['recovery_s']:.2f} s, past the kill step "
+                 f"{d['caught_up_s']:.2f} s (step {d['step_s'] * 1e3:.0f} ms; {d['load']})")
+    print(line, flush=True)
+
+
+def med(values):
+    values = [v for v in values if v is not None]
+    return f"{statistics.median(values):.2f} s" if values else "n/a"
+
+
+print(f"\n| {a.flavor}, {len(rows)} kills (medians) | time until training goes on | the lost group back | "
+      f"median step time |")
+print("|---|---|---|---|")
+print(f"| fault tolerance (2 replica groups) | survivor's longest pause: {med(f['survivor_pause_s'] for f, _ in rows)} | "
+      f"{med(f['recovery_s'] for f, _ in rows)} (healed from replica 0) | "
+      f"{med(f['survivor_step_s'] for f, _ in rows)} |")
+for k in intervals:
+    print(f"| restart from disk, checkpoint every {k} step(s) | every rank: {med(d[k]['recovery_s'] for _, d in rows)} "
+          f"to the first step, {med(d[k]['caught_up_s'] for _, d in rows)} past the step reached | "
+          f"(the whole job) | {med(d[k]['step_s'] for _, d in rows)} |")
 fu.no_process_left()

@@ -130,14 +130,24 @@ class DistributedCheckpointer final : public Checkpointer {
     const bool has_train_state = summary.values.count("train_state.step") > 0;
     const bool model_only = !has_train_state || (from_initial && cfg_.initial_load_model_only);
     std::vector<std::string> exclude;
+    // The data loader entry every rank reads when the rank count changed: the lowest data rank's (dp_rank_0, or
+    // under [fault_tolerance] the first data rank of this replica group, which saved only its own ranks').
+    const std::string loader_prefix = "dataloader.dp_rank_";
+    int64_t lowest = -1;
+    for (const auto& [key, value] : summary.values) {
+      if (key.rfind(loader_prefix, 0) != 0) continue;
+      const int64_t rank = std::stoll(key.substr(loader_prefix.size()));
+      if (lowest < 0 || rank < lowest) lowest = rank;
+    }
+    loader_key_ = loader_prefix + std::to_string(std::max<int64_t>(lowest, 0));
     // A TorchTitan (PyTorch DCP) checkpoint has no rng.cpu, and its data loader state is pickled Python
     // (never loaded): those parts start fresh.
-    for (const char* part : {"rng.cpu", "dataloader.dp_rank_0"}) {
+    for (const std::string& part : {std::string("rng.cpu"), loader_key_}) {
       if (model_only || summary.values.count(part)) continue;
       const std::string prefix = std::string(part).substr(0, std::string(part).find('.') + 1);
       exclude.push_back(prefix);
       if (rank_ == 0) {
-        std::printf("checkpoint: %s has no readable %s%s; that state starts fresh\n", dir.c_str(), part,
+        std::printf("checkpoint: %s has no readable %s%s; that state starts fresh\n", dir.c_str(), part.c_str(),
                     summary.unreadable_values.count(part) ? " (pickled Python data)" : "");
       }
     }
@@ -329,10 +339,10 @@ class DistributedCheckpointer final : public Checkpointer {
     sd.values["train_state.ntokens_seen"] = std::to_string(s.ntokens_seen);
     sd.values["lr_scheduler.last_epoch"] = std::to_string(s.step);
     sd.values["dataloader.world_size"] = std::to_string(opt.dp_degree);
-    // Loading asks for rank 0's entry only (present whatever the saved rank count); a rank's own entry is read
-    // in restore_train_state when the rank count is unchanged.
+    // Loading asks for the lowest data rank's entry only (present whatever the saved rank count); a rank's own
+    // entry is read in restore_train_state when the rank count is unchanged.
     if (for_save) sd.values["dataloader.dp_rank_" + std::to_string(opt.dp_rank)] = s.data->state().dump();
-    else sd.values["dataloader.dp_rank_0"] = "null";
+    else sd.values[loader_key_] = "null";
     at::Tensor rng = at::detail::getDefaultCPUGenerator().get_state();
     sd.values["rng.cpu"] = nlohmann::json(hex(rng)).dump();
     return sd;
@@ -361,7 +371,7 @@ class DistributedCheckpointer final : public Checkpointer {
     // Another data-parallel degree: every rank restarts at the same global sample. Rank 0's saved stream
     // position precedes the first sample of the next step of every rank (its block comes first), so it is
     // reused and next() skips forward to this rank's samples; the global batch size must be unchanged.
-    nlohmann::json st = value("dataloader.dp_rank_0");
+    nlohmann::json st = value(loader_key_);
     const int64_t saved_global = st.at("local_batch_size").get<int64_t>() * st.at("grad_accum_steps").get<int64_t>() * saved_world;
     const int64_t global = opt.local_batch_size * opt.grad_accum_steps * opt.dp_degree;
     TORCH_CHECK(saved_global == global, "checkpoint: the data loader was saved with a global batch of ", saved_global,
@@ -383,6 +393,7 @@ class DistributedCheckpointer final : public Checkpointer {
   int world_;
   fsdp::ProcessGroupPtr job_group_, group_;
   std::string folder_;
+  std::string loader_key_ = "dataloader.dp_rank_0";  // see load()
   std::unique_ptr<ckpt::AsyncSaver> saver_;
   std::thread purger_;
   std::exception_ptr purge_error_;

@@ -5,8 +5,10 @@ each group). Replica 0 runs under fsdprun without restarts, replica 1 with --max
 
 Trials 1..TRIALS: one rank (random) of replica 1 is SIGKILLed at a random step; its fsdprun brings the group down and
 starts it again; the new group finds no checkpoint, joins the quorum and heals from replica 0.
-Last two trials: rank 0, then rank 1 of replica 1 is SIGSTOPped at a random step and SIGCONTed once replica 0 has
+Then two trials: rank 0, then rank 1 of replica 1 is SIGSTOPped at a random step and SIGCONTed once replica 0 has
 trained a few steps alone; replica 1 finds itself behind and heals.
+Last, the disk fallback: one rank of each group is SIGKILLed at once (no replica alive); both groups restart and go
+on from their own checkpoints (every 5 steps), nobody heals, and the run still equals the reference.
 
 Checked in every trial:
   * replica 0 never stops: its fsdprun never restarts, it exits 0, its steps are 1..N once each in order (its step
@@ -38,6 +40,7 @@ ap.add_argument("--lighthouse", required=True)
 ap.add_argument("--reference", required=True)
 ap.add_argument("--trials", type=int, default=5, help="kill trials (then two SIGSTOP trials)")
 ap.add_argument("--no-stop-trials", action="store_true")
+ap.add_argument("--no-fallback-trial", action="store_true")
 ap.add_argument("--steps", type=int, default=120)
 ap.add_argument("--seed", type=int, default=None)
 ap.add_argument("--name", default="ft_trainer_test")
@@ -232,6 +235,86 @@ def trial(n, stop, stop_rank=None):
                  f"compared, fsdp-ckpt diff --atol 0)" + ("" if d.returncode == 0 else ": " + d.stdout[-600:]))
 
 
+def fallback_trial(n):
+    """No replica group alive: one rank of each group is SIGKILLed at the same moment; both fsdpruns restart their
+    groups, which find no live peer ahead of them and go on from their own checkpoints on disk."""
+    tag = f"trial {n} (disk fallback)"
+    work = os.path.join(a.workdir, f"trial{n}")
+    os.makedirs(work)
+    light = fu.Job([a.lighthouse, "--port", "0"], f"{tag}: lighthouse")
+    light.wait_for(r"serving on", 30)
+    served = re.search(r"serving on (\S+)", light.text())
+    if not fu.check(served is not None, f"{tag}: fsdp-lighthouse printed its address"):
+        light.proc.kill()
+        light.finish(10)
+        return
+    interval = 5
+    args = TRAIN[:-1] + [str(interval), "--job.dump_folder", work]  # a checkpoint every 5 steps (and the last)
+    jobs = [fu.Job([a.fsdprun, "--nproc-per-node", "2", "--max-restarts", "1", "--timeout", "300", a.train] + args +
+                   ["--fault_tolerance.replica_id", str(r)], f"{tag}: replica {r}", FSDP_LIGHTHOUSE=served.group(1),
+                   FT_REPLICA_ID=r) for r in (0, 1)]
+    r0, r1 = jobs
+    kill_step = rng.randrange(8, 20)
+    killed = False
+    try:
+        if wait_until(jobs + [light], lambda: any(s == kill_step for _, s in step_lines(r0)), 120):
+            victims = [rank_pid(r, rng.randrange(2)) for r in (0, 1)]
+            if all(victims):
+                for v in victims:
+                    os.kill(v, signal.SIGKILL)
+                killed = True
+                fu.injected(f"{tag}: SIGKILL one rank of each replica group (pids {victims}) after step {kill_step}")
+        fu.check(killed, f"{tag}: both groups reached step {kill_step} and were killed")
+        for j in jobs:
+            wait_until(jobs + [light], lambda: j.proc.poll() is not None, 240)
+    finally:
+        for j in jobs:
+            j.finish(15)
+        light.proc.send_signal(signal.SIGTERM)
+        light.finish(10)
+        for j, name in ((r0, "replica_0"), (r1, "replica_1"), (light, "lighthouse")):
+            with open(os.path.join(work, name + ".log"), "w") as f:
+                f.write(j.text() + "\n")
+    for r, j in ((0, r0), (1, r1)):
+        loads = j.grep(r"checkpoint: loaded \S+/step-(\d+)")
+        step = int(re.search(r"step-(\d+)", loads[0]).group(1)) if loads else -1
+        fu.check(j.proc.returncode == 0 and j.grep(r"restarting \(attempt 1/1\)") and
+                 step >= kill_step - interval - 1 and step % interval == 0,
+                 f"{tag}: replica {r} restarted and went on from its checkpoint on disk: {loads[0] if loads else None}")
+    fu.check(not r0.grep(r"healed from") and not r1.grep(r"healed from"), f"{tag}: nobody healed (no live peer was ahead)")
+    # Replica 1's checkpoint holds data ranks 2 and 3 only: its loader position must still be found (it once was
+    # not, and replica 1 silently restarted its data from step 0).
+    fu.check(not r0.grep(r"starts fresh") and not r1.grep(r"starts fresh"),
+             f"{tag}: both groups restored their data loader position (no state started fresh)")
+    # The membership of every step from replica 0's log lines (both incarnations: the later line of a redone step
+    # wins), its losses from metrics.jsonl (written by the restarted incarnation: the steps after its checkpoint).
+    members = {}
+    for _, l in r0.lines:
+        m = re.match(r"^\[rank 0\] step:\s+(\d+)\s.*replicas: (\S+)$", l)
+        if m:
+            members[int(m.group(1))] = m.group(2)
+    m0 = metrics(os.path.join(work, "replica_0"))
+    if not fu.check(sorted(members) == list(range(1, STEPS + 1)) and m0 and m0[-1]["step"] == STEPS,
+                    f"{tag}: replica 0 logged every step 1..{STEPS}"):
+        return
+    mem_file, ref_file = os.path.join(work, "membership.txt"), os.path.join(work, "reference.txt")
+    with open(mem_file, "w") as f:
+        for step in range(1, STEPS + 1):
+            f.write(f"{step} {members[step]}\n")
+    r = subprocess.run([a.reference, mem_file, ref_file, "--"] + TRAIN, capture_output=True, text=True, timeout=300)
+    if not fu.check(r.returncode == 0, f"{tag}: the reference ran ({r.stderr.strip()[-300:]})"):
+        return
+    ref = [float(l.split()[1]) for l in open(ref_file)]
+    worst = max(abs(m["loss"] - ref[m["step"] - 1]) / abs(ref[m["step"] - 1]) for m in m0)
+    fu.check(worst <= 1e-5, f"{tag}: after the restart from disk, replica 0's loss equals the reference at each of its "
+             f"{len(m0)} steps (max rel. difference {worst:.2g})")
+    ck = [os.path.join(work, f"replica_{i}", "checkpoint", f"step-{STEPS}") for i in (0, 1)]
+    d = subprocess.run([a.ckpt_tool, "diff", ck[0], ck[1], "--atol", "0", "--ignore", "dataloader."],
+                       capture_output=True, text=True, timeout=120)
+    fu.check(d.returncode == 0 and d.stdout.strip().endswith("identical"),
+             f"{tag}: the groups' final states are bit-identical" + ("" if d.returncode == 0 else ": " + d.stdout[-600:]))
+
+
 for n in range(1, a.trials + 1):
     trial(n, stop=False)
 if not a.no_stop_trials:
@@ -239,4 +322,6 @@ if not a.no_stop_trials:
     # group must stay out of the rounds until it answers again.
     trial(a.trials + 1, stop=True, stop_rank=0)
     trial(a.trials + 2, stop=True, stop_rank=1)
+if not a.no_fallback_trial:
+    fallback_trial(a.trials + 3)
 fu.finish_test(a.name)
