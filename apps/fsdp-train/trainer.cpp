@@ -498,12 +498,14 @@ Trainer::StepResult Trainer::train_step(int64_t step, bool ready) {
     r.aux_loss = all_reduce(env_.group, {aux_sum})[0] / static_cast<double>(dims_.tp);
     summary_.aux_losses.push_back(r.aux_loss);
   }
-  // The loss of this replica group's batch (under [fault_tolerance]: averaged over the quorum's groups, as their
-  // gradients are).
-  r.loss = all_reduce(env_.group, {r.local_loss_sum})[0] / static_cast<double>(dims_.tp) / global_tokens;
+  auto global_loss = [&] {
+    return all_reduce(env_.group, {r.local_loss_sum})[0] / static_cast<double>(dims_.tp) / global_tokens;
+  };
   if (ft_) {
+    // The loss of this replica group's batch averaged over the quorum's groups, as their gradients are; before the
+    // vote, so that a failure here discards the step too.
     if (!plan_.fsdp) ft_->average_gradients(params_);
-    r.loss = ft_->average(r.loss);
+    r.loss = ft_->average(global_loss());
   }
   r.grad_norm = clip_gradients();
   if (ft_ && !(r.committed = ft_->commit(ready, step))) {
@@ -521,6 +523,7 @@ Trainer::StepResult Trainer::train_step(int64_t step, bool ready) {
     tmem.peak = tensor_memory::peak_bytes();
     summary_.tensor_memory.push_back(tmem);
   }
+  if (!ft_) r.loss = global_loss();
   summary_.losses.push_back(r.loss);
   summary_.grad_norms.push_back(r.grad_norm);
   return r;

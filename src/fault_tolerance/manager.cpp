@@ -130,35 +130,43 @@ const Quorum& Manager::start_quorum(int64_t step) {
   // workers alike): a group with a hung rank (stopped, or stuck in a collective) stays out of the rounds, so the
   // others drop it after join_timeout instead of taking it in and failing every step on its missing rank.
   ClosedRound round;
-  const std::string told = c10::str("fsdp-ft/replica/", m.options.replica_id, "/", m.incarnation, "/call/", m.calls++);
-  if (m.shard == 0) {
-    if (m.group_size > 1) {
-      std::vector<std::string> arrived;
-      for (int r = 1; r < m.group_size; ++r) arrived.push_back(c10::str(told, "/arrived/", r));
-      const auto limit = m.options.quorum_timeout + m.options.timeout;
-      try {
-        m.store->wait(arrived, limit);
-      } catch (const std::exception& e) {
-        TORCH_CHECK(false, "fsdp::ft: ", m.who(), ": not every rank of this replica group reached step ", step,
-                    "'s quorum within ", limit.count(), " ms (a rank hung?): ", detail::message_of(e));
+  try {
+    const std::string told =
+        c10::str("fsdp-ft/replica/", m.options.replica_id, "/", m.incarnation, "/call/", m.calls++);
+    if (m.shard == 0) {
+      if (m.group_size > 1) {
+        std::vector<std::string> arrived;
+        for (int r = 1; r < m.group_size; ++r) arrived.push_back(c10::str(told, "/arrived/", r));
+        const auto limit = m.options.quorum_timeout + m.options.timeout;
+        try {
+          m.store->wait(arrived, limit);
+        } catch (const std::exception& e) {
+          TORCH_CHECK(false, "fsdp::ft: ", m.who(), ": not every rank of this replica group reached step ", step,
+                      "'s quorum within ", limit.count(), " ms (a rank hung?): ", detail::message_of(e));
+        }
+        for (const auto& key : arrived) m.store->deleteKey(key);
       }
-      for (const auto& key : arrived) m.store->deleteKey(key);
+      round = m.coordinator->join(Member{m.options.replica_id, step, m.incarnation, 0}, m.last_round, m.missed);
+      if (m.group_size > 1) m.store->set(told, c10::str(round.id, " ", round.positions));
+    } else {
+      m.store->set(c10::str(told, "/arrived/", m.shard), "1");
+      try {
+        m.store->wait({told}, m.options.quorum_timeout + m.options.timeout);
+      } catch (const std::exception& e) {
+        TORCH_CHECK(false, "fsdp::ft: ", m.who(), ": rank 0 of this replica group did not report a quorum within ",
+                    (m.options.quorum_timeout + m.options.timeout).count(), " ms: ", detail::message_of(e));
+      }
+      const std::string value = m.store->get_to_str(told);
+      int64_t id = 0, positions = 0;
+      TORCH_CHECK(std::sscanf(value.c_str(), "%" SCNd64 " %" SCNd64, &id, &positions) == 2, "fsdp::ft: ", m.who(),
+                  ": malformed round record '", value, "' under ", told);
+      round = m.coordinator->read_round(id, positions);
     }
-    round = m.coordinator->join(Member{m.options.replica_id, step, m.incarnation, 0}, m.last_round, m.missed);
-    if (m.group_size > 1) m.store->set(told, c10::str(round.id, " ", round.positions));
-  } else {
-    m.store->set(c10::str(told, "/arrived/", m.shard), "1");
-    try {
-      m.store->wait({told}, m.options.quorum_timeout + m.options.timeout);
-    } catch (const std::exception& e) {
-      TORCH_CHECK(false, "fsdp::ft: ", m.who(), ": rank 0 of this replica group did not report a quorum within ",
-                  (m.options.quorum_timeout + m.options.timeout).count(), " ms: ", detail::message_of(e));
-    }
-    const std::string value = m.store->get_to_str(told);
-    int64_t id = 0, positions = 0;
-    TORCH_CHECK(std::sscanf(value.c_str(), "%" SCNd64 " %" SCNd64, &id, &positions) == 2, "fsdp::ft: ", m.who(),
-                ": malformed round record '", value, "' under ", told);
-    round = m.coordinator->read_round(id, positions);
+  } catch (const c10::DistError& e) {
+    // The store connection broke (the timeouts above are reported as such): the coordinator process is gone.
+    TORCH_CHECK(false, "fsdp::ft: ", m.who(), ": lost the coordinator (fsdp-lighthouse at ", m.options.lighthouse,
+                ") while joining step ", step, "'s quorum: ", detail::message_of(e),
+                ". No replica group can train without it (it holds every quorum): start it again, then the groups");
   }
   m.last_round = round.id;
 
