@@ -16,7 +16,6 @@ Each printed line is one kill; the table at the end gives the medians.
   python3 bench/ft_recovery.py --build build [--trials 3] [--flavor cpu_tiny] [--steps 80] [--seed N]
 """
 import argparse
-import json
 import os
 import random
 import re
@@ -55,17 +54,6 @@ def steps_of(job, since=0.0):
     return [(t, int(m.group(1))) for t, l in job.lines if t >= since for m in [STEP_RX.match(l)] if m]
 
 
-def wait_until(jobs, cond, timeout):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = cond()
-        if v:
-            return v
-        for j in jobs:
-            j._pump(0.01)
-    return cond()
-
-
 def victim_pid(marker, rank):
     for pid in fu.marked_pids():
         e = fu.proc_env(pid)
@@ -89,7 +77,7 @@ def dump_log(work, jobs, t_kill):
 
 def kill_at(jobs, watch, marker, step, rank):
     """SIGKILLs `rank` of the job marked `marker` right after `watch` logged step - 1; returns the time."""
-    if not wait_until(jobs, lambda: any(s == step - 1 for _, s in steps_of(watch)), 180):
+    if not fu.wait_until(jobs, lambda: any(s == step - 1 for _, s in steps_of(watch)), 180):
         return None
     time.sleep(rng.uniform(0, 0.04))
     pid = victim_pid(marker, rank)
@@ -100,9 +88,8 @@ def kill_at(jobs, watch, marker, step, rank):
 
 
 def ft_trial(work, step, rank):
-    light = fu.Job([LIGHTHOUSE, "--port", "0"], "lighthouse")
-    light.wait_for(r"serving on", 30)
-    addr = re.search(r"serving on (\S+)", light.text()).group(1)
+    light, addr = fu.start_lighthouse(LIGHTHOUSE)
+    assert addr, "fsdp-lighthouse did not start"
     args = COMMON + ["--parallelism.data_parallel_shard_degree", "2", "--fault_tolerance.enable",
                      "--fault_tolerance.group_size", "2", "--job.dump_folder", work]
     jobs = [fu.Job([FSDPRUN, "--nproc-per-node", "2", "--max-restarts", str(r), TRAIN] + args +
@@ -111,17 +98,14 @@ def ft_trial(work, step, rank):
     r0, r1 = jobs
     try:
         t_kill = kill_at(jobs + [light], r1, "ft1", step, rank)
-        healed = wait_until(jobs + [light], lambda: next((t for t, l in r1.lines if t_kill and t >= t_kill and
+        healed = fu.wait_until(jobs + [light], lambda: next((t for t, l in r1.lines if t_kill and t >= t_kill and
                                                           "healed from replica 0" in l), None), 120)
-        back = wait_until(jobs + [light], lambda: next((t for t, _ in steps_of(r1, healed)), None) if healed else None,
+        back = fu.wait_until(jobs + [light], lambda: next((t for t, _ in steps_of(r1, healed)), None) if healed else None,
                           60)
         for j in jobs:
-            wait_until(jobs + [light], lambda: j.proc.poll() is not None, 300)
+            fu.wait_until(jobs + [light], lambda: j.proc.poll() is not None, 300)
     finally:
-        for j in jobs:
-            j.finish(15)
-        light.proc.send_signal(signal.SIGTERM)
-        light.finish(10)
+        fu.end_jobs(jobs, light)
         dump_log(work, jobs, t_kill if "t_kill" in dir() else None)
     times = [t for t, _ in steps_of(r0)]
     gaps = [b - a for a, b in zip(times, times[1:]) if t_kill and b >= t_kill]
@@ -140,15 +124,15 @@ def disk_trial(work, step, rank, interval):
     try:
         # Replica 1's rank `rank` is world rank 2 + rank (mesh [dp_replicate, dp_shard]).
         t_kill = kill_at([job], job, "disk", step, 2 + rank)
-        restart = wait_until([job], lambda: next((t for t, l in job.lines if t_kill and t >= t_kill and
+        restart = fu.wait_until([job], lambda: next((t for t, l in job.lines if t_kill and t >= t_kill and
                                                  "restarting" in l), None), 60)
-        back = wait_until([job], lambda: next((t for t, _ in steps_of(job, restart)), None) if restart else None, 120)
+        back = fu.wait_until([job], lambda: next((t for t, _ in steps_of(job, restart)), None) if restart else None, 120)
         reached = max((s for t, s in steps_of(job) if t_kill and t < t_kill), default=0)
-        past = wait_until([job], lambda: next((t for t, s in steps_of(job, restart) if s > reached), None)
+        past = fu.wait_until([job], lambda: next((t for t, s in steps_of(job, restart) if s > reached), None)
                           if restart else None, 120)
-        wait_until([job], lambda: job.proc.poll() is not None, 300)
+        fu.wait_until([job], lambda: job.proc.poll() is not None, 300)
     finally:
-        job.finish(15)
+        fu.end_jobs([job])
         dump_log(work, [job], t_kill if "t_kill" in dir() else None)
     load = next((l for _, l in job.lines if "checkpoint: loaded" in l), "")
     times = [t for t, _ in steps_of(job)]

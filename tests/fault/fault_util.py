@@ -175,6 +175,40 @@ class Job:
         return [line for _, line in self.lines if rx.search(line)]
 
 
+def wait_until(jobs, cond, timeout):
+    """Reads every job's output (so that no pipe fills) until cond() is truthy, which it returns, or `timeout` s
+    pass; then it returns cond() once more."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        for j in jobs:
+            j._pump(0.01)
+    return cond()
+
+
+def start_lighthouse(binary, name="lighthouse"):
+    """fsdp-lighthouse on a free port: (job, "host:port"); the address is None (and the job ended) when it printed
+    none within 30 s."""
+    light = Job([binary, "--port", "0"], name)
+    light.wait_for(r"serving on", 30)
+    served = re.search(r"serving on (\S+)", light.text())
+    if served is None:
+        light.proc.kill()
+        light.finish(10)
+    return light, served.group(1) if served else None
+
+
+def end_jobs(jobs, light=None, timeout=15):
+    """Lets every job end (killing its session after `timeout` s), then stops the lighthouse with SIGTERM."""
+    for j in jobs:
+        j.finish(timeout)
+    if light is not None:
+        light.proc.send_signal(signal.SIGTERM)
+        light.finish(10)
+
+
 def dump_stacks(max_lines=150):
     """Where the test's processes hang, printed before they are killed so that a CI log says it: every thread's
     backtrace from gdb (scripts/setup.sh installs it), else each thread's kernel wait channel. Processes the test

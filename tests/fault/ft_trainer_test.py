@@ -85,35 +85,21 @@ def rank_pid(rid, rank):
     return None
 
 
-def pump_all(jobs, seconds):
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        for j in jobs:
-            j._pump(0.01)
-
-
-def wait_until(jobs, cond, timeout):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = cond()
-        if v:
-            return v
-        pump_all(jobs, 0.02)
-    return cond()
+def save_logs(work, r0, r1, light):
+    """Ends the run (fu.end_jobs) and keeps every job's output in <work>/<name>.log."""
+    fu.end_jobs([r0, r1], light)
+    for j, name in ((r0, "replica_0"), (r1, "replica_1"), (light, "lighthouse")):
+        with open(os.path.join(work, name + ".log"), "w") as f:
+            f.write(j.text() + "\n")
 
 
 def trial(n, stop, stop_rank=None):
     tag = f"trial {n} ({'SIGSTOP' if stop else 'SIGKILL'})"
     work = os.path.join(a.workdir, f"trial{n}")
     os.makedirs(work)
-    light = fu.Job([a.lighthouse, "--port", "0"], f"{tag}: lighthouse")
-    light.wait_for(r"serving on", 30)
-    served = re.search(r"serving on (\S+)", light.text())
-    if not fu.check(served is not None, f"{tag}: fsdp-lighthouse printed its address"):
-        light.proc.kill()
-        light.finish(10)
+    light, addr = fu.start_lighthouse(a.lighthouse, f"{tag}: lighthouse")
+    if not fu.check(addr is not None, f"{tag}: fsdp-lighthouse printed its address"):
         return
-    addr = served.group(1)
 
     def start(rid, restarts):
         return fu.Job([a.fsdprun, "--nproc-per-node", "2", "--max-restarts", str(restarts), "--timeout", "300",
@@ -128,7 +114,7 @@ def trial(n, stop, stop_rank=None):
     try:
         # The fault lands a random few ms after replica 1 logged step fault_step - 1: inside step fault_step (or
         # the next one), wherever that step happens to be (forward, backward, the cross-group all-reduce, the vote).
-        if wait_until(jobs, lambda: any(s == fault_step - 1 for _, s in step_lines(r1)), 120):
+        if fu.wait_until(jobs, lambda: any(s == fault_step - 1 for _, s in step_lines(r1)), 120):
             time.sleep(rng.uniform(0, 0.04))
             victim = rank_pid(1, victim_rank)
             if victim:
@@ -139,7 +125,7 @@ def trial(n, stop, stop_rank=None):
         fu.check(fault_at is not None, f"{tag}: replica 1 reached step {fault_step} and the fault was injected")
         if stop and fault_at:
             # Replica 0 goes on alone within the timeout; after 3 solo steps the stopped rank is resumed.
-            solo = wait_until(jobs, lambda: [t for t, s in step_lines(r0, fault_at)][:3]
+            solo = fu.wait_until(jobs, lambda: [t for t, s in step_lines(r0, fault_at)][:3]
                               if len(step_lines(r0, fault_at)) >= 3 else None, 60)
             bound = (PG_TIMEOUT_MS + JOIN_MS) / 1000 + 5
             first_solo = solo[0] - fault_at if solo else float("nan")
@@ -149,22 +135,16 @@ def trial(n, stop, stop_rank=None):
             os.kill(victim, signal.SIGCONT)
             resumed_at = time.monotonic()
             fu.injected(f"{tag}: SIGCONT rank {victim_rank} of replica 1")
-        healed = wait_until(jobs, lambda: next((t for t, l in r1.lines if fault_at and t >= fault_at and
+        healed = fu.wait_until(jobs, lambda: next((t for t, l in r1.lines if fault_at and t >= fault_at and
                                                  "ft: replica 1 healed from replica 0" in l), None), 120)
-        back = wait_until(jobs, lambda: next((t for t, s in step_lines(r1, healed)), None) if healed else None, 60)
+        back = fu.wait_until(jobs, lambda: next((t for t, s in step_lines(r1, healed)), None) if healed else None, 60)
         if fault_at and back:
             fu.observed(f"{tag}: recovery {back - fault_at:.2f} s from the fault to replica 1's first step back in the "
                         f"quorum (heal {healed - fault_at:.2f} s after the fault)")
         for j in (r0, r1):
-            wait_until(jobs, lambda: j.proc.poll() is not None, 240)
+            fu.wait_until(jobs, lambda: j.proc.poll() is not None, 240)
     finally:
-        for j in (r0, r1):
-            j.finish(15)
-        light.proc.send_signal(signal.SIGTERM)
-        light.finish(10)
-        for j, name in ((r0, "replica_0"), (r1, "replica_1"), (light, "lighthouse")):
-            with open(os.path.join(work, name + ".log"), "w") as f:
-                f.write(j.text() + "\n")
+        save_logs(work, r0, r1, light)
 
     # ---- replica 0 never stopped -------------------------------------------------------------------------------
     fu.check(r0.proc.returncode == 0 and not r0.grep(r"restarting"), f"{tag}: replica 0 ran through without a restart "
@@ -241,23 +221,19 @@ def fallback_trial(n):
     tag = f"trial {n} (disk fallback)"
     work = os.path.join(a.workdir, f"trial{n}")
     os.makedirs(work)
-    light = fu.Job([a.lighthouse, "--port", "0"], f"{tag}: lighthouse")
-    light.wait_for(r"serving on", 30)
-    served = re.search(r"serving on (\S+)", light.text())
-    if not fu.check(served is not None, f"{tag}: fsdp-lighthouse printed its address"):
-        light.proc.kill()
-        light.finish(10)
+    light, addr = fu.start_lighthouse(a.lighthouse, f"{tag}: lighthouse")
+    if not fu.check(addr is not None, f"{tag}: fsdp-lighthouse printed its address"):
         return
     interval = 5
     args = TRAIN[:-1] + [str(interval), "--job.dump_folder", work]  # a checkpoint every 5 steps (and the last)
     jobs = [fu.Job([a.fsdprun, "--nproc-per-node", "2", "--max-restarts", "1", "--timeout", "300", a.train] + args +
-                   ["--fault_tolerance.replica_id", str(r)], f"{tag}: replica {r}", FSDP_LIGHTHOUSE=served.group(1),
+                   ["--fault_tolerance.replica_id", str(r)], f"{tag}: replica {r}", FSDP_LIGHTHOUSE=addr,
                    FT_REPLICA_ID=r) for r in (0, 1)]
     r0, r1 = jobs
     kill_step = rng.randrange(8, 20)
     killed = False
     try:
-        if wait_until(jobs + [light], lambda: any(s == kill_step for _, s in step_lines(r0)), 120):
+        if fu.wait_until(jobs + [light], lambda: any(s == kill_step for _, s in step_lines(r0)), 120):
             victims = [rank_pid(r, rng.randrange(2)) for r in (0, 1)]
             if all(victims):
                 for v in victims:
@@ -266,15 +242,9 @@ def fallback_trial(n):
                 fu.injected(f"{tag}: SIGKILL one rank of each replica group (pids {victims}) after step {kill_step}")
         fu.check(killed, f"{tag}: both groups reached step {kill_step} and were killed")
         for j in jobs:
-            wait_until(jobs + [light], lambda: j.proc.poll() is not None, 240)
+            fu.wait_until(jobs + [light], lambda: j.proc.poll() is not None, 240)
     finally:
-        for j in jobs:
-            j.finish(15)
-        light.proc.send_signal(signal.SIGTERM)
-        light.finish(10)
-        for j, name in ((r0, "replica_0"), (r1, "replica_1"), (light, "lighthouse")):
-            with open(os.path.join(work, name + ".log"), "w") as f:
-                f.write(j.text() + "\n")
+        save_logs(work, r0, r1, light)
     for r, j in ((0, r0), (1, r1)):
         loads = j.grep(r"checkpoint: loaded \S+/step-(\d+)")
         step = int(re.search(r"step-(\d+)", loads[0]).group(1)) if loads else -1
