@@ -55,15 +55,7 @@ def steps_of(job, since=0.0):
 
 
 def victim_pid(marker, rank):
-    for pid in fu.marked_pids():
-        e = fu.proc_env(pid)
-        if e.get(b"BENCH_JOB") == marker.encode() and e.get(b"RANK") == str(rank).encode():
-            try:
-                if os.path.basename(os.readlink(f"/proc/{pid}/exe")) == "fsdp-train":
-                    return pid
-            except OSError:
-                pass
-    return None
+    return fu.marked_pid("fsdp-train", BENCH_JOB=marker, RANK=rank)
 
 
 def dump_log(work, jobs, t_kill):

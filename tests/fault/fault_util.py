@@ -107,6 +107,21 @@ def rank_pids(rank, exe_name=None):
     return out
 
 
+def marked_pid(exe_name, **env_values):
+    """The first marked process running `exe_name` whose environment holds every NAME=value given, or None."""
+    want = {k.encode(): str(v).encode() for k, v in env_values.items()}
+    for pid in marked_pids():
+        e = proc_env(pid)
+        if any(e.get(k) != v for k, v in want.items()):
+            continue
+        try:
+            if os.path.basename(os.readlink(f"/proc/{pid}/exe")) == exe_name:
+                return pid
+        except OSError:
+            pass
+    return None
+
+
 class Job:
     """One fsdprun process; its merged stdout/stderr is read line by line with timestamps."""
 

@@ -74,15 +74,7 @@ def metrics(folder):
 
 
 def rank_pid(rid, rank):
-    for pid in fu.marked_pids():
-        e = fu.proc_env(pid)
-        if e.get(b"FT_REPLICA_ID") == str(rid).encode() and e.get(b"RANK") == str(rank).encode():
-            try:
-                if os.path.basename(os.readlink(f"/proc/{pid}/exe")) == "fsdp-train":
-                    return pid
-            except OSError:
-                pass
-    return None
+    return fu.marked_pid("fsdp-train", FT_REPLICA_ID=rid, RANK=rank)
 
 
 def save_logs(work, r0, r1, light):
