@@ -86,12 +86,36 @@ std::string format_progress(const StepMetrics& m, double eta_s) {
 JsonlWriter::JsonlWriter(const std::string& path) : path_(path) {
   const auto parent = std::filesystem::path(path).parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent);
-  out_.open(path, std::ios::trunc);
+  out_.open(path, std::ios::app);
   if (!out_) throw std::runtime_error("metrics: cannot write '" + path + "'");
+}
+
+void JsonlWriter::keep_before(int64_t step) {
+  trimmed_ = true;
+  out_.close();
+  std::string kept;
+  {
+    std::ifstream in(path_);
+    for (std::string line; std::getline(in, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (j.is_object() && j.contains("step") && j["step"].is_number_integer() && j["step"].get<int64_t>() < step)
+        kept += line + "\n";
+    }
+  }
+  const std::string tmp = path_ + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << kept;
+    if (!out.flush()) throw std::runtime_error("metrics: cannot write '" + tmp + "'");
+  }
+  std::filesystem::rename(tmp, path_);
+  out_.open(path_, std::ios::app);
+  if (!out_) throw std::runtime_error("metrics: cannot write '" + path_ + "'");
 }
 
 void JsonlWriter::write(const StepMetrics& m) {
   if (!out_.is_open()) return;
+  if (!trimmed_) keep_before(m.step);
   nlohmann::json j = {{"step", m.step},       {"loss", m.loss}, {"grad_norm", m.grad_norm}, {"lr", m.lr},
                       {"tps", m.tps},         {"tflops", m.tflops}, {"mfu", m.mfu},       {"memory_gib", m.mem_gib},
                       {"memory_max_gib", m.mem_max_gib}, {"data_s", m.data_s}, {"elapsed_s", m.elapsed_s},
@@ -115,6 +139,7 @@ void JsonlWriter::write(const StepMetrics& m) {
 
 void JsonlWriter::write_validation(int64_t step, double loss, double perplexity, int64_t tokens, double seconds) {
   if (!out_.is_open()) return;
+  if (!trimmed_) keep_before(step);
   const nlohmann::json j = {{"step", step}, {"validation_loss", loss}, {"validation_perplexity", perplexity},
                             {"validation_tokens", tokens}, {"validation_s", seconds}};
   out_ << j.dump() << "\n";

@@ -53,7 +53,12 @@ std::string format_duration(double seconds);
 class JsonlWriter {
  public:
   JsonlWriter() = default;
-  explicit JsonlWriter(const std::string& path);  // creates parent folders, truncates
+  // Creates parent folders. The file is not truncated: the first record written (of step s) first keeps the
+  // records of steps < s that the file already holds — the history of the run a checkpoint resumed, or a replica
+  // group healed into — and drops the rest: later steps, which this run writes again, and a line cut short by a
+  // crash. A fresh run's first record is step 1, so its file starts empty. The file is rewritten through a temporary
+  // file and a rename: a crash loses nothing; a run that logs nothing leaves it as it was.
+  explicit JsonlWriter(const std::string& path);
   bool is_open() const { return out_.is_open(); }
   void write(const StepMetrics& m);
   // {"step", "validation_loss", "validation_perplexity", "validation_tokens", "validation_s"}
@@ -61,8 +66,10 @@ class JsonlWriter {
   const std::string& path() const { return path_; }
 
  private:
+  void keep_before(int64_t step);  // see the constructor
   std::string path_;
   std::ofstream out_;
+  bool trimmed_ = false;
 };
 
 }  // namespace fsdp_train

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -93,6 +94,49 @@ TEST(MetricsProcessor, WritesTheRecordAndItsWindowsThroughput) {
   EXPECT_DOUBLE_EQ(lines[2]["expert_tokens_mean"].get<double>(), 4);
   ASSERT_EQ(p.outputs().size(), 1u);
   EXPECT_EQ(p.outputs()[0].second, c.job.dump_folder + "/metrics.jsonl");
+}
+
+TEST(MetricsProcessor, AResumedRunKeepsTheEarlierStepsAndRewritesTheRest) {
+  // A run logged steps 1..5 (and a line a crash cut short), its checkpoint was at step 3: the resumed run's first
+  // record is step 4. Steps 1..3 stay, the stale 4 and 5 and the broken line go, 4 and 5 come again once each.
+  const JobConfig c = job("resume");
+  const std::string path = c.job.dump_folder + "/metrics.jsonl";
+  std::filesystem::create_directories(c.job.dump_folder);
+  {
+    std::ofstream out(path);
+    for (int step = 1; step <= 5; ++step) out << "{\"step\": " << step << ", \"loss\": " << 10 - step << "}\n";
+    out << "{\"step\": 6, \"lo";
+  }
+  {
+    MetricsProcessor p(c, /*rank=*/0, /*verbose=*/false);
+    std::ifstream in(path);
+    EXPECT_EQ(std::count(std::istreambuf_iterator<char>(in), {}, '\n'), 5) << "nothing is dropped before a record";
+    p.start();
+    for (int step = 4; step <= 5; ++step) {
+      p.add_step(100, 0.0);
+      StepMetrics m;
+      m.step = step;
+      m.loss = 1.0 * step;
+      p.log(m, 1e6, 1.0);
+    }
+  }
+  const auto lines = read_jsonl(path);
+  ASSERT_EQ(lines.size(), 5u);
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(lines[i]["step"], i + 1);
+  EXPECT_DOUBLE_EQ(lines[2]["loss"].get<double>(), 7.0);  // the earlier run's step 3
+  EXPECT_DOUBLE_EQ(lines[3]["loss"].get<double>(), 4.0);  // the resumed run's step 4
+  EXPECT_DOUBLE_EQ(lines[4]["loss"].get<double>(), 5.0);
+
+  // A fresh run (first record step 1) starts the file anew.
+  {
+    MetricsProcessor p(c, 0, false);
+    p.start();
+    p.add_step(100, 0.0);
+    StepMetrics m;
+    m.step = 1;
+    p.log(m, 1e6, 1.0);
+  }
+  EXPECT_EQ(read_jsonl(path).size(), 1u);
 }
 
 TEST(MetricsProcessor, OtherRanksWriteNothingUnlessAsked) {

@@ -14,6 +14,9 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
 
 using namespace fsdp_train;
 namespace fs = std::filesystem;
@@ -25,6 +28,7 @@ std::string shared_dir(const std::string& name) { return test::shared_dir("fsdp_
 
 JobConfig base(const std::string& folder, bool checkpoint, const std::string& async_mode = "disabled") {
   JobConfig c = test::checkpointed_job(folder);
+  c.metrics.log_freq = 1;
   c.checkpoint.enable = checkpoint;
   c.checkpoint.async_mode = parse_choice<AsyncMode>(async_mode).value();
   return c;
@@ -44,8 +48,25 @@ void resume_case(const std::string& async_mode) {
   fsdp::world()->barrier().wait();
   EXPECT_EQ(fsdp::checkpoint::complete_steps(dir + "/checkpoint"), std::vector<int64_t>{3});
 
+  // As if the stopped run had gone on to log step 4 before it died (its checkpoint is step 3's): the resumed run
+  // writes step 4 again, once.
+  if (fsdp::world()->rank() == 0) std::ofstream(dir + "/metrics.jsonl", std::ios::app) << "{\"step\": 4, \"loss\": -1}\n";
+  fsdp::world()->barrier().wait();
   const TrainSummary resumed = run_training(base(dir, true, async_mode), dist_env(), false);
   ASSERT_EQ(resumed.losses.size(), 3u);  // steps 4..6
+  if (fsdp::world()->rank() == 0) {
+    // One metrics.jsonl for the whole run: steps 1 and 2 of the stopped run (step 3 was checkpointed, then the
+    // "crash" came before its log line), 4..6 of the resumed one; each once, each the uninterrupted run's loss.
+    std::ifstream in(dir + "/metrics.jsonl");
+    std::vector<int64_t> steps;
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (!j.contains("loss")) continue;
+      steps.push_back(j["step"].get<int64_t>());
+      EXPECT_EQ(j["loss"].get<double>(), full.losses[static_cast<size_t>(steps.back() - 1)]) << "step " << steps.back();
+    }
+    EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 4, 5, 6}));
+  }
   for (size_t i = 0; i < 3; ++i) {
     EXPECT_EQ(resumed.losses[i], full.losses[i + 3]) << "step " << i + 4;  // bit for bit
     EXPECT_EQ(resumed.grad_norms[i], full.grad_norms[i + 3]) << "step " << i + 4;
