@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <iomanip>
 #include <set>
@@ -133,6 +134,13 @@ void StepProfiler::end_step(int64_t step) {
     wrote_memory_ = true;
   }
   if (rec->kineto) {
+    // The transfers' events reach the profiler from the groups' lane threads a little after the waits: all of them
+    // before it stops (on a loaded machine the lanes may not have run at all by the end of a short step).
+    for (auto& g : groups_) {
+      if (!fsdp::flush_profiler_reports(*g, std::chrono::seconds(30)))
+        std::fprintf(stderr, "fsdp-train: [profiling] rank %d, step %lld: transfers of group %s still in flight; the "
+                     "trace may lack them\n", rank_, static_cast<long long>(step), g->name().c_str());
+    }
     const std::unique_ptr<kineto::ProfilerResult> result = kineto::disableProfiler();
     const auto folder = step_folder(dump_folder_, options_.save_traces_folder, step);
     const auto trace = folder / ("rank" + r + "_trace.json");

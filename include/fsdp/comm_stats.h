@@ -58,4 +58,10 @@ struct CollectiveSpan {
 void record_timeline(ProcessGroup& group, bool enable);
 std::vector<CollectiveSpan> comm_timeline(const ProcessGroup& group);
 
+// While libtorch's profiler records, each collective's transfer is handed to it by a thread of the group once the
+// transfer completes (docs/comm.md, "Collectives in libtorch's profiler"), a little after the caller's wait. Blocks
+// until every collective issued on `group` so far has been handed over, or `timeout` passed (false): call it before
+// stopping the profiler, or the window's last transfers — on a busy machine, all of them — miss the trace.
+bool flush_profiler_reports(ProcessGroup& group, std::chrono::milliseconds timeout);
+
 }  // namespace fsdp

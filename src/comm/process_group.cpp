@@ -109,6 +109,19 @@ std::vector<CollectiveSpan> comm_timeline(const ProcessGroup& group) {
   return out;
 }
 
+bool flush_profiler_reports(ProcessGroup& group, std::chrono::milliseconds timeout) {
+  ProcessGroup::Impl& g = detail::ProcessGroupAccess::impl(group);
+  // A lane runs its reports in the order they were queued: a no-op queued now runs after every one before it.
+  std::vector<std::shared_ptr<comm::TaskState>> markers;
+  for (auto& [collective, lane] : g.lanes) markers.push_back(lane->submit([] {}));
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (const auto& marker : markers) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (!marker->wait_done(std::max(left, std::chrono::milliseconds(0)))) return false;
+  }
+  return true;
+}
+
 namespace comm {
 void trace(ProcessGroup::Impl& g, Work::Impl& w, const char* collective, int64_t bytes, bool own_task) {
   w.collective = collective;
