@@ -1,7 +1,8 @@
 #pragma once
 // What a process group's collectives did: per-group counters and a timeline of when each collective ran. For
 // tests and benchmarks (analytic byte counts, "FSDP issued exactly these collectives", overlap measured from
-// timestamps); a training program needs none of it, so it is kept off fsdp::ProcessGroup.
+// timestamps) and for tools that profile; a training program needs none of it, so it is kept off
+// fsdp::ProcessGroup.
 //
 // Everything here is per group (it lives and dies with the ProcessGroup): there are no process-wide counters.
 
