@@ -3,6 +3,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -102,13 +104,22 @@ void JsonlWriter::keep_before(int64_t step) {
         kept += line + "\n";
     }
   }
-  const std::string tmp = path_ + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << kept;
-    if (!out.flush()) throw std::runtime_error("metrics: cannot write '" + tmp + "'");
+  // A temporary name of this process's own: processes that share a dump folder (several ranks' single-process
+  // runs in a test, a misconfigured launch) must not take each other's file. Failing to rewrite only loses the
+  // trimming (the records are appended as they come), never the run.
+  const std::string tmp = path_ + ".tmp" + std::to_string(::getpid());
+  try {
+    {
+      std::ofstream out(tmp, std::ios::trunc);
+      out << kept;
+      if (!out.flush()) throw std::runtime_error("cannot write '" + tmp + "'");
+    }
+    std::filesystem::rename(tmp, path_);
+  } catch (const std::exception& e) {
+    std::error_code ignored;
+    std::filesystem::remove(tmp, ignored);
+    std::fprintf(stderr, "fsdp-train: metrics: %s keeps its earlier records as they are (%s)\n", path_.c_str(), e.what());
   }
-  std::filesystem::rename(tmp, path_);
   out_.open(path_, std::ios::app);
   if (!out_) throw std::runtime_error("metrics: cannot write '" + path_ + "'");
 }
