@@ -56,6 +56,7 @@ struct Options {
   double lr = 8e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
   bool reset_peak = true;  // reset VmHWM after setup, so the peak is the training phase's
   std::string device = "cpu";  // cpu | cuda (train, single)
+  bool tie_embeddings = false;  // init: tie the output layer to the embeddings whatever the flavor says
 };
 
 // The device the training runs on. CUDA: cuda:0 for every rank (2 ranks share one GPU over Gloo).
@@ -112,8 +113,15 @@ std::map<std::string, std::string> args_metadata(const std::string& flavor, cons
   return meta;
 }
 
+// The flavor's args with the file's own choice of tied embeddings (init may override the flavor's).
+llama::LlamaArgs args_of(const std::string& flavor, bool tie_embeddings) {
+  llama::LlamaArgs args = llama::llama3_flavor(flavor);
+  args.tie_embeddings = tie_embeddings;
+  return args;
+}
+
 int cmd_init(const Options& o) {
-  llama::LlamaArgs args = llama::llama3_flavor(o.flavor);
+  const llama::LlamaArgs args = args_of(o.flavor, o.tie_embeddings || llama::llama3_flavor(o.flavor).tie_embeddings);
   llama::Transformer model(args);
   model->init_weights(o.seed);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
@@ -129,7 +137,8 @@ llama::Transformer load_model(const std::string& path, std::string* flavor = nul
   st::Reader reader(path);
   const auto& meta = reader.metadata();
   TORCH_CHECK(meta.count("flavor"), "bench: ", path, " has no 'flavor' metadata (write it with `init`)");
-  llama::Transformer model(llama::llama3_flavor(meta.at("flavor")));
+  const auto tie = meta.find("tie_embeddings");
+  llama::Transformer model(args_of(meta.at("flavor"), tie != meta.end() && tie->second == "1"));
   for (auto& item : model->named_parameters()) reader.read_into(item.key(), item.value());
   if (flavor) *flavor = meta.at("flavor");
   return model;
@@ -526,6 +535,7 @@ int main(int argc, char** argv) {
   init->add_option("--flavor", o.flavor, "llama3 flavor")->required();
   init->add_option("--seed", o.seed);
   init->add_option("--out", o.out)->required();
+  init->add_flag("--tie-embeddings", o.tie_embeddings, "one weight for the embeddings and the output layer");
   auto add_train_opts = [&](CLI::App* c) {
     c->add_option("--weights", o.weights)->required();
     c->add_option("--tokens", o.tokens)->required();

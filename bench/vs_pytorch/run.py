@@ -106,6 +106,8 @@ def main():
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--global-batch", type=int, default=8, help="fixed across world sizes (local = global / W)")
     p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--tie-embeddings", action="store_true",
+                   help="tie the output layer to the embeddings (any flavor; 1B and 3B are tied already)")
     p.add_argument("--reshard", default="default", help="blocks' reshard_after_forward: default|true|false|<int>")
     p.add_argument("--replicate", type=int, default=1, help="HSDP replicate degree (mesh replicate x W/replicate)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
@@ -155,7 +157,8 @@ def main():
             f.write(details + "\n")
     try:
         weights = os.path.join(work, "init.safetensors")
-        run([ours, "init", "--flavor", o.flavor, "--seed", str(o.seed), "--out", weights], env,
+        run([ours, "init", "--flavor", o.flavor, "--seed", str(o.seed), "--out", weights]
+            + (["--tie-embeddings"] if o.tie_embeddings else []), env,
             os.path.join(work, "init.log"), o.timeout)
         init_tensors, meta = st_io.load(weights)
         vocab = int(meta["vocab_size"])

@@ -123,19 +123,22 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, a):
         super().__init__()
-        assert not a["tie_embeddings"], "tied embeddings are not part of this comparison"
         self.a = a
         self.tok_embeddings = nn.Embedding(a["vocab_size"], a["dim"])
         self.layers = nn.ModuleList([TransformerBlock(a) for _ in range(a["n_layers"])])
         self.norm = RMSNorm(a["dim"], a["norm_eps"])
         self.output = nn.Linear(a["dim"], a["vocab_size"], bias=False)
+        if a["tie_embeddings"]:  # one Parameter for both, as ours (Llama 3.2 1B); FSDP2 shards it in the root group
+            self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens):
         h = self.tok_embeddings(tokens)
         seq = tokens.shape[1]
-        if getattr(self, "_rope", None) is None or self._rope[0].shape[0] != seq:  # cached, as ours
-            self._rope = precompute_rope(self.a["dim"] // self.a["n_heads"], seq, self.a["rope_theta"],
-                                         self.a["rope_scaling"])
+        if (getattr(self, "_rope", None) is None or self._rope[0].shape[0] != seq
+                or self._rope[0].device != h.device):  # cached, as ours; on the model's device (cuda:0 too)
+            cos, sin = precompute_rope(self.a["dim"] // self.a["n_heads"], seq, self.a["rope_theta"],
+                                       self.a["rope_scaling"])
+            self._rope = (cos.to(h.device), sin.to(h.device))
         cos, sin = self._rope
         for layer in self.layers:
             h = layer(h, cos, sin)
@@ -176,7 +179,13 @@ class CommCounter:
     def __init__(self):
         self.calls = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
         self.bytes = 0
-        ag, rs, ar = dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce
+        # FSDP2 calls dist.all_gather_single / reduce_scatter_single from torch 2.13 on, and
+        # all_gather_into_tensor / reduce_scatter_tensor before (2.11 on the lent GPU machines): wrap whichever of
+        # each pair this torch has, detected by name, not by version.
+        ag_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        rs_name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+        self.collective_names = (ag_name, rs_name)
+        ag, rs, ar = getattr(dist, ag_name), getattr(dist, rs_name), dist.all_reduce
 
         def nbytes(t):
             return t.numel() * t.element_size()
@@ -184,25 +193,25 @@ class CommCounter:
         def size(group):
             return dist.get_world_size(group)
 
-        def all_gather_single(output, input, group=None, async_op=False):
+        def all_gather(output, input, *args, group=None, async_op=False, **kw):
             self.calls["all_gather"] += 1
             self.bytes += (size(group) - 1) * nbytes(input)
-            return ag(output, input, group=group, async_op=async_op)
+            return ag(output, input, *args, group=group, async_op=async_op, **kw)
 
-        def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        def reduce_scatter(output, input, *args, group=None, async_op=False, **kw):
             self.calls["reduce_scatter"] += 1
             w = size(group)
             self.bytes += (w - 1) * nbytes(input) // w
-            return rs(output, input, op=op, group=group, async_op=async_op)
+            return rs(output, input, *args, group=group, async_op=async_op, **kw)
 
-        def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        def all_reduce(tensor, *args, group=None, async_op=False, **kw):
             self.calls["all_reduce"] += 1
             w = size(group)
             self.bytes += 2 * (w - 1) * nbytes(tensor) // w
-            return ar(tensor, op=op, group=group, async_op=async_op)
+            return ar(tensor, *args, group=group, async_op=async_op, **kw)
 
-        dist.all_gather_single = all_gather_single
-        dist.reduce_scatter_single = reduce_scatter_single
+        setattr(dist, ag_name, all_gather)
+        setattr(dist, rs_name, reduce_scatter)
         dist.all_reduce = all_reduce
 
     def snapshot(self):
@@ -260,6 +269,8 @@ def main():
     tensors, meta = st_io.load(o.weights)
     a = model_args(meta)
     model = Transformer(a)
+    if a["tie_embeddings"] and "output.weight" not in tensors:  # a tied file stores the shared tensor once
+        tensors["output.weight"] = tensors["tok_embeddings.weight"]
     model.load_state_dict(tensors, strict=True)  # raises on any missing/unexpected/mis-shaped tensor
     del tensors
     model.to(device)  # before fully_shard, as ours
