@@ -35,21 +35,39 @@ def machine_details():
     return module.machine_details()
 
 
+class SideFailed(Exception):
+    """One side's run failed; the report marks its row instead of losing every other row (a torch-side abort, e.g.
+    Gloo's "pair is not connected" in ZBVZeroBubble on torch 2.11, once lost the whole bubble table)."""
+
+
+def first_error_lines(text, n=2):
+    """The first lines that say what went wrong (torch.distributed.run's own boilerplate left out), for a table
+    cell: no '|'."""
+    noise = ("errors.html", "error_file", "To enable traceback")
+    lines = [ln for ln in text.splitlines()
+             if any(k in ln for k in ("Error", "error", "FAIL", "failed", "unknown")) and not any(k in ln for k in noise)]
+    return " / ".join(ln.strip()[:200].replace("|", "/") for ln in (lines or text.splitlines()[-n:])[:n])
+
+
 def run_side(cmd, env, log, timeout):
-    """Runs one side; returns its PPBENCH record (rank 0's line)."""
+    """Runs one side; returns its PPBENCH record (rank 0's line). Raises SideFailed."""
     with open(log, "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
-        r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           timeout=timeout)
+        try:
+            r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            f.write(out)
+            raise SideFailed(f"timed out after {timeout} s (log: {log})") from None
         f.write(r.stdout)
     # fsdprun prefixes every line with "[rank N] "; torch.distributed.run does not.
     recs = [json.loads(line.split("PPBENCH ", 1)[1]) for line in r.stdout.splitlines()
             if line.startswith("PPBENCH ") or line.startswith("[rank 0] PPBENCH ")]
     if r.returncode != 0 or not recs:
-        sys.stderr.write(r.stdout[-6000:])
-        raise SystemExit(f"run.py: command failed ({r.returncode}, {len(recs)} result lines): {' '.join(cmd)} "
-                         f"(log: {log})")
+        sys.stderr.write(r.stdout[-3000:])
+        raise SideFailed(f"exit {r.returncode}, {len(recs)} result lines: {first_error_lines(r.stdout)} (log: {log})")
     return recs[0]
 
 
@@ -114,24 +132,27 @@ def main():
                 torch_cmd.append("--check-reference")
             ours_cmd = [fsdprun, "--nproc-per-node", str(W), "--timeout", str(o.timeout), bench, *common]
             recs = {"torch": [], "ours": []}
+            failed = {}  # side -> why its run failed (that side's later repeats are skipped)
             for rep in range(o.repeats):
                 order = ["torch", "ours"] if rep % 2 == 0 else ["ours", "torch"]
                 for side in order:
-                    if side not in sides:
+                    if side not in sides or side in failed:
                         continue
                     cmd = torch_cmd if side == "torch" else ours_cmd
                     log = os.path.join(work, f"{side}_pp{pp}xdp{dp}_{sched}_{rep}.log")
-                    recs[side].append(run_side(cmd, env, log, o.timeout + 30))
-            row = summarize(pp, dp, sched, recs, o)
+                    try:
+                        recs[side].append(run_side(cmd, env, log, o.timeout + 30))
+                    except SideFailed as e:
+                        failed[side] = str(e)
+                        failures.append(f"pp{pp}xdp{dp} {sched}: the {side} side failed: {e}")
+            row = summarize(pp, dp, sched, recs, failed, o)
             rows.append(row)
             if row["torch_ref_ok"] is False:
                 failures.append(f"pp{pp}xdp{dp} {sched}: torch side vs single process {row['torch_ref_diff']:.2e}")
-            if with_ours and not (row["max_rel_diff"] <= o.rtol):
+            if row.get("max_rel_diff") is not None and not (row["max_rel_diff"] <= o.rtol):
                 failures.append(f"pp{pp}xdp{dp} {sched}: ours vs torch {row['max_rel_diff']:.2e}")
-            print(f"[{time.strftime('%H:%M:%S')}] pp{pp}xdp{dp} {sched}: " +
-                  (f"loss diff {row['max_rel_diff']:.2e}, step {row['ours_ms']:.1f} / {row['torch_ms']:.1f} ms"
-                   if with_ours else f"torch vs single process {row['torch_ref_diff']:.2e}, "
-                                     f"step {row['torch_ms']:.1f} ms"), file=sys.stderr, flush=True)
+            print(f"[{time.strftime('%H:%M:%S')}] pp{pp}xdp{dp} {sched}: " + row_line(row, with_ours),
+                  file=sys.stderr, flush=True)
 
     report = render(rows, o, details, with_ours)
     print(report)
@@ -148,24 +169,45 @@ def main():
     return 0
 
 
-def summarize(pp, dp, sched, recs, o):
+def fmt(v, spec, missing="—"):
+    return missing if v is None else format(v, spec)
+
+
+def row_line(row, with_ours):
+    parts = []
+    for side in ("torch", "ours"):
+        if row["failed"].get(side):
+            parts.append(f"{side} side FAILED: {row['failed'][side]}")
+    if with_ours and row.get("max_rel_diff") is not None:
+        parts.append(f"loss diff {row['max_rel_diff']:.2e}, step {row['ours_ms']:.1f} / {row['torch_ms']:.1f} ms")
+    elif with_ours and row.get("ours_ms") is not None:
+        parts.append(f"ours alone: step {row['ours_ms']:.1f} ms")
+    elif row.get("torch_ms") is not None:
+        parts.append(f"torch vs single process {row['torch_ref_diff']:.2e}, step {row['torch_ms']:.1f} ms")
+    return "; ".join(parts)
+
+
+def summarize(pp, dp, sched, recs, failed, o):
+    """One report row; a side that failed leaves its columns empty and says why (row["failed"])."""
     t = recs["torch"]
-    row = {"pp": pp, "dp": dp, "schedule": sched, "torch_losses": t[0]["losses"],
-           "torch_ms": 1e3 * med([s for r in t for s in r["step_times"][r["warmup"]:]]),
-           "torch_ref_diff": max((r.get("ref_max_rel_loss_diff", 0.0) for r in t), default=0.0),
-           "torch_ref_ok": None}
-    if "ref_max_rel_loss_diff" in t[0]:
+    row = {"pp": pp, "dp": dp, "schedule": sched, "failed": dict(failed), "torch_losses": None, "torch_ms": None,
+           "torch_ref_diff": None, "torch_ref_ok": None, "max_rel_diff": None, "ours_ms": None, "ratio": None}
+    if t:
+        row.update({"torch_losses": t[0]["losses"],
+                    "torch_ms": 1e3 * med([s for r in t for s in r["step_times"][r["warmup"]:]]),
+                    "torch_ref_diff": max((r.get("ref_max_rel_loss_diff", 0.0) for r in t), default=0.0)})
+    if t and "ref_max_rel_loss_diff" in t[0]:
         row["torch_ref_ok"] = all(r["ref_max_rel_loss_diff"] <= 1e-5 and r["ref_max_rel_param_diff"] <= 1e-5
                                   and r["ref_moved"] for r in t)
         row["torch_ref_param_diff"] = max(r["ref_max_rel_param_diff"] for r in t)
     if not recs["ours"]:
         return row
     ours = recs["ours"]
-    rel = 0.0
+    rel = None
     for a in ours:  # every repeat of ours against every repeat of torch (all are deterministic)
         for b in t:
             assert len(a["losses"]) == len(b["losses"]) == o.steps
-            rel = max(rel, max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a["losses"], b["losses"])))
+            rel = max(rel or 0.0, max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a["losses"], b["losses"])))
     last = ours[-1]
     row.update({
         "ours_losses": ours[0]["losses"], "max_rel_diff": rel,
@@ -176,7 +218,7 @@ def summarize(pp, dp, sched, recs, o):
         "sim_idle_ms": [1e3 * v for v in last["sim_idle_s"]], "sim_makespan_ms": 1e3 * last["sim_makespan_s"],
         "sim_bubble_fraction": last["sim_bubble_fraction"], "costs_ms": {k: 1e3 * v for k, v in last["costs_s"].items()},
     })
-    row["ratio"] = row["ours_ms"] / row["torch_ms"]
+    row["ratio"] = row["ours_ms"] / row["torch_ms"] if row["torch_ms"] else None
     spans = row["measured_span_ms"]
     row["measured_bubble_fraction"] = sum(row["measured_idle_ms"]) / (len(spans) * max(spans)) if spans else 0.0
     return row
@@ -196,11 +238,17 @@ def render(rows, o, details, with_ours):
               "ours: idle per rank, measured / simulated (last step) | bubble measured / simulated | ours: mean F/B/I/W |",
               "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
+            head = f"| pp{r['pp']} x dp{r['dp']} | {r['schedule']} | "
+            if r["ours_ms"] is None:  # ours failed: say why, keep the torch figure if any
+                L.append(head + f"ours FAILED: {r['failed'].get('ours', '?')} | — / {fmt(r['torch_ms'], '.1f')} ms | "
+                         f"— | {fmt(r['torch_ref_diff'], '.1e')} | — | — | — |")
+                continue
             idle = ", ".join(f"r{k}: {m:.1f}/{r['sim_idle_ms'][r['pp_rank_of_rank'][k]]:.1f}"
                              for k, m in enumerate(r["measured_idle_ms"]))
-            L.append(f"| pp{r['pp']} x dp{r['dp']} | {r['schedule']} | {r['max_rel_diff']:.2e} | "
-                     f"{r['ours_ms']:.1f} / {r['torch_ms']:.1f} ms | {r['ratio']:.2f} | "
-                     f"{r['torch_ref_diff']:.1e} | {idle} ms | "
+            diff = (f"torch FAILED: {r['failed']['torch']}" if "torch" in r["failed"]
+                    else fmt(r["max_rel_diff"], ".2e"))
+            L.append(head + f"{diff} | {r['ours_ms']:.1f} / {fmt(r['torch_ms'], '.1f')} ms | {fmt(r['ratio'], '.2f')} | "
+                     f"{fmt(r['torch_ref_diff'], '.1e')} | {idle} ms | "
                      f"{r['measured_bubble_fraction']:.3f} / {r['sim_bubble_fraction']:.3f} | "
                      f"{'/'.join('%.2f' % r['costs_ms'][k] for k in 'FBIW')} ms |")
         L += ["", "Idle = the rank's last-step span (first action start to last action end, from "
@@ -216,11 +264,15 @@ def render(rows, o, details, with_ours):
         L += ["| layout | schedule | torch vs 1 process: loss max rel diff | param max rel diff | step torch (median) |",
               "|---|---|---|---|---|"]
         for r in rows:
+            if "torch" in r["failed"]:
+                L.append(f"| pp{r['pp']} x dp{r['dp']} | {r['schedule']} | torch FAILED: {r['failed']['torch']} | — | — |")
+                continue
             L.append(f"| pp{r['pp']} x dp{r['dp']} | {r['schedule']} | {r['torch_ref_diff']:.2e} | "
                      f"{r.get('torch_ref_param_diff', float('nan')):.2e} | {r['torch_ms']:.1f} ms |")
-    if rows:
-        r0 = rows[0]
-        L += ["", f"Losses, first layout and schedule (pp{r0['pp']} x dp{r0['dp']} {r0['schedule']}): torch "
+    complete = [r for r in rows if r["torch_losses"] and (not with_ours or r.get("ours_losses"))]
+    if complete:
+        r0 = complete[0]
+        L += ["", f"Losses, first complete layout and schedule (pp{r0['pp']} x dp{r0['dp']} {r0['schedule']}): torch "
               f"{r0['torch_losses'][0]:.6f} -> {r0['torch_losses'][-1]:.6f}" +
               (f", ours {r0['ours_losses'][0]:.6f} -> {r0['ours_losses'][-1]:.6f}" if with_ours else "")]
     return "\n".join(L) + "\n"
