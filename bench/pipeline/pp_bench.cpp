@@ -148,7 +148,11 @@ std::string json_array(const std::vector<T>& v) {
 }
 
 int run(const Options& o) {
-  auto world = fsdp::init_process_group();
+  // A CPU benchmark (the torch side is Gloo on CPU too): Gloo whatever the build, so a CUDA libtorch on a one-GPU
+  // machine does not pick NCCL and hand ranks 1..3 devices cuda:1..3 that are not there.
+  fsdp::InitOptions init;
+  init.backend = "gloo";
+  auto world = fsdp::init_process_group(init);
   const int rank = world->rank(), W = world->size();
   TORCH_CHECK(o.pp * o.dp == W, "fsdp-bench-pp: --pp ", o.pp, " x --dp ", o.dp, " != world size ", W);
   TORCH_CHECK(o.global_batch % o.dp == 0 && (o.global_batch / o.dp) % o.microbatches == 0, "fsdp-bench-pp: global batch ",
