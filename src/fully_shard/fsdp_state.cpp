@@ -249,15 +249,20 @@ void FSDPState::root_pre_forward() {
   for (auto& s : context_states()) s->forward_calls_this_root_forward_ = 0;
 }
 
-void FSDPState::root_post_forward() {
-  // Members of a group of modules that did not all run: their group finishes with the root.
-  // Forward prefetches nobody consumed (a module skipped this time) are completed and dropped: their data
-  // must not survive into a later step, after an optimizer step changed the shards.
-  auto states = context_states();
-  for (auto& s : states) {
+void FSDPState::finish_open_forwards() {
+  for (auto& s : context_states()) {
     if (s.get() != this && s->training_state() == Phase::Forward && s->members_running_.empty()) {
       s->finish_forward();
     }
+  }
+}
+
+void FSDPState::root_post_forward() {
+  // Members of a group of modules that did not all run: their group finishes with the root (post_forward
+  // called finish_open_forwards). Forward prefetches nobody consumed (a module skipped this time) are completed
+  // and dropped: their data must not survive into a later step, after an optimizer step changed the shards.
+  auto states = context_states();
+  for (auto& s : states) {
     if (s->training_state() == Phase::Idle) {
       for (detail::FSDPParamGroup* g : s->group_ptrs_) g->drop_unused_unshard();
     }
@@ -293,7 +298,13 @@ void FSDPState::pre_forward(torch::nn::Module& module, nn::TensorList& inputs) {
     // Recomputation during backward (activation checkpointing): pre-backward already gathered the group.
     return;
   }
-  if (outermost_root_call) root_pre_forward();
+  if (outermost_root_call) {
+    root_pre_forward();
+    ctx_->forward_root = this;
+  } else if (ctx_->forward_root == nullptr) {
+    // A submodule run on its own, outside the root's forward: its call opens (and, returning, closes) a forward.
+    ctx_->forward_root = this;
+  }
   if (training_state() != Phase::Forward) {
     // The first member of this call group to run: gather the parameters.
     forward_grad_enabled_ = c10::GradMode::is_enabled();
@@ -344,6 +355,7 @@ void FSDPState::on_forward_exception(torch::nn::Module& module) {
     for (detail::FSDPParamGroup* g : group_ptrs_) g->forget_use(*call == CallRecord::UseWithNode);
   }
   if (!members_running_.empty()) return;
+  if (ctx_ && ctx_->forward_root == this) ctx_->forward_root = nullptr;
   if (is_root()) {
     // The whole forward is abandoned: release everything now rather than at the next forward.
     reset();
@@ -364,10 +376,20 @@ void FSDPState::post_forward(torch::nn::Module& module, const nn::TensorList& in
   if (c10::GradMode::is_enabled()) register_pre_backward(outputs);
   if (!members_running_.empty()) return;  // a member re-entered itself; the outer call finishes
   // A group of modules finishes once every member ran (they may run in any order): finishing earlier would
-  // reshard and gather again for the next member. When only some members run, the root's post-forward
-  // finishes the group.
-  if (is_root() || members_ran_.size() == modules_.size()) finish_forward();
-  if (is_root()) root_post_forward();
+  // reshard and gather again for the next member. When only some members run, the group finishes when the call
+  // that opened the forward returns: the root's, or this group's own call when a member runs on its own outside
+  // the root's forward (then the group behaves as a module sharded alone, called on its own, would: its
+  // forward ends with the call, and its backward is an ordinary pre-/post-backward).
+  const bool closes_forward = ctx_->forward_root == this;
+  if (closes_forward || members_ran_.size() == modules_.size()) finish_forward();
+  if (!closes_forward) return;
+  finish_open_forwards();
+  ctx_->forward_root = nullptr;
+  if (is_root()) {
+    root_post_forward();
+  } else {
+    release_held_buffers();  // the last all-gather output kept for a next copy-out that will not come
+  }
 }
 
 void FSDPState::finish_forward() {
@@ -581,6 +603,7 @@ void FSDPState::reset() {
     release_held_buffers();
     ctx_->backward_order.clear();
     ctx_->forward_order.clear();
+    ctx_->forward_root = nullptr;
     ctx_->groups_with_pending_reduce.clear();
     ctx_->backward_graph_task = -1;
   }

@@ -36,6 +36,11 @@ struct RootContext {
   // previous one: implicit forward prefetch issues the state that followed last time.
   std::vector<FSDPState*> forward_order;
   std::vector<FSDPState*> last_forward_order;
+  // The state whose call opened the forward now running (null between forwards): the root's, or a submodule's
+  // run on its own outside the root's forward (a chunked loss calling the output head per chunk). When that
+  // call returns, every group whose forward ran only partly (some members of fully_shard({a, b}) skipped) is
+  // finished — PyTorch's iter_forward_root and _force_complete_incomplete_states.
+  FSDPState* forward_root = nullptr;
   // Post-forward order of the calls with gradients since the last backward finished: backward runs in
   // reverse, so the call before a state's own is the next to need its parameters (implicit backward prefetch).
   std::vector<FSDPState*> backward_order;
@@ -119,6 +124,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void root_pre_forward();
   void root_post_forward();
   void root_final_callback();
+  // The call that opened the forward returned: finishes the forward of every other state of the tree still in
+  // forward with none of its members running (a group of modules of which only some ran).
+  void finish_open_forwards();
   void wait_for_post_optim_event();
   // Releases the buffers kept across streams (fsdp_streams.h's HeldBuffer) once their streams waited.
   void release_held_buffers();

@@ -42,48 +42,6 @@ torch::Tensor local_rows(const torch::Tensor& global, bool sharded) {
   return global.narrow(0, rank() * local, local);
 }
 
-// Deduplicated parameters (tied ones once), for optimizers and comparisons.
-std::vector<torch::Tensor> unique_params(torch::nn::Module& m) {
-  std::vector<torch::Tensor> out;
-  std::unordered_set<const c10::TensorImpl*> seen;
-  for (auto& p : m.parameters()) {
-    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
-  }
-  return out;
-}
-
-std::map<std::string, torch::Tensor> reference_params(torch::nn::Module& m) {
-  std::map<std::string, torch::Tensor> out;
-  std::unordered_set<const c10::TensorImpl*> seen;
-  for (const auto& item : m.named_parameters()) {
-    if (seen.insert(item.value().unsafeGetTensorImpl()).second) out[item.key()] = item.value().detach().clone();
-  }
-  return out;
-}
-
-// Full gradients of an FSDP model by FQN: every sharded .grad gathered with its state-dict placement.
-std::map<std::string, torch::Tensor> full_grads(torch::nn::Module& root) {
-  auto sd = fsdp::sharded_state_dict(root);
-  std::map<std::string, torch::Tensor> out;
-  for (const auto& item : root.named_parameters()) {
-    auto it = sd.find(item.key());
-    if (it == sd.end() || !item.value().grad().defined()) continue;
-    out[item.key()] = fsdp::ShardedTensor::from_local(item.value().grad().contiguous(), it->second.mesh(),
-                                                      it->second.placements(), it->second.sizes())
-                          .full_tensor();
-  }
-  return out;
-}
-
-void expect_equal_maps(const std::map<std::string, torch::Tensor>& got, const std::map<std::string, torch::Tensor>& ref,
-                       double tol, const std::string& what) {
-  ASSERT_EQ(got.size(), ref.size()) << what;
-  for (const auto& [name, r] : ref) {
-    ASSERT_TRUE(got.count(name)) << what << ": " << name;
-    EXPECT_LE(max_rel_diff(got.at(name), r), tol) << what << ": " << name;
-  }
-}
-
 // ---------------------------------------------------------------------------------------------------------
 // shard_placement_fn
 

@@ -9,12 +9,15 @@
 #include <fsdp/device_mesh.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/nn/module_call.h>
+#include <fsdp/sharded_tensor.h>
 #include <fsdp/state_dict.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <functional>
+#include <map>
+#include <unordered_set>
 #include <string>
 #include <vector>
 
@@ -54,6 +57,53 @@ inline std::map<std::string, torch::Tensor> initial_mlp_params(uint64_t seed) {
 inline double max_rel_diff(const torch::Tensor& a, const torch::Tensor& b) {
   auto denom = b.abs().max().item<double>();
   return (a - b).abs().max().item<double>() / std::max(denom, 1e-12);
+}
+
+// Deduplicated parameters (libtorch's parameters() lists a tied tensor once per owner), for optimizers.
+inline std::vector<torch::Tensor> unique_params(const torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& p : m.parameters()) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+  }
+  return out;
+}
+
+// A plain model's parameters by FQN, a tied tensor once under its first name (as full_state_dict lists it).
+inline std::map<std::string, torch::Tensor> reference_params(const torch::nn::Module& m) {
+  std::map<std::string, torch::Tensor> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& item : m.named_parameters()) {
+    if (seen.insert(item.value().unsafeGetTensorImpl()).second) out[item.key()] = item.value().detach().clone();
+  }
+  return out;
+}
+
+// Full gradients of an FSDP model by FQN: every sharded .grad gathered with its state-dict placement (a tied
+// tensor once, under its first name, as full_state_dict lists it).
+inline std::map<std::string, torch::Tensor> full_grads(torch::nn::Module& root) {
+  auto sd = fsdp::sharded_state_dict(root);
+  std::map<std::string, torch::Tensor> out;
+  std::unordered_set<const c10::TensorImpl*> seen;  // a tied tensor once, under its first name
+  for (const auto& item : root.named_parameters()) {
+    auto it = sd.find(item.key());
+    if (it == sd.end() || !item.value().grad().defined()) continue;
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
+    out[item.key()] = fsdp::ShardedTensor::from_local(item.value().grad().contiguous(), it->second.mesh(),
+                                                      it->second.placements(), it->second.sizes())
+                          .full_tensor();
+  }
+  return out;
+}
+
+// Same names, and every tensor within `tol` (max relative difference) of the reference's.
+inline void expect_equal_maps(const std::map<std::string, torch::Tensor>& got,
+                              const std::map<std::string, torch::Tensor>& ref, double tol, const std::string& what) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  for (const auto& [name, r] : ref) {
+    ASSERT_TRUE(got.count(name)) << what << ": " << name;
+    EXPECT_LE(max_rel_diff(got.at(name), r), tol) << what << ": " << name;
+  }
 }
 
 }  // namespace fsdp_test

@@ -70,17 +70,6 @@ struct TiedLMImpl : torch::nn::Module {
 };
 TORCH_MODULE(TiedLM);
 
-// libtorch's parameters() lists a tied tensor once per owner: an optimizer must see it once.
-std::vector<torch::Tensor> unique_params(const torch::nn::Module& m) {
-  std::vector<torch::Tensor> out;
-  for (const auto& p : m.parameters()) {
-    bool seen = false;
-    for (const auto& q : out) seen = seen || q.is_same(p);
-    if (!seen) out.push_back(p);
-  }
-  return out;
-}
-
 std::map<std::string, torch::Tensor> snapshot(const torch::nn::Module& m) {
   std::map<std::string, torch::Tensor> out;
   for (const auto& item : m.named_parameters()) out[item.key()] = item.value().detach().clone();
