@@ -13,7 +13,21 @@ GROUPS_N="${FSDP_FT_GROUPS:-2}"
 RANKS="${FSDP_FT_RANKS:-1}"
 TRAIN="$BUILD_DIR/apps/fsdp-train/fsdp-train"
 cd "$ROOT"
-DUMP="$("$TRAIN" --print-config "$@" | sed -n 's/^dump_folder = "\(.*\)"$/\1/p')"
+CONFIG="$("$TRAIN" --print-config "$@")"
+DUMP="$(sed -n 's/^dump_folder = "\(.*\)"$/\1/p' <<< "$CONFIG")"
+# The global batch is split over every rank of every group (docs/trainer.md, "Data rule"): with more data ranks
+# than the config's local batch allows (the default job: 16 = 8 x 2 ranks), each rank takes a smaller local batch
+# so that the run trains on the same global batches — unless --training.local_batch_size was given.
+training_value() { awk -v key="$1" '/^\[/ { section = $0 } section == "[training]" && $1 == key { print $3 }' <<< "$CONFIG"; }
+GLOBAL="$(training_value global_batch_size)"
+LOCAL="$(training_value local_batch_size)"
+DATA_RANKS=$((GROUPS_N * RANKS))
+BATCH=()
+if [[ " $* " != *local_batch_size* ]] && [ "${GLOBAL:--1}" -gt 0 ] && [ $((GLOBAL % (DATA_RANKS * LOCAL))) -ne 0 ] &&
+   [ $((GLOBAL % DATA_RANKS)) -eq 0 ]; then
+  BATCH=(--training.local_batch_size $((GLOBAL / DATA_RANKS)))
+  echo "train_ft.sh: global batch $GLOBAL over $DATA_RANKS data ranks: ${BATCH[*]}"
+fi
 mkdir -p "$DUMP"
 
 pids=()
@@ -39,7 +53,7 @@ echo "train_ft.sh: fsdp-lighthouse on $ADDR; $GROUPS_N replica groups of $RANKS 
 for ((r = GROUPS_N - 1; r >= 0; r--)); do
   cmd=("$BUILD_DIR/apps/fsdprun/fsdprun" --nproc-per-node "$RANKS" --max-restarts 3 "$TRAIN"
        --fault_tolerance.enable --fault_tolerance.group_size "$GROUPS_N" --fault_tolerance.replica_id "$r"
-       --fault_tolerance.lighthouse "$ADDR" "$@")
+       --fault_tolerance.lighthouse "$ADDR" "${BATCH[@]}" "$@")
   if [ "$r" -eq 0 ]; then
     "${cmd[@]}" 2>&1 | tee "$DUMP/replica_0.log" &
   else

@@ -52,6 +52,7 @@ struct FaultTolerance::Impl {
   fsdp::ft::Manager manager;
   std::vector<int> members;
   std::vector<int> last_members;  // of the previous committed step (membership changes are printed)
+  int64_t started_from = -1;      // the step of the checkpoint loaded at start-up, -1 = none
 
   Impl(const JobConfig& c, fsdp::ProcessGroupPtr group, bool s)
       : config(c), say(s), manager(manager_options(c), std::move(group)) {}
@@ -126,11 +127,16 @@ bool FaultTolerance::begin_step(TrainState& state) {
   state.data->seek_step(blob.at("data_step").get<int64_t>());
   if (m.say) {
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    // Healing is a network transfer; whether this group read a checkpoint before it is said as it happened.
+    const std::string disk = m.started_from < 0
+                                 ? std::string("no checkpoint read")
+                                 : "over the network (this group loaded its checkpoint of step " +
+                                       std::to_string(m.started_from) + " at start-up)";
     std::printf("ft: replica %d healed from replica %d: step %lld -> %lld, %zu tensors (%.2f MB per rank) in %.3f s, "
-                "no checkpoint read\n",
+                "%s\n",
                 static_cast<int>(m.config.fault_tolerance.replica_id), q.replica_ids.at(q.heal_source),
                 static_cast<long long>(behind), static_cast<long long>(state.step), h.tensors.size(),
-                static_cast<double>(h.bytes) / 1e6, dt);
+                static_cast<double>(h.bytes) / 1e6, dt, disk.c_str());
     std::fflush(stdout);
   }
   return true;
@@ -173,5 +179,7 @@ bool FaultTolerance::commit(bool local_ok, int64_t step) {
 }
 
 const std::vector<int>& FaultTolerance::members() const { return impl_->members; }
+
+void FaultTolerance::set_started_from(int64_t checkpoint_step) { impl_->started_from = checkpoint_step; }
 
 }  // namespace fsdp_train

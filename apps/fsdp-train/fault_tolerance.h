@@ -51,6 +51,9 @@ class FaultTolerance {
   double average(double value);  // e.g. the step's loss, over the quorum's groups
   bool commit(bool local_ok, int64_t step);  // the vote; prints why a step was discarded
   const std::vector<int>& members() const;  // the current quorum's replica ids
+  // What this group loaded at start-up: the step of the checkpoint it read, or -1 for none. The healing line says it
+  // (healing itself reads no checkpoint; a group that also loaded one at start-up must not be told it read none).
+  void set_started_from(int64_t checkpoint_step);
 
  private:
   struct Impl;

@@ -270,7 +270,8 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
   }
   state_.optimizer = optimizer_.get();
   state_.data = loader_.get();
-  checkpointer_->load(state_);
+  const bool loaded = checkpointer_->load(state_);
+  if (ft_) ft_->set_started_from(loaded ? state_.step : -1);
   first_step_ = state_.step + 1;
 }
 

@@ -55,12 +55,41 @@ struct Manager::Impl {
   ProcessGroupPtr group;  // the quorum group, made in round group_round
   std::string error;      // the step's first failure
   int64_t missed = 0;
+  // This step's failure key, shared by the ranks of this replica group (rank 0's incarnation and the call count name
+  // it). A rank whose quorum transfer fails sets it; the others look at it before each quorum transfer of the step.
+  // Without it a 2-rank group paid the timeout twice in a row: rank 1 waited `timeout` for a stopped peer while rank
+  // 0 waited for rank 1 inside the group's own reduce-scatter, then rank 0 waited `timeout` again on its next
+  // transfer, with a peer stuck behind the stopped rank of its group. Now every wait of a step but the first is
+  // skipped, so a fault costs the survivors one timeout, whatever the group size.
+  std::string step_failed_key;
 
   std::string who() const {
     return c10::str("replica ", options.replica_id, " rank ", shard, " (quorum ", quorum.id, ")");
   }
   void record(const std::string& what, const std::exception& e) {
-    if (error.empty()) error = c10::str(what, ": ", detail::message_of(e));
+    if (!error.empty()) return;
+    error = c10::str(what, ": ", detail::message_of(e));
+    if (group_size > 1 && !step_failed_key.empty()) {
+      try {
+        store->set(step_failed_key, c10::str("rank ", shard, ": ", error));
+      } catch (const std::exception&) {
+        // The coordinator is gone: the other ranks' own transfers and the vote fail on it as well.
+      }
+    }
+  }
+  // True when this step is lost already: this rank recorded a failure, or another rank of its group did (then its
+  // reason becomes this rank's error). Called before each quorum transfer, so that none waits for a peer the step
+  // cannot use any more.
+  bool step_lost() {
+    if (!error.empty()) return true;
+    if (group_size == 1 || step_failed_key.empty()) return false;
+    try {
+      if (!store->check({step_failed_key})) return false;
+      error = c10::str("the step is lost: ", store->get_to_str(step_failed_key), " (another rank of this replica group)");
+    } catch (const std::exception& e) {
+      error = c10::str("the coordinator does not answer: ", detail::message_of(e));
+    }
+    return true;
   }
   void check_in_step(const char* call) const {
     TORCH_CHECK(phase == Phase::InStep, "fsdp::ft::Manager::", call, " on ", who(),
@@ -133,6 +162,7 @@ const Quorum& Manager::start_quorum(int64_t step) {
   try {
     const std::string told =
         c10::str("fsdp-ft/replica/", m.options.replica_id, "/", m.incarnation, "/call/", m.calls++);
+    m.step_failed_key = told + "/failed";
     if (m.shard == 0) {
       if (m.group_size > 1) {
         std::vector<std::string> arrived;
@@ -219,7 +249,7 @@ const Quorum& Manager::quorum() const { return impl_->quorum; }
 void Manager::allreduce_average(at::Tensor& tensor) {
   Impl& m = *impl_;
   m.check_in_step("allreduce_average");
-  if (!m.error.empty() || !m.group) return;  // the step is lost already: no more traffic on a broken group
+  if (!m.group || m.step_lost()) return;  // the step is lost already: no more traffic on a broken group
   try {
     m.group->all_reduce(tensor, ReduceOp::Sum).wait();
     tensor.div_(m.quorum.num_participants());
@@ -231,7 +261,7 @@ void Manager::allreduce_average(at::Tensor& tensor) {
 void Manager::send_state(const std::vector<at::Tensor>& tensors, int64_t step, const std::string& data_position) {
   Impl& m = *impl_;
   m.check_in_step("send_state");
-  if (!m.error.empty() || !m.group) return;
+  if (!m.group || m.step_lost()) return;
   const int64_t n = static_cast<int64_t>(tensors.size());
   at::Tensor header = at::tensor({step, static_cast<int64_t>(data_position.size()), n}, at::kLong);
   std::vector<int64_t> meta;
@@ -265,7 +295,7 @@ std::optional<HealedState> Manager::receive_state(std::vector<at::Tensor>& tenso
   m.check_in_step("receive_state");
   TORCH_CHECK(m.quorum.heal, "fsdp::ft::Manager::receive_state on ", m.who(),
               ": this replica is not behind (Quorum.heal is false), nobody will send to it");
-  if (!m.error.empty() || !m.group) return std::nullopt;
+  if (!m.group || m.step_lost()) return std::nullopt;
   const int source = m.quorum.heal_source;
   const auto dev = m.group->device();
   // Failures of the transfer are recorded (the step is lost, the vote says so); a state that does not match the
