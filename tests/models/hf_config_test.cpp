@@ -16,6 +16,7 @@
 #include <fsdp/models/qwen3.h>
 
 #include "expect_error.h"
+#include "models/hf_side.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -42,28 +43,9 @@ const std::string kPython = FSDP_TEST_PYTHON;
 const std::string kScript = std::string(FSDP_SOURCE_DIR) + "/tests/models/hf_config_side.py";
 constexpr double kTol = 1e-5;
 
-fs::path scratch_root() { return fs::temp_directory_path() / ("fsdp_hf_config_" + std::to_string(::getpid())); }
-
-class ScratchCleanup : public ::testing::Environment {
- public:
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(scratch_root(), ec);
-    fs::remove(scratch_root().string() + ".log", ec);
-  }
-};
-const auto* const kCleanup = ::testing::AddGlobalTestEnvironment(new ScratchCleanup);  // gtest owns it
-
-fs::path scratch(const std::string& name) {
-  fs::path d = scratch_root() / name;
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
-
-bool have_transformers() {
-  return std::system((kPython + " -c 'import transformers' > /dev/null 2>&1").c_str()) == 0;
-}
+using fsdp_test::hf_side::have_transformers;
+using fsdp_test::hf_side::scratch;
+using fsdp_test::hf_side::scratch_root;
 
 std::string quoted(const json& j) {
   std::string s = j.dump(), out = "'";
@@ -76,20 +58,14 @@ struct Made {
   fs::path dir;
   at::Tensor tokens, logits, logits_base;
 };
-Made make(const std::string& name, const std::string& family, const json& base, const json& edit,
-          bool drop_lm_head = false) {
+Made make(const std::string& name, const std::string& family, const json& base, const json& edit) {
   Made m;
   m.dir = scratch(name);
-  const fs::path log = scratch_root().string() + ".log";
-  const std::string cmd = "OMP_NUM_THREADS=1 " + kPython + " " + kScript + " make --family " + family + " --base " +
-                          quoted(base) + " --edit " + quoted(edit) + " --out " + m.dir.string() + " --seed 5" +
-                          (drop_lm_head ? " --drop-lm-head" : "") + " > " + log.string() + " 2>&1";
-  const int rc = std::system(cmd.c_str());
-  std::ifstream f(log);
-  std::stringstream out;
-  out << f.rdbuf();
-  EXPECT_EQ(rc, 0) << cmd << "\n" << out.str();
-  if (rc != 0) return m;
+  const auto r = fsdp_test::hf_side::run_python(
+      kScript, "make --family " + family + " --base " + quoted(base) + " --edit " + quoted(edit) + " --out " +
+                   m.dir.string() + " --seed 5");
+  EXPECT_EQ(r.rc, 0) << r.command << "\n" << r.output;
+  if (r.rc != 0) return m;
   const auto ref = st::load_file((m.dir / "ref.safetensors").string());
   m.tokens = ref.at("tokens"), m.logits = ref.at("logits"), m.logits_base = ref.at("logits_base");
   return m;
