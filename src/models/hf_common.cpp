@@ -91,15 +91,6 @@ std::string dtype_name(const std::optional<c10::ScalarType>& dtype) {
   return "float32";
 }
 
-std::optional<double> rope_theta(const nlohmann::json& c) {
-  std::optional<double> theta;
-  if (c.contains("rope_theta") && c["rope_theta"].is_number()) theta = c["rope_theta"].get<double>();
-  if (c.contains("rope_parameters") && c["rope_parameters"].is_object() &&
-      c["rope_parameters"].contains("rope_theta") && c["rope_parameters"]["rope_theta"].is_number())
-    theta = c["rope_parameters"]["rope_theta"].get<double>();
-  return theta;
-}
-
 nlohmann::json decoder_config_json(const nn::llama::LlamaArgs& a, const std::string& dtype) {
   nlohmann::json c;
   c["hidden_size"] = a.dim;
@@ -113,52 +104,35 @@ nlohmann::json decoder_config_json(const nn::llama::LlamaArgs& a, const std::str
   c["max_position_embeddings"] = a.max_seq_len;
   c["hidden_act"] = "silu";
   c["attention_bias"] = false;
+  c["attention_dropout"] = 0.0;
   c["tie_word_embeddings"] = a.tie_embeddings;
   c["torch_dtype"] = dtype;
-  // transformers >= 5 reads rope_parameters; older versions rope_theta (and rope_scaling).
+  // transformers >= 5 reads rope_parameters; older versions rope_theta and rope_scaling. transformers 5 also
+  // reads rope_scaling (it then replaces rope_parameters, taking rope_theta from the top level): both agree.
   c["rope_theta"] = a.rope_theta;
-  c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", a.rope_theta}};
+  nlohmann::json rope = {{"rope_type", "default"}};
+  if (a.rope_scaling) {
+    const auto& r = *a.rope_scaling;
+    rope = {{"rope_type", nn::llama::rope_type_name(r.type)}, {"factor", r.factor}};
+    if (r.type == nn::llama::RopeScaling::Type::Llama3) {
+      rope["low_freq_factor"] = r.low_freq_factor;
+      rope["high_freq_factor"] = r.high_freq_factor;
+    } else if (r.type == nn::llama::RopeScaling::Type::Yarn) {
+      rope["beta_fast"] = r.beta_fast;
+      rope["beta_slow"] = r.beta_slow;
+      rope["truncate"] = r.truncate;
+      if (r.attention_factor) rope["attention_factor"] = *r.attention_factor;
+      if (r.mscale) rope["mscale"] = *r.mscale;
+      if (r.mscale_all_dim) rope["mscale_all_dim"] = *r.mscale_all_dim;
+    }
+    if (r.type != nn::llama::RopeScaling::Type::Linear) {
+      rope["original_max_position_embeddings"] = r.original_max_position_embeddings;
+    }
+    c["rope_scaling"] = rope;
+  }
+  rope["rope_theta"] = a.rope_theta;
+  c["rope_parameters"] = rope;
   return c;
-}
-
-void ConfigCheck::expect_decoder_sizes(const nn::llama::LlamaArgs& a) {
-  expect_int("hidden_size", a.dim);
-  expect_int("num_hidden_layers", a.n_layers);
-  expect_int("num_attention_heads", a.n_heads);
-  expect_int("num_key_value_heads", a.kv_heads());
-  expect_int("vocab_size", a.vocab_size);
-  expect_int("head_dim", a.head_dim());
-}
-
-ConfigCheck::ConfigCheck(std::string path, std::string who) : path_(std::move(path)), who_(std::move(who)) {
-  try {
-    config_ = nlohmann::json::parse(checkpoint::detail::read_small_file(path_, 1 << 24));
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, who_, ": ", path_, " is not valid JSON: ", e.what());
-  }
-}
-
-void ConfigCheck::expect_int(const char* field, int64_t ours) {
-  if (!config_.contains(field) || config_[field].is_null()) return;
-  if (!config_[field].is_number_integer() || config_[field].get<int64_t>() != ours) {
-    bad_.push_back(std::string(field) + " = " + config_[field].dump() + " (the model has " + std::to_string(ours) +
-                   ")");
-  }
-}
-
-void ConfigCheck::expect_rope_theta(double ours) {
-  const auto theta = rope_theta(config_);
-  if (theta && std::abs(*theta - ours) > 1e-9 * std::abs(ours)) {
-    std::ostringstream os;
-    os << "rope_theta = " << *theta << " (the model has " << ours << ")";
-    bad_.push_back(os.str());
-  }
-}
-
-void ConfigCheck::finish() const {
-  std::ostringstream list;
-  for (size_t i = 0; i < bad_.size(); ++i) list << (i ? "; " : "") << bad_[i];
-  TORCH_CHECK(bad_.empty(), who_, ": ", path_, " does not describe this model: ", list.str());
 }
 
 SafetensorsExportResult write_whole_model(const std::string& dir,
@@ -216,10 +190,13 @@ std::vector<std::pair<std::string, at::Tensor>> whole_model_tensors(const char* 
 }
 
 checkpoint::detail::KeyAdapter import_adapter(const char* who, const KeyToFile& to_hf, bool files_have_lm_head,
-                                              bool model_tied) {
+                                              bool model_tied, bool lm_head_from_embeddings) {
   checkpoint::detail::KeyAdapter adapter;
-  adapter.file_name = [who, to_hf, files_have_lm_head](const std::string& key) -> std::optional<std::string> {
-    if (key == "output.weight" && !files_have_lm_head) return std::string("model.embed_tokens.weight");  // tied
+  adapter.file_name = [who, to_hf, files_have_lm_head,
+                       lm_head_from_embeddings](const std::string& key) -> std::optional<std::string> {
+    if (key == "output.weight" && !files_have_lm_head && lm_head_from_embeddings) {
+      return std::string("model.embed_tokens.weight");  // a tied checkpoint
+    }
     auto hf = to_hf(key);
     TORCH_CHECK(hf, who, ": '", key, "' is not a weight the Hugging Face adapter knows");
     return hf;
@@ -254,6 +231,28 @@ SafetensorsImportResult import_whole_model(const char* who, torch::nn::Module& m
     r.bytes_read += t.nbytes();
   }
   return r;
+}
+
+void finish_whole_import(const char* who, const std::string& path, const FileTensors& files,
+                         const std::set<std::string>& used, const checkpoint::detail::KeyAdapter& adapter,
+                         const SafetensorsImportOptions& options, SafetensorsImportResult& r) {
+  for (const auto& [name, file] : files.where()) {
+    if (!used.count(name) && !(adapter.ignorable && adapter.ignorable(name))) r.unexpected.push_back(name);
+  }
+  if (options.strict && !r.unexpected.empty()) {
+    std::string list;
+    for (size_t i = 0; i < r.unexpected.size() && i < 20; ++i) list += (i ? ", '" : "'") + r.unexpected[i] + "'";
+    if (r.unexpected.size() > 20) list += ", ... (" + std::to_string(r.unexpected.size()) + " in all)";
+    TORCH_CHECK(false, who, " from ", path, ": the files hold tensors the model does not have (strict load): ", list);
+  }
+}
+
+void check_lm_head(const char* who, const std::string& path, bool files_have_lm_head, bool config_tied,
+                   const nn::llama::LlamaArgs& model, const SafetensorsImportOptions& options) {
+  if (files_have_lm_head || config_tied || model.tie_embeddings) return;
+  TORCH_CHECK(!options.strict, who, " from ", path, ": config.json says tie_word_embeddings = false but the files ",
+              "hold no 'lm_head.weight' (the output layer's weights are missing; transformers would initialise ",
+              "them randomly)");
 }
 
 }  // namespace fsdp::checkpoint::hf::common

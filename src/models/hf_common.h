@@ -6,6 +6,8 @@
 
 #include <fsdp/checkpoint/model_safetensors.h>
 
+#include <fsdp/models/llama.h>
+
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 #include <nlohmann/json.hpp>
@@ -20,10 +22,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
-namespace fsdp::nn::llama {
-struct LlamaArgs;
-}  // namespace fsdp::nn::llama
 
 namespace fsdp::checkpoint::safetensors {
 class Reader;
@@ -52,33 +50,68 @@ std::optional<std::pair<std::string, std::string>> split_layer(const std::string
 bool uses_fully_shard(torch::nn::Module& model);
 // config.json's torch_dtype for an export cast to `dtype` (float32 when none).
 std::string dtype_name(const std::optional<c10::ScalarType>& dtype);
-// Hugging Face's RoPE base: rope_parameters.rope_theta (transformers >= 5) or rope_theta.
-std::optional<double> rope_theta(const nlohmann::json& config);
-
-// The config.json fields every decoder of ours writes the same way (sizes, heads, norm eps, RoPE base, tied
-// embeddings, dtype); each adapter adds its architecture's own.
+// The config.json fields every decoder of ours writes the same way (sizes, heads, norm eps, RoPE base and
+// scaling in both forms, tied embeddings, dtype); each adapter adds its architecture's own.
 nlohmann::json decoder_config_json(const nn::llama::LlamaArgs& args, const std::string& dtype);
 
-// A Hugging Face config.json checked against a model: collects every mismatch, then one error listing them all.
-class ConfigCheck {
+// Deepest nesting of arrays/objects a config.json may have (Hugging Face's are at most 3 deep); deeper is
+// refused while parsing, before anything is built from it.
+constexpr int kMaxConfigDepth = 32;
+// Largest config.json read (Hugging Face's are a few kB).
+constexpr int64_t kMaxConfigBytes = 1 << 20;
+
+// A parsed config.json whose errors name the file, the field and the rule: "<who>: <path>: field 'x' ...".
+class ConfigJson {
  public:
-  ConfigCheck(std::string path, std::string who);  // parses (error naming the file when it is not JSON)
-  const nlohmann::json& config() const { return config_; }
-  // An integer field, when present, must equal ours.
-  void expect_int(const char* field, int64_t ours);
-  void expect_rope_theta(double ours);
-  // The sizes every decoder's config.json states the same way (decoder_config_json's): hidden size, layers,
-  // heads, kv heads, vocabulary, head_dim.
-  void expect_decoder_sizes(const nn::llama::LlamaArgs& args);
-  void fail(std::string what) { bad_.push_back(std::move(what)); }
-  // Throws "<who>: <path> does not describe this model: <mismatches>" when there are any.
-  void finish() const;
+  ConfigJson(std::string path, std::string who);  // reads and parses (bounded size and depth)
+  const std::string& path() const { return path_; }
+  const std::string& who() const { return who_; }
+  const nlohmann::json& root() const { return root_; }
+  // Present and not null (in `obj`, a sub-object of root(); `where` prefixes its field names, e.g. "rope_scaling.").
+  static bool has(const nlohmann::json& obj, const char* field);
+  bool has(const char* field) const { return has(root_, field); }
+  // Typed reads: the field's value, `fallback` when absent or null, an error when absent without fallback or of
+  // another type ("field 'x' must be an integer, got a string \"abc\"").
+  int64_t get_int(const char* field, std::optional<int64_t> fallback = std::nullopt,
+                  const nlohmann::json* obj = nullptr, const std::string& where = "") const;
+  double get_number(const char* field, std::optional<double> fallback = std::nullopt,
+                    const nlohmann::json* obj = nullptr, const std::string& where = "") const;
+  bool get_bool(const char* field, std::optional<bool> fallback = std::nullopt, const nlohmann::json* obj = nullptr,
+                const std::string& where = "") const;
+  std::string get_string(const char* field, std::optional<std::string> fallback = std::nullopt,
+                         const nlohmann::json* obj = nullptr, const std::string& where = "") const;
+  // Throws "<who>: <path>: <what>".
+  [[noreturn]] void fail(const std::string& what) const;
 
  private:
+  const nlohmann::json& value(const char* field, const nlohmann::json* obj, const std::string& where,
+                              const char* kind) const;
   std::string path_, who_;
-  nlohmann::json config_;
-  std::vector<std::string> bad_;
+  nlohmann::json root_;
 };
+
+// A short, bounded rendering of an untrusted JSON value for messages (never the whole of a large value).
+std::string excerpt(const nlohmann::json& v);
+
+// What a config.json describes, as our args: every field that changes transformers' computation is honoured
+// (mapped to the args) or refused with its name and value (docs/interop.md has the table).
+struct ParsedConfig {
+  std::string model_type;  // "llama", "qwen3" or "qwen3_moe"
+  nn::llama::LlamaArgs args;
+};
+// `default_model_type`: assumed when config.json has no model_type (empty: model_type is required).
+ParsedConfig parse_config(const ConfigJson& config, const std::string& default_model_type = "");
+
+// The differences that matter between what config.json describes and a model: one error listing all
+// "<field> = <value> (the model has <ours>)". `untied_model_may_load_tied`: a tied checkpoint may fill an untied
+// model's output layer with the embeddings (Llama) instead of being an error (Qwen3).
+void check_config_matches(const ConfigJson& config, const ParsedConfig& parsed, const nn::llama::LlamaArgs& model,
+                          bool untied_model_may_load_tied);
+
+// A file set without lm_head.weight next to a config.json that says tie_word_embeddings = false contradicts
+// itself: an error (strict), or output.weight left as is and listed missing.
+void check_lm_head(const char* who, const std::string& path, bool files_have_lm_head, bool config_tied,
+                   const nn::llama::LlamaArgs& model, const SafetensorsImportOptions& options);
 
 // One process holding the whole model: writes `tensors` (Hugging Face names, already in the file layout; cast
 // to options.dtype) into dir/model.safetensors, and config_text as dir/config.json.
@@ -117,9 +150,10 @@ std::vector<std::pair<std::string, at::Tensor>> whole_model_tensors(const char* 
 
 // The import adapter of both models: file names by `to_hf` (error naming a key it does not know); our
 // output.weight from model.embed_tokens.weight when the files have no lm_head.weight (a tied checkpoint);
-// rotary inv_freq buffers, and lm_head.weight next to a tied model, are expected extras.
+// rotary inv_freq buffers, and lm_head.weight next to a tied model, are expected extras. `lm_head_from_embeddings`
+// false (a config.json saying the embeddings are not tied): output.weight is lm_head.weight, never the embeddings.
 checkpoint::detail::KeyAdapter import_adapter(const char* who, const KeyToFile& to_hf, bool files_have_lm_head,
-                                              bool model_tied);
+                                              bool model_tied, bool lm_head_from_embeddings = true);
 
 // Import into a whole model (no fully_shard): every parameter for which `skip` (may be null) is false, read
 // whole from adapter.file_name(key), mapped by `from_file` (may be null). Missing tensors: an error naming the
@@ -129,5 +163,10 @@ SafetensorsImportResult import_whole_model(const char* who, torch::nn::Module& m
                                            const SafetensorsImportOptions& options, const TensorMap& from_file,
                                            const std::function<bool(const std::string&)>& skip,
                                            std::set<std::string>& used);
+// After import_whole_model and any tensors read apart: file tensors neither `used` nor ignorable go to
+// r.unexpected, an error naming them on a strict load (as import_safetensors on any number of ranks).
+void finish_whole_import(const char* who, const std::string& path, const FileTensors& files,
+                         const std::set<std::string>& used, const checkpoint::detail::KeyAdapter& adapter,
+                         const SafetensorsImportOptions& options, SafetensorsImportResult& r);
 
 }  // namespace fsdp::checkpoint::hf::common

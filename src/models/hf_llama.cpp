@@ -39,46 +39,13 @@ int64_t hf_row(int64_t r, int64_t head_dim) {
   return h * head_dim + (j % 2) * (head_dim / 2) + j / 2;
 }
 
-double number(const nlohmann::json& j) { return j.get<double>(); }
-
-// Checks a Hugging Face config.json against the model (what the weights' shapes cannot show: head counts,
-// RoPE base, tied embeddings).
-void check_config(const std::string& path, const llama::LlamaArgs& a) {
-  common::ConfigCheck check(path, "import_llama");
-  const nlohmann::json& c = check.config();
-  check.expect_decoder_sizes(a);
-  check.expect_int("intermediate_size", a.ffn_hidden_dim());
-  check.expect_rope_theta(a.rope_theta);
-  // Llama 3.1 RoPE scaling: rope_parameters (transformers >= 5) or rope_scaling, rope_type "llama3".
-  nlohmann::json scaling;
-  for (const char* field : {"rope_scaling", "rope_parameters"}) {
-    if (!c.contains(field) || !c[field].is_object()) continue;
-    const auto& r = c[field];
-    const std::string type = r.value("rope_type", r.value("type", std::string("default")));
-    if (type != "default") scaling = r;
-  }
-  if (!scaling.is_null()) {
-    const std::string type = scaling.value("rope_type", scaling.value("type", std::string()));
-    if (type != "llama3") {
-      check.fail("rope type '" + type + "' (only Llama 3.1's \"llama3\" scaling is supported)");
-    } else if (!a.rope_scaling) {
-      check.fail("Llama 3.1 RoPE scaling (the model has plain RoPE)");
-    } else {
-      const auto& r = *a.rope_scaling;
-      auto near = [](double x, double y) { return std::abs(x - y) <= 1e-9 * std::max(1.0, std::abs(y)); };
-      if (!near(number(scaling.value("factor", nlohmann::json(0.0))), r.factor) ||
-          !near(number(scaling.value("low_freq_factor", nlohmann::json(0.0))), r.low_freq_factor) ||
-          !near(number(scaling.value("high_freq_factor", nlohmann::json(0.0))), r.high_freq_factor) ||
-          scaling.value("original_max_position_embeddings", int64_t(0)) != r.original_max_position_embeddings) {
-        check.fail("RoPE scaling " + scaling.dump() + " (the model's differs)");
-      }
-    }
-  } else if (a.rope_scaling) {
-    check.fail("plain RoPE (the model has Llama 3.1 RoPE scaling)");
-  }
-  const bool hf_tied = c.value("tie_word_embeddings", false);
-  if (a.tie_embeddings && !hf_tied) check.fail("tie_word_embeddings = false (the model ties its embeddings)");
-  check.finish();
+// Checks a Hugging Face config.json against the model: every field that changes the computation is honoured
+// (equal to the model's) or refused (common::parse_config). Returns the config's tie_word_embeddings.
+bool check_config(const std::string& path, const llama::LlamaArgs& a) {
+  common::ConfigJson config(path, "import_llama");
+  const common::ParsedConfig parsed = common::parse_config(config, "llama");
+  common::check_config_matches(config, parsed, a, /*untied_model_may_load_tied=*/true);
+  return parsed.args.tie_embeddings;
 }
 
 // This adapter permutes q/k rows for the interleaved RoPE layout and knows no QK-norm or MoE names.
@@ -117,17 +84,6 @@ std::string config_json(const llama::LlamaArgs& a, const std::string& dtype) {
   c["architectures"] = {"LlamaForCausalLM"};
   c["model_type"] = "llama";
   c["mlp_bias"] = false;
-  if (a.rope_scaling) {
-    const auto& r = *a.rope_scaling;
-    nlohmann::json scaling = {{"rope_type", "llama3"},
-                              {"factor", r.factor},
-                              {"low_freq_factor", r.low_freq_factor},
-                              {"high_freq_factor", r.high_freq_factor},
-                              {"original_max_position_embeddings", r.original_max_position_embeddings}};
-    c["rope_scaling"] = scaling;
-    scaling["rope_theta"] = a.rope_theta;
-    c["rope_parameters"] = scaling;
-  }
   return c.dump(2) + "\n";
 }
 
@@ -161,10 +117,14 @@ SafetensorsImportResult import_llama(llama::TransformerImpl& model, const std::s
   const llama::LlamaArgs args = model.args();
   check_is_llama("import_llama", args);
   const fs::path dir = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
-  if (fs::is_regular_file(dir / "config.json")) check_config((dir / "config.json").string(), args);
+  // Without a config.json a file set lacking lm_head.weight is taken as tied; with one, it must say so.
+  bool config_tied = true;
+  if (fs::is_regular_file(dir / "config.json")) config_tied = check_config((dir / "config.json").string(), args);
   common::FileTensors files(path);
-  detail::KeyAdapter adapter =
-      common::import_adapter("import_llama", to_hf_name, files.has("lm_head.weight"), args.tie_embeddings);
+  const bool has_lm_head = files.has("lm_head.weight");
+  common::check_lm_head("import_llama", path, has_lm_head, config_tied, args, options);
+  detail::KeyAdapter adapter = common::import_adapter("import_llama", to_hf_name, has_lm_head, args.tie_embeddings,
+                                                      /*lm_head_from_embeddings=*/config_tied);
   adapter.file_rows = [args](const std::string& key, int64_t begin, int64_t count) {
     std::vector<int64_t> rows;
     if (!permuted_heads(key, args)) return rows;
@@ -178,7 +138,10 @@ SafetensorsImportResult import_llama(llama::TransformerImpl& model, const std::s
       const int64_t heads = permuted_heads(key, args);
       return heads ? permute_from_hf(t, heads) : t;
     };
-    return common::import_whole_model("import_llama", model, files, adapter, options, from_file, nullptr, used);
+    auto r = common::import_whole_model("import_llama", model, files, adapter, options, from_file, nullptr, used);
+    // Unexpected tensors: an error on a strict load, as on N ranks (import_safetensors).
+    common::finish_whole_import("import_llama", path, files, used, adapter, options, r);
+    return r;
   }
   return detail::import_safetensors(model, path, options, adapter);
 }

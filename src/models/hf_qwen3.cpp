@@ -42,9 +42,8 @@ bool is_expert_key(const std::string& key) {
 // What a Qwen3 config.json can express; the adapter refuses anything else rather than export a model that
 // transformers would compute differently.
 void check_is_qwen3(const char* who, const llama::LlamaArgs& a) {
-  TORCH_CHECK(a.rope_layout == llama::RopeLayout::HalfSplit && !a.rope_scaling, who,
-              ": Qwen3 checkpoints use half-split RoPE without scaling (RopeLayout::HalfSplit); the model has ",
-              a.rope_layout == llama::RopeLayout::HalfSplit ? "RoPE scaling" : "the interleaved layout",
+  TORCH_CHECK(a.rope_layout == llama::RopeLayout::HalfSplit, who,
+              ": Qwen3 checkpoints use half-split RoPE (RopeLayout::HalfSplit); the model has the interleaved layout",
               " (a Llama 3 model: use export_llama / import_llama)");
   TORCH_CHECK(a.qk_norm, who, ": Qwen3 has QK-norm; the model has none (qk_norm = false)");
   if (!a.moe) return;
@@ -54,55 +53,13 @@ void check_is_qwen3(const char* who, const llama::LlamaArgs& a) {
               o.score_func, "\", route_scale ", o.route_scale, ", ", o.num_shared_experts, " shared experts");
 }
 
-bool has_dense_layer(const llama::LlamaArgs& a) {
-  for (int64_t i = 0; i < a.n_layers; ++i) {
-    if (!a.is_moe_layer(i)) return true;
-  }
-  return false;
-}
-
-void check_config(const std::string& path, const llama::LlamaArgs& a) {
-  common::ConfigCheck check(path, "import_qwen3");
-  const nlohmann::json& c = check.config();
-  const std::string type = c.value("model_type", std::string());
-  if (!type.empty() && type != (a.moe ? "qwen3_moe" : "qwen3")) {
-    check.fail("model_type = \"" + type + "\" (the model is " + (a.moe ? "qwen3_moe" : "qwen3") + ")");
-  }
-  check.expect_decoder_sizes(a);
-  if (has_dense_layer(a)) check.expect_int("intermediate_size", a.ffn_hidden_dim());
-  check.expect_rope_theta(a.rope_theta);
-  if (c.contains("rope_parameters") && c["rope_parameters"].is_object()) {
-    const std::string rope_type = c["rope_parameters"].value("rope_type", std::string("default"));
-    if (rope_type != "default") check.fail("rope_type \"" + rope_type + "\" (only plain RoPE is supported)");
-  }
-  if (c.value("use_sliding_window", false)) check.fail("use_sliding_window = true (not supported)");
-  const bool hf_tied = c.value("tie_word_embeddings", false);
-  if (a.tie_embeddings != hf_tied) {
-    check.fail(std::string("tie_word_embeddings = ") + (hf_tied ? "true" : "false") + " (the model " +
-               (a.tie_embeddings ? "ties" : "does not tie") + " its embeddings)");
-  }
-  if (a.moe) {
-    const auto o = a.moe_options();
-    check.expect_int("num_experts", o.num_experts);
-    check.expect_int("num_local_experts", o.num_experts);  // what transformers 5 writes
-    check.expect_int("num_experts_per_tok", o.top_k);
-    check.expect_int("moe_intermediate_size", o.hidden);
-    check.expect_int("decoder_sparse_step", a.moe_layer_step);
-    const bool norm = c.value("norm_topk_prob", false);
-    if (norm != o.route_norm) {
-      check.fail(std::string("norm_topk_prob = ") + (norm ? "true" : "false") + " (the model's route_norm is " +
-                 (o.route_norm ? "true" : "false") + ")");
-    }
-    std::set<int64_t> hf_dense, ours(a.dense_layers.begin(), a.dense_layers.end());
-    if (c.contains("mlp_only_layers") && c["mlp_only_layers"].is_array()) {
-      for (const auto& v : c["mlp_only_layers"]) hf_dense.insert(v.get<int64_t>());
-    }
-    if (hf_dense != ours) {
-      check.fail("mlp_only_layers = " + c.value("mlp_only_layers", nlohmann::json::array()).dump() +
-                 " (the model's dense_layers differ)");
-    }
-  }
-  check.finish();
+// Checks a config.json against the model (common::parse_config: every field that changes the computation
+// honoured or refused). Returns the config's tie_word_embeddings.
+bool check_config(const std::string& path, const llama::LlamaArgs& a) {
+  common::ConfigJson config(path, "import_qwen3");
+  const common::ParsedConfig parsed = common::parse_config(config, a.moe ? "qwen3_moe" : "qwen3");
+  common::check_config_matches(config, parsed, a, /*untied_model_may_load_tied=*/false);
+  return parsed.args.tie_embeddings;
 }
 
 std::string layer_prefix(int64_t i) { return "model.layers." + std::to_string(i) + ".mlp.experts."; }
@@ -176,10 +133,14 @@ SafetensorsImportResult import_qwen3(llama::TransformerImpl& model, const std::s
   const llama::LlamaArgs args = model.args();
   check_is_qwen3("import_qwen3", args);
   const fs::path dir = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
-  if (fs::is_regular_file(dir / "config.json")) check_config((dir / "config.json").string(), args);
+  // Without a config.json a file set lacking lm_head.weight is taken as tied; with one, it must say so.
+  bool config_tied = true;
+  if (fs::is_regular_file(dir / "config.json")) config_tied = check_config((dir / "config.json").string(), args);
   common::FileTensors files(path);
-  detail::KeyAdapter adapter =
-      common::import_adapter("import_qwen3", qwen3_to_hf_name, files.has("lm_head.weight"), args.tie_embeddings);
+  const bool has_lm_head = files.has("lm_head.weight");
+  common::check_lm_head("import_qwen3", path, has_lm_head, config_tied, args, options);
+  detail::KeyAdapter adapter = common::import_adapter("import_qwen3", qwen3_to_hf_name, has_lm_head,
+                                                      args.tie_embeddings, /*lm_head_from_embeddings=*/config_tied);
   if (common::uses_fully_shard(model)) {
     TORCH_CHECK(!args.moe, "import_qwen3: the model is FSDP-sharded and has MoE layers; reading Hugging Face's ",
                 "stacked experts into sharded experts is not supported yet (import into the unsharded model, ",
@@ -243,15 +204,7 @@ SafetensorsImportResult import_qwen3(llama::TransformerImpl& model, const std::s
     common::copy_checked("import_qwen3", prefix + "(up)", ours + ".w3", e->w3, w3);
     common::copy_checked("import_qwen3", prefix + "down_proj", ours + ".w2", e->w2, w2);
   }
-  for (const auto& [name, file] : files.where()) {
-    if (!used.count(name) && !(adapter.ignorable && adapter.ignorable(name))) r.unexpected.push_back(name);
-  }
-  if (options.strict && !r.unexpected.empty()) {
-    std::string list;
-    for (const auto& n : r.unexpected) list += (list.empty() ? "'" : ", '") + n + "'";
-    TORCH_CHECK(false, "import_qwen3 from ", path, ": the files hold tensors the model does not have (strict ",
-                "load): ", list);
-  }
+  common::finish_whole_import("import_qwen3", path, files, used, adapter, options, r);
   return r;
 }
 

@@ -93,11 +93,11 @@ LlamaArgs llama3_flavor(const std::string& name) {
   } else if (name == "1B") {  // Llama 3.2 1B. Meta's checkpoint scales RoPE by 32 (TorchTitan's flavor: 8)
     a.dim = 2048, a.n_layers = 16, a.n_heads = 32, a.n_kv_heads = 8, a.vocab_size = 128256;
     a.ffn_dim_multiplier = 1.5, a.multiple_of = 1024, a.tie_embeddings = true;
-    a.rope_scaling = RopeScaling{32.0, 1.0, 4.0, 8192};
+    a.rope_scaling = RopeScaling{}, a.rope_scaling->factor = 32.0;
   } else if (name == "3B") {  // Llama 3.2 3B (RoPE as 1B)
     a.dim = 3072, a.n_layers = 28, a.n_heads = 24, a.n_kv_heads = 8, a.vocab_size = 128256;
     a.ffn_dim_multiplier = 1.0, a.multiple_of = 1024, a.tie_embeddings = true;
-    a.rope_scaling = RopeScaling{32.0, 1.0, 4.0, 8192};
+    a.rope_scaling = RopeScaling{}, a.rope_scaling->factor = 32.0;
   } else if (name == "8B") {  // Llama 3.1 8B
     a.dim = 4096, a.n_layers = 32, a.n_heads = 32, a.n_kv_heads = 8, a.vocab_size = 128256;
     a.ffn_dim_multiplier = 1.3, a.multiple_of = 1024;
@@ -144,6 +144,50 @@ void RMSNormImpl::reset_parameters() {
   weight().fill_(1.0);
 }
 
+const char* rope_type_name(RopeScaling::Type type) {
+  switch (type) {
+    case RopeScaling::Type::Llama3: return "llama3";
+    case RopeScaling::Type::Yarn: return "yarn";
+    case RopeScaling::Type::Linear: return "linear";
+  }
+  return "?";
+}
+
+double rope_attention_factor(const std::optional<RopeScaling>& scaling) {
+  if (!scaling || scaling->type != RopeScaling::Type::Yarn) return 1.0;
+  const RopeScaling& s = *scaling;
+  if (s.attention_factor) return *s.attention_factor;
+  // transformers' _compute_yarn_parameters.get_mscale: 0.1 * mscale * ln(scale) + 1 above scale 1.
+  auto get_mscale = [](double scale, double m) { return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; };
+  if (s.mscale && s.mscale_all_dim && *s.mscale != 0 && *s.mscale_all_dim != 0) {
+    return get_mscale(s.factor, *s.mscale) / get_mscale(s.factor, *s.mscale_all_dim);
+  }
+  return get_mscale(s.factor, 1.0);
+}
+
+namespace {
+
+// transformers' _compute_yarn_parameters (modeling_rope_utils.py) on the plain frequencies.
+at::Tensor yarn_frequencies(const at::Tensor& freqs, int64_t head_dim, double theta, const RopeScaling& s) {
+  const double dim = static_cast<double>(head_dim);
+  const double pi = std::acos(-1.0);
+  // The dimension at which a frequency makes `rotations` turns in the original context.
+  auto correction_dim = [&](double rotations) {
+    return dim * std::log(static_cast<double>(s.original_max_position_embeddings) / (rotations * 2 * pi)) /
+           (2 * std::log(theta));
+  };
+  double low = correction_dim(s.beta_fast), high = correction_dim(s.beta_slow);
+  if (s.truncate) low = std::floor(low), high = std::ceil(high);
+  low = std::max(low, 0.0), high = std::min(high, dim - 1);
+  if (low == high) high += 0.001;  // transformers: prevents a singularity
+  const int64_t half = head_dim / 2;
+  auto ramp = ((at::arange(half, freqs.options()) - low) / (high - low)).clamp(0.0, 1.0);
+  auto extrapolation = 1.0 - ramp;  // weight of the unscaled frequency
+  return freqs / s.factor * (1.0 - extrapolation) + freqs * extrapolation;
+}
+
+}  // namespace
+
 at::Tensor rope_frequencies(int64_t head_dim, double theta, const std::optional<RopeScaling>& scaling) {
   // TorchTitan: freqs = 1 / theta^(arange(0, dim, 2)[: dim/2] / dim). In float64 (TorchTitan: float32), so the
   // tables are the exact values rounded once, whatever the device.
@@ -152,10 +196,13 @@ at::Tensor rope_frequencies(int64_t head_dim, double theta, const std::optional<
   auto freqs = 1.0 / at::pow(theta, exponents);
   if (!scaling) return freqs;
   const RopeScaling& s = *scaling;
-  TORCH_CHECK(s.factor > 0 && s.high_freq_factor > s.low_freq_factor && s.original_max_position_embeddings > 0,
-              "llama: bad RoPE scaling (factor ", s.factor, ", low_freq_factor ", s.low_freq_factor,
-              ", high_freq_factor ", s.high_freq_factor, ", original_max_position_embeddings ",
-              s.original_max_position_embeddings, "): need factor > 0, high > low, a positive context length");
+  TORCH_CHECK(s.factor > 0 && s.original_max_position_embeddings > 0, "llama: bad RoPE scaling (",
+              rope_type_name(s.type), ", factor ", s.factor, ", original_max_position_embeddings ",
+              s.original_max_position_embeddings, "): need factor > 0 and a positive context length");
+  if (s.type == RopeScaling::Type::Linear) return freqs / s.factor;
+  if (s.type == RopeScaling::Type::Yarn) return yarn_frequencies(freqs, head_dim, theta, s);
+  TORCH_CHECK(s.high_freq_factor > s.low_freq_factor, "llama: bad RoPE scaling (llama3, low_freq_factor ",
+              s.low_freq_factor, ", high_freq_factor ", s.high_freq_factor, "): need high > low");
   // Llama 3.1: long wavelengths (low frequencies) are stretched by `factor`, short ones kept, the band between
   // blended linearly in original_context / wavelength.
   const double context = static_cast<double>(s.original_max_position_embeddings);
@@ -172,7 +219,9 @@ std::pair<at::Tensor, at::Tensor> precompute_rope(int64_t head_dim, int64_t seq_
                                                   const std::optional<RopeScaling>& scaling) {
   auto freqs = rope_frequencies(head_dim, theta, scaling);
   auto angles = at::outer(at::arange(seq_len, freqs.options()), freqs);
-  return {angles.cos().to(at::kFloat), angles.sin().to(at::kFloat)};
+  // YaRN's attention factor scales q and k through their rotation (transformers: cos/sin * attention_scaling).
+  const double m = rope_attention_factor(scaling);
+  return {(angles.cos() * m).to(at::kFloat), (angles.sin() * m).to(at::kFloat)};
 }
 
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, RopeLayout layout) {

@@ -47,6 +47,20 @@ def model_class(cfg):
     return Qwen3ForCausalLM
 
 
+def randomize(model):
+    """Every tensor random and well away from its init (norms too, so a swapped q_norm/k_norm or a missing QK-norm
+    shows); router gates large enough that no two experts' scores are within rounding."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn_like(p))
+            elif p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.copy_(0.2 * torch.randn_like(p))
+    return model
+
+
 def logits(model, tokens):
     model.eval()
     with torch.no_grad():
@@ -56,17 +70,7 @@ def logits(model, tokens):
 def cmd_make(o):
     torch.manual_seed(o.seed)
     cfg = config(o.kind)
-    model = model_class(cfg)(cfg).float()
-    with torch.no_grad():
-        # Every tensor random and well away from its init (norms too, so a swapped q_norm/k_norm or a missing
-        # QK-norm shows); router gates large enough that no two experts' scores are within rounding.
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.copy_(torch.randn_like(p))
-            elif p.dim() == 1:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            else:
-                p.copy_(0.2 * torch.randn_like(p))
+    model = randomize(model_class(cfg)(cfg).float())
     # save_pretrained writes the hub layout: transformers 5.24 turns its in-memory stacked experts back into one
     # tensor per expert (model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight).
     per = os.path.join(o.out, "hf_per_expert")

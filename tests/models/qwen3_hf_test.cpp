@@ -10,6 +10,7 @@
 #include <fsdp/models/qwen3.h>
 
 #include "expect_error.h"
+#include "models/hf_side.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -31,42 +32,16 @@ using namespace fsdp::nn::llama;
 
 namespace {
 
-const std::string kPython = FSDP_TEST_PYTHON;
+const std::string kPython = FSDP_TEST_PYTHON;  // for skip messages
 const std::string kScript = std::string(FSDP_SOURCE_DIR) + "/tests/models/qwen3_hf_side.py";
 constexpr double kTol = 1e-5;
 
-fs::path scratch_root() { return fs::temp_directory_path() / ("fsdp_qwen3_" + std::to_string(::getpid())); }
-
-// Removes this run's files (models, logits, the python log) when the test binary ends.
-class ScratchCleanup : public ::testing::Environment {
- public:
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(scratch_root(), ec);
-    fs::remove(scratch_root().string() + ".log", ec);
-  }
-};
-const auto* const kCleanup = ::testing::AddGlobalTestEnvironment(new ScratchCleanup);  // gtest owns it
-
-fs::path scratch(const std::string& name) {
-  fs::path d = scratch_root() / name;
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+using fsdp_test::hf_side::have_transformers;
+using fsdp_test::hf_side::scratch;
 
 void run_python(const std::string& args) {
-  const fs::path log = scratch_root().string() + ".log";
-  const std::string cmd = "OMP_NUM_THREADS=1 " + kPython + " " + kScript + " " + args + " > " + log.string() + " 2>&1";
-  const int rc = std::system(cmd.c_str());
-  std::ifstream f(log);
-  std::stringstream out;
-  out << f.rdbuf();
-  ASSERT_EQ(rc, 0) << cmd << "\n" << out.str();
-}
-
-bool have_transformers() {
-  return std::system((kPython + " -c 'import transformers' > /dev/null 2>&1").c_str()) == 0;
+  const auto r = fsdp_test::hf_side::run_python(kScript, args);
+  ASSERT_EQ(r.rc, 0) << r.command << "\n" << r.output;
 }
 
 // The args of tests/models/qwen3_hf_side.py's kinds (vocab 128, hidden 32, intermediate 64, 3 layers, 4 heads,

@@ -14,7 +14,10 @@
 // Export is collective and streams one tensor at a time (export_safetensors); it also writes config.json
 // (LlamaForCausalLM). Import reads on every rank only the file rows holding its own rows (for wq/wk: the
 // permuted rows, read as runs). A file set without lm_head.weight loads output.weight from the embeddings
-// (tied checkpoints); lm_head.weight next to our tied model and rotary inv_freq buffers are ignored.
+// when config.json says tie_word_embeddings = true or there is no config.json (tied checkpoints); a config
+// saying false over such files is an error (strict). lm_head.weight next to our tied model and rotary
+// inv_freq buffers are ignored; any other tensor the model does not have is an error on a strict load, on one
+// rank as on N. RoPE scaling ("linear", "llama3", "yarn") is written to config.json in both forms.
 
 #include <fsdp/checkpoint/model_safetensors.h>
 
@@ -44,7 +47,8 @@ std::string config_json(const nn::llama::LlamaArgs& args, const std::string& dty
 SafetensorsExportResult export_llama(nn::llama::TransformerImpl& model, const std::string& dir,
                                      const SafetensorsExportOptions& options = {});
 // `path`: a directory (index or model.safetensors), an index json or one file. When the directory holds a
-// config.json its head counts, sizes and tie_word_embeddings must match the model's (error naming them).
+// config.json, fields we cannot compute are refused by name (<fsdp/models/hf_config.h>) and the others must
+// match the model (sizes, heads, norm eps, RoPE base and scaling, tied embeddings): an error names each.
 SafetensorsImportResult import_llama(nn::llama::TransformerImpl& model, const std::string& path,
                                      const SafetensorsImportOptions& options = {});
 

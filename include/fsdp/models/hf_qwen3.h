@@ -9,11 +9,14 @@
 //   layers.{i}.feed_forward.w{1,2,3}.weight  <-> model.layers.{i}.mlp.{gate,down,up}_proj.weight   (dense layers)
 //   layers.{i}.moe.router.gate.weight        <-> model.layers.{i}.mlp.gate.weight                 (MoE layers)
 //   layers.{i}.moe.experts.w1 [E, F, D] / w3 <-> model.layers.{i}.mlp.experts.gate_up_proj [E, 2F, D] (w1 rows
-//                                                first, as transformers 5 stores them)
+//                                                first: transformers 5's in-memory layout)
 //   layers.{i}.moe.experts.w2 [E, D, F]      <-> model.layers.{i}.mlp.experts.down_proj [E, D, F]
 //   norm.weight <-> model.norm.weight; output.weight <-> lm_head.weight (absent when the embeddings are tied)
-// No RoPE permutation: Qwen3 uses the half-split layout (RopeLayout::HalfSplit) on both sides. Import also
-// reads the older one-tensor-per-expert layout model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight.
+// No RoPE permutation: Qwen3 uses the half-split layout (RopeLayout::HalfSplit) on both sides. Export writes the
+// stacked tensors above, which transformers 5's from_pretrained loads as they are. transformers 5's
+// save_pretrained (and the hub's checkpoints) store one tensor per expert instead,
+// model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight; import reads both layouts. RoPE scaling
+// (rope_type "linear", "llama3", "yarn") is written to and checked against config.json in both forms.
 // The load-balancing buffer moe.expert_bias has no Hugging Face counterpart: not exported, left as is (zero
 // on a fresh model) on import. config.json: model_type qwen3 or qwen3_moe.
 //
@@ -45,8 +48,11 @@ std::string qwen3_config_json(const nn::llama::LlamaArgs& args, const std::strin
 SafetensorsExportResult export_qwen3(nn::llama::TransformerImpl& model, const std::string& dir,
                                      const SafetensorsExportOptions& options = {});
 // `path`: a directory (index or model.safetensors), an index json or one file. A config.json next to it must
-// match the model (sizes, head_dim, experts, top-k, norm_topk_prob, sparse step, dense layers, RoPE base,
-// tied embeddings): an error lists every mismatch.
+// describe the model: fields we cannot compute are refused by name (<fsdp/models/hf_config.h>), and those we
+// can must match (sizes, head_dim, norm eps, RoPE base and scaling, experts, top-k, norm_topk_prob, sparse step,
+// dense layers, tied embeddings): an error lists every mismatch. A strict import (the default) refuses file
+// tensors the model does not have and a config saying tie_word_embeddings = false over files without
+// lm_head.weight, on one rank as on N.
 SafetensorsImportResult import_qwen3(nn::llama::TransformerImpl& model, const std::string& path,
                                      const SafetensorsImportOptions& options = {});
 

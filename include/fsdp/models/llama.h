@@ -39,16 +39,36 @@
 
 namespace fsdp::nn::llama {
 
-// Llama 3.1's RoPE frequency scaling (Hugging Face rope_type "llama3", TorchTitan's RoPE scaling="llama"):
-// frequencies whose wavelength exceeds original_max_position_embeddings / low_freq_factor are divided by
-// `factor`, those shorter than original_max_position_embeddings / high_freq_factor are kept, and the band in
-// between is interpolated smoothly. The defaults are Llama 3.1's (and TorchTitan's).
+// RoPE frequency scaling, as transformers' modeling_rope_utils computes it (rope_type "llama3", "yarn", "linear").
+//   Llama3 (Llama 3.1; TorchTitan's RoPE scaling="llama"): frequencies whose wavelength exceeds
+//     original_max_position_embeddings / low_freq_factor are divided by `factor`, those shorter than
+//     original_max_position_embeddings / high_freq_factor are kept, the band in between is interpolated smoothly.
+//   Yarn (Qwen3's long context, DeepSeek-V3): frequencies blended between theta^(-2i/d) / factor and
+//     theta^(-2i/d) by a linear ramp over the dimensions between the correction range of beta_fast and beta_slow
+//     rotations in original_max_position_embeddings (floor/ceil of it when `truncate`); cos and sin are
+//     multiplied by the attention factor (rope_attention_factor).
+//   Linear: every frequency divided by `factor`.
+// The defaults are Llama 3.1's (and TorchTitan's); `type` comes after the Llama 3 fields so that
+// RopeScaling{factor, low, high, context} stays a Llama 3 scaling.
 struct RopeScaling {
+  enum class Type { Llama3, Yarn, Linear };
   double factor = 8.0;
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
   int64_t original_max_position_embeddings = 8192;
+  Type type = Type::Llama3;
+  // YaRN only (transformers' defaults): beta_fast 32, beta_slow 1; attention_factor given, or computed from
+  // factor (0.1 ln(factor) + 1), or from mscale / mscale_all_dim when both are set (DeepSeek-V3).
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  bool truncate = true;
+  std::optional<double> attention_factor;
+  std::optional<double> mscale, mscale_all_dim;
 };
+// transformers' rope_type name of a scaling type ("llama3", "yarn", "linear").
+const char* rope_type_name(RopeScaling::Type type);
+// The factor cos and sin are multiplied by: 1 but for YaRN (transformers' attention_factor / "mscale").
+double rope_attention_factor(const std::optional<RopeScaling>& scaling);
 
 // How RoPE pairs a head's dimensions: Llama's interleaved pairs (x[2i], x[2i+1]) (TorchTitan's complex RoPE,
 // Meta's checkpoints) or Hugging Face's half split (x[i], x[i + head_dim/2]) (rotate_half; TorchTitan's cos_sin
@@ -67,7 +87,7 @@ struct LlamaArgs {
   std::optional<double> ffn_dim_multiplier;  // applied to 2/3 * 4 * dim before rounding
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
-  std::optional<RopeScaling> rope_scaling;  // nullopt: plain RoPE (Llama 3.0 and our cpu_* flavors)
+  std::optional<RopeScaling> rope_scaling;  // nullopt: plain RoPE (Llama 3.0, Qwen3 and our cpu_* flavors)
   int64_t max_seq_len = 2048;  // RoPE tables are computed lazily for the sequence length actually seen
   bool tie_embeddings = false;  // output.weight is tok_embeddings.weight (Llama 3.2 1B/3B)
   bool depth_init = true;       // TorchTitan: block l's output projections use std 0.02/sqrt(2(l+1))
@@ -248,11 +268,11 @@ class TransformerImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Transformer);
 
-// RoPE inverse frequencies theta^(-2i/head_dim), i < head_dim/2, in float64, with Llama 3.1 scaling if given
-// (TorchTitan's ComplexRoPE._precompute_cache formula).
+// RoPE inverse frequencies theta^(-2i/head_dim), i < head_dim/2, in float64, with the scaling if given
+// (Llama 3.1's: TorchTitan's ComplexRoPE._precompute_cache formula; YaRN and linear: transformers').
 at::Tensor rope_frequencies(int64_t head_dim, double theta, const std::optional<RopeScaling>& scaling = std::nullopt);
-// RoPE tables for positions [0, seq_len): cos/sin of pos * frequency_i, shape [seq_len, head_dim/2] (float32,
-// computed in float64).
+// RoPE tables for positions [0, seq_len): cos/sin of pos * frequency_i, times rope_attention_factor(scaling),
+// shape [seq_len, head_dim/2] (float32, computed in float64).
 std::pair<at::Tensor, at::Tensor> precompute_rope(int64_t head_dim, int64_t seq_len, double theta,
                                                   const std::optional<RopeScaling>& scaling = std::nullopt);
 // Rotates the pairs of x [B, S, H, head_dim] by the angles in cos/sin: interleaved pairs (x[..., 2i],
