@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cctype>
 
+#include "file_content.h"
 #include "toml_workaround.h"  // toml++ itself, with the workaround for its 3.3 bug
 
 #include <cerrno>
@@ -757,11 +758,15 @@ JobConfig load_config(const std::vector<std::string>& args) {
   if (path.empty()) {
     config = parse_toml(embedded_default_config(), "<embedded configs/debug.toml>");
   } else {
-    std::ifstream in(path);
-    if (!in) throw ConfigError("config error: cannot open config file '" + path + "'");
-    std::stringstream ss;
-    ss << in.rdbuf();
-    config = parse_toml(ss.str(), path);
+    // Bounded (a job config is a few kB; --config /dev/zero must not fill the memory), and a directory is an
+    // error, not an empty file that would train on the defaults.
+    std::string text;
+    try {
+      text = read_bounded_file(path, kMaxConfigFileBytes, "--config");
+    } catch (const std::runtime_error& e) {
+      throw ConfigError(std::string("config error: ") + e.what());
+    }
+    config = parse_toml(text, path);
   }
   apply_overrides(config, args);
   validate(config);
@@ -834,6 +839,23 @@ void validate(const JobConfig& c) {
   check(c.training.global_batch_size == -1 || c.training.global_batch_size > 0,
         "training.global_batch_size: expected -1 or > 0, got " + std::to_string(c.training.global_batch_size));
   check(c.training.seq_len > 0, "training.seq_len: expected > 0, got " + std::to_string(c.training.seq_len));
+  check(!c.job.dump_folder.empty(), "job.dump_folder: expected a folder (\".\" for the working directory), got \"\"");
+  // Sizes checked before anything is allocated from them (a huge value would otherwise end in std::bad_alloc).
+  auto check_micro_batch = [](const char* section, int64_t local_batch, int64_t seq_len) {
+    const std::string s(section);
+    check(seq_len <= kMaxSeqLen, s + ".seq_len: expected <= " + std::to_string(kMaxSeqLen) + " tokens, got " +
+                                     std::to_string(seq_len));
+    int64_t tokens = 0;
+    const bool overflow = __builtin_mul_overflow(local_batch, seq_len, &tokens);
+    check(!overflow && tokens <= kMaxMicroBatchTokens,
+          s + ".local_batch_size x " + s + ".seq_len: expected <= " + std::to_string(kMaxMicroBatchTokens) +
+              " tokens per micro-batch, got " + std::to_string(local_batch) + " x " + std::to_string(seq_len) +
+              (overflow ? " (overflows)" : " = " + std::to_string(tokens)));
+  };
+  if (c.training.local_batch_size > 0 && c.training.seq_len > 0)
+    check_micro_batch("training", c.training.local_batch_size, c.training.seq_len);
+  if (c.validation.local_batch_size > 0 && c.validation.seq_len > 0)
+    check_micro_batch("validation", c.validation.local_batch_size, c.validation.seq_len);
   check(c.training.steps > 0, "training.steps: expected > 0, got " + std::to_string(c.training.steps));
   check(c.training.max_norm > 0, "training.max_norm: expected > 0");
   check(c.metrics.log_freq > 0, "metrics.log_freq: expected > 0");

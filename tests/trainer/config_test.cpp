@@ -6,6 +6,10 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <regex>
 #include <sstream>
@@ -401,4 +405,55 @@ TEST(Config, ToTomlEscapesEveryStringSoItParsesBack) {
   EXPECT_EQ(again.job.description, odd);
   EXPECT_EQ(again.checkpoint.folder, "ckpt\r");
   EXPECT_EQ(to_toml(again), written);
+}
+
+// Issue 40: configs that used to train on defaults, read without bound or end in std::bad_alloc.
+TEST(Config, ConfigPathMustBeABoundedFile) {
+  // A directory used to read as an empty file: the run trained on the defaults without a word.
+  const std::string dir = ::testing::TempDir() + "/fsdp_cfg_dir_" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  expect_config_error([&] { load_config({"--config", dir}); }, {"config error: --config: '" + dir + "' is a directory"});
+  std::filesystem::remove_all(dir);
+  // /dev/zero never ends (7 GB read after 10 s before): refused once the 16 MiB limit is passed.
+  const auto start = std::chrono::steady_clock::now();
+  expect_config_error([] { load_config({"--config", "/dev/zero"}); },
+                      {"--config: '/dev/zero' is larger than the 16777216-byte limit"});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  // A regular file above the limit is refused by its size, without reading it (a sparse 100 MB file).
+  const std::string big = ::testing::TempDir() + "/fsdp_cfg_big_" + std::to_string(::getpid()) + ".toml";
+  { std::ofstream(big) << "[training]\n"; }
+  std::filesystem::resize_file(big, 100 << 20);
+  expect_config_error([&] { load_config({"--config", big}); }, {"'" + big + "' is larger than the 16777216-byte limit"});
+  std::filesystem::remove(big);
+  expect_config_error([] { load_config({"--config", "/nonexistent/x.toml"}); },
+                      {"--config: cannot open '/nonexistent/x.toml'"});
+}
+
+TEST(Config, HugeSizesAreRefusedNamingTheKeyBeforeAnyAllocation) {
+  expect_config_error([] { load_config({"--training.seq_len", "1000000000000"}); },
+                      {"training.seq_len: expected <= 16777216 tokens, got 1000000000000"});
+  expect_config_error([] { load_config({"--training.local_batch_size", "1000000000", "--training.seq_len", "2048"}); },
+                      {"training.local_batch_size x training.seq_len: expected <= 268435456 tokens per micro-batch",
+                       "1000000000 x 2048"});
+  expect_config_error([] { load_config({"--training.local_batch_size", "4611686018427387904"}); },
+                      {"training.local_batch_size x training.seq_len", "(overflows)"});
+  expect_config_error([] { load_config({"--validation.seq_len", "99999999999"}); },
+                      {"validation.seq_len: expected <= 16777216 tokens"});
+  // The data stream's position: steps x global batch x (seq_len + 1) tokens must fit in int64.
+  const JobConfig c = load_config({"--training.global_batch_size", "1000000000000", "--training.local_batch_size",
+                                   "1", "--training.steps", "100000000", "--training.seq_len", "2048"});
+  expect_config_error([&] { resolve_parallelism(c, 1); },
+                      {"training.global_batch_size (1000000000000) x (training.seq_len + 1 = 2049) x training.steps "
+                       "(100000000) tokens overflow"});
+  // The largest allowed sizes are accepted (the limits are not in the way of a real run).
+  const JobConfig ok = load_config({"--training.seq_len", "1048576", "--training.local_batch_size", "8",
+                                    "--training.global_batch_size", "-1"});
+  EXPECT_EQ(ok.training.seq_len, 1048576);
+  EXPECT_EQ(resolve_parallelism(ok, 1).global_batch_size, 8);
+}
+
+TEST(Config, EmptyDumpFolderIsRefused) {
+  // Before: the trainer wrote ./metrics.jsonl into the working directory, then failed on create_directories("").
+  expect_config_error([] { load_config({"--job.dump_folder", ""}); }, {"job.dump_folder: expected a folder"});
+  EXPECT_EQ(load_config({"--job.dump_folder", "."}).job.dump_folder, ".");
 }
