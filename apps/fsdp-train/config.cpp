@@ -544,8 +544,31 @@ void set_from_node(const Field& f, const toml::node& n) {
       f.ptr);
 }
 
+// Whether `s` is well-formed UTF-8 (no overlong forms, surrogates or code points above U+10FFFF), as TOML
+// requires of a file; a command-line value must be too, or to_toml() would write an escape that reads back as
+// other text (found by fuzzing: "/tmp/fu\xC7zz" came back as "/tmp/fu\u00C7zz").
+bool valid_utf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    const size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    if (n == 0 || i + n > s.size()) return false;
+    uint32_t cp = n == 1 ? c : c & (0x7F >> n);
+    for (size_t k = 1; k < n; ++k) {
+      const auto b = static_cast<unsigned char>(s[i + k]);
+      if ((b >> 6) != 0x2) return false;
+      cp = (cp << 6) | (b & 0x3F);
+    }
+    const uint32_t min_cp[] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < min_cp[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += n;
+  }
+  return true;
+}
+
 void set_from_text(const Field& f, const std::string& text, const std::string& origin) {
   const std::string name = std::string(f.section) + "." + f.key;
+  if (!valid_utf8(text)) throw ConfigError("config error: " + name + ": the value is not valid UTF-8 (" + origin + ")");
   auto fail = [&]() {
     throw ConfigError("config error: " + name + ": expected " + type_name(f.ptr) + ", got '" + text + "' (" + origin + ")");
   };

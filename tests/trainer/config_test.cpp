@@ -457,3 +457,23 @@ TEST(Config, EmptyDumpFolderIsRefused) {
   expect_config_error([] { load_config({"--job.dump_folder", ""}); }, {"job.dump_folder: expected a folder"});
   EXPECT_EQ(load_config({"--job.dump_folder", "."}).job.dump_folder, ".");
 }
+
+TEST(Config, CommandLineStringsMustBeUtf8SoTheyRoundTrip) {
+  // Found by the cli_values fuzzer: "/tmp/fu\xC7zz" (0xC7 starts a 2-byte sequence, 'z' is no continuation) was
+  // accepted and written by to_toml() as "/tmp/fu\u00C7\u007Az", which reads back as other text.
+  expect_config_error([] { load_config({"--job.dump_folder", "/tmp/fu\xC7zz-out"}); },
+                      {"config error: job.dump_folder: the value is not valid UTF-8 (command line --job.dump_folder)"});
+  for (const char* bad : {"\xC0\xAF", "\xED\xA0\x80", "\xF4\x90\x80\x80", "x\xE2\x82"})  // overlong, surrogate, > U+10FFFF, cut
+    expect_config_error([&] { load_config({"--job.description", bad}); }, {"job.description: the value is not valid UTF-8"});
+  // The fuzzer's input itself (kept as a seed: tests/fuzz/corpus/cli_values/regression_invalid_utf8).
+  const std::string input = read_file(std::string(FSDP_SOURCE_DIR) + "/tests/fuzz/corpus/cli_values/regression_invalid_utf8");
+  std::vector<std::string> args(1);
+  for (char ch : input) {
+    if (ch == '\n') args.emplace_back();
+    else args.back() += ch;
+  }
+  expect_config_error([&] { load_config(args); }, {"job.dump_folder: the value is not valid UTF-8"});
+  // Valid UTF-8 goes through and round-trips.
+  const JobConfig ok = load_config({"--job.description", "caf\xC3\xA9 \xF0\x9F\x98\x80"});
+  EXPECT_EQ(parse_toml(to_toml(ok), "re-written").job.description, "caf\xC3\xA9 \xF0\x9F\x98\x80");
+}
