@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -62,6 +63,9 @@ void start(Server& s) {
 Server& server() {
   static Server s;
   static const bool no_backtraces = [] {
+    // As fsdp-lighthouse does: the server's write() to a client already gone raises SIGPIPE (this harness's
+    // first finding: it killed the lighthouse).
+    std::signal(SIGPIPE, SIG_IGN);
     // The server logs every malformed message with a c10::Error; collecting its C++ backtrace each time would
     // cost more than the rest of the input.
     c10::SetStackTraceFetcher(
