@@ -14,16 +14,21 @@
 #include <fsdp/checkpoint/checkpoint.h>
 #include <fsdp/checkpoint/safetensors.h>
 
+#include "user_errors.h"
+
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <set>
 #include <sstream>
+#include <stdexcept>
 
 namespace ckpt = fsdp::checkpoint;
 namespace fs = std::filesystem;
@@ -40,11 +45,19 @@ std::string human(int64_t bytes) {
   return buf;
 }
 
+// --max-shard-size: a positive number of bytes with an optional unit (B, KB, MB, GB, KiB, MiB, GiB; any case).
 int64_t parse_size(const std::string& s) {
-  size_t pos = 0;
-  const double v = std::stod(s, &pos);
-  std::string unit = s.substr(pos);
-  for (auto& c : unit) c = static_cast<char>(std::toupper(c));
+  const auto bad = [&](const std::string& why) -> int64_t {
+    throw std::invalid_argument("fsdp-ckpt: --max-shard-size: " + why + ", got '" + s +
+                                "' (expected a positive size such as 5GB, 500MB, 2GiB or a number of bytes)");
+  };
+  size_t digits = 0;
+  while (digits < s.size() && (std::isdigit(static_cast<unsigned char>(s[digits])) || s[digits] == '.')) ++digits;
+  const std::string number = s.substr(0, digits);
+  if (number.find_first_of("0123456789") == std::string::npos || std::count(number.begin(), number.end(), '.') > 1)
+    return bad("not a number");
+  std::string unit = s.substr(digits);
+  for (auto& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   double mult = 1;
   if (unit == "KB") mult = 1e3;
   else if (unit == "MB") mult = 1e6;
@@ -52,8 +65,11 @@ int64_t parse_size(const std::string& s) {
   else if (unit == "KIB") mult = 1024;
   else if (unit == "MIB") mult = 1 << 20;
   else if (unit == "GIB") mult = 1 << 30;
-  else TORCH_CHECK(unit.empty() || unit == "B", "fsdp-ckpt: unknown size unit in '", s, "'");
-  return static_cast<int64_t>(v * mult);
+  else if (!unit.empty() && unit != "B") return bad("unknown unit '" + s.substr(digits) + "'");
+  const double bytes = std::strtod(number.c_str(), nullptr) * mult;  // digits and one '.': strtod reads all of it
+  // 2^62 bytes: far above any file, and the sums of file sizes stay within int64.
+  if (!(bytes >= 1) || bytes > 4.6e18) return bad(bytes < 1 ? "must be at least 1 byte" : "too large");
+  return static_cast<int64_t>(bytes);
 }
 
 std::string shape_str(const std::vector<int64_t>& shape) {
@@ -218,6 +234,7 @@ int cmd_diff(const std::string& a, const std::string& b, double atol, const std:
 }  // namespace
 
 int main(int argc, char** argv) {
+  fsdp_apps::hide_cpp_backtraces_unless_requested();
   CLI::App app{"fsdp-ckpt: inspect, verify, convert and diff libfsdp and PyTorch DCP checkpoints"};
   app.require_subcommand(1);
   std::string path, out, other, max_shard = "5GB", dtype, to = "safetensors";
@@ -249,11 +266,9 @@ int main(int argc, char** argv) {
     if (*convert && to != "safetensors") return cmd_convert_checkpoint(path, out, to, model_only);
     if (*convert) return cmd_convert(path, out, parse_size(max_shard), model_only, dtype);
     if (*diff) return cmd_diff(path, other, atol, ignore);
-  } catch (const c10::Error& e) {
-    std::cerr << "fsdp-ckpt: " << e.msg() << "\n";
-    return 2;
   } catch (const std::exception& e) {
-    std::cerr << "fsdp-ckpt: " << e.what() << "\n";
+    const std::string msg = fsdp_apps::user_message(e);
+    std::cerr << (msg.rfind("fsdp-ckpt:", 0) == 0 ? "" : "fsdp-ckpt: ") << msg << "\n";
     return 2;
   }
   return 0;

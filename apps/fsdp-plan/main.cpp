@@ -6,6 +6,7 @@
 //   fsdp-plan --flavor 70B --pp 4 --schedule Interleaved1F1B --microbatches 8 --shard 8 --local-batch 8
 //   fsdp-plan --torchtitan-8b        TorchTitan's published 8B / 8 x H100 run, next to its measured memory
 #include "plan.h"
+#include "user_errors.h"
 
 #include <fsdp/models/qwen3.h>
 
@@ -52,6 +53,7 @@ int torchtitan_8b() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  fsdp_apps::hide_cpp_backtraces_unless_requested();
   using namespace fsdp::plan;
   CLI::App app{"fsdp-plan: per-rank memory and communication of FSDP training (Llama 3, Qwen3 dense and MoE)"};
   std::string flavor = "8B", param = "fp32", compute = "fp32", reduce = "fp32", optim = "fp32", ac = "none",
@@ -119,16 +121,21 @@ int main(int argc, char** argv) {
     c.ac = parse_ac_mode(ac);
     TORCH_CHECK(selective == "layer" || selective == "op", "fsdp-plan: --selective must be layer or op");
     c.selective = selective == "op" ? SelectiveKind::Op : SelectiveKind::Layer;
-    c.block_reshard = reshard == "true" ? 1 : reshard == "false" ? 0 : std::stoll(reshard);
+    if (reshard == "true" || reshard == "false") {
+      c.block_reshard = reshard == "true" ? 1 : 0;
+    } else {
+      // N: reshard to N ranks. Digits only, at most 9 (std::stoll alone says "stoll" for a bad value).
+      TORCH_CHECK(!reshard.empty() && reshard.size() <= 9 &&
+                      reshard.find_first_not_of("0123456789") == std::string::npos,
+                  "fsdp-plan: --reshard: expected true, false or a number of ranks, got '", reshard, "'");
+      c.block_reshard = std::stoll(reshard);
+    }
     if (layers_per_stage != 0) c.layers_per_stage = layers_per_stage;
     std::cout << format_plan(make_plan(c));
-  } catch (const c10::Error& e) {
-    // The message without libtorch's C++ backtrace; it names the problem (and mostly starts with "fsdp-plan:").
-    const std::string msg = e.what_without_backtrace();
-    std::cerr << (msg.rfind("fsdp-plan:", 0) == 0 ? "" : "fsdp-plan: ") << msg << "\n";
-    return 1;
   } catch (const std::exception& e) {
-    std::cerr << "fsdp-plan: " << e.what() << "\n";
+    // One line without libtorch's C++ backtrace; it names the problem (and mostly starts with "fsdp-plan:").
+    const std::string msg = fsdp_apps::user_message(e);
+    std::cerr << (msg.rfind("fsdp-plan:", 0) == 0 ? "" : "fsdp-plan: ") << msg << "\n";
     return 1;
   }
   return 0;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cctype>
 
+#include "file_content.h"
 #include "toml_workaround.h"  // toml++ itself, with the workaround for its 3.3 bug
 
 #include <cerrno>
@@ -543,8 +544,31 @@ void set_from_node(const Field& f, const toml::node& n) {
       f.ptr);
 }
 
+// Whether `s` is well-formed UTF-8 (no overlong forms, surrogates or code points above U+10FFFF), as TOML
+// requires of a file; a command-line value must be too, or to_toml() would write an escape that reads back as
+// other text (found by fuzzing: "/tmp/fu\xC7zz" came back as "/tmp/fu\u00C7zz").
+bool valid_utf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    const size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    if (n == 0 || i + n > s.size()) return false;
+    uint32_t cp = n == 1 ? c : c & (0x7F >> n);
+    for (size_t k = 1; k < n; ++k) {
+      const auto b = static_cast<unsigned char>(s[i + k]);
+      if ((b >> 6) != 0x2) return false;
+      cp = (cp << 6) | (b & 0x3F);
+    }
+    const uint32_t min_cp[] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < min_cp[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += n;
+  }
+  return true;
+}
+
 void set_from_text(const Field& f, const std::string& text, const std::string& origin) {
   const std::string name = std::string(f.section) + "." + f.key;
+  if (!valid_utf8(text)) throw ConfigError("config error: " + name + ": the value is not valid UTF-8 (" + origin + ")");
   auto fail = [&]() {
     throw ConfigError("config error: " + name + ": expected " + type_name(f.ptr) + ", got '" + text + "' (" + origin + ")");
   };
@@ -757,11 +781,15 @@ JobConfig load_config(const std::vector<std::string>& args) {
   if (path.empty()) {
     config = parse_toml(embedded_default_config(), "<embedded configs/debug.toml>");
   } else {
-    std::ifstream in(path);
-    if (!in) throw ConfigError("config error: cannot open config file '" + path + "'");
-    std::stringstream ss;
-    ss << in.rdbuf();
-    config = parse_toml(ss.str(), path);
+    // Bounded (a job config is a few kB; --config /dev/zero must not fill the memory), and a directory is an
+    // error, not an empty file that would train on the defaults.
+    std::string text;
+    try {
+      text = read_bounded_file(path, kMaxConfigFileBytes, "--config");
+    } catch (const std::runtime_error& e) {
+      throw ConfigError(std::string("config error: ") + e.what());
+    }
+    config = parse_toml(text, path);
   }
   apply_overrides(config, args);
   validate(config);
@@ -834,6 +862,23 @@ void validate(const JobConfig& c) {
   check(c.training.global_batch_size == -1 || c.training.global_batch_size > 0,
         "training.global_batch_size: expected -1 or > 0, got " + std::to_string(c.training.global_batch_size));
   check(c.training.seq_len > 0, "training.seq_len: expected > 0, got " + std::to_string(c.training.seq_len));
+  check(!c.job.dump_folder.empty(), "job.dump_folder: expected a folder (\".\" for the working directory), got \"\"");
+  // Sizes checked before anything is allocated from them (a huge value would otherwise end in std::bad_alloc).
+  auto check_micro_batch = [](const char* section, int64_t local_batch, int64_t seq_len) {
+    const std::string s(section);
+    check(seq_len <= kMaxSeqLen, s + ".seq_len: expected <= " + std::to_string(kMaxSeqLen) + " tokens, got " +
+                                     std::to_string(seq_len));
+    int64_t tokens = 0;
+    const bool overflow = __builtin_mul_overflow(local_batch, seq_len, &tokens);
+    check(!overflow && tokens <= kMaxMicroBatchTokens,
+          s + ".local_batch_size x " + s + ".seq_len: expected <= " + std::to_string(kMaxMicroBatchTokens) +
+              " tokens per micro-batch, got " + std::to_string(local_batch) + " x " + std::to_string(seq_len) +
+              (overflow ? " (overflows)" : " = " + std::to_string(tokens)));
+  };
+  if (c.training.local_batch_size > 0 && c.training.seq_len > 0)
+    check_micro_batch("training", c.training.local_batch_size, c.training.seq_len);
+  if (c.validation.local_batch_size > 0 && c.validation.seq_len > 0)
+    check_micro_batch("validation", c.validation.local_batch_size, c.validation.seq_len);
   check(c.training.steps > 0, "training.steps: expected > 0, got " + std::to_string(c.training.steps));
   check(c.training.max_norm > 0, "training.max_norm: expected > 0");
   check(c.metrics.log_freq > 0, "metrics.log_freq: expected > 0");

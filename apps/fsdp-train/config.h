@@ -20,6 +20,13 @@ struct ConfigError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Limits on what a job config may ask for (docs/reliability.md, "Inputs and the limits their readers enforce").
+// Beyond them a buffer allocation or the data stream's position arithmetic would fail or overflow before any
+// check; they are far above any real run (TorchTitan's longest-context runs: 128 K-1 M tokens per sample).
+inline constexpr int64_t kMaxConfigFileBytes = 16 << 20;  // --config: a job config is a few kB
+inline constexpr int64_t kMaxSeqLen = int64_t(1) << 24;   // training/validation.seq_len: 16,777,216 tokens
+inline constexpr int64_t kMaxMicroBatchTokens = int64_t(1) << 28;  // local_batch_size x seq_len (2 GiB of int64 ids)
+
 // The string-choice keys, parsed once where the TOML or the command line is read (a bad value is a ConfigError
 // naming the key, the value, the choices and where it was written); to_string() gives back TorchTitan's spelling,
 // the one to_toml() and the schema print.

@@ -3,6 +3,8 @@
 
 #include <zlib.h>
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
@@ -11,6 +13,32 @@ namespace fsdp_train {
 
 bool is_gzip_file(const std::string& path) {
   return path.size() > 3 && path.compare(path.size() - 3, 3, ".gz") == 0;
+}
+
+std::string read_bounded_file(const std::string& path, int64_t max_bytes, const std::string& what) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw std::runtime_error(what + ": '" + path + "' is a directory, not a file");
+  const auto too_large = [&] {
+    return std::runtime_error(what + ": '" + path + "' is larger than the " + std::to_string(max_bytes) +
+                              "-byte limit for this file (not the file meant?)");
+  };
+  // A regular file is measured first; a device or a pipe (/dev/zero, <(...)) is read up to the limit.
+  if (std::filesystem::is_regular_file(path, ec)) {
+    const auto size = std::filesystem::file_size(path, ec);
+    if (!ec && size > static_cast<uintmax_t>(max_bytes)) throw too_large();
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error(what + ": cannot open '" + path + "': " + std::strerror(errno));
+  std::string out;
+  char buf[1 << 16];
+  while (in) {
+    in.read(buf, sizeof buf);
+    out.append(buf, static_cast<size_t>(in.gcount()));
+    if (static_cast<int64_t>(out.size()) > max_bytes) throw too_large();
+  }
+  if (in.bad()) throw std::runtime_error(what + ": reading '" + path + "' failed");
+  return out;
 }
 
 std::string content_name(const std::string& path) { return is_gzip_file(path) ? path.substr(0, path.size() - 3) : path; }

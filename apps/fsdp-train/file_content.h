@@ -12,6 +12,12 @@
 namespace fsdp_train {
 
 bool is_gzip_file(const std::string& path);  // by name: ends in ".gz"
+
+// The whole of a small input file (a config, a tokenizer.json), read with a bound: at most `max_bytes`, so that
+// /dev/zero or a huge file is refused after max_bytes + 1 bytes instead of filling the memory. A directory is
+// refused (reading one succeeds with no bytes on Linux, which would look like an empty file). Errors name `what`
+// (the key or option the path came from) and the path.
+std::string read_bounded_file(const std::string& path, int64_t max_bytes, const std::string& what);
 // The name without ".gz" (what the content is: "a.jsonl.gz" -> "a.jsonl").
 std::string content_name(const std::string& path);
 

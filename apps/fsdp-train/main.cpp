@@ -14,6 +14,7 @@
 #include "plot.h"
 #include "trace_merge.h"
 #include "trainer.h"
+#include "user_errors.h"
 
 #include <fsdp/process_group.h>
 
@@ -24,6 +25,7 @@
 #include <csignal>
 #include <cstdio>
 #include <iostream>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -157,6 +159,7 @@ void print_summary(const fsdp_train::JobConfig& config, const fsdp_train::TrainS
 }  // namespace
 
 int main(int argc, char** argv) {
+  fsdp_apps::hide_cpp_backtraces_unless_requested();
   std::vector<std::string> args(argv + 1, argv + argc);
   try {
     if (!args.empty() && args[0] == "plot") return plot_main({args.begin() + 1, args.end()});
@@ -194,11 +197,13 @@ int main(int argc, char** argv) {
   } catch (const fsdp_train::ConfigError& e) {
     std::cerr << "fsdp-train: " << e.what() << "\n";
     return 2;
-  } catch (const c10::Error& e) {
-    std::cerr << "fsdp-train: " << e.what_without_backtrace() << "\n";
+  } catch (const std::bad_alloc&) {
+    // The config's sizes passed validate()'s limits but this machine has not the memory for them.
+    std::cerr << "fsdp-train: out of memory (std::bad_alloc): the model or the batch (model.flavor, "
+                 "training.local_batch_size x training.seq_len) is too large for this machine\n";
     return 1;
   } catch (const std::exception& e) {
-    std::cerr << "fsdp-train: " << e.what() << "\n";
+    std::cerr << "fsdp-train: " << fsdp_apps::user_message(e) << "\n";
     return 1;
   }
 }

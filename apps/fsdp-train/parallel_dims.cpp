@@ -60,6 +60,16 @@ ParallelDims resolve_parallelism(const JobConfig& c, int64_t world_size) {
             (d.ft_groups > 1 ? " x fault_tolerance.group_size " + std::to_string(d.ft_groups) : std::string()) +
             ") = " + std::to_string(per_micro));
   d.grad_accum_steps = d.global_batch_size / per_micro;
+  {
+    // The data stream addresses token (step x global_batch_size + sample) x (seq_len + 1) of every step the run
+    // may reach: that must fit int64, or the position arithmetic would overflow mid-run.
+    int64_t per_step = 0, total = 0;
+    const bool overflow = __builtin_mul_overflow(d.global_batch_size, c.training.seq_len + 1, &per_step) ||
+                          __builtin_mul_overflow(per_step, c.training.steps, &total);
+    check(!overflow, "training.global_batch_size (" + std::to_string(d.global_batch_size) + ") x (training.seq_len + 1 = " +
+                         std::to_string(c.training.seq_len + 1) + ") x training.steps (" +
+                         std::to_string(c.training.steps) + ") tokens overflow the data stream's 64-bit position");
+  }
   d.ep = c.parallelism.expert_parallel_degree;
   if (d.ep > 1) {
     check(d.dp_shard % d.ep == 0, "parallelism.expert_parallel_degree (" + std::to_string(d.ep) +

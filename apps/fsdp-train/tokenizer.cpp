@@ -1,6 +1,8 @@
 // Byte-level and Hugging Face byte-level BPE tokenizers (see tokenizer.h).
 #include "tokenizer.h"
 
+#include "file_content.h"
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -93,58 +95,121 @@ const std::vector<std::string>& byte_to_unicode() {
 
 // ---- BPE ---------------------------------------------------------------------------------------------------
 
+namespace {
+
+// Limits of what a tokenizer.json may hold (docs/reliability.md, "Inputs and the limits their readers enforce").
+// Real files are far below them: Llama 3's tokenizer.json is 9 MB with 128,256 ids, Gemma 3's 33 MB with 262,144.
+constexpr int64_t kMaxTokenizerBytes = 256 << 20;
+constexpr int64_t kMaxTokenId = (1 << 24) - 1;  // ids size the model's embedding: 16.7 M rows is far beyond any vocab
+constexpr int kMaxPreTokenizerDepth = 8;         // nested "Sequence" pre-tokenizers (real files: 1)
+
+using nlohmann::json;
+
+// Reads the fields of one tokenizer.json with their types checked; every error names the file, the field (its
+// JSON path) and the rule, and never prints a value (a hostile value may be nested thousands of levels deep).
+class FieldReader {
+ public:
+  explicit FieldReader(const std::string& source) : source_(source) {}
+  [[noreturn]] void fail(const std::string& field, const std::string& rule) const {
+    throw std::runtime_error("tokenizer " + source_ + ": " + field + ": " + rule);
+  }
+  [[noreturn]] void wrong_type(const std::string& field, const char* expected, const json& v) const {
+    const std::string type = v.type_name();
+    const bool vowel = type[0] == 'a' || type[0] == 'o';  // "an array", "an object"
+    fail(field, std::string("expected ") + expected + ", got " + (v.is_null() ? "null" : (vowel ? "an " : "a ") + type));
+  }
+  // An optional string field: `fallback` when absent or null.
+  std::string string_or(const json& parent, const char* key, const std::string& field, std::string fallback) const {
+    if (!parent.contains(key) || parent[key].is_null()) return fallback;
+    const json& v = parent[key];
+    if (!v.is_string()) wrong_type(field, "a string", v);
+    return v.get<std::string>();
+  }
+  bool bool_or(const json& parent, const char* key, const std::string& field, bool fallback) const {
+    if (!parent.contains(key) || parent[key].is_null()) return fallback;
+    const json& v = parent[key];
+    if (!v.is_boolean()) wrong_type(field, "true or false", v);
+    return v.get<bool>();
+  }
+  std::string string(const json& v, const std::string& field) const {
+    if (!v.is_string()) wrong_type(field, "a string", v);
+    return v.get<std::string>();
+  }
+  const json& array(const json& v, const std::string& field) const {
+    if (!v.is_array()) wrong_type(field, "an array", v);
+    return v;
+  }
+  // A token id: an integer in [0, kMaxTokenId] (a larger id would size the embedding table).
+  uint32_t id(const json& v, const std::string& field) const {
+    if (!v.is_number_integer()) wrong_type(field, "a non-negative integer id", v);
+    if (!v.is_number_unsigned()) fail(field, "expected a non-negative integer id, got " + std::to_string(v.get<int64_t>()));
+    const uint64_t id = v.get<uint64_t>();
+    if (id > static_cast<uint64_t>(kMaxTokenId))
+      fail(field, "id " + std::to_string(id) + " is above the limit " + std::to_string(kMaxTokenId) +
+                      " (ids size the model's embedding table)");
+    return static_cast<uint32_t>(id);
+  }
+
+ private:
+  const std::string& source_;
+};
+
+}  // namespace
+
 std::unique_ptr<BpeTokenizer> BpeTokenizer::from_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("model.tokenizer_path: cannot open tokenizer file '" + path + "'");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return from_json(ss.str(), path);
+  return from_json(read_bounded_file(path, kMaxTokenizerBytes, "model.tokenizer_path"), path);
 }
 
 std::unique_ptr<BpeTokenizer> BpeTokenizer::from_json(std::string_view text, const std::string& source) {
-  using nlohmann::json;
-  auto fail = [&](const std::string& what) -> void { throw std::runtime_error("tokenizer " + source + ": " + what); };
+  const FieldReader f(source);
   json j;
   try {
-    j = json::parse(text);
+    j = json::parse(text);  // nlohmann's parser and destructor are iterative: any nesting depth is safe here
   } catch (const json::exception& e) {
-    fail(std::string("invalid JSON: ") + e.what());
+    f.fail("the file", std::string("invalid JSON: ") + e.what());
   }
   std::unique_ptr<BpeTokenizer> t(new BpeTokenizer());
   t->source_ = source;
-  if (!j.contains("model") || !j["model"].is_object()) fail("no \"model\" object");
+  if (!j.is_object()) f.wrong_type("the file", "a JSON object", j);
+  if (!j.contains("model") || !j["model"].is_object()) f.fail("model", "no \"model\" object");
   const json& model = j["model"];
-  if (model.value("type", std::string("BPE")) != "BPE") fail("model.type must be BPE, got " + model.value("type", std::string()));
-  if (!model.contains("vocab") || !model["vocab"].is_object()) fail("model.vocab must be an object");
-  if (j.contains("normalizer") && !j["normalizer"].is_null()) fail("normalizers are not supported");
+  const std::string type = f.string_or(model, "type", "model.type", "BPE");
+  if (type != "BPE") f.fail("model.type", "must be BPE, got " + type);
+  if (!model.contains("vocab") || !model["vocab"].is_object()) f.fail("model.vocab", "must be an object");
+  if (j.contains("normalizer") && !j["normalizer"].is_null()) f.fail("normalizer", "normalizers are not supported");
   int64_t max_id = -1;
   for (const auto& [tok, id] : model["vocab"].items()) {
-    if (!id.is_number_unsigned()) fail("model.vocab[\"" + tok + "\"] must be a non-negative integer");
-    const auto v = id.get<uint32_t>();
+    const uint32_t v = f.id(id, "model.vocab[\"" + tok + "\"]");
     t->vocab_[tok] = v;
     t->id_to_token_[v] = tok;
     max_id = std::max<int64_t>(max_id, v);
   }
-  if (model.contains("merges")) {
+  if (model.contains("merges") && !model["merges"].is_null()) {
     int64_t rank = 0;
-    for (const auto& m : model["merges"]) {
+    for (const auto& m : f.array(model["merges"], "model.merges")) {
+      const std::string field = "model.merges[" + std::to_string(rank) + "]";
       std::string key;
       if (m.is_string()) {
         key = m.get<std::string>();
-        if (key.find(' ') == std::string::npos) fail("merge '" + key + "' is not \"a b\"");
+        if (key.find(' ') == std::string::npos) f.fail(field, "merge '" + key + "' is not \"a b\"");
       } else if (m.is_array() && m.size() == 2) {
-        key = m[0].get<std::string>() + " " + m[1].get<std::string>();
+        key = f.string(m[0], field + "[0]") + " " + f.string(m[1], field + "[1]");
       } else {
-        fail("merges must be \"a b\" strings or [a, b] pairs");
+        f.fail(field, "merges must be \"a b\" strings or [a, b] pairs");
       }
       t->merge_rank_.emplace(key, rank++);  // first occurrence wins, as in HF
     }
   }
-  t->ignore_merges_ = model.value("ignore_merges", false);
-  if (j.contains("added_tokens")) {
-    for (const auto& a : j["added_tokens"]) {
-      const auto id = a.at("id").get<uint32_t>();
-      const auto content = a.at("content").get<std::string>();
+  t->ignore_merges_ = f.bool_or(model, "ignore_merges", "model.ignore_merges", false);
+  if (j.contains("added_tokens") && !j["added_tokens"].is_null()) {
+    size_t k = 0;
+    for (const auto& a : f.array(j["added_tokens"], "added_tokens")) {
+      const std::string field = "added_tokens[" + std::to_string(k++) + "]";
+      if (!a.is_object()) f.wrong_type(field, "an object", a);
+      if (!a.contains("id")) f.fail(field + ".id", "missing");
+      if (!a.contains("content")) f.fail(field + ".content", "missing");
+      const uint32_t id = f.id(a["id"], field + ".id");
+      const std::string content = f.string(a["content"], field + ".content");
       t->added_.emplace_back(content, id);
       t->added_by_id_[id] = content;
       max_id = std::max<int64_t>(max_id, id);
@@ -152,22 +217,33 @@ std::unique_ptr<BpeTokenizer> BpeTokenizer::from_json(std::string_view text, con
     std::stable_sort(t->added_.begin(), t->added_.end(),
                      [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
   }
-  // Pre-tokenizer: ByteLevel alone, or a Sequence of Split + ByteLevel.
-  auto visit_pre = [&](const json& p, auto& self) -> void {
+  // Pre-tokenizer: ByteLevel alone, or a Sequence of Split + ByteLevel. Sequences nest at most
+  // kMaxPreTokenizerDepth levels: the visit recurses, and a file must not choose how deep.
+  auto visit_pre = [&](const json& p, const std::string& field, int depth, auto& self) -> void {
     if (p.is_null()) return;
-    const std::string type = p.value("type", std::string());
-    if (type == "ByteLevel") {
-      t->add_prefix_space_ = p.value("add_prefix_space", false);
-    } else if (type == "Sequence") {
-      for (const auto& q : p.at("pretokenizers")) self(q, self);
-    } else if (type == "Split") {
-      const std::string re = p.contains("pattern") ? p["pattern"].value("Regex", std::string()) : std::string();
+    if (!p.is_object()) f.wrong_type(field, "an object", p);
+    const std::string kind = f.string_or(p, "type", field + ".type", "");
+    if (kind == "ByteLevel") {
+      t->add_prefix_space_ = f.bool_or(p, "add_prefix_space", field + ".add_prefix_space", false);
+    } else if (kind == "Sequence") {
+      if (depth >= kMaxPreTokenizerDepth)
+        f.fail(field, "Sequence pre-tokenizers nested deeper than " + std::to_string(kMaxPreTokenizerDepth) + " levels");
+      if (!p.contains("pretokenizers")) f.fail(field + ".pretokenizers", "missing");
+      size_t k = 0;
+      for (const auto& q : f.array(p["pretokenizers"], field + ".pretokenizers"))
+        self(q, field + ".pretokenizers[" + std::to_string(k++) + "]", depth + 1, self);
+    } else if (kind == "Split") {
+      std::string re;
+      if (p.contains("pattern") && !p["pattern"].is_null()) {
+        if (!p["pattern"].is_object()) f.wrong_type(field + ".pattern", "an object", p["pattern"]);
+        re = f.string_or(p["pattern"], "Regex", field + ".pattern.Regex", "");
+      }
       t->split_digits_3_ = re.find("\\p{N}{1,3}") != std::string::npos;
     } else {
-      fail("pre_tokenizer type " + type + " is not supported");
+      f.fail(field + ".type", "pre_tokenizer type " + kind + " is not supported");
     }
   };
-  if (j.contains("pre_tokenizer")) visit_pre(j["pre_tokenizer"], visit_pre);
+  if (j.contains("pre_tokenizer")) visit_pre(j["pre_tokenizer"], "pre_tokenizer", 0, visit_pre);
   t->vocab_size_ = max_id + 1;
   auto find_added = [&](std::initializer_list<const char*> names) -> std::optional<uint32_t> {
     for (const char* n : names)
@@ -179,7 +255,7 @@ std::unique_ptr<BpeTokenizer> BpeTokenizer::from_json(std::string_view text, con
   t->eos_ = find_added({"<|end_of_text|>", "</s>", "<|endoftext|>"});
   // Every byte must have a token, or some inputs could not be encoded.
   for (const auto& s : byte_to_unicode())
-    if (!t->vocab_.count(s)) fail("model.vocab lacks the byte-level symbol '" + s + "'");
+    if (!t->vocab_.count(s)) f.fail("model.vocab", "lacks the byte-level symbol '" + s + "'");
   return t;
 }
 

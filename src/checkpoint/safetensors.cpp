@@ -16,12 +16,38 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <limits>
+#include <optional>
 
 namespace fsdp::checkpoint::safetensors {
 namespace {
 
 constexpr uint64_t kMaxHeaderBytes = 100u << 20;  // the reference implementation's limit
+constexpr int64_t kMaxIndexBytes = 64 << 20;      // model.safetensors.index.json (real ones: 20-200 kB)
+
+// Elements and bytes of a shape, every product checked for int64 overflow left to right as the reference
+// implementation does (so [2^40, 2^40, 0] is refused rather than taken for 0 elements); nullopt on overflow.
+std::optional<std::pair<int64_t, int64_t>> checked_numel_nbytes(const std::vector<int64_t>& shape,
+                                                                c10::ScalarType dtype) {
+  int64_t numel = 1, nbytes = 0;
+  for (int64_t d : shape)
+    if (d < 0 || __builtin_mul_overflow(numel, d, &numel)) return std::nullopt;
+  if (__builtin_mul_overflow(numel, static_cast<int64_t>(c10::elementSize(dtype)), &nbytes)) return std::nullopt;
+  return std::make_pair(numel, nbytes);
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
+// A JSON integer in [0, 2^63): what a dimension or a byte offset may be.
+bool is_index(const nlohmann::json& v) {
+  return v.is_number_unsigned() && v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+}
 
 bool little_endian_host() {
   const uint16_t one = 1;
@@ -168,22 +194,30 @@ Reader::Reader(const std::string& path) : impl_(std::make_unique<Impl>()) {
     try {
       TensorInfo info;
       info.name = name;
-      info.dtype = dtype_from_name(v.at("dtype").get<std::string>());
-      for (const auto& s : v.at("shape")) {
-        TORCH_CHECK(s.is_number_unsigned() || (s.is_number_integer() && s.get<int64_t>() >= 0), "negative or non-integer dimension");
+      TORCH_CHECK(v.is_object(), "entry is not an object");
+      TORCH_CHECK(v.contains("dtype") && v["dtype"].is_string(), "\"dtype\" is not a string");
+      info.dtype = dtype_from_name(v["dtype"].get<std::string>());
+      TORCH_CHECK(v.contains("shape") && v["shape"].is_array(), "\"shape\" is not an array");
+      for (const auto& s : v["shape"]) {
+        TORCH_CHECK(is_index(s), "shape: every dimension must be an integer in [0, 2^63)");
         info.shape.push_back(s.get<int64_t>());
       }
-      const auto& off = v.at("data_offsets");
-      TORCH_CHECK(off.is_array() && off.size() == 2, "data_offsets must be [begin, end]");
+      const auto sizes = checked_numel_nbytes(info.shape, info.dtype);
+      TORCH_CHECK(sizes, "shape ", shape_text(info.shape), " x ", v["dtype"].get<std::string>(),
+                  " overflows 64-bit element or byte counts");
+      TORCH_CHECK(v.contains("data_offsets") && v["data_offsets"].is_array() && v["data_offsets"].size() == 2,
+                  "data_offsets must be [begin, end]");
+      const auto& off = v["data_offsets"];
+      TORCH_CHECK(is_index(off[0]) && is_index(off[1]), "data_offsets must be integers in [0, 2^63)");
       info.begin = off[0].get<int64_t>();
       info.end = off[1].get<int64_t>();
-      TORCH_CHECK(0 <= info.begin && info.begin <= info.end && info.end <= data_size, "data_offsets [", info.begin,
-                  ", ", info.end, ") outside the ", data_size, "-byte data section");
-      const int64_t expect = info.numel() * static_cast<int64_t>(c10::elementSize(info.dtype));
-      TORCH_CHECK(info.nbytes() == expect, "holds ", info.nbytes(), " bytes but shape x dtype needs ", expect);
+      TORCH_CHECK(info.begin <= info.end && info.end <= data_size, "data_offsets [", info.begin, ", ", info.end,
+                  ") outside the ", data_size, "-byte data section");
+      TORCH_CHECK(info.nbytes() == sizes->second, "holds ", info.nbytes(), " bytes but shape x dtype (",
+                  shape_text(info.shape), " x ", v["dtype"].get<std::string>(), ") needs ", sizes->second);
       impl_->tensors.emplace(name, std::move(info));
     } catch (const c10::Error& e) {
-      TORCH_CHECK(false, "safetensors: ", path, ": tensor '", name, "': ", e.msg());
+      TORCH_CHECK(false, "safetensors: ", path, ": tensor '", name, "': ", e.what_without_backtrace());
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "safetensors: ", path, ": tensor '", name, "': malformed entry: ", e.what());
     }
@@ -288,11 +322,12 @@ void save_file_streamed(const std::string& path, const std::vector<TensorSpec>& 
     const std::string& name = spec.name;
     TORCH_CHECK(!name.empty() && name != "__metadata__", "safetensors: invalid tensor name '", name, "' for ", path);
     TORCH_CHECK(!header.contains(name), "safetensors: tensor name '", name, "' given twice for ", path);
-    int64_t numel = 1;
-    for (int64_t d : spec.shape) numel *= d;
-    const int64_t nbytes = numel * static_cast<int64_t>(c10::elementSize(spec.dtype));
-    header[name] = {{"dtype", dtype_name(spec.dtype)}, {"shape", spec.shape}, {"data_offsets", {offset, offset + nbytes}}};
-    offset += nbytes;
+    const int64_t nbytes = safetensors::nbytes(spec);
+    int64_t end = 0;
+    TORCH_CHECK(!__builtin_add_overflow(offset, nbytes, &end), "safetensors: ", path,
+                ": the tensors' total size overflows 64 bits");
+    header[name] = {{"dtype", dtype_name(spec.dtype)}, {"shape", spec.shape}, {"data_offsets", {offset, end}}};
+    offset = end;
   }
   std::string text = header.dump();
   // Pad with spaces so the data section starts 8-byte aligned (as the reference writer does).
@@ -334,9 +369,10 @@ void save_file_streamed(const std::string& path, const std::vector<TensorSpec>& 
 // ---- index of a sharded set ------------------------------------------------------------------------------
 
 int64_t nbytes(const TensorSpec& spec) {
-  int64_t numel = 1;
-  for (int64_t d : spec.shape) numel *= d;
-  return numel * static_cast<int64_t>(c10::elementSize(spec.dtype));
+  const auto sizes = checked_numel_nbytes(spec.shape, spec.dtype);
+  TORCH_CHECK(sizes, "safetensors: tensor '", spec.name, "': shape ", shape_text(spec.shape), " x ",
+              dtype_name(spec.dtype), " overflows 64-bit element or byte counts");
+  return sizes->second;
 }
 
 std::vector<FilePlan> plan_files(const std::vector<TensorSpec>& specs, int64_t max_file_bytes) {
@@ -344,9 +380,11 @@ std::vector<FilePlan> plan_files(const std::vector<TensorSpec>& specs, int64_t m
   std::vector<FilePlan> files(1);
   for (size_t i = 0; i < specs.size(); ++i) {
     const int64_t b = nbytes(specs[i]);
-    if (!files.back().specs.empty() && files.back().bytes + b > max_file_bytes) files.emplace_back();
+    int64_t with = 0;
+    const bool overflow = __builtin_add_overflow(files.back().bytes, b, &with);
+    if (!files.back().specs.empty() && (overflow || with > max_file_bytes)) files.emplace_back();
     files.back().specs.push_back(i);
-    files.back().bytes += b;
+    files.back().bytes += b;  // a tensor alone in its file: b itself
   }
   const size_t n = files.size();
   for (size_t f = 0; f < n; ++f) {
@@ -359,6 +397,11 @@ std::vector<FilePlan> plan_files(const std::vector<TensorSpec>& specs, int64_t m
 }
 
 std::map<std::string, std::string> read_index(const std::string& path) {
+  std::error_code ec;
+  TORCH_CHECK(std::filesystem::is_regular_file(path, ec), "safetensors: index ", path, " is not a regular file");
+  const auto size = std::filesystem::file_size(path, ec);
+  TORCH_CHECK(!ec && size <= static_cast<uintmax_t>(kMaxIndexBytes), "safetensors: index ", path, " is ",
+              ec ? std::string("unreadable") : std::to_string(size) + " bytes", " (limit ", kMaxIndexBytes, ")");
   std::ifstream f(path);
   TORCH_CHECK(f, "safetensors: cannot open index ", path);
   nlohmann::json j;

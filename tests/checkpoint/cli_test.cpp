@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -113,5 +114,33 @@ TEST(FsdpCkpt, InspectVerifyConvertDiff) {
   r = run("verify " + b, dir);
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("checksum mismatch"), std::string::npos) << r.output;
+  fs::remove_all(dir);
+}
+
+// Issue 40: bad option values get one line naming the option (std::stod used to answer "stod"), nothing is
+// written before the input is known good, and no error carries libtorch's C++ backtrace.
+TEST(FsdpCkpt, BadOptionValuesGetOneLineNamingTheOption) {
+  const fs::path dir = fs::temp_directory_path() / ("fsdp_ckpt_cli_bad_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const fs::path out = dir / "out";
+  auto expect_refused = [&](const std::string& args, const std::string& needle) {
+    const auto r = run(args, dir);
+    EXPECT_EQ(r.status, 2) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find(needle), std::string::npos) << "'" << needle << "' not in: " << r.output;
+    EXPECT_EQ(r.output.find("frame #"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << r.output;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << "not one line: " << r.output;
+    EXPECT_FALSE(fs::exists(out)) << args << " wrote " << out;
+  };
+  const std::string convert = "convert " + (dir / "ckpt").string() + " " + out.string() + " --max-shard-size ";
+  expect_refused(convert + "abc", "fsdp-ckpt: --max-shard-size: not a number, got 'abc' (expected a positive size");
+  expect_refused(convert + "5XB", "--max-shard-size: unknown unit 'XB', got '5XB'");
+  expect_refused(convert + "0", "--max-shard-size: must be at least 1 byte, got '0'");
+  expect_refused(convert + "-5GB", "--max-shard-size: not a number, got '-5GB'");
+  expect_refused(convert + "1.2.3MB", "--max-shard-size: not a number");
+  expect_refused(convert + "99999999999999999999GB", "--max-shard-size: too large");
+  // A TORCH_CHECK inside the library (no such checkpoint): its message, without the C++ stack.
+  expect_refused("inspect " + (dir / "missing").string(), (dir / "missing").string());
   fs::remove_all(dir);
 }

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <string>
 
 namespace st = fsdp::checkpoint::safetensors;
@@ -182,4 +183,83 @@ TEST(Safetensors, IndexOfShardedSet) {
     bad << R"({"metadata": {}})";
   }
   EXPECT_THROW(st::read_index(dir.file("bad.json")), c10::Error);
+}
+
+// Issue 40: a header whose shape product overflows int64 used to be accepted (the product wrapped, to 0 for
+// [2^62, 4] of U8 = 2^64 bytes, matching an empty byte range) and failed later naming no file or tensor.
+// Every product and conversion is checked now; the error names the file, the tensor and the rule.
+TEST(Safetensors, ShapeProductOverflowIsRefusedNamingFileAndTensor) {
+  TempDir dir;
+  const std::string path = dir.file("overflow.safetensors");
+  auto expect_error = [&](const std::string& header, const std::string& payload,
+                          std::initializer_list<std::string> needles) {
+    write_raw(path, header, payload);
+    try {
+      st::Reader r(path);
+      ADD_FAILURE() << "accepted: " << header;
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      EXPECT_NE(msg.find("safetensors: " + path + ": tensor 'w': "), std::string::npos) << msg;
+      for (const auto& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << "'" << n << "' not in: " << msg;
+    }
+  };
+  // 2^62 x 4 elements of 1 byte: the element count itself overflows.
+  expect_error(R"({"w":{"dtype":"U8","shape":[4611686018427387904,4],"data_offsets":[0,0]}})", "",
+               {"shape [4611686018427387904, 4] x U8 overflows 64-bit element or byte counts"});
+  // 2^61 elements fit, 2^61 x 8 bytes do not.
+  expect_error(R"({"w":{"dtype":"F64","shape":[2305843009213693952],"data_offsets":[0,0]}})", "",
+               {"shape [2305843009213693952] x F64 overflows"});
+  // Checked left to right as the reference implementation does: a later 0 does not excuse the overflow.
+  expect_error(R"({"w":{"dtype":"F32","shape":[1099511627776,1099511627776,0],"data_offsets":[0,0]}})", "",
+               {"overflows 64-bit element or byte counts"});
+  // Dimensions and offsets above 2^63 (they used to wrap to negative int64) and non-integers.
+  expect_error(R"({"w":{"dtype":"F32","shape":[18446744073709551615],"data_offsets":[0,0]}})", "",
+               {"shape: every dimension must be an integer in [0, 2^63)"});
+  expect_error(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[18446744073709551612,4]}})", std::string(4, '\0'),
+               {"data_offsets must be integers in [0, 2^63)"});
+  expect_error(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4.5e300]}})", std::string(4, '\0'),
+               {"data_offsets must be integers in [0, 2^63)"});
+  // Wrong types name the field instead of a bare nlohmann type_error.
+  expect_error(R"({"w":{"dtype":7,"shape":[1],"data_offsets":[0,4]}})", std::string(4, '\0'),
+               {"\"dtype\" is not a string"});
+  expect_error(R"({"w":{"dtype":"F32","shape":"[1]","data_offsets":[0,4]}})", std::string(4, '\0'),
+               {"\"shape\" is not an array"});
+  expect_error(R"({"w":[1,2]})", "", {"entry is not an object"});
+  // The largest shape that fits is still read correctly (the check is exact, not a cap): a [2^20, 0] tensor.
+  write_raw(path, R"({"w":{"dtype":"F32","shape":[1048576,0],"data_offsets":[0,0]}})", "");
+  EXPECT_EQ(st::Reader(path).read("w").sizes(), at::IntArrayRef({1048576, 0}));
+}
+
+TEST(Safetensors, SizesOfTheWriterAndThePlannerAreCheckedToo) {
+  // plan_files / nbytes see shapes from another checkpoint's metadata: an overflowing one is named.
+  const st::TensorSpec huge{"huge", at::kFloat, {int64_t(1) << 62, 2}};
+  try {
+    (void)st::nbytes(huge);
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 'huge': shape [4611686018427387904, 2] x F32 overflows"),
+              std::string::npos) << e.what();
+  }
+  // Two tensors of 2^62 bytes each: 2^63 bytes do not fit one file's int64 byte count (before, the sum wrapped
+  // negative and both went into one file); the planner gives each its own file.
+  const st::TensorSpec a{"a", at::kByte, {int64_t(1) << 62}};
+  const st::TensorSpec b{"b", at::kByte, {int64_t(1) << 62}};
+  const auto files = st::plan_files({a, b}, std::numeric_limits<int64_t>::max());
+  ASSERT_EQ(files.size(), 2u);
+  EXPECT_EQ(files[0].bytes, int64_t(1) << 62);
+  EXPECT_EQ(files[1].bytes, int64_t(1) << 62);
+}
+
+TEST(Safetensors, IndexIsBoundedAndMustBeAFile) {
+  TempDir dir;
+  EXPECT_THROW(st::read_index(dir.path.string()), c10::Error);  // a directory
+  const std::string big = dir.file("model.safetensors.index.json");
+  { std::ofstream(big) << "{}"; }
+  fs::resize_file(big, 100 << 20);  // sparse
+  try {
+    (void)st::read_index(big);
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("is 104857600 bytes (limit 67108864)"), std::string::npos) << e.what();
+  }
 }

@@ -150,4 +150,109 @@ put("token_file", "tok_u32", b"\0" + tok_file([256, 70000 - 1, 3, 257], width=4,
 put("token_file", "tok_short", b"\0" + tok_file([1, 2, 3], count=9))
 put("token_file", "raw_u16", b"\1" + struct.pack("<8H", *range(8)))
 put("token_file", "raw_u32", b"\2" + struct.pack("<5I", 256, 1, 2, 3, 257))
+# ---- cli_values: fsdp-train command-line arguments, one per line ---------------------------------------------
+put("cli_values", "overrides", "\n".join([
+    "--training.steps", "5", "--training.seq_len=32", "--training.local_batch_size", "2",
+    "--training.global_batch_size", "8", "--optimizer.lr", "3e-4", "--lr_scheduler.decay_type", "cosine",
+    "--lr_scheduler.decay_ratio", "0.5", "--checkpoint.enable", "--checkpoint.interval", "2",
+    "--checkpoint.exclude_from_loading", "dataloader,lr_scheduler", "--parallelism.data_parallel_shard_degree", "-1",
+    "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2",
+    "--model.flavor", "cpu_tiny", "--job.dump_folder", "/tmp/fuzz-out"]))
+put("cli_values", "bool_flags", "--checkpoint.enable\n--validation.enable=false\n--metrics.enable_tensorboard\n--training.steps\n3")
+put("cli_values", "bad_value", "--training.seq_len\nabc\n--training.steps=1e3")
+put("cli_values", "huge_sizes", "--training.seq_len\n1000000000000\n--training.local_batch_size\n999999999999")
+put("cli_values", "unknown_key", "--training.stepz\n3")
+
+# ---- loader_state: DataLoader::state() of the harness's loader (seq_len 5, local batch 2, 2 accumulation steps,
+# data rank 1 of 2) over "@DATA@/a.tok" (1000 tokens) and "@DATA@/b.u16" (123 tokens) ------------------------
+def loader_state(epoch=0, file=0, offset=0, consumed=0, next_sample=0, micro=0, **over):
+    st = {"stream": {"epoch": epoch, "file": file, "offset": offset, "consumed": consumed, "num_files": 2,
+                     "file_name": ["@DATA@/a.tok", "@DATA@/b.u16"][file if file in (0, 1) else 0]},
+          "next_sample": next_sample, "micro": micro, "seq_len": 5, "local_batch_size": 2, "grad_accum_steps": 2,
+          "dp_rank": 1, "dp_degree": 2}
+    st.update(over)
+    return json.dumps(st)
+
+
+put("loader_state", "fresh.json", loader_state())
+# after 3 micro-batches: step 1 micro 1 of rank 1 -> samples 6..7 delivered, next sample 8 (36 tokens each 6)
+put("loader_state", "mid_epoch.json", loader_state(consumed=48, next_sample=8, micro=3))
+put("loader_state", "second_file.json", loader_state(file=1, consumed=10, next_sample=170, micro=41))
+put("loader_state", "second_epoch.json", loader_state(epoch=1, file=0, consumed=4, next_sample=190, micro=46))
+put("loader_state", "other_run.json", loader_state(seq_len=6))
+
+# ---- store_wire: client byte streams to the c10d TCPStore server (torch's TCPStoreBackend.hpp QueryType):
+# VALIDATE 0, SET 1, COMPARE_SET 2, GET 3, ADD 4, CHECK 5, WAIT 6, GETNUMKEYS 7, DELETE_KEY 8, APPEND 9,
+# MULTI_GET 10, MULTI_SET 11, CANCEL_WAIT 12, PING 13, QUEUE_PUSH 14, QUEUE_POP 15, QUEUE_LEN 16, LIST_KEYS 17,
+# BARRIER 18. Strings and byte vectors: u64 little-endian length, then the bytes; validation: u32 magic.
+def w_str(b):
+    b = b if isinstance(b, bytes) else b.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+VALIDATE = b"\0" + struct.pack("<I", 0x3C85F7CE)
+put("store_wire", "set_get", VALIDATE + b"\1" + w_str("k") + w_str(b"value") + b"\3" + w_str("k"))
+put("store_wire", "add_check", VALIDATE + b"\4" + w_str("counter") + struct.pack("<q", 5) +
+    b"\5" + struct.pack("<Q", 2) + w_str("counter") + w_str("absent"))
+put("store_wire", "compare_set_append", VALIDATE + b"\2" + w_str("c") + w_str(b"") + w_str(b"new") +
+    b"\x09" + w_str("c") + w_str(b"-more") + b"\3" + w_str("c"))
+put("store_wire", "multi", VALIDATE + b"\x0b" + struct.pack("<Q", 2) + w_str("a") + w_str(b"1") + w_str("b") +
+    w_str(b"2") + b"\x0a" + struct.pack("<Q", 2) + w_str("a") + w_str("b") + b"\7" + b"\x08" + w_str("a"))
+put("store_wire", "wait_cancel", VALIDATE + b"\6" + struct.pack("<Q", 1) + w_str("never") + b"\x0c")
+put("store_wire", "ping_queue", VALIDATE + b"\x0d" + struct.pack("<I", 1234) + b"\x0e" + w_str("q") + w_str(b"x") +
+    b"\x10" + w_str("q") + b"\x0f" + w_str("q") + b"\x11")
+put("store_wire", "no_validation", b"\1" + w_str("k") + w_str(b"v"))
+put("store_wire", "huge_length", VALIDATE + b"\1" + struct.pack("<Q", 1 << 62) + b"k")
+
+# ---- hf_config: byte 0 bit 0 = the file (0 config.json, 1 model.safetensors), bit 1 = the model (0 Llama,
+# 1 Qwen3); the harness's tiny model: dim 8, 1 layer, 2 heads of 4 (1 kv head), FFN 16, vocabulary 16 ----------
+def hf_config(qwen3, **over):
+    c = {"architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"],
+         "model_type": "qwen3" if qwen3 else "llama", "hidden_size": 8, "intermediate_size": 16,
+         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+         "vocab_size": 16, "rms_norm_eps": 1e-6 if qwen3 else 1e-5, "max_position_embeddings": 16,
+         "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "float32",
+         "rope_theta": 1000000.0 if qwen3 else 500000.0}
+    c["rope_parameters"] = {"rope_type": "default", "rope_theta": c["rope_theta"]}
+    c.update(over)
+    return json.dumps(c, indent=2).encode()
+
+
+def hf_tensors(qwen3):
+    shapes = [("model.embed_tokens.weight", [16, 8]), ("model.norm.weight", [8]), ("lm_head.weight", [16, 8])]
+    p = "model.layers.0."
+    shapes += [(p + "self_attn.q_proj.weight", [8, 8]), (p + "self_attn.k_proj.weight", [4, 8]),
+               (p + "self_attn.v_proj.weight", [4, 8]), (p + "self_attn.o_proj.weight", [8, 8]),
+               (p + "mlp.gate_proj.weight", [16, 8]), (p + "mlp.up_proj.weight", [16, 8]),
+               (p + "mlp.down_proj.weight", [8, 16]), (p + "input_layernorm.weight", [8]),
+               (p + "post_attention_layernorm.weight", [8])]
+    if qwen3:
+        shapes += [(p + "self_attn.q_norm.weight", [4]), (p + "self_attn.k_norm.weight", [4])]
+    out = []
+    for name, shape in sorted(shapes):
+        n = 1
+        for d in shape:
+            n *= d
+        out.append((name, "F32", shape, struct.pack("<%df" % n, *[(i % 7) * 0.01 for i in range(n)])))
+    return out
+
+
+put("hf_config", "llama_config.json", b"\0" + hf_config(False))
+put("hf_config", "qwen3_config.json", b"\2" + hf_config(True))
+put("hf_config", "llama_rope_scaling.json", b"\0" + hf_config(False, rope_scaling={
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192}))
+put("hf_config", "llama_wrong_types.json", b"\0" + hf_config(False, hidden_size="8", tie_word_embeddings="no"))
+put("hf_config", "llama_weights", b"\1" + safetensors(hf_tensors(False), {"format": "pt"}))
+put("hf_config", "qwen3_weights", b"\3" + safetensors(hf_tensors(True), {"format": "pt"}))
+
+# ---- regressions of this issue (#40), small enough to replay on every run ------------------------------------
+put("tokenizer_json", "regression_nested_sequence.json", b"\0" + json.dumps(dict(tok, pre_tokenizer=(
+    lambda d: [d := {"type": "Sequence", "pretokenizers": [d]} for _ in range(12)][-1])(
+    {"type": "ByteLevel", "add_prefix_space": False}))).encode())
+put("tokenizer_json", "regression_wrong_types.json", b"\0" + json.dumps(dict(
+    tok, added_tokens=[{"id": "300", "content": 5}], pre_tokenizer={"type": "ByteLevel", "add_prefix_space": "yes"}))
+    .encode())
+put("safetensors", "regression_shape_overflow", b"\0" + safetensors([("w", "U8", [1 << 62, 4], b"")]))
+put("safetensors", "regression_shape_overflow_zero", b"\0" + safetensors([("w", "U8", [1 << 40, 1 << 40, 0], b"")]))
 print("seed corpora written under", CORPUS)

@@ -6,6 +6,10 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <regex>
 #include <sstream>
@@ -401,4 +405,75 @@ TEST(Config, ToTomlEscapesEveryStringSoItParsesBack) {
   EXPECT_EQ(again.job.description, odd);
   EXPECT_EQ(again.checkpoint.folder, "ckpt\r");
   EXPECT_EQ(to_toml(again), written);
+}
+
+// Issue 40: configs that used to train on defaults, read without bound or end in std::bad_alloc.
+TEST(Config, ConfigPathMustBeABoundedFile) {
+  // A directory used to read as an empty file: the run trained on the defaults without a word.
+  const std::string dir = ::testing::TempDir() + "/fsdp_cfg_dir_" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  expect_config_error([&] { load_config({"--config", dir}); }, {"config error: --config: '" + dir + "' is a directory"});
+  std::filesystem::remove_all(dir);
+  // /dev/zero never ends (7 GB read after 10 s before): refused once the 16 MiB limit is passed.
+  const auto start = std::chrono::steady_clock::now();
+  expect_config_error([] { load_config({"--config", "/dev/zero"}); },
+                      {"--config: '/dev/zero' is larger than the 16777216-byte limit"});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  // A regular file above the limit is refused by its size, without reading it (a sparse 100 MB file).
+  const std::string big = ::testing::TempDir() + "/fsdp_cfg_big_" + std::to_string(::getpid()) + ".toml";
+  { std::ofstream(big) << "[training]\n"; }
+  std::filesystem::resize_file(big, 100 << 20);
+  expect_config_error([&] { load_config({"--config", big}); }, {"'" + big + "' is larger than the 16777216-byte limit"});
+  std::filesystem::remove(big);
+  expect_config_error([] { load_config({"--config", "/nonexistent/x.toml"}); },
+                      {"--config: cannot open '/nonexistent/x.toml'"});
+}
+
+TEST(Config, HugeSizesAreRefusedNamingTheKeyBeforeAnyAllocation) {
+  expect_config_error([] { load_config({"--training.seq_len", "1000000000000"}); },
+                      {"training.seq_len: expected <= 16777216 tokens, got 1000000000000"});
+  expect_config_error([] { load_config({"--training.local_batch_size", "1000000000", "--training.seq_len", "2048"}); },
+                      {"training.local_batch_size x training.seq_len: expected <= 268435456 tokens per micro-batch",
+                       "1000000000 x 2048"});
+  expect_config_error([] { load_config({"--training.local_batch_size", "4611686018427387904"}); },
+                      {"training.local_batch_size x training.seq_len", "(overflows)"});
+  expect_config_error([] { load_config({"--validation.seq_len", "99999999999"}); },
+                      {"validation.seq_len: expected <= 16777216 tokens"});
+  // The data stream's position: steps x global batch x (seq_len + 1) tokens must fit in int64.
+  const JobConfig c = load_config({"--training.global_batch_size", "1000000000000", "--training.local_batch_size",
+                                   "1", "--training.steps", "100000000", "--training.seq_len", "2048"});
+  expect_config_error([&] { resolve_parallelism(c, 1); },
+                      {"training.global_batch_size (1000000000000) x (training.seq_len + 1 = 2049) x training.steps "
+                       "(100000000) tokens overflow"});
+  // The largest allowed sizes are accepted (the limits are not in the way of a real run).
+  const JobConfig ok = load_config({"--training.seq_len", "1048576", "--training.local_batch_size", "8",
+                                    "--training.global_batch_size", "-1"});
+  EXPECT_EQ(ok.training.seq_len, 1048576);
+  EXPECT_EQ(resolve_parallelism(ok, 1).global_batch_size, 8);
+}
+
+TEST(Config, EmptyDumpFolderIsRefused) {
+  // Before: the trainer wrote ./metrics.jsonl into the working directory, then failed on create_directories("").
+  expect_config_error([] { load_config({"--job.dump_folder", ""}); }, {"job.dump_folder: expected a folder"});
+  EXPECT_EQ(load_config({"--job.dump_folder", "."}).job.dump_folder, ".");
+}
+
+TEST(Config, CommandLineStringsMustBeUtf8SoTheyRoundTrip) {
+  // Found by the cli_values fuzzer: "/tmp/fu\xC7zz" (0xC7 starts a 2-byte sequence, 'z' is no continuation) was
+  // accepted and written by to_toml() as "/tmp/fu\u00C7\u007Az", which reads back as other text.
+  expect_config_error([] { load_config({"--job.dump_folder", "/tmp/fu\xC7zz-out"}); },
+                      {"config error: job.dump_folder: the value is not valid UTF-8 (command line --job.dump_folder)"});
+  for (const char* bad : {"\xC0\xAF", "\xED\xA0\x80", "\xF4\x90\x80\x80", "x\xE2\x82"})  // overlong, surrogate, > U+10FFFF, cut
+    expect_config_error([&] { load_config({"--job.description", bad}); }, {"job.description: the value is not valid UTF-8"});
+  // The fuzzer's input itself (kept as a seed: tests/fuzz/corpus/cli_values/regression_invalid_utf8).
+  const std::string input = read_file(std::string(FSDP_SOURCE_DIR) + "/tests/fuzz/corpus/cli_values/regression_invalid_utf8");
+  std::vector<std::string> args(1);
+  for (char ch : input) {
+    if (ch == '\n') args.emplace_back();
+    else args.back() += ch;
+  }
+  expect_config_error([&] { load_config(args); }, {"job.dump_folder: the value is not valid UTF-8"});
+  // Valid UTF-8 goes through and round-trips.
+  const JobConfig ok = load_config({"--job.description", "caf\xC3\xA9 \xF0\x9F\x98\x80"});
+  EXPECT_EQ(parse_toml(to_toml(ok), "re-written").job.description, "caf\xC3\xA9 \xF0\x9F\x98\x80");
 }

@@ -5,6 +5,11 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
+
+#include <filesystem>
+#include <functional>
+
 using namespace fsdp_train;
 using Ids = std::vector<uint32_t>;
 
@@ -107,4 +112,106 @@ TEST(BpeTokenizer, RejectsIncompleteFiles) {
   EXPECT_THROW(BpeTokenizer::from_json("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}}}", "small"), std::runtime_error);
   EXPECT_THROW(BpeTokenizer::from_json("not json", "bad"), std::runtime_error);
   EXPECT_THROW(make_tokenizer("/nonexistent/tokenizer.json"), std::runtime_error);
+}
+
+// Issue 40: hostile tokenizer.json files get one error naming the file, the field and the rule; none crashes.
+namespace {
+// Runs from_json on `text`, expects an error whose message contains every fragment.
+void expect_tokenizer_error(const std::string& text, std::initializer_list<std::string> fragments) {
+  try {
+    BpeTokenizer::from_json(text, "t.json");
+    ADD_FAILURE() << "no error; expected one mentioning '" << *fragments.begin() << "'";
+  } catch (const std::runtime_error& e) {
+    const std::string msg = e.what();
+    for (const auto& f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "'" << f << "' not in: " << msg;
+    EXPECT_EQ(msg.find("[json.exception"), std::string::npos) << "a bare nlohmann error: " << msg;
+  }
+}
+nlohmann::json crafted() { return nlohmann::json::parse(crafted_tokenizer_json(false)); }
+}  // namespace
+
+TEST(BpeTokenizer, DeeplyNestedPreTokenizerSequenceIsRefusedNotACrash) {
+  // 100,000 nested Sequence pre-tokenizers (the issue's input): the visitor used to recurse into each level and
+  // overflow the stack (SIGSEGV). Built as text: nlohmann's own dump() of such a value would recurse too.
+  std::string text = crafted_tokenizer_json(false);
+  const std::string inner = "{\"type\": \"ByteLevel\", \"add_prefix_space\": false}";
+  std::string nested;
+  const int depth = 100000;
+  nested.reserve(depth * 45 + inner.size());
+  for (int i = 0; i < depth; ++i) nested += "{\"type\": \"Sequence\", \"pretokenizers\": [";
+  nested += inner;
+  for (int i = 0; i < depth; ++i) nested += "]}";
+  const std::string field = "\"pre_tokenizer\":";
+  const size_t at = text.find(field);
+  ASSERT_NE(at, std::string::npos);
+  const size_t end = text.find('}', at) + 1;  // the crafted pre_tokenizer object has no nested braces
+  text.replace(at + field.size(), end - at - field.size(), nested);
+  expect_tokenizer_error(text, {"tokenizer t.json: pre_tokenizer", ".pretokenizers[0]",
+                                "nested deeper than 8 levels"});
+  // Within the limit, a nested Sequence is fine (the reference: the same file with ByteLevel at the top level).
+  nlohmann::json j = crafted();
+  nlohmann::json p = j["pre_tokenizer"];
+  for (int i = 0; i < 8; ++i) p = {{"type", "Sequence"}, {"pretokenizers", {p}}};
+  j["pre_tokenizer"] = p;
+  const auto nested_ok = BpeTokenizer::from_json(j.dump(), "t.json");
+  const auto flat = BpeTokenizer::from_json(crafted_tokenizer_json(false), "t.json");
+  EXPECT_EQ(nested_ok->encode("hello world"), flat->encode("hello world"));
+  // 100,000 levels of '[' in a field the reader ignores: parsed and freed without recursion.
+  std::string deep_array = crafted_tokenizer_json(false);
+  deep_array.insert(1, "\"unused\": " + std::string(depth, '[') + std::string(depth, ']') + ", ");
+  EXPECT_EQ(BpeTokenizer::from_json(deep_array, "t.json")->encode("hello"), flat->encode("hello"));
+}
+
+TEST(BpeTokenizer, WrongTypesNameTheFileTheFieldAndTheRule) {
+  auto with = [](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json j = crafted();
+    edit(j);
+    return j.dump();
+  };
+  expect_tokenizer_error(with([](auto& j) { j["pre_tokenizer"]["add_prefix_space"] = "yes"; }),
+                         {"tokenizer t.json: pre_tokenizer.add_prefix_space: expected true or false, got a string"});
+  expect_tokenizer_error(with([](auto& j) { j["added_tokens"][0]["id"] = "266"; }),
+                         {"tokenizer t.json: added_tokens[0].id: expected a non-negative integer id, got a string"});
+  expect_tokenizer_error(with([](auto& j) { j["added_tokens"][0]["content"] = 5; }),
+                         {"added_tokens[0].content: expected a string, got a number"});
+  expect_tokenizer_error(with([](auto& j) { j["added_tokens"][0]["id"] = -3; }),
+                         {"added_tokens[0].id: expected a non-negative integer id, got -3"});
+  expect_tokenizer_error(with([](auto& j) { j["model"]["merges"][1] = {"l", 5}; }),
+                         {"model.merges[1][1]: expected a string, got a number"});
+  expect_tokenizer_error(with([](auto& j) { j["model"]["merges"] = "h e"; }),
+                         {"model.merges: expected an array, got a string"});
+  expect_tokenizer_error(with([](auto& j) { j["model"]["type"] = 7; }), {"model.type: expected a string, got a number"});
+  expect_tokenizer_error(with([](auto& j) { j["model"]["ignore_merges"] = 1; }),
+                         {"model.ignore_merges: expected true or false, got a number"});
+  expect_tokenizer_error(with([](auto& j) { j["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", 3}}; }),
+                         {"pre_tokenizer.pretokenizers: expected an array, got a number"});
+  expect_tokenizer_error(with([](auto& j) { j["pre_tokenizer"] = {{"type", "Split"}, {"pattern", "x"}}; }),
+                         {"pre_tokenizer.pattern: expected an object, got a string"});
+  expect_tokenizer_error(with([](auto& j) { j["model"]["vocab"]["a"] = 4.5; }),
+                         {"model.vocab[\"a\"]: expected a non-negative integer id, got a number"});
+  // An id sizes the model's embedding table: 2^32 + 5 used to wrap to 5, 2^31 to ask for a 2^31-row table.
+  expect_tokenizer_error(with([](auto& j) { j["added_tokens"][0]["id"] = (uint64_t(1) << 32) + 5; }),
+                         {"added_tokens[0].id: id 4294967301 is above the limit 16777215"});
+  expect_tokenizer_error("[1, 2]", {"tokenizer t.json: the file: expected a JSON object, got an array"});
+}
+
+TEST(BpeTokenizer, TokenizerPathThatIsNotAFileIsRefusedWithABound) {
+  const std::string dir = ::testing::TempDir() + "/tok_dir_" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir + "/tokenizer.json");  // a directory named like the file
+  try {
+    make_tokenizer(dir);
+    ADD_FAILURE() << "no error for a directory";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.tokenizer_path: '" + dir + "/tokenizer.json' is a directory"),
+              std::string::npos) << e.what();
+  }
+  // /dev/zero never ends: the read stops after the limit instead of filling the memory.
+  try {
+    make_tokenizer("/dev/zero");
+    ADD_FAILURE() << "no error for /dev/zero";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("'/dev/zero' is larger than the 268435456-byte limit"), std::string::npos)
+        << e.what();
+  }
+  std::filesystem::remove_all(dir);
 }
