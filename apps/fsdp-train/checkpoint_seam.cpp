@@ -18,10 +18,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <thread>
 
 namespace fsdp_train {
@@ -56,12 +58,47 @@ std::string hex(const at::Tensor& bytes) {
   return out;
 }
 
-at::Tensor unhex(const std::string& s) {
-  TORCH_CHECK(s.size() % 2 == 0, "checkpoint: rng.cpu is not a hex string");
+// `where`: the value's name in errors ("<metadata file>: rng.cpu").
+at::Tensor unhex(const std::string& s, const std::string& where) {
+  auto digit = [&](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    TORCH_CHECK(false, where, ": must be lowercase hex digits, holds '", std::string(1, c), "'");
+    return 0;
+  };
+  TORCH_CHECK(s.size() % 2 == 0, where, ": must be an even number of hex digits, has ", s.size());
   at::Tensor t = at::empty({static_cast<int64_t>(s.size() / 2)}, at::kByte);
   auto* p = t.data_ptr<uint8_t>();
-  for (size_t i = 0; i < s.size(); i += 2) p[i / 2] = static_cast<uint8_t>(std::stoi(s.substr(i, 2), nullptr, 16));
+  for (size_t i = 0; i < s.size(); i += 2) p[i / 2] = static_cast<uint8_t>(digit(s[i]) << 4 | digit(s[i + 1]));
   return t;
+}
+
+// The file that holds a checkpoint's values (named in errors about them).
+std::string metadata_file(const std::string& dir) {
+  const auto format = ckpt::checkpoint_format(dir);
+  return (fs::path(dir) / (format == ckpt::Format::PytorchDcp ? ".metadata" : "metadata.json")).string();
+}
+
+// The rank of a "dataloader.dp_rank_<N>" key: plain decimal digits that fit 63 bits, else nullopt.
+std::optional<int64_t> loader_rank_of(const std::string& key, const std::string& prefix) {
+  if (key.size() <= prefix.size() || key.size() > prefix.size() + 18) return std::nullopt;
+  int64_t rank = 0;
+  for (size_t i = prefix.size(); i < key.size(); ++i) {
+    if (key[i] < '0' || key[i] > '9') return std::nullopt;
+    rank = rank * 10 + (key[i] - '0');
+  }
+  return rank;
+}
+
+// An integer value of a checkpoint (its JSON text `text`) checked as untrusted input: one line naming the file,
+// the key and the rule.
+int64_t checked_int(const std::string& text, const std::string& file, const std::string& key, int64_t min) {
+  const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  TORCH_CHECK(j.is_number_integer() && !(j.is_number_unsigned() && j.get<uint64_t>() > uint64_t(INT64_MAX)), file, ": ",
+              key, " must be an integer, is a ", j.is_discarded() ? "malformed value" : j.type_name());
+  const int64_t v = j.get<int64_t>();
+  TORCH_CHECK(v >= min, file, ": ", key, " = ", v, ": must be >= ", min);
+  return v;
 }
 
 class DistributedCheckpointer final : public Checkpointer {
@@ -136,8 +173,9 @@ class DistributedCheckpointer final : public Checkpointer {
     int64_t lowest = -1;
     for (const auto& [key, value] : summary.values) {
       if (key.rfind(loader_prefix, 0) != 0) continue;
-      const int64_t rank = std::stoll(key.substr(loader_prefix.size()));
-      if (lowest < 0 || rank < lowest) lowest = rank;
+      const auto rank = loader_rank_of(key, loader_prefix);
+      TORCH_CHECK(rank, metadata_file(dir), ": value '", key, "' is not named ", loader_prefix, "<rank>");
+      if (lowest < 0 || *rank < lowest) lowest = *rank;
     }
     loader_key_ = loader_prefix + std::to_string(std::max<int64_t>(lowest, 0));
     // A TorchTitan (PyTorch DCP) checkpoint has no rng.cpu, and its data loader state is pickled Python
@@ -188,7 +226,11 @@ class DistributedCheckpointer final : public Checkpointer {
                 missing.front(), "' (a different model or optimizer?)");
     ckpt::load_model_state_dict(s.parts, sd);
     if (!model_only) {
-      ckpt::load_optimizer_state_dict(s.parts, *s.optimizer, sd);
+      try {
+        ckpt::load_optimizer_state_dict(s.parts, *s.optimizer, sd);
+      } catch (const c10::Error& e) {  // a hyperparameter of the wrong type: name the file too
+        TORCH_CHECK(false, metadata_file(dir), ": ", e.what_without_backtrace());
+      }
       restore_train_state(s, sd, exclude, dir);
     }
     const double dt = since(t0);
@@ -350,40 +392,58 @@ class DistributedCheckpointer final : public Checkpointer {
 
   void restore_train_state(TrainState& s, const ckpt::StateDict& sd, const std::vector<std::string>& exclude,
                            const std::string& dir) {
+    // Saved state is input like any other: each value is checked (type, range, agreement with the run and with
+    // the other counters) before the run uses it, and refused with one line naming the file, the key and the rule.
     auto excluded = [&](const std::string& p) { return std::find(exclude.begin(), exclude.end(), p) != exclude.end(); };
-    auto value = [&](const std::string& k) { return nlohmann::json::parse(sd.values.at(k)); };
-    if (!excluded("train_state.")) {
-      s.step = value("train_state.step").get<int64_t>();
-      s.ntokens_seen = value("train_state.ntokens_seen").get<int64_t>();
+    const std::string file = metadata_file(dir);
+    auto text = [&](const std::string& k) -> const std::string& { return sd.values.at(k); };
+    const bool train_state = !excluded("train_state.");
+    int64_t step = s.step, ntokens = s.ntokens_seen;
+    if (train_state) {
+      // A negative step would run steps -99..0 with a negative learning rate; ntokens_seen only counts.
+      step = checked_int(text("train_state.step"), file, "train_state.step", 0);
+      ntokens = checked_int(text("train_state.ntokens_seen"), file, "train_state.ntokens_seen", 0);
     }
+    at::Tensor rng;
     if (!excluded("rng.")) {
-      at::Tensor rng = unhex(value("rng.cpu").get<std::string>());
+      const auto j = nlohmann::json::parse(text("rng.cpu"), nullptr, /*allow_exceptions=*/false);
+      TORCH_CHECK(j.is_string(), file, ": rng.cpu must be a hex string, is a ",
+                  j.is_discarded() ? "malformed value" : j.type_name());
+      rng = unhex(j.get_ref<const std::string&>(), file + ": rng.cpu");
+      const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
+      TORCH_CHECK(rng.numel() == current.numel(), file, ": rng.cpu holds ", rng.numel(),
+                  " bytes, a CPU generator state has ", current.numel());
+    }
+    if (!excluded("dataloader.")) {
+      const auto& opt = s.data->options();
+      const int64_t saved_world = checked_int(text("dataloader.world_size"), file, "dataloader.world_size", 1);
+      // The same data-parallel degree: this rank's own entry (bit for bit, whatever else changed); another degree:
+      // the lowest saved rank's, repositioned by DataLoader::load_state at the same global sample (the global batch
+      // must be unchanged; local batch and accumulation may differ).
+      const std::string key =
+          saved_world == opt.dp_degree ? "dataloader.dp_rank_" + std::to_string(opt.dp_rank) : loader_key_;
+      const std::string state_text = saved_world == opt.dp_degree ? ckpt::read_value(dir, key) : text(key);
+      const auto st = nlohmann::json::parse(state_text, nullptr, /*allow_exceptions=*/false);
+      TORCH_CHECK(!st.is_discarded(), file, ": ", key, " is not valid JSON");
+      try {
+        s.data->load_state(st, file + ": " + key);
+      } catch (const std::runtime_error& e) {
+        TORCH_CHECK(false, e.what());
+      }
+      // The loader's counters and the step counter move together: step N of the run read N steps of data.
+      if (train_state) {
+        const int64_t data_step = s.data->micro_batches() / opt.grad_accum_steps;
+        TORCH_CHECK(s.data->micro_batches() % opt.grad_accum_steps == 0 && data_step == step, file, ": ", key,
+                    " is at micro-batch ", s.data->micro_batches(), " (step ", data_step, " at ", opt.grad_accum_steps,
+                    " per step) but train_state.step = ", step, ": the counters disagree");
+      }
+    }
+    s.step = step;
+    s.ntokens_seen = ntokens;
+    if (rng.defined()) {
       at::Generator gen = at::detail::getDefaultCPUGenerator();
       gen.set_state(rng);
     }
-    if (excluded("dataloader.")) return;
-    const auto& opt = s.data->options();
-    const int64_t saved_world = value("dataloader.world_size").get<int64_t>();
-    if (saved_world == opt.dp_degree) {
-      s.data->load_state(nlohmann::json::parse(ckpt::read_value(dir, "dataloader.dp_rank_" + std::to_string(opt.dp_rank))));
-      return;
-    }
-    // Another data-parallel degree: every rank restarts at the same global sample. Rank 0's saved stream
-    // position precedes the first sample of the next step of every rank (its block comes first), so it is
-    // reused and next() skips forward to this rank's samples; the global batch size must be unchanged.
-    nlohmann::json st = value(loader_key_);
-    const int64_t saved_global = st.at("local_batch_size").get<int64_t>() * st.at("grad_accum_steps").get<int64_t>() * saved_world;
-    const int64_t global = opt.local_batch_size * opt.grad_accum_steps * opt.dp_degree;
-    TORCH_CHECK(saved_global == global, "checkpoint: the data loader was saved with a global batch of ", saved_global,
-                " samples on ", saved_world, " ranks; this run has ", global,
-                " (resuming on another rank count needs the same training.global_batch_size)");
-    const int64_t step = st.at("micro").get<int64_t>() / st.at("grad_accum_steps").get<int64_t>();
-    st["local_batch_size"] = opt.local_batch_size;
-    st["grad_accum_steps"] = opt.grad_accum_steps;
-    st["dp_rank"] = opt.dp_rank;
-    st["dp_degree"] = opt.dp_degree;
-    st["micro"] = step * opt.grad_accum_steps;
-    s.data->load_state(st);
   }
 
   JobConfig::Checkpoint cfg_;

@@ -73,6 +73,30 @@ void read_tokens(const std::string& path, const TokenFileInfo& info, int64_t fir
   }
 }
 
+// A saved-state field `key` of `s`: a JSON integer that fits int64 (not a float, a string, a bool), named in
+// errors as <where>.<key>.
+int64_t state_int(const nlohmann::json& s, const char* key, const std::string& where) {
+  const auto it = s.find(key);
+  if (it == s.end()) throw std::runtime_error(where + "." + key + ": missing");
+  if (!it->is_number_integer())
+    throw std::runtime_error(where + "." + key + ": must be an integer, is a " +
+                             (it->is_number_float() ? std::string("floating-point number") : std::string(it->type_name())));
+  if (it->is_number_unsigned() && it->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+    throw std::runtime_error(where + "." + key + " = " + std::to_string(it->get<uint64_t>()) + ": must fit 64-bit signed");
+  return it->get<int64_t>();
+}
+
+// Throws "<where>.<key> = <value>: <rule>" unless `ok`.
+void require(bool ok, const std::string& where, const char* key, int64_t value, const std::string& rule) {
+  if (!ok) throw std::runtime_error(where + "." + key + " = " + std::to_string(value) + ": " + rule);
+}
+
+int64_t mul_or_throw(int64_t a, int64_t b, const std::string& what) {
+  int64_t r = 0;
+  if (__builtin_mul_overflow(a, b, &r)) throw std::runtime_error(what + ": overflows 64 bits");
+  return r;
+}
+
 }  // namespace
 
 bool is_token_file(const std::string& path) {
@@ -194,11 +218,13 @@ TokenStream::TokenStream(std::vector<std::string> files, std::shared_ptr<const T
     if (!fs::exists(f)) throw std::runtime_error("training.dataset_path: '" + f + "' does not exist");
     token_file_.push_back(is_token_file(f));
     jsonl_file_.push_back(is_jsonl_file(f));
+    token_count_.push_back(0);
     if (token_file_.back()) {
       const auto info = token_file_info(f);  // validates the header early
       if (info.vocab > vocab_limit_)
         throw std::runtime_error("token file '" + f + "' was written for vocab " + std::to_string(info.vocab) +
                                  ", the model's vocab is " + std::to_string(vocab_limit_));
+      token_count_.back() = info.count;
     }
   }
 }
@@ -360,15 +386,92 @@ nlohmann::json TokenStream::state() const {
           {"file_name", files_[static_cast<size_t>(file_)]}};
 }
 
-void TokenStream::load_state(const nlohmann::json& s) {
-  if (s.at("num_files").get<int64_t>() != static_cast<int64_t>(files_.size()) ||
-      s.at("file_name").get<std::string>() != files_[static_cast<size_t>(s.at("file").get<int64_t>())])
-    throw std::runtime_error("data: the saved position refers to a different set of dataset files");
-  epoch_ = s.at("epoch").get<int64_t>();
-  file_ = s.at("file").get<int64_t>();
-  offset_ = s.at("offset").get<int64_t>();
-  consumed_ = s.at("consumed").get<int64_t>();
+void TokenStream::load_state(const nlohmann::json& s, const std::string& where, int64_t expected_token) {
+  if (!s.is_object()) throw std::runtime_error(where + ": must be a JSON object, is a " + std::string(s.type_name()));
+  const auto n = static_cast<int64_t>(files_.size());
+  const int64_t num_files = state_int(s, "num_files", where);
+  require(num_files == n, where, "num_files", num_files,
+          "this run's dataset has " + std::to_string(n) + " files (the saved position is in another set of files)");
+  const int64_t epoch = state_int(s, "epoch", where), file = state_int(s, "file", where);
+  const int64_t offset = state_int(s, "offset", where), consumed = state_int(s, "consumed", where);
+  require(file >= 0 && file < n, where, "file", file, "must be in [0, " + std::to_string(n) + ") (an index into the dataset's files)");
+  const auto name = s.find("file_name");
+  if (name == s.end() || !name->is_string()) throw std::runtime_error(where + ".file_name: missing or not a string");
+  const std::string& path = files_[static_cast<size_t>(file)];
+  if (name->get_ref<const std::string&>() != path)
+    throw std::runtime_error(where + ".file_name: the saved position is in '" + name->get_ref<const std::string&>() +
+                             "', this run's file " + std::to_string(file) + " is '" + path + "' (another set of files)");
+  require(epoch >= 0, where, "epoch", epoch, "must be >= 0");
+  require(offset >= 0, where, "offset", offset, "must be >= 0");
+  require(consumed >= 0, where, "consumed", consumed, "must be >= 0 (tokens used of the chunk at offset)");
+  const bool tokens = token_file_[static_cast<size_t>(file)];
+  if (tokens) {
+    // Chunks of a token file start at multiples of the chunk size, each inside the file.
+    const int64_t count = token_count_[static_cast<size_t>(file)];
+    require(offset % kTokenChunkTokens == 0 && (offset < count || offset == 0), where, "offset", offset,
+            "must be a chunk start (a multiple of " + std::to_string(kTokenChunkTokens) + ") inside '" + path +
+                "' of " + std::to_string(count) + " tokens");
+    const int64_t length = std::min(kTokenChunkTokens, count - offset);
+    require(consumed <= length, where, "consumed", consumed,
+            "must be <= " + std::to_string(length) + ", the tokens of the chunk at offset " + std::to_string(offset));
+  } else if (offset > 0 && !is_gzip_file(path)) {
+    // A text chunk after the first starts where an earlier one was cut, before the end of the content (checked
+    // here for plain files by their size; for gzip files once the chunk is read, below).
+    std::error_code ec;
+    const auto size = static_cast<int64_t>(fs::file_size(path, ec));
+    require(!ec && offset < size, where, "offset", offset,
+            "must be inside '" + path + "' (" + std::to_string(size) + " bytes; inside the content)");
+  }
+  if (std::all_of(token_file_.begin(), token_file_.end(), [](bool t) { return t; })) {
+    // All token files: the position is arithmetic, and must be exactly where the loader's sample counter says.
+    int64_t total = 0, before = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      total += token_count_[static_cast<size_t>(i)];
+      if (i < file) before += token_count_[static_cast<size_t>(i)];
+    }
+    int64_t at = 0;
+    const bool overflow = __builtin_mul_overflow(epoch, total, &at) || __builtin_add_overflow(at, before + offset, &at) ||
+                          __builtin_add_overflow(at, consumed, &at);
+    if (total > 0 && (overflow || at != expected_token))
+      throw std::runtime_error(where + ": the position (epoch " + std::to_string(epoch) + ", file " + std::to_string(file) +
+                               ", offset " + std::to_string(offset) + ", consumed " + std::to_string(consumed) +
+                               ") is not token " + std::to_string(expected_token) +
+                               " of the stream, where the saved sample counter puts it");
+  } else {
+    // Text: every finished epoch yielded at least one token (an empty corpus is an error), so the epoch cannot
+    // exceed the tokens read.
+    require(epoch <= expected_token, where, "epoch", epoch,
+            "must be <= " + std::to_string(expected_token) + ", the tokens the saved sample counter says were read");
+  }
+  const int64_t old_epoch = epoch_, old_file = file_, old_offset = offset_, old_consumed = consumed_;
+  epoch_ = epoch;
+  file_ = file;
+  offset_ = offset;
+  consumed_ = consumed;
   chunk_.reset();
+  if (tokens) return;
+  // A text chunk's token count is known once it is tokenized (what the next read does anyway).
+  auto restore = [&] {
+    epoch_ = old_epoch, file_ = old_file, offset_ = old_offset, consumed_ = old_consumed;
+    chunk_.reset();
+  };
+  try {
+    ensure_chunk();
+  } catch (...) {
+    restore();
+    throw;
+  }
+  // A chunk after the first starts where an earlier one was cut, before the end of the content.
+  if (offset > 0 && chunk_->next_offset == offset) {
+    restore();
+    require(false, where, "offset", offset, "must be inside the content of '" + path + "'");
+  }
+  if (consumed > chunk_->length) {
+    const int64_t length = chunk_->length;
+    restore();
+    require(false, where, "consumed", consumed,
+            "must be <= " + std::to_string(length) + ", the tokens of the chunk at offset " + std::to_string(offset));
+  }
 }
 
 // ---- DataLoader ----------------------------------------------------------------------------------------------
@@ -424,17 +527,55 @@ nlohmann::json DataLoader::state() const {
           {"dp_degree", opt_.dp_degree}};
 }
 
-void DataLoader::load_state(const nlohmann::json& s) {
-  for (const auto& [key, value] : std::initializer_list<std::pair<const char*, int64_t>>{
-           {"seq_len", opt_.seq_len}, {"local_batch_size", opt_.local_batch_size},
-           {"grad_accum_steps", opt_.grad_accum_steps}, {"dp_rank", opt_.dp_rank}, {"dp_degree", opt_.dp_degree}}) {
-    if (s.at(key).get<int64_t>() != value)
-      throw std::runtime_error(std::string("data: saved loader state has ") + key + " = " +
-                               std::to_string(s.at(key).get<int64_t>()) + ", this run has " + std::to_string(value));
-  }
-  stream_.load_state(s.at("stream"));
-  next_sample_ = s.at("next_sample").get<int64_t>();
-  micro_ = s.at("micro").get<int64_t>();
+void DataLoader::load_state(const nlohmann::json& s, const std::string& where) {
+  if (!s.is_object()) throw std::runtime_error(where + ": must be a JSON object, is a " + std::string(s.type_name()));
+  const int64_t S = state_int(s, "seq_len", where);
+  require(S == opt_.seq_len, where, "seq_len", S,
+          "this run has training.seq_len = " + std::to_string(opt_.seq_len) +
+              " (other samples: resuming needs the same seq_len)");
+  // The saved layout, then the global batch it implies: the sample stream is the same for any layout of the same
+  // global batch (sample t*G + i is in step t whatever the split), so only G and seq_len must match.
+  const int64_t L = state_int(s, "local_batch_size", where), A = state_int(s, "grad_accum_steps", where);
+  const int64_t D = state_int(s, "dp_degree", where), R = state_int(s, "dp_rank", where);
+  require(L >= 1, where, "local_batch_size", L, "must be >= 1");
+  require(A >= 1, where, "grad_accum_steps", A, "must be >= 1");
+  require(D >= 1, where, "dp_degree", D, "must be >= 1");
+  require(R >= 0 && R < D, where, "dp_rank", R, "must be in [0, dp_degree = " + std::to_string(D) + ")");
+  const int64_t G = mul_or_throw(mul_or_throw(L, A, where + ": local_batch_size x grad_accum_steps"), D,
+                                 where + ": the global batch (local_batch_size x grad_accum_steps x dp_degree)");
+  const int64_t my_L = opt_.local_batch_size, my_A = opt_.grad_accum_steps, my_D = opt_.dp_degree;
+  const int64_t my_G = my_L * my_A * my_D;
+  if (G != my_G)
+    throw std::runtime_error(where + ": saved with a global batch of " + std::to_string(G) + " samples (local_batch_size " +
+                             std::to_string(L) + " x grad_accum_steps " + std::to_string(A) + " x " + std::to_string(D) +
+                             " data-parallel ranks), this run has " + std::to_string(my_G) + " (" + std::to_string(my_L) +
+                             " x " + std::to_string(my_A) + " x " + std::to_string(my_D) +
+                             "): resuming needs the same training.global_batch_size");
+  // Counters: micro-batches delivered, and the sample after the last of them (what next() leaves), which is
+  // fixed by the micro count and the layout — a file cannot move one without the other.
+  const int64_t micro = state_int(s, "micro", where), next = state_int(s, "next_sample", where);
+  require(micro >= 0, where, "micro", micro, "must be >= 0 (micro-batches delivered)");
+  // Bounded so that every sample position of the next step, in tokens, fits 64 bits.
+  (void)mul_or_throw(mul_or_throw(micro / A + 2, G, where + ".micro"), S + 1, where + ".micro (its position in tokens)");
+  const int64_t expected = micro == 0 ? 0 : (micro - 1) / A * G + R * L * A + (micro - 1) % A * L + L;
+  require(next == expected, where, "next_sample", next,
+          "must be " + std::to_string(expected) + ", the sample after the last of micro = " + std::to_string(micro) +
+              " micro-batches of " + std::to_string(L) + " samples on data rank " + std::to_string(R) + " of " +
+              std::to_string(D) + " (" + std::to_string(A) + " per step)");
+  const bool same_layout = L == my_L && A == my_A && D == my_D && R == opt_.dp_rank;
+  if (!same_layout)
+    require(micro % A == 0, where, "micro", micro,
+            "is inside a step (" + std::to_string(A) +
+                " micro-batches per step): another local batch, accumulation or data-parallel layout resumes only "
+                "from a step boundary");
+  const auto stream = s.find("stream");
+  if (stream == s.end()) throw std::runtime_error(where + ".stream: missing");
+  stream_.load_state(*stream, where + ".stream", next * (S + 1));
+  next_sample_ = next;
+  // Another layout: the same step, this layout's first micro-batch of it. The saved stream position is at or
+  // before every sample of that step (any rank's is: its samples of the step before end no later than the step),
+  // and next() skips forward to this rank's.
+  micro_ = same_layout ? micro : micro / A * my_A;
 }
 
 double unigram_entropy_nats(const std::vector<std::string>& files, std::shared_ptr<const Tokenizer> tokenizer,

@@ -14,7 +14,7 @@
 //
 // The position (state) is small and exact: a JSON object with the stream position (epoch, file, chunk offset,
 // tokens consumed in the chunk) and the loader's sample/micro-batch counters; load_state() reproduces the next
-// batch bit for bit.
+// batch bit for bit, or — for another layout with the same global batch — the next step's samples.
 
 #include "config.h"  // Dataset
 #include "file_content.h"
@@ -72,7 +72,12 @@ class TokenStream {
   void read(int64_t n, int64_t* out);  // the next n tokens
   void skip(int64_t n);                // drop the next n tokens (arithmetic for token files)
   nlohmann::json state() const;
-  void load_state(const nlohmann::json& state);
+  // Restores a saved position after checking it as untrusted input (`where` names it in errors): the same files,
+  // indices inside what they index, no negative counters, a chunk boundary of a token file, and — for a dataset
+  // of token files, where it is arithmetic — that the position is token `expected_token` of the stream (the
+  // loader's sample counter); for text, that it is not past it. Throws one line naming the field and the rule;
+  // on error the stream keeps its position.
+  void load_state(const nlohmann::json& state, const std::string& where, int64_t expected_token);
   int64_t epoch() const { return epoch_; }
   const std::vector<std::string>& files() const { return files_; }
 
@@ -86,6 +91,7 @@ class TokenStream {
 
   std::vector<std::string> files_;
   std::vector<bool> token_file_, jsonl_file_;
+  std::vector<int64_t> token_count_;  // tokens of each token file (from its header; 0 for text files)
   TextOptions text_;
   FileContent content_;  // keeps a gzip stream open between chunks
   std::map<std::pair<int64_t, int64_t>, int64_t> line_of_offset_;  // (file, chunk offset) -> line (cache)
@@ -123,8 +129,14 @@ class DataLoader {
   // trainer reads). Throws when that is behind what was already delivered (a stream only moves forward).
   void seek_step(int64_t step);
   int64_t step() const { return micro_ / opt_.grad_accum_steps; }  // the step of the next micro-batch
+  int64_t micro_batches() const { return micro_; }                   // delivered so far (or skipped by a seek)
   nlohmann::json state() const;
-  void load_state(const nlohmann::json& state);
+  // Restores a state() saved by a loader over the same files and seq_len, checked as untrusted input (`where`
+  // names it in errors: one line with the field and the rule). The saved layout may differ from this one (local
+  // batch, accumulation, data-parallel degree and rank) as long as the global batch is the same: the stream of
+  // samples is the same, and the loader is repositioned at the saved step's global sample position (which needs a
+  // state saved at a step boundary). A changed global batch or seq_len is refused naming both values.
+  void load_state(const nlohmann::json& state, const std::string& where = "saved loader state");
   const LoaderOptions& options() const { return opt_; }
   int64_t epoch() const { return stream_.epoch(); }
 

@@ -50,6 +50,28 @@ int64_t get_int(const nlohmann::json& j, const char* key, const std::string& wha
   return j[key].get<int64_t>();
 }
 
+// The deepest nesting of arrays and objects in JSON text, found by one pass over its bytes (strings skipped):
+// the byte offset where it first exceeds `limit`, or npos. Bounding it before parsing keeps every later
+// recursion (nlohmann's dump(), comparisons) shallow: 100,000 levels of '[' crashed dump() with a stack overflow.
+size_t nesting_beyond(const std::string& text, int limit) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') ++i;  // the escaped character cannot end the string
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > limit) return i;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return std::string::npos;
+}
+
 bool boxes_overlap(const ChunkMeta& a, const ChunkMeta& b) {
   for (size_t d = 0; d < a.offsets.size(); ++d) {
     if (!(a.offsets[d] < b.offsets[d] + b.sizes[d] && b.offsets[d] < a.offsets[d] + a.sizes[d])) return false;
@@ -57,20 +79,37 @@ bool boxes_overlap(const ChunkMeta& a, const ChunkMeta& b) {
   return true;
 }
 
-// Sweep along dim 0: only chunks whose dim-0 ranges intersect are compared (FSDP's row shards: linear).
-void check_no_overlap(const TensorMeta& t, const std::string& what) {
+// Sweep along the dimension with the most distinct chunk offsets (dim 0 for FSDP's row shards, dim 1 for column
+// shards): only chunks whose ranges on it intersect are compared, linear for any 1-D sharding. A hostile file can
+// still make every pair intersect on every dimension; `budget` (shared by the whole metadata file) bounds the
+// comparisons, so the work per file stays bounded whatever it holds.
+void check_no_overlap(const TensorMeta& t, const std::string& what, int64_t& budget) {
   std::vector<size_t> order(t.chunks.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   if (t.shape.empty()) {
     TORCH_CHECK(t.chunks.size() <= 1, what, ": ", t.chunks.size(), " chunks of a 0-dim tensor overlap");
     return;
   }
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return t.chunks[a].offsets[0] < t.chunks[b].offsets[0]; });
+  if (t.chunks.size() <= 1) return;
+  size_t dim = 0, most = 0;
+  for (size_t d = 0; d < t.shape.size(); ++d) {
+    std::vector<int64_t> starts;
+    starts.reserve(t.chunks.size());
+    for (const auto& c : t.chunks) starts.push_back(c.offsets[d]);
+    std::sort(starts.begin(), starts.end());
+    const auto distinct = static_cast<size_t>(std::unique(starts.begin(), starts.end()) - starts.begin());
+    if (distinct > most) most = distinct, dim = d;
+  }
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return t.chunks[a].offsets[dim] < t.chunks[b].offsets[dim]; });
   std::vector<size_t> active;
   for (size_t i : order) {
     const ChunkMeta& c = t.chunks[i];
+    budget -= static_cast<int64_t>(active.size());
+    TORCH_CHECK(budget >= 0, what, ": too many chunks sharing rows and columns to check for overlaps (more than ",
+                kMaxOverlapComparisons, " box comparisons per metadata file)");
     active.erase(std::remove_if(active.begin(), active.end(),
-                                [&](size_t k) { return t.chunks[k].offsets[0] + t.chunks[k].sizes[0] <= c.offsets[0]; }),
+                                [&](size_t k) { return t.chunks[k].offsets[dim] + t.chunks[k].sizes[dim] <= c.offsets[dim]; }),
                  active.end());
     for (size_t k : active) {
       TORCH_CHECK(!boxes_overlap(c, t.chunks[k]), what, ": chunk ", i, " (file '", c.file, "') overlaps chunk ", k,
@@ -153,6 +192,9 @@ std::string to_json_text(const Metadata& md) {
 }
 
 Metadata parse_metadata(const std::string& text, const std::string& where) {
+  const size_t deep = nesting_beyond(text, kMaxMetadataDepth);
+  TORCH_CHECK(deep == std::string::npos, "checkpoint: ", where, ": JSON nested deeper than ", kMaxMetadataDepth,
+              " levels (at byte ", deep, ")");
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);
@@ -226,6 +268,7 @@ void validate(const Metadata& md, const std::string& where, ChunkEncoding encodi
   }
   // Byte ranges per file, to check that no two chunks share bytes.
   std::map<std::string, std::vector<std::pair<int64_t, int64_t>>> ranges;
+  int64_t chunks = 0, comparisons = kMaxOverlapComparisons;
   for (const auto& [fqn, t] : md.tensors) {
     const std::string what = "checkpoint: " + where + ": tensor '" + fqn + "'";
     TORCH_CHECK(!fqn.empty(), "checkpoint: ", where, ": empty tensor name");
@@ -233,7 +276,10 @@ void validate(const Metadata& md, const std::string& where, ChunkEncoding encodi
     const int64_t numel = checked_numel(t.shape, what);
     const int64_t esize = static_cast<int64_t>(c10::elementSize(t.dtype));
     mul_checked(numel, esize, what);
-    TORCH_CHECK(t.chunks.size() <= (size_t(1) << 20), what, ": ", t.chunks.size(), " chunks");
+    TORCH_CHECK(t.chunks.size() <= static_cast<size_t>(kMaxChunksPerTensor), what, ": ", t.chunks.size(),
+                " chunks (at most ", kMaxChunksPerTensor, " per tensor)");
+    chunks += static_cast<int64_t>(t.chunks.size());
+    TORCH_CHECK(chunks <= kMaxChunks, "checkpoint: ", where, ": more than ", kMaxChunks, " chunks in all");
     int64_t covered = 0;
     for (size_t i = 0; i < t.chunks.size(); ++i) {
       const ChunkMeta& c = t.chunks[i];
@@ -262,7 +308,7 @@ void validate(const Metadata& md, const std::string& where, ChunkEncoding encodi
       TORCH_CHECK(cnumel <= numel - covered, cw, ": the chunks hold more elements than the tensor (overlap)");
       covered += cnumel;
     }
-    check_no_overlap(t, what);
+    check_no_overlap(t, what, comparisons);
     TORCH_CHECK(covered == numel, what, ": chunks cover ", covered, " of ", numel, " elements (incomplete checkpoint)");
   }
   for (auto& [file, rs] : ranges) {

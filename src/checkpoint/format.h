@@ -25,7 +25,14 @@ namespace fsdp::checkpoint::detail {
 constexpr const char* kFormatName = "libfsdp-checkpoint";
 constexpr int kFormatVersion = 1;
 constexpr const char* kMetadataFile = "metadata.json";
+// Limits a reader enforces on metadata a file controls (docs/reliability.md): its size, the nesting of its JSON
+// (checked on the bytes before parsing), chunks per tensor and in all, and the box comparisons the overlap check
+// may make (linear for 1-D sharding; a file forcing more is refused rather than checked for minutes).
 constexpr int64_t kMaxMetadataBytes = int64_t(1) << 30;
+constexpr int kMaxMetadataDepth = 64;
+constexpr int64_t kMaxChunksPerTensor = int64_t(1) << 20;
+constexpr int64_t kMaxChunks = int64_t(1) << 24;
+constexpr int64_t kMaxOverlapComparisons = int64_t(1) << 26;
 
 struct ChunkMeta {
   std::vector<int64_t> offsets, sizes;  // global coordinates of the box

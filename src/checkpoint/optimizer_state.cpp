@@ -12,6 +12,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -108,14 +109,22 @@ std::optional<nlohmann::json> find_value(const StateDict& sd, const std::string&
   }
 }
 
+// What a hyperparameter value must be, in words, checked before converting (nlohmann's own error names neither
+// the key nor the rule). Numbers convert to numbers, booleans only from booleans, lists of numbers element-wise.
+bool has_type(const nlohmann::json& v, const double*) { return v.is_number(); }
+bool has_type(const nlohmann::json& v, const bool*) { return v.is_boolean(); }
+bool has_type(const nlohmann::json& v, const std::vector<double>*) {
+  return v.is_array() && std::all_of(v.begin(), v.end(), [](const nlohmann::json& x) { return x.is_number(); });
+}
+const char* type_rule(const double*) { return "must be a number"; }
+const char* type_rule(const bool*) { return "must be true or false"; }
+const char* type_rule(const std::vector<double>*) { return "must be a list of numbers"; }
+
 template <class T>
 void set_if(const StateDict& sd, const std::string& key, T& out) {
   if (auto v = find_value(sd, key)) {
-    try {
-      out = v->get<T>();
-    } catch (const std::exception& e) {
-      TORCH_CHECK(false, "checkpoint: value '", key, "' = ", v->dump(), " has the wrong type: ", e.what());
-    }
+    TORCH_CHECK(has_type(*v, &out), "checkpoint: value '", key, "' ", type_rule(&out), ", is a ", v->type_name());
+    out = v->get<T>();
   }
 }
 

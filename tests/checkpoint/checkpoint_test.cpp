@@ -8,6 +8,7 @@
 #include <fsdp/checkpoint/checkpoint.h>
 #include <fsdp/device_mesh.h>
 
+#include "checkpoint/format.h"
 #include "checkpoint/planning.h"
 
 #include <gtest/gtest.h>
@@ -16,6 +17,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
 
 namespace fs = std::filesystem;
@@ -476,6 +478,67 @@ TEST(CheckpointBadInput, HostileMetadata) {
   }
   // A chunk missing: the tensor would be partly uninitialised.
   EXPECT_ERROR_HAS(with([](auto& j) { j["tensors"]["w"]["chunks"][0]["sizes"] = {20, 11}; }), "tensor 'w'");
+  fs::remove_all(dir);
+}
+
+// Bounded work per metadata file: nesting is counted on the bytes before parsing (100,000 levels of '[' in a value
+// overflowed the stack in dump() and killed inspect, verify and every resume), and the disjointness proof makes a
+// bounded number of box comparisons — linear for row or column shards, a refusal for a file built to need more.
+TEST(CheckpointBadInput, DeeplyNestedMetadataAndOverlapBudget) {
+  namespace detail = fsdp::checkpoint::detail;
+  const auto dir = fresh_dir("deep");
+  const std::string path = save_sample(dir);
+  const std::string md = read_md(path).dump();
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  for (const std::string& at : {std::string("\"values\":{"), std::string("\"tensors\":{")}) {
+    std::string text = md;
+    const auto pos = text.find(at);
+    ASSERT_NE(pos, std::string::npos) << at;
+    text.insert(pos + at.size(), "\"deep\":" + deep + ",");
+    std::ofstream(fs::path(path) / "metadata.json") << text;
+    EXPECT_ERROR_HAS(load_error(path), "metadata.json", "nested deeper than 64 levels");
+    EXPECT_ERROR_HAS(error_of([&] { ckpt::inspect(path); }), "nested deeper than 64 levels");
+  }
+  // Brackets inside strings are text, not nesting; 64 levels are fine.
+  auto j = nlohmann::json::parse(md);
+  j["values"]["text"] = std::string(1000, '[');
+  j["values"]["nested"] = nlohmann::json::parse(std::string(60, '[') + std::string(60, ']'));
+  write_md(path, j);
+  EXPECT_EQ(error_of([&] { ckpt::inspect(path); }), "");
+  EXPECT_EQ(ckpt::read_value(path, "text"), nlohmann::json(std::string(1000, '[')).dump());
+
+  // Metadata of one byte-sized tensor split into `n` chunks of the given boxes (no data file is read).
+  auto metadata = [](std::vector<int64_t> shape, int64_t n, const std::function<nlohmann::json(int64_t)>& box,
+                     int64_t chunk_bytes) {
+    nlohmann::json chunks = nlohmann::json::array();
+    for (int64_t i = 0; i < n; ++i) {
+      nlohmann::json c = box(i);
+      c["file"] = "rank-00000.bin";
+      c["offset"] = i * chunk_bytes;
+      c["length"] = chunk_bytes;
+      c["hashes"] = {"0000000000000000"};
+      chunks.push_back(std::move(c));
+    }
+    nlohmann::json m = {{"format", "libfsdp-checkpoint"}, {"version", 1}, {"hash", "xxh3-64"},
+                        {"block_bytes", int64_t(1) << 32}, {"world_size", 1},
+                        {"files", {{"rank-00000.bin", {{"size", n * chunk_bytes}}}}},
+                        {"tensors", {{"t", {{"dtype", "U8"}, {"shape", shape}, {"chunks", chunks}}}}}};
+    return m.dump();
+  };
+  // 20,000 column shards of a [2, 20000] tensor: the sweep runs along dim 1 (one comparison each), accepted.
+  const int64_t cols = 20000;
+  const auto column_shards = metadata({2, cols}, cols, [](int64_t i) {
+    return nlohmann::json{{"offsets", {0, i}}, {"sizes", {2, 1}}};
+  }, 2);
+  EXPECT_NO_THROW(detail::parse_metadata(column_shards, "columns/metadata.json"));
+  // A staircase of 12,000 one-column chunks whose row ranges all intersect: disjoint, but a proof by pairs would
+  // need 72 million comparisons; refused by the budget with the tensor's name.
+  const int64_t n = 12000;
+  const auto staircase = metadata({2 * n, n}, n, [n](int64_t i) {
+    return nlohmann::json{{"offsets", {i, i}}, {"sizes", {n, 1}}};
+  }, n);
+  EXPECT_ERROR_HAS(error_of([&] { detail::parse_metadata(staircase, "stairs/metadata.json"); }), "stairs/metadata.json",
+                   "tensor 't'", "box comparisons");
   fs::remove_all(dir);
 }
 

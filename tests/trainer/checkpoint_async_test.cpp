@@ -1,15 +1,19 @@
 // fsdp-train checkpoints on one process: an async save that fails in the background raises at the next
 // checkpoint call (never silently); keep_latest_k keeps the newest; load_step and exclude_from_loading; a damaged
-// newest checkpoint names the earlier ones to resume from.
+// newest checkpoint names the earlier ones to resume from; altered train and loader state is refused naming the
+// file, the value and the rule.
 #include "config.h"
 #include "trainer.h"
 
 #include <fsdp/checkpoint/checkpoint.h>
 
+#include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 using namespace fsdp_train;
 namespace fs = std::filesystem;
@@ -133,4 +137,83 @@ TEST(TrainerCheckpoint, DamagedNewestCheckpointNamesTheEarlierOnes) {
   ASSERT_EQ(again.losses.size(), 2u);
   EXPECT_EQ(again.losses[0], full.losses[6]);
   EXPECT_EQ(again.losses[1], full.losses[7]);
+}
+
+// Saved state is input like any other: a checkpoint whose metadata.json was altered (by hand, a bad tool or an
+// attacker) is refused before anything trains, with one line naming the file, the value and the rule — never a
+// crash, a bare JSON library message, or a run that goes on with other data (before: train_state.step = -100 ran
+// steps -99..0 with a negative learning rate; stream.file = 1e8 crashed; 100,000 nested '[' overflowed the stack).
+TEST(TrainerCheckpoint, AlteredTrainAndLoaderStateIsRefusedNamingFileKeyAndRule) {
+  JobConfig c = tiny("altered", 2);
+  c.checkpoint.last_save_model_only = false;
+  run_training(c, quiet(), false);
+  const std::string folder = c.job.dump_folder + "/checkpoint";
+  const std::string pristine = c.job.dump_folder + "/pristine-step-2";
+  fs::copy(fsdp::checkpoint::step_path(folder, 2), pristine, fs::copy_options::recursive);
+  const std::string md_path = fsdp::checkpoint::step_path(folder, 2) + "/metadata.json";
+  auto read_text = [](const std::string& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  const nlohmann::json md = nlohmann::json::parse(read_text(pristine + "/metadata.json"));
+  ASSERT_TRUE(md["values"].contains("dataloader.dp_rank_0")) << md["values"].dump();
+  c.training.steps = 4;
+  // Resumes from step-2 with its metadata.json replaced by `text`; returns the error ("" if it trained).
+  auto resume_with = [&](const std::string& text) -> std::string {
+    fs::remove_all(fsdp::checkpoint::step_path(folder, 2));
+    fs::remove_all(fsdp::checkpoint::step_path(folder, 4));
+    fs::copy(pristine, fsdp::checkpoint::step_path(folder, 2), fs::copy_options::recursive);
+    std::ofstream(md_path, std::ios::binary | std::ios::trunc) << text;
+    try {
+      const TrainSummary r = run_training(c, quiet(), false);
+      EXPECT_EQ(r.losses.size(), 2u);
+    } catch (const c10::Error& e) {
+      return e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      return std::string("not a c10::Error: ") + e.what();
+    }
+    return "";
+  };
+  auto edited = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json j = md;
+    edit(j["values"]);
+    return resume_with(j.dump(1));
+  };
+  auto expect_refused = [&](const std::string& msg, std::initializer_list<const char*> parts) {
+    EXPECT_FALSE(msg.empty()) << "resumed";
+    EXPECT_NE(msg.find(md_path), std::string::npos) << msg;
+    for (const char* p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << "not one line: " << msg;
+  };
+  EXPECT_EQ(edited([](nlohmann::json&) {}), "");  // the unaltered copy resumes
+  expect_refused(edited([](auto& v) { v["train_state.step"] = -100; }), {"train_state.step = -100", ">= 0"});
+  expect_refused(edited([](auto& v) { v["train_state.step"] = "2"; }), {"train_state.step must be an integer, is a string"});
+  expect_refused(edited([](auto& v) { v["train_state.step"] = 5; }), {"train_state.step = 5", "disagree"});
+  expect_refused(edited([](auto& v) { v["train_state.ntokens_seen"] = -1; }), {"train_state.ntokens_seen = -1"});
+  expect_refused(edited([](auto& v) { v["dataloader.dp_rank_0"]["stream"]["file"] = 100000000; }),
+                 {"dataloader.dp_rank_0.stream.file = 100000000", "must be in [0, "});
+  expect_refused(edited([](auto& v) { v["dataloader.dp_rank_0"]["stream"]["consumed"] = -1000; }),
+                 {"dataloader.dp_rank_0.stream.consumed = -1000", ">= 0"});
+  expect_refused(edited([](auto& v) { v["dataloader.dp_rank_0"]["micro"] = -5; }), {"dataloader.dp_rank_0.micro = -5"});
+  expect_refused(edited([](auto& v) { v["dataloader.dp_rank_0"]["next_sample"] = 4e18; }),
+                 {"dataloader.dp_rank_0.next_sample: must be an integer"});
+  expect_refused(edited([](auto& v) { v["dataloader.dp_rank_0"]["next_sample"] = int64_t(4000000000000000000); }),
+                 {"dataloader.dp_rank_0.next_sample = 4000000000000000000"});
+  expect_refused(edited([](auto& v) { v["dataloader.world_size"] = "one"; }), {"dataloader.world_size must be an integer"});
+  expect_refused(edited([](auto& v) { v["dataloader.dp_rank_x"] = v["dataloader.dp_rank_0"]; }),
+                 {"'dataloader.dp_rank_x' is not named"});
+  expect_refused(edited([](auto& v) { v["rng.cpu"] = "zz"; }), {"rng.cpu", "hex"});
+  expect_refused(edited([](auto& v) {
+                   for (auto it = v.begin(); it != v.end(); ++it) {
+                     const std::string& k = it.key();
+                     if (k.size() > 8 && k.compare(k.size() - 8, 8, ".amsgrad") == 0) it.value() = "yes";
+                   }
+                 }),
+                 {"amsgrad' must be true or false, is a string"});
+  // 100,000 levels of '[' in a value: refused by its nesting depth before anything recurses.
+  std::string deep = md.dump(1);
+  const auto values = deep.find("\"values\": {");
+  ASSERT_NE(values, std::string::npos);
+  deep.insert(values + 11, "\"deep\": " + std::string(100000, '[') + std::string(100000, ']') + ",");
+  expect_refused(resume_with(deep), {"nested deeper than 64"});
 }

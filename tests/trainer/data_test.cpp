@@ -1,12 +1,14 @@
 // The streaming loader against an independent reference: the token stream built here by hand (each file: BOS,
 // its bytes, EOS; files in sorted order; repeated), cut into samples of seq_len + 1 tokens.
 #include "data.h"
+#include "expect_error.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <set>
 
@@ -364,4 +366,129 @@ TEST(DataLoader, BadJsonLinesRecordsAreSkippedAndCountedOrFatalWithFileAndLine) 
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find(path + ":2: not valid JSON"), std::string::npos) << e.what();
   }
+}
+
+using fsdp_test::error_of;
+using fsdp_test::expect_message_has;
+
+// Resuming with another split of the same global batch (issue: a pp2 run with local batch 4 and two micro-batches
+// accumulated, resumed on one rank with local batch 8): the saved state of any rank, taken at a step boundary,
+// repositions every rank of the new layout at the saved step, and each then delivers exactly the samples the
+// hand-built stream and the sample-assignment rule give for that layout (t*G + r*L*A + m*L + i).
+TEST(DataLoader, StateResumesAtAnotherLayoutOfTheSameGlobalBatch) {
+  const Corpus c = make_corpus("relayout");
+  const int64_t S = 200, G = 8, steps_done = 3;
+  struct Layout {
+    int64_t L, A, D;
+  };
+  const std::vector<Layout> layouts = {{4, 2, 1}, {8, 1, 1}, {2, 2, 2}, {4, 1, 2}, {1, 2, 4}, {2, 4, 1}};
+  for (const Layout& from : layouts) {
+    for (int64_t saved_rank = 0; saved_rank < from.D; ++saved_rank) {
+      DataLoader saver(c.files, bytes(), 258, {S, from.L, from.A, saved_rank, from.D});
+      for (int64_t m = 0; m < steps_done * from.A; ++m) saver.next();
+      const nlohmann::json saved = saver.state();
+      for (const Layout& to : layouts) {
+        for (int64_t r = 0; r < to.D; ++r) {
+          DataLoader resumed(c.files, bytes(), 258, {S, to.L, to.A, r, to.D});
+          resumed.load_state(saved);
+          EXPECT_EQ(resumed.step(), steps_done);
+          for (int64_t step = steps_done; step < steps_done + 2; ++step) {
+            for (int64_t m = 0; m < to.A; ++m) {
+              const Batch b = resumed.next();
+              expect_batch_matches_reference(c, b, S);
+              for (int64_t i = 0; i < to.L; ++i)
+                ASSERT_EQ(b.sample_ids[static_cast<size_t>(i)], step * G + r * to.L * to.A + m * to.L + i)
+                    << "from " << from.L << "x" << from.A << "x" << from.D << " rank " << saved_rank << " to " << to.L
+                    << "x" << to.A << "x" << to.D << " rank " << r << " step " << step << " micro " << m;
+            }
+          }
+        }
+      }
+    }
+  }
+  // A state saved inside a step (1 of 2 micro-batches) is exact only for its own layout.
+  DataLoader mid(c.files, bytes(), 258, {S, 4, 2, 0, 1});
+  mid.next();
+  DataLoader same(c.files, bytes(), 258, {S, 4, 2, 0, 1}), other(c.files, bytes(), 258, {S, 8, 1, 0, 1});
+  same.load_state(mid.state());
+  EXPECT_EQ(same.next().sample_ids, mid.next().sample_ids);
+  DataLoader mid2(c.files, bytes(), 258, {S, 4, 2, 0, 1});
+  mid2.next();
+  expect_message_has(error_of([&] { other.load_state(mid2.state()); }), {"micro = 1", "inside a step"});
+  // Another global batch is refused naming both.
+  DataLoader g16(c.files, bytes(), 258, {S, 8, 2, 0, 1});
+  expect_message_has(error_of([&] { g16.load_state(same.state()); }),
+                     {"global batch of 8", "this run has 16", "global_batch_size"});
+}
+
+// A saved loader state is untrusted input: every field is checked before the loader moves, and refused with one
+// line naming the field and the rule (before: file = 1e8 crashed, consumed = -1000 read out of bounds, micro = -5
+// and next_sample = 4e18 were accepted and training went on with other data).
+TEST(DataLoader, HostileSavedStatesAreRefusedNamingFieldAndRule) {
+  const Corpus c = make_corpus("hostile");
+  const int64_t S = 100;
+  DataLoader a(c.files, bytes(), 258, {S, 2, 2, 1, 2});
+  for (int i = 0; i < 6; ++i) a.next();
+  const nlohmann::json good = a.state();
+  auto refused = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json s = good;
+    edit(s);
+    DataLoader b(c.files, bytes(), 258, {S, 2, 2, 1, 2});
+    return error_of([&] { b.load_state(s, "ckpt/metadata.json: dataloader.dp_rank_1"); });
+  };
+  EXPECT_EQ(refused([](nlohmann::json&) {}), "");
+  expect_message_has(refused([](auto& s) { s["stream"]["file"] = 100000000; }),
+                     {"ckpt/metadata.json: dataloader.dp_rank_1.stream.file = 100000000", "[0, 3)"});
+  expect_message_has(refused([](auto& s) { s["stream"]["file"] = -1; }), {"stream.file = -1"});
+  expect_message_has(refused([](auto& s) { s["stream"]["consumed"] = -1000; }), {"stream.consumed = -1000", ">= 0"});
+  expect_message_has(refused([](auto& s) { s["stream"]["consumed"] = 1000000; }), {"stream.consumed = 1000000", "<="});
+  expect_message_has(refused([](auto& s) { s["stream"]["offset"] = 1 << 30; }),
+                     {"stream.offset", "inside the content"});
+  expect_message_has(refused([](auto& s) { s["stream"]["offset"] = -3; }), {"stream.offset = -3"});
+  expect_message_has(refused([](auto& s) { s["stream"]["epoch"] = int64_t(1) << 50; }), {"stream.epoch"});
+  expect_message_has(refused([](auto& s) { s["stream"]["num_files"] = 4; }), {"stream.num_files = 4", "3 files"});
+  expect_message_has(refused([](auto& s) { s["stream"]["file_name"] = "/etc/passwd"; }),
+                     {"stream.file_name", "/etc/passwd"});
+  expect_message_has(refused([](auto& s) { s["micro"] = -5; }), {"dataloader.dp_rank_1.micro = -5", ">= 0"});
+  expect_message_has(refused([](auto& s) { s["micro"] = int64_t(1) << 61; }), {"micro", "overflows"});
+  expect_message_has(refused([](auto& s) { s["micro"] = 8; }), {"next_sample", "must be"});  // counters disagree
+  expect_message_has(refused([](auto& s) { s["next_sample"] = 4e18; }),
+                     {"next_sample: must be an integer", "floating-point"});
+  expect_message_has(refused([](auto& s) { s["next_sample"] = int64_t(4000000000000000000); }),
+                     {"next_sample = 4000000000000000000"});
+  expect_message_has(refused([](auto& s) { s["next_sample"] = "12"; }),
+                     {"next_sample: must be an integer, is a string"});
+  expect_message_has(refused([](auto& s) { s["dp_rank"] = 2; }), {"dp_rank = 2"});
+  expect_message_has(refused([](auto& s) { s["dp_degree"] = 0; }), {"dp_degree = 0"});
+  expect_message_has(refused([](auto& s) { s["local_batch_size"] = int64_t(1) << 40; s["dp_degree"] = int64_t(1) << 40; }),
+                     {"overflows"});
+  expect_message_has(refused([](auto& s) { s.erase("stream"); }), {"stream: missing"});
+  expect_message_has(refused([](auto& s) { s["stream"] = 7; }), {"stream: must be a JSON object"});
+  expect_message_has(refused([](auto& s) { s = nlohmann::json::array(); }), {"must be a JSON object"});
+  expect_message_has(refused([](auto& s) { s["seq_len"] = 64; }), {"seq_len = 64", "training.seq_len = 100"});
+
+  // Token files: the position is arithmetic, so a stream position that the sample counter does not put there is
+  // refused too (text can only be bounded: re-tokenizing the corpus to check would cost a pass over it).
+  std::vector<uint32_t> tokens(c.epoch_tokens.begin(), c.epoch_tokens.end());
+  const std::string tok = c.dir + "/corpus.tok";
+  write_token_file(tok, tokens, 258);
+  DataLoader t({tok}, bytes(), 258, {S, 2, 1, 0, 1});
+  for (int i = 0; i < 5; ++i) t.next();
+  nlohmann::json ts = t.state();
+  DataLoader u({tok}, bytes(), 258, {S, 2, 1, 0, 1});
+  u.load_state(ts);
+  EXPECT_EQ(u.next().sample_ids, t.next().sample_ids);
+  ts["stream"]["consumed"] = ts["stream"]["consumed"].get<int64_t>() + 1;
+  expect_message_has(error_of([&] { DataLoader({tok}, bytes(), 258, {S, 2, 1, 0, 1}).load_state(ts); }),
+                     {"is not token", "sample counter"});
+  ts = t.state();
+  ts["stream"]["offset"] = 5;
+  expect_message_has(error_of([&] { DataLoader({tok}, bytes(), 258, {S, 2, 1, 0, 1}).load_state(ts); }),
+                     {"stream.offset = 5", "chunk start"});
+  // A refused state leaves the loader where it was.
+  DataLoader keep(c.files, bytes(), 258, {S, 2, 2, 1, 2}), fresh(c.files, bytes(), 258, {S, 2, 2, 1, 2});
+  nlohmann::json bad = good;
+  bad["stream"]["consumed"] = 1000000;
+  EXPECT_FALSE(error_of([&] { keep.load_state(bad); }).empty());
+  EXPECT_EQ(keep.next().inputs, fresh.next().inputs);
 }

@@ -1,7 +1,9 @@
 // Checkpoint resume of fsdp-train (run under fsdprun with 2 ranks). A run stopped after step 3 (right after its
 // checkpoint) and resumed from the latest complete checkpoint equals the uninterrupted run bit for bit (fp32,
 // same rank count, data order included); resumed on 1 rank (model and optimizer resharded, the data loader
-// repositioned) it equals it within 1e-6. The async save mode gives the same result.
+// repositioned) it equals it within 1e-6. The async save mode gives the same result. A pp 2 run resumes on 1 rank
+// with another local batch and accumulation of the same global batch (the loader repositioned by global sample
+// position) and continues equal to an uninterrupted single-process run; another global batch is refused.
 #include "config.h"
 #include "train_env.h"
 #include "trainer.h"
@@ -13,6 +15,9 @@
 
 #include <gtest/gtest.h>
 
+#include <c10/util/Exception.h>
+
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -98,3 +103,60 @@ void resume_case(const std::string& async_mode) {
 TEST(TrainerResume, StoppedAndResumedEqualsUninterrupted) { resume_case("disabled"); }
 
 TEST(TrainerResume, AsyncSaveResumesTheSame) { resume_case("async"); }
+
+// Issue 35.3: a pp 2 run (local batch 4, two micro-batches accumulated: a global batch of 8) stopped after step 3
+// resumes on one rank with local batch 8 and no accumulation (before: refused, "saved loader state has
+// local_batch_size = 4, this run has 8"). Steps 4..6 equal an uninterrupted single-process run with local batch 8 —
+// the same batches (the loader tests show them sample for sample), so the same losses and grad norms within the
+// parity tests' 1e-5 (another reduction order). A resume with another global batch is refused naming both.
+TEST(TrainerResume, PipelineRunResumesOnOneRankWithAnotherLocalBatch) {
+  auto world = fsdp::world();
+  if (world->size() != 2) GTEST_SKIP() << "pp 2 needs 2 ranks";
+  auto pp_job = [](const std::string& folder) {
+    JobConfig c = base(folder, true);
+    c.training.local_batch_size = 4;  // global batch 8 on 1 data-parallel rank: 2 micro-batches accumulated
+    c.parallelism.pipeline_parallel_degree = 2;
+    c.parallelism.pipeline_parallel_schedule = PipelineSchedule::Interleaved1F1B;
+    c.parallelism.pipeline_parallel_microbatch_size = 1;
+    return c;
+  };
+  const std::string dir = shared_dir("pp_to_one");
+  const TrainSummary first = run_training(pp_job(dir), dist_env(/*stop_after=*/3), false);
+  ASSERT_EQ(first.losses.size(), 3u);
+  world->barrier().wait();
+  if (world->rank() == 0) {
+    TrainEnv single;
+    single.verbose = true;
+    JobConfig ref = base(dir + "_reference", false);
+    fs::remove_all(ref.job.dump_folder);
+    ref.training.local_batch_size = 8;
+    const TrainSummary reference = run_training(ref, single, false);
+    ASSERT_EQ(reference.losses.size(), 6u);
+    ASSERT_GT(std::abs(reference.losses[3] - reference.losses[0]), 1e-3 * reference.losses[0]);  // it trains
+    for (size_t i = 0; i < 3; ++i)  // the same job up to the checkpoint
+      EXPECT_NEAR(first.losses[i], reference.losses[i], 1e-5 * reference.losses[i]) << "step " << i + 1;
+
+    JobConfig one = base(dir, true);
+    one.training.local_batch_size = 8;
+    const TrainSummary resumed = run_training(one, single, false);
+    ASSERT_EQ(resumed.losses.size(), 3u);  // steps 4..6, from the pp 2 checkpoint
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_NEAR(resumed.losses[i], reference.losses[i + 3], 1e-5 * reference.losses[i + 3]) << "step " << i + 4;
+      EXPECT_NEAR(resumed.grad_norms[i], reference.grad_norms[i + 3], 1e-5 * reference.grad_norms[i + 3])
+          << "step " << i + 4;
+    }
+
+    JobConfig other = base(dir, true);
+    other.training.local_batch_size = 16;
+    other.training.global_batch_size = 16;
+    try {
+      run_training(other, single, false);
+      ADD_FAILURE() << "a checkpoint of global batch 8 resumed at 16";
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      EXPECT_NE(msg.find("global batch of 8 samples"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("this run has 16"), std::string::npos) << msg;
+    }
+  }
+  world->barrier().wait();
+}
