@@ -9,6 +9,7 @@ Each must end with exit 0, both replica groups training all 3 steps together (`r
 failed on the default job with `global_batch_size (16) must be a multiple of ... = 32`."""
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -82,7 +83,7 @@ fu.check(bool(job.grep(r"global batch 16 over 4 data ranks: --training.local_bat
 light, addr = fu.start_lighthouse(a.lighthouse, "lighthouse (heal after load)")
 work = os.path.join(a.workdir, "heal_after_load")
 small = ["--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-         "--training.global_batch_size", "4", "--training.steps", "60", "--metrics.log_freq", "1",
+         "--training.global_batch_size", "4", "--training.steps", "2000", "--metrics.log_freq", "1",
          "--validation.enable", "false", "--checkpoint.enable", "--checkpoint.interval", "4",
          "--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--job.dump_folder", work]
 groups = [fu.Job([a.fsdprun, "--nproc-per-node", "1", "--max-restarts", str(r), "--timeout", "300", a.train] + small +
@@ -94,11 +95,30 @@ try:
     if fu.wait_until(groups + [light], lambda: os.path.exists(ck), 120):
         victim = fu.marked_pid("fsdp-train", FT_REPLICA_ID=1)
         if victim:
+            # Replica 1's fsdprun is held (SIGSTOP) while its rank dies, so that it restarts only once replica 0
+            # trained on alone: a restart quicker than replica 0's wait for the lost group found both groups at
+            # the same step, and nothing to heal (seen under a loaded ctest -j2).
+            os.kill(groups[1].proc.pid, signal.SIGSTOP)
             os.kill(victim, 9)
             killed = True
-            fu.injected(f"SIGKILL replica 1 (pid {victim}) after its checkpoint of step 8")
+            fu.injected(f"SIGKILL replica 1 (pid {victim}) after its checkpoint of step 8, its fsdprun held")
+
+            def replica0_ahead():
+                alone = [int(m.group(1)) for m in map(re.compile(r"ft: step (\d+) trained by replicas 0$").search,
+                                                      (l for _, l in groups[0].lines)) if m]
+                steps = [int(m.group(1)) for m in map(re.compile(r"step:\s+(\d+)").search,
+                                                      (l for _, l in groups[0].lines)) if m]
+                return bool(alone) and bool(steps) and max(steps) >= alone[0] + 2
+            ahead = fu.wait_until(groups + [light], replica0_ahead, 120)
+            os.kill(groups[1].proc.pid, signal.SIGCONT)
+            fu.check(ahead, "replica 0 trained on alone while replica 1 was down")
+    # 2000 steps keep replica 0 training (alone, a few ms a step) until replica 1 is back however slow its restart
+    # is on a loaded machine; both are stopped once replica 1 healed (or either ended).
+    fu.wait_until(groups + [light], lambda: groups[1].grep(r"ft: replica 1 healed from replica 0") or
+                  any(j.proc.poll() is not None for j in groups), 240)
     for j in groups:
-        fu.wait_until(groups + [light], lambda: j.proc.poll() is not None, 240)
+        if j.proc.poll() is None:
+            os.killpg(j.proc.pid, signal.SIGTERM)
 finally:
     fu.end_jobs(groups, light)
 r1 = groups[1]
