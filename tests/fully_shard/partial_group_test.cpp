@@ -11,20 +11,18 @@
 // reduce-scatter counters show the pattern actually ran (one reduction per chunk).
 #include "fully_shard/fsdp_state.h"
 #include "fully_shard/fsdp_test_util.h"
+#include "fully_shard/runtime_test_util.h"
 
 #include <fsdp/comm_stats.h>
 
 using namespace fsdp_test;
 
+// The runtime tests' world helpers (rank, size, the one 1-D mesh over the world), not copies of them.
+using fsdp_rt::nranks;
+using fsdp_rt::rank;
+using fsdp_rt::world_mesh;
+
 namespace {
-
-int64_t rank() { return test_world()->rank(); }
-int64_t nranks() { return test_world()->size(); }
-
-fsdp::DeviceMesh world_mesh() {
-  static fsdp::DeviceMesh mesh = fsdp::init_device_mesh("cpu", {test_world()->size()}, {"shard"});
-  return mesh;
-}
 
 // 29 vocabulary rows: 15/14 on 2 ranks, 10/10/9 on 3 (uneven shards). 6 sequences: 3 or 2 per rank.
 constexpr int64_t kVocab = 29, kDim = 12, kSeq = 8, kChunks = 4, kBatch = 6;
