@@ -7,6 +7,7 @@
 #   bash scripts/gpu-check.sh all                       # there: build-gpu/, every stage, summary into $OUT
 #   bash scripts/gpu-check.sh all --dry-run             # here: the same stages on the CPU at tiny sizes
 #   bash scripts/gpu-check.sh all --dry-run --build-dir build   # the same against an already-built tree (CI)
+#   bash scripts/gpu-check.sh all --stages compare_w1,plan       # only these stages (the others: "skipped")
 #
 # Stages (each under its own `timeout`; a failed or overrun stage is reported with its first error lines and
 # the next stage runs): build, tests, train, compare_w1, compare_w2, pipeline, plan. The dry run differs from the
@@ -96,6 +97,27 @@ train_flags() {  # flavor local_batch seq steps dump_folder
     --validation.enable false --metrics.log_freq 1 --lr_scheduler.warmup_steps 1 "${peak[@]}"
 }
 
+# The figures of a stage from what its commands left (also after the stage was killed on overrun: the driver
+# then calls report_<stage> alone, bash "$SELF" --report NAME).
+report_train() {  # w1 | w2 (both when none is given)
+  local rc=0 run runs=("$@")
+  [ $# -gt 0 ] || runs=(w1 w2)
+  for run in "${runs[@]}"; do
+    [ -f "$STAGE_DIR/$run.log" ] || continue
+    if [ "$run" = w1 ]; then
+      report train --stage train --run w1 --log "$STAGE_DIR/w1.log" --metrics "$STAGE_DIR/w1/metrics.jsonl" \
+        --set "flavor=$TRAIN_FLAVOR" --set "local_batch=$TRAIN_LB" --set "seq=$TRAIN_SEQ" \
+        --set "device=$DEVICE" || rc=1
+    else
+      report train --stage train --run w2 --log "$STAGE_DIR/w2.log" --metrics "$STAGE_DIR/w2/metrics.jsonl" \
+        --set "flavor=$TRAIN2_FLAVOR" --set "local_batch=$TRAIN2_LB" --set "seq=$TRAIN_SEQ" \
+        --set "device=$([ "$DEVICE" = cuda ] && echo cuda:0 || echo cpu)" \
+        --set "backend=$(cat "$STAGE_DIR/w2.backend" 2>/dev/null || echo '?')" || rc=1
+    fi
+  done
+  return "$rc"
+}
+
 stage_train() {
   local rc=0 train="$BUILD/apps/fsdp-train/fsdp-train" dev1="$DEVICE" dev2="$DEVICE" extra=()
   [ -x "$train" ] || { echo "error: no $train (stage build)"; return 1; }
@@ -108,8 +130,7 @@ stage_train() {
   fsdprun --nproc-per-node 1 --timeout "$((BUDGET_TRAIN - 5))" "$train" \
     $(train_flags "$TRAIN_FLAVOR" "$TRAIN_LB" "$TRAIN_SEQ" "$TRAIN_STEPS" "$STAGE_DIR/w1") \
     --training.device "$dev1" "${extra[@]}" > "$STAGE_DIR/w1.log" 2>&1 || rc=1
-  report train --stage train --run w1 --log "$STAGE_DIR/w1.log" --metrics "$STAGE_DIR/w1/metrics.jsonl" \
-    --set "flavor=$TRAIN_FLAVOR" --set "local_batch=$TRAIN_LB" --set "seq=$TRAIN_SEQ" --set "device=$dev1" || rc=1
+  report_train w1 || rc=1
   # Two ranks sharing the one GPU: Gloo on CUDA tensors (NCCL refuses two ranks on one device).
   local backend_note="comm.backend gloo"
   if [ "$DEVICE" = cuda ]; then
@@ -128,9 +149,8 @@ stage_train() {
   fsdprun --nproc-per-node 2 --timeout "$((BUDGET_TRAIN - 5))" "$train" \
     $(train_flags "$TRAIN2_FLAVOR" "$TRAIN2_LB" "$TRAIN_SEQ" "$TRAIN_STEPS" "$STAGE_DIR/w2") \
     --training.device "$dev2" "${extra[@]}" > "$STAGE_DIR/w2.log" 2>&1 || rc=1
-  report train --stage train --run w2 --log "$STAGE_DIR/w2.log" --metrics "$STAGE_DIR/w2/metrics.jsonl" \
-    --set "flavor=$TRAIN2_FLAVOR" --set "local_batch=$TRAIN2_LB" --set "seq=$TRAIN_SEQ" --set "device=$dev2" \
-    --set "backend=$backend_note" || rc=1
+  echo "$backend_note" > "$STAGE_DIR/w2.backend"
+  report_train w2 || rc=1
   [ "$rc" = 0 ] || grep -hm 6 -E "error|Error|refused|unknown key" "$STAGE_DIR/w1.log" "$STAGE_DIR/w2.log"
   return "$rc"
 }
@@ -148,25 +168,37 @@ compare() {  # name flavor world global_batch steps warmup [extra run.py flags..
     --markdown "$STAGE_DIR/$name.md" "${peak[@]}" "$@" > "$STAGE_DIR/$name.log" 2>&1
 }
 
+report_compare_w1() {
+  report compare --stage compare_w1 --run "debugmodel=$STAGE_DIR/debugmodel" --run "big=$STAGE_DIR/big" \
+    --set "big_flavor=$CMP_BIG_FLAVOR (tied embeddings)" --set "seq=$CMP_SEQ"
+}
+
 stage_compare_w1() {
   local rc=0
   compare debugmodel debugmodel 1 "$CMP_GB" "$CMP_STEPS" "$CMP_WARMUP" || rc=1
   # The GPU-sized model: Llama 3.2 1B's shapes, tied embeddings (FSDP2 shards the shared weight in its root group).
   compare big "$CMP_BIG_FLAVOR" 1 "$CMP_BIG_GB" "$CMP_STEPS" "$CMP_WARMUP" --tie-embeddings || rc=1
-  report compare --stage compare_w1 --run "debugmodel=$STAGE_DIR/debugmodel" --run "big=$STAGE_DIR/big" \
-    --set "big_flavor=$CMP_BIG_FLAVOR (tied embeddings)" --set "seq=$CMP_SEQ" || rc=1
+  report_compare_w1 || rc=1
   [ "$rc" = 0 ] || grep -hm 6 -E "FAILED|Error|error" "$STAGE_DIR"/*.log
   return "$rc"
+}
+
+report_compare_w2() {
+  report compare --stage compare_w2 --run "debugmodel_w2=$STAGE_DIR/debugmodel_w2" --set "seq=$CMP_SEQ" \
+    --set "rtol=1e-4" --rtol 1e-4
 }
 
 stage_compare_w2() {
   local rc=0
   # Loss parity with FSDP2 at bf16: 1e-4 relative, every step (run.py exits 1 beyond it, the report stays).
   compare debugmodel_w2 debugmodel 2 "$CMP_GB" "$CMP_STEPS" "$CMP_WARMUP" --check-rtol 1e-4 --no-roofline || rc=1
-  report compare --stage compare_w2 --run "debugmodel_w2=$STAGE_DIR/debugmodel_w2" --set "seq=$CMP_SEQ" \
-    --set "rtol=1e-4" --rtol 1e-4 || rc=1
+  report_compare_w2 || rc=1
   [ "$rc" = 0 ] || grep -hm 6 -E "FAIL|Error|error" "$STAGE_DIR"/*.log
   return "$rc"
+}
+
+report_pipeline() {  # run.py writes its summary.json after every schedule: a killed run keeps the finished ones
+  report pipeline --stage pipeline --summary "$STAGE_DIR/runs/summary.json" --set "microbatches=8" --set "pp=4"
 }
 
 stage_pipeline() {
@@ -177,7 +209,7 @@ stage_pipeline() {
     --dim "$PP_DIM" --layers 8 --global-batch "$PP_GB" --steps "$PP_STEPS" --warmup "$PP_WARMUP" \
     --timeout "$PP_TIMEOUT" --work-dir "$STAGE_DIR/runs" --markdown "$STAGE_DIR/pipeline.md" \
     > "$STAGE_DIR/pipeline.log" 2>&1 || rc=1
-  report pipeline --stage pipeline --summary "$STAGE_DIR/runs/summary.json" --set "microbatches=8" --set "pp=4" || rc=1
+  report_pipeline || rc=1
   [ "$rc" = 0 ] || grep -m 6 -E "FAIL|Error|error" "$STAGE_DIR/pipeline.log"
   return "$rc"
 }
@@ -194,20 +226,24 @@ stage_plan() {
 }
 
 if [ "${1:-}" = --stage ]; then
-  set -o pipefail
   "stage_$2"
+  exit $?
+fi
+if [ "${1:-}" = --report ]; then
+  if declare -F "report_$2" > /dev/null; then "report_$2"; fi
   exit $?
 fi
 
 # ---------------------------------------------------------------------------------------------------------------
 # The driver.
 # ---------------------------------------------------------------------------------------------------------------
-DRY=0 PREBUILT="${FSDP_GPU_CHECK_BUILD_DIR:-}"
+DRY=0 PREBUILT="${FSDP_GPU_CHECK_BUILD_DIR:-}" ONLY=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
+    --stages) ONLY=",${2:?--stages needs a list, e.g. build,compare_w1},"; shift ;;
     --build-dir) PREBUILT="$(cd "${2:?--build-dir needs a folder}" && pwd)" || exit 2; shift ;;
-    *) echo "gpu-check all: unknown argument '$1' (expected --dry-run, --build-dir DIR)" >&2; exit 2 ;;
+    *) echo "gpu-check all: unknown argument '$1' (expected --dry-run, --build-dir DIR, --stages LIST)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -241,6 +277,11 @@ else
   BUDGET_BUILD=190 BUDGET_TESTS=35 BUDGET_TRAIN=55 BUDGET_COMPARE_W1=110 BUDGET_COMPARE_W2=35 BUDGET_PIPELINE=50
   BUDGET_PLAN=5
 fi
+# FSDP_GPU_BUDGET_<STAGE>=seconds overrides one stage's budget (e.g. a rerun of one stage on a warm machine).
+for stage in BUILD TESTS TRAIN COMPARE_W1 COMPARE_W2 PIPELINE PLAN; do
+  override="FSDP_GPU_BUDGET_$stage"
+  [ -z "${!override:-}" ] || printf -v "BUDGET_$stage" '%s' "${!override}"
+done
 OUTDIR="${OUT:-$BUILD/gpu-check}"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")"
 export ROOT SELF DRY PREBUILT DEVICE PY BUILD WORK TRAIN_FLAVOR TRAIN_LB TRAIN2_FLAVOR TRAIN2_LB TRAIN_SEQ TRAIN_STEPS \
@@ -254,6 +295,12 @@ T_START=$SECONDS
 run_stage() {  # name budget_s
   local name=$1 budget=$2 dir="$WORK/$1" t0=$SECONDS rc=0 status
   mkdir -p "$dir"
+  if [ -n "$ONLY" ] && [[ "$ONLY" != *",$name,"* ]]; then
+    log "stage $name: skipped (--stages)"
+    "$PY" "$ROOT/scripts/gpu_check_report.py" stage --work "$WORK" --stage "$name" --status skipped --rc 0 \
+      --seconds 0 --budget "$budget" --log /dev/null
+    return
+  fi
   log "stage $name (budget ${budget}s) ..."
   STAGE_DIR="$dir" timeout --kill-after=10 "$budget" bash "$SELF" --stage "$name" > "$dir/stage.log" 2>&1 || rc=$?
   case "$rc" in
@@ -262,6 +309,8 @@ run_stage() {  # name budget_s
     *) status=failed ;;
   esac
   log "stage $name: $status in $((SECONDS - t0)) s"
+  # Killed on overrun: the figures of whatever finished before (a stage that failed has recorded them itself).
+  [ "$status" != timeout ] || STAGE_DIR="$dir" timeout 30 bash "$SELF" --report "$name" >> "$dir/stage.log" 2>&1 || true
   "$PY" "$ROOT/scripts/gpu_check_report.py" stage --work "$WORK" --stage "$name" --status "$status" --rc "$rc" \
     --seconds "$((SECONDS - t0))" --budget "$budget" --log "$dir/stage.log" || log "could not record stage $name"
 }

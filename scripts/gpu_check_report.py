@@ -259,14 +259,40 @@ def cmd_plan(o):
     return 0 if num(fig.get("planned_over_measured")) else 1
 
 
-def cmd_stage(o):
-    text = ""
+def error_lines(path, n=6):
+    """The lines of a log that carry an error word, or None."""
     try:
-        text = open(o.log, errors="replace").read()
+        text = open(path, errors="replace").read()
     except OSError:
-        pass
+        return None
+    lines = [ln.rstrip()[:300] for ln in text.splitlines() if any(w in ln for w in ERROR_WORDS)]
+    return lines[:n] or None
+
+
+def stage_errors(o):
+    """What went wrong in a stage: the error lines of its own output, else of the logs it wrote (its commands'),
+    else the last lines of the newest of them (an overrun stage: where it was when killed)."""
+    found = error_lines(o.log)
+    if found:
+        return found
+    stage_dir = os.path.dirname(o.log)
+    logs = []
+    for dirpath, _, names in os.walk(stage_dir):
+        logs += [os.path.join(dirpath, n) for n in names if n.endswith(".log") and n != "stage.log"]
+    logs.sort(key=os.path.getmtime)
+    for path in logs:
+        found = error_lines(path, 4)
+        if found:
+            return [f"{os.path.relpath(path, stage_dir)}: {ln}" for ln in found]
+    if logs:
+        tail = open(logs[-1], errors="replace").read().splitlines()[-2:]
+        return [f"{os.path.relpath(logs[-1], stage_dir)}: {ln[:300]}" for ln in tail]
+    return [f"exit {o.rc}, no output"]
+
+
+def cmd_stage(o):
     rec = {"stage": o.stage, "status": o.status, "rc": o.rc, "seconds": o.seconds, "budget": o.budget,
-           "errors": [] if o.status == "ok" else first_errors(text) or [f"exit {o.rc}, no output"]}
+           "errors": [] if o.status in ("ok", "skipped") else stage_errors(o)}
     if o.status == "timeout":
         rec["errors"].insert(0, f"killed after its budget of {o.budget} s")
     with open(os.path.join(o.work, "stages.jsonl"), "a") as f:
@@ -379,7 +405,7 @@ def cmd_summary(o):
     all_ok = all(stages.get(s, {}).get("status") == "ok" for s in STAGES)
     L = [f"# libfsdp gpu-check all{' --dry-run (CPU, tiny sizes)' if o.dry_run == '1' else ''}", "",
          f"- device {o.device}; machine: {o.machine}; commit {o.commit}; wall {o.wall} s",
-         f"- result: **{'every stage ok' if all_ok else 'FAILED stages: ' + ', '.join(s for s in STAGES if stages.get(s, {}).get('status') != 'ok')}**",
+         f"- result: **{'every stage ok' if all_ok else 'not ok: ' + ', '.join(s + ' ' + stages.get(s, {}).get('status', 'not run') for s in STAGES if stages.get(s, {}).get('status') != 'ok')}**",
          "", "| stage | status | seconds / budget | first error lines |", "|---|---|---|---|"]
     for s in STAGES:
         rec = stages.get(s)
