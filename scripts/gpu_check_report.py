@@ -433,6 +433,13 @@ def cmd_summary(o):
                   f"(bench fsdp-bench-ours), FSDP2 = torch's fully_shard, plain = the same model without FSDP "
                   f"(`single`), one process; bf16 compute, fp32 master weights and reduce.", ""]
             L += md_compare(fig, ["debugmodel", "big"])
+            L += ["", "Issue 36's targets on the 1B-class model (measured on a GPU; the dry run's figures are not "
+                  "evidence):"]
+            for r in (fig.get("big") or {}).get("rows", []):
+                L.append(f"- step ours / FSDP2 {f(r.get('time_ratio'), '.3f')} (target <= 0.95), peak allocated ours / "
+                         f"FSDP2 {f(r.get('peak_allocated_ours_over_fsdp2'), '.3f')} (target <= 1), step ours / plain "
+                         f"{f(r.get('ours_over_plain'), '.3f')} (target <= 1.03), MFU ours "
+                         f"{f((r['perf'].get('ours') or {}).get('mfu'), '.1%')}")
         elif s == "compare_w2":
             L += [f"debugmodel, seq {fig.get('seq', '?')}, 2 ranks, loss parity rtol {fig.get('rtol', '?')}.", ""]
             L += md_compare(fig, ["debugmodel_w2"])
