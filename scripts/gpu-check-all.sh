@@ -42,7 +42,7 @@ stage_build() {
     [ ${#missing[@]} = 0 ] || { echo "error: missing binaries in $BUILD: ${missing[*]}"; return 1; }
     return 0
   fi
-  local t0=$SECONDS rc=0 tests_dirs="device;comm"
+  local t0=$SECONDS rc=0
   if [ "$DRY" = 1 ]; then
     # Here: the ordinary CPU tree (scripts/setup.sh configures it), only the targets this run needs.
     [ -f "$BUILD/build.ninja" ] || FSDP_BUILD_TARGETS=fsdprun FSDP_BUILD_JOBS="${FSDP_BUILD_JOBS:-1}" bash "$ROOT/scripts/setup.sh"
