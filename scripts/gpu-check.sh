@@ -7,6 +7,10 @@
 #                                       # into /tmp/gpu-deps (never into /), configure build-gpu/ against the
 #                                       # machine's python3 torch with FSDP_WITH_NCCL=ON, build, run the tests,
 #                                       # write a summary to $OUT/gpu-check.txt when $OUT is set
+#   bash scripts/gpu-check.sh all       # there: every check of issue 36 in one command (build, tests, fsdp-train
+#                                       # on CUDA, the comparisons with FSDP2, the pipeline bubble, fsdp-plan),
+#                                       # each stage under its own time budget; `all --dry-run` rehearses it on
+#                                       # the CPU (scripts/gpu-check-all.sh, docs/gpu-runs/README.md)
 #   bash scripts/gpu-check.sh bench     # there, after run (same machine): the checkpoint benchmarks — the
 #                                       # async-save stall with the model on the GPU (fsdp-bench-ckpt --device
 #                                       # cuda:0, 2 ranks), then bench/checkpoint/run.sh against python3's DCP
@@ -87,8 +91,11 @@ for p in nvidia.__path__:
     -DCMAKE_PREFIX_PATH="$DEPS/usr" -DGTest_DIR="$gtest_dir" \
     -DCMAKE_CXX_FLAGS="$cxx_flags" \
     -DCMAKE_BUILD_RPATH="$(dirname "$xxhash_lib")" \
-    -DFSDP_TEST_DIRS="${FSDP_GPU_TEST_DIRS:-device;comm}" -DFSDP_APPS_EXCLUDE="fsdp-train;fsdp-plan;fsdp-ckpt" \
+    -DFSDP_TEST_DIRS="${FSDP_GPU_TEST_DIRS:-device;comm}" \
+    -DFSDP_APPS_EXCLUDE="${FSDP_GPU_APPS_EXCLUDE-fsdp-train;fsdp-plan;fsdp-ckpt}" \
     > "$logs/gpu-configure.log" 2>&1 || { tail -40 "$logs/gpu-configure.log" >&2; die "cmake configure failed"; }
+  # `all` configures through here, then builds and runs its stages itself (scripts/gpu-check-all.sh).
+  [ -z "${FSDP_GPU_CONFIGURE_ONLY:-}" ] || { log "configured $BUILD"; return 0; }
   # -k 0: one unit that does not compile must not hide what the others would show; the tests of what did build
   # still run, and the failure is in the summary.
   local rc=0 t0=$SECONDS
@@ -139,5 +146,6 @@ case "${1:-}" in
   prepare) prepare ;;
   run) run ;;
   bench) bench ;;
-  *) echo "usage: bash scripts/gpu-check.sh prepare|run|bench" >&2; exit 2 ;;
+  all) shift; exec bash "$ROOT/scripts/gpu-check-all.sh" "$@" ;;
+  *) echo "usage: bash scripts/gpu-check.sh prepare|run|bench|all [--dry-run] [--build-dir DIR]" >&2; exit 2 ;;
 esac

@@ -147,6 +147,11 @@ def main():
                         failures.append(f"pp{pp}xdp{dp} {sched}: the {side} side failed: {e}")
             row = summarize(pp, dp, sched, recs, failed, o)
             rows.append(row)
+            # Written after every row, so that a caller that stops this run (scripts/gpu-check.sh all, a stage over
+            # its time budget) still has every finished row.
+            with open(os.path.join(work, "summary.json.tmp"), "w") as f:
+                json.dump(rows, f, indent=1)
+            os.replace(os.path.join(work, "summary.json.tmp"), os.path.join(work, "summary.json"))
             if row["torch_ref_ok"] is False:
                 failures.append(f"pp{pp}xdp{dp} {sched}: torch side vs single process {row['torch_ref_diff']:.2e}")
             if row.get("max_rel_diff") is not None and not (row["max_rel_diff"] <= o.rtol):

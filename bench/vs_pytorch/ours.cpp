@@ -79,6 +79,11 @@ int64_t device_peak_bytes(const c10::Device& device) {
   if (!device.is_cuda()) return 0;
   return at::accelerator::getDeviceStats(device.index()).allocated_bytes[0].peak;
 }
+// Peak bytes the caching allocator reserved from the driver (TorchTitan's max_reserved); 0 on the CPU.
+int64_t device_reserved_peak_bytes(const c10::Device& device) {
+  if (!device.is_cuda()) return 0;
+  return at::accelerator::getDeviceStats(device.index()).reserved_bytes[0].peak;
+}
 void reset_device_peak(const c10::Device& device) {
   if (device.is_cuda()) at::accelerator::resetPeakStats(device.index());
 }
@@ -311,7 +316,8 @@ int cmd_train(const Options& o) {
         << ",\"vmhwm_kib\":" << bench::rss_kib("VmHWM") << ",\"vmrss_kib\":" << bench::rss_kib("VmRSS")
         << ",\"rss_anon_kib\":" << bench::rss_kib("RssAnon") << ",\"rss_file_kib\":" << bench::rss_kib("RssFile")
         << ",\"rss_shmem_kib\":" << bench::rss_kib("RssShmem")
-        << ",\"device_peak_bytes\":" << device_peak_bytes(device) << ",\"bytes_sent\":" << (after.bytes_sent - before.bytes_sent)
+        << ",\"device_peak_bytes\":" << device_peak_bytes(device)
+        << ",\"device_reserved_peak_bytes\":" << device_reserved_peak_bytes(device) << ",\"bytes_sent\":" << (after.bytes_sent - before.bytes_sent)
         << ",\"all_gather_calls\":" << (after.all_gather_calls - before.all_gather_calls)
         << ",\"reduce_scatter_calls\":" << (after.reduce_scatter_calls - before.reduce_scatter_calls)
         << ",\"all_reduce_calls\":" << (after.all_reduce_calls - before.all_reduce_calls) << "}\n";
@@ -377,6 +383,7 @@ int cmd_single(const Options& o) {
         timed_step(model, optim, inputs.to(device), targets.to(device), /*through_hooks=*/false, device);
     out << "{\"event\":\"step\",\"step\":" << step << ",\"loss\":" << bench::fmt(loss)
         << ",\"step_time\":" << bench::fmt(step_time) << ",\"device_peak_bytes\":" << device_peak_bytes(device)
+        << ",\"device_reserved_peak_bytes\":" << device_reserved_peak_bytes(device)
         << "}\n";
   }
   return 0;

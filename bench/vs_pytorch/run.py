@@ -50,6 +50,20 @@ def read_jsonl(path):
 RENDER_ONLY = False  # --render-only: re-read a kept --work-dir instead of running anything
 
 
+class RunFailed(Exception):
+    """One command of a world size failed: that world's row is marked failed (with the first error lines) and the
+    report still covers every other row (scripts/gpu-check.sh all relies on a report even when FSDP2 fails)."""
+
+
+def first_error_lines(text, n=2):
+    """The first lines of a log that say what went wrong (launcher boilerplate left out), for a table cell."""
+    noise = ("errors.html", "error_file", "To enable traceback", "warnings.warn")
+    lines = [ln for ln in text.splitlines()
+             if any(k in ln for k in ("Error", "error", "FAIL", "failed", "Expected", "Exception"))
+             and not any(k in ln for k in noise)]
+    return " / ".join(ln.strip()[:240].replace("|", "/") for ln in (lines or text.splitlines()[-n:])[:n])
+
+
 def run(cmd, env, log, timeout, outputs_complete=None):
     """Runs cmd with its output in `log`. outputs_complete(): True when every result file is complete; a command
     that fails after writing all of them (a crash at process teardown) is reported and accepted."""
@@ -59,14 +73,18 @@ def run(cmd, env, log, timeout, outputs_complete=None):
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
         t0 = time.time()
-        r = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+        try:
+            r = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RunFailed(f"timed out after {timeout} s (log: {log})") from None
     if r.returncode != 0 and outputs_complete is not None and outputs_complete():
         print(f"warning: exit status {r.returncode} after all results were written (teardown crash), accepted: "
               f"{' '.join(cmd[:6])} ... (log: {log})", file=sys.stderr)
     elif r.returncode != 0:
         with open(log) as f:
-            sys.stderr.write(f.read()[-6000:])
-        raise SystemExit(f"command failed ({r.returncode}): {' '.join(cmd)}")
+            text = f.read()
+        sys.stderr.write(text[-6000:])
+        raise RunFailed(f"exit {r.returncode}: {first_error_lines(text)} (log: {log})")
     return time.time() - t0
 
 
@@ -128,6 +146,8 @@ def main():
     p.add_argument("--markdown", help="also write the report (markdown) to this file")
     p.add_argument("--render-only", action="store_true", help="rebuild the report from a kept --work-dir")
     p.add_argument("--timeout", type=int, default=1800, help="per command, seconds")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="per-rank peak for MFU (H100/H200 bf16 dense: 989.4); default: a matmul measured here")
     o = p.parse_args()
     if o.mp is None:
         o.mp = "bf16" if o.device == "cuda" else "fp32"
@@ -164,6 +184,8 @@ def main():
         vocab = int(meta["vocab_size"])
         n_params = sum(t.numel() for t in init_tensors.values())
         del init_tensors
+        flops = flops_per_token(meta, n_params, o.seq)
+        peak_tflops = o.peak_tflops or (float("nan") if RENDER_ONLY else measure_peak_tflops(o))
         tokens = os.path.join(work, "tokens.bin")
         if not RENDER_ONLY:
             write_tokens(tokens, o.steps, o.global_batch, o.seq, vocab, o.seed + 1)
@@ -190,10 +212,15 @@ def main():
                         os.remove(os.path.join(d, name))
             common = ["--weights", weights, "--tokens", tokens, "--steps", str(o.steps), "--local-batch", str(lb),
                       "--seq", str(o.seq), "--out-dir", d, "--lr", str(o.lr), "--weight-decay", str(o.weight_decay)]
-            t_ours = run([fsdprun, "--nproc-per-node", str(W), "--timeout", str(o.timeout), ours, "train", *common,
-                          "--reshard", o.reshard, "--replicate", str(o.replicate), "--mp", o.mp, "--device", o.device],
-                         env, os.path.join(d, "ours.log"),
-                         o.timeout + 30)
+            failed = {}  # side -> why its command failed; the row is then marked failed, the report goes on
+            t_ours = t_theirs = None
+            try:
+                t_ours = run([fsdprun, "--nproc-per-node", str(W), "--timeout", str(o.timeout), ours, "train",
+                              *common, "--reshard", o.reshard, "--replicate", str(o.replicate), "--mp", o.mp,
+                              "--device", o.device],
+                             env, os.path.join(d, "ours.log"), o.timeout + 30)
+            except RunFailed as e:
+                failed["ours"] = str(e)
             theirs_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(W),
                           os.path.join(HERE, "vs_pytorch.py"), *common, "--reshard", o.reshard,
                           "--replicate", str(o.replicate), "--mp", o.mp, "--device", o.device]
@@ -207,40 +234,58 @@ def main():
                 except ValueError:  # a half-written line
                     return False
 
-            t_theirs = run(theirs_cmd, env, os.path.join(d, "theirs.log"), o.timeout + 30,
-                           outputs_complete=lambda: complete("theirs"))
+            try:
+                t_theirs = run(theirs_cmd, env, os.path.join(d, "theirs.log"), o.timeout + 30,
+                               outputs_complete=lambda: complete("theirs"))
+            except RunFailed as e:
+                failed["FSDP2"] = str(e)
             roof = None
             if not o.no_roofline:
                 # Compute limit: the same per-rank work without FSDP, alone and as W concurrent copies (the copies
                 # share the cores exactly as the W ranks do, also with whatever else runs on the machine).
                 # On the GPU the plain baseline runs in the compared dtype; the CPU roofline stays fp32 as before.
                 single = [ours, "single", *common, "--device", o.device] + (["--mp", o.mp] if o.device == "cuda" else [])
-                run(single, env, os.path.join(d, "single.log"), o.timeout)
-                alone = [r for r in read_jsonl(os.path.join(d, "single.jsonl")) if r["event"] == "step"]
-                run([fsdprun, "--nproc-per-node", str(W), *single], env,
-                    os.path.join(d, "single_concurrent.log"), o.timeout)
-                copies = [[r for r in read_jsonl(os.path.join(d, f"single_rank{k}.jsonl")) if r["event"] == "step"]
-                          for k in range(W)]
-                coll = None
-                if W > 1 and o.device == "cpu":  # Gloo collective bandwidth at the size of one block's all-gather slot
-                    mib = 4 * n_params / W / (int(meta["n_layers"]) + 1) / 2**20
-                    run([fsdprun, "--nproc-per-node", str(W), ours, "collectives", "--mib", f"{mib:.4f}",
-                         "--out-dir", d], env, os.path.join(d, "collectives.log"), o.timeout)
-                    coll = read_jsonl(os.path.join(d, "collectives.json"))[0]
-                roof = {"alone": alone, "copies": copies, "coll": coll}
+                try:
+                    run(single, env, os.path.join(d, "single.log"), o.timeout)
+                    alone = [r for r in read_jsonl(os.path.join(d, "single.jsonl")) if r["event"] == "step"]
+                    if W == 1:  # one copy is the process alone: not run twice
+                        copies = [alone]
+                    else:
+                        run([fsdprun, "--nproc-per-node", str(W), *single], env,
+                            os.path.join(d, "single_concurrent.log"), o.timeout)
+                        copies = [[r for r in read_jsonl(os.path.join(d, f"single_rank{k}.jsonl"))
+                                   if r["event"] == "step"] for k in range(W)]
+                    coll = None
+                    if W > 1 and o.device == "cpu":  # Gloo collective bandwidth at the size of one block's slot
+                        mib = 4 * n_params / W / (int(meta["n_layers"]) + 1) / 2**20
+                        run([fsdprun, "--nproc-per-node", str(W), ours, "collectives", "--mib", f"{mib:.4f}",
+                             "--out-dir", d], env, os.path.join(d, "collectives.log"), o.timeout)
+                        coll = read_jsonl(os.path.join(d, "collectives.json"))[0]
+                    roof = {"alone": alone, "copies": copies, "coll": coll}
+                except RunFailed as e:
+                    failed["plain"] = str(e)
             world1 = None
-            if W == 1 and o.replicate == 1 and o.mp == "fp32" and o.reshard == "default" and o.device == "cpu":
+            if W == 1 and o.replicate == 1 and o.mp == "fp32" and o.reshard == "default" and o.device == "cpu" \
+                    and not failed:
                 # Issue 11's "world 1 within 2 % of no FSDP", measured with both sides in one process, their steps
                 # interleaved, so the noise of this machine cancels (separate runs drift by more than 2 %).
-                if not RENDER_ONLY:
-                    run([fsdprun, "--nproc-per-node", "1", ours, "world1", *common], env,
-                        os.path.join(d, "world1.log"), o.timeout)
-                world1 = [r for r in read_jsonl(os.path.join(d, "world1.jsonl")) if r["event"] == "summary"][0]
+                try:
+                    if not RENDER_ONLY:
+                        run([fsdprun, "--nproc-per-node", "1", ours, "world1", *common], env,
+                            os.path.join(d, "world1.log"), o.timeout)
+                    world1 = [r for r in read_jsonl(os.path.join(d, "world1.jsonl")) if r["event"] == "summary"][0]
+                except RunFailed as e:
+                    failed["world1"] = str(e)
+            perf = perf_figures(W, d, o, flops, peak_tflops)
+            if failed:
+                results.append({"world": W, "local_batch": lb, "failed": failed, "perf": perf})
+                continue
             ranks = []
             for r in range(W):
                 ranks.append((read_jsonl(os.path.join(d, f"ours_rank{r}.jsonl")),
                               read_jsonl(os.path.join(d, f"theirs_rank{r}.jsonl"))))
             results.append(summarize(W, lb, ranks, roof, memcpy_gbs, o, t_ours, t_theirs, n_params))
+            results[-1]["perf"] = perf
             if world1:
                 results[-1]["world1_interleaved"] = world1
 
@@ -252,16 +297,84 @@ def main():
         with open(os.path.join(work, "summary.json"), "w") as f:
             json.dump(results, f, indent=1)
         if o.check_rtol is not None:
-            bad = [r for r in results if not (r["max_rel_diff"] <= o.check_rtol)]
+            bad = [r for r in results if r.get("failed") or not (r["max_rel_diff"] <= o.check_rtol)]
             if bad:
                 print(f"FAIL: loss curves differ by more than {o.check_rtol} at world sizes "
                       f"{[r['world'] for r in bad]}", file=sys.stderr)
                 return 1
             print(f"PASS: loss curves match within rtol {o.check_rtol} at world sizes {o.world_sizes}")
         return 0
+    except RunFailed as e:  # the set-up itself (weights, token file): nothing to compare, but say why
+        msg = f"### libfsdp vs PyTorch FSDP2, flavor `{o.flavor}`: FAILED before any world size ran: {e}\n"
+        print(msg)
+        if o.markdown:
+            with open(o.markdown, "w") as f:
+                f.write(msg)
+        return 1
     finally:
         if not o.work_dir:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def flops_per_token(meta, n_params, seq):
+    """TorchTitan's count (get_num_flop_per_token, as src/models/llama.cpp's flops_per_token): 6 x the parameters
+    without the embedding table + 6 x layers x heads x head_dim x seq for attention."""
+    dim, layers, heads = int(meta["dim"]), int(meta["n_layers"]), int(meta["n_heads"])
+    return 6.0 * (n_params - int(meta["vocab_size"]) * dim) + 6.0 * layers * heads * (dim // heads) * seq
+
+
+def measure_peak_tflops(o):
+    """Dense matmul throughput of one rank's device in the compared dtype (bf16 on a GPU), the MFU denominator when
+    --peak-tflops is not given; on the CPU with OMP_NUM_THREADS = --threads, as every rank runs."""
+    dev = torch.device("cuda", 0) if o.device == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if o.mp == "bf16" and dev.type == "cuda" else torch.float32
+    n = 4096 if dev.type == "cuda" else 512
+    threads = torch.get_num_threads()
+    torch.set_num_threads(o.threads)
+    try:
+        a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        for _ in range(3):
+            a @ b
+        sync()
+        reps, t0 = 10, time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        sync()
+        return 2.0 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
+    finally:
+        torch.set_num_threads(threads)
+
+
+def perf_figures(W, d, o, flops, peak_tflops):
+    """Per side (ours = fully_shard, FSDP2, plain = `single`, one process without FSDP): median step (slowest rank,
+    warm-up left out), tokens/s over all ranks, MFU, peak device memory allocated / reserved (max over ranks), from
+    whichever result files are complete; a side whose run failed is absent."""
+    w = o.warmup if o.steps > o.warmup + 2 else 0
+    out = {}
+    for side, names in (("ours", [f"ours_rank{k}.jsonl" for k in range(W)]),
+                        ("FSDP2", [f"theirs_rank{k}.jsonl" for k in range(W)]), ("plain", ["single.jsonl"])):
+        try:
+            per_rank = [[r for r in read_jsonl(os.path.join(d, n)) if r["event"] == "step"] for n in names]
+        except (OSError, ValueError):
+            continue
+        if not per_rank or any(len(rs) != o.steps for rs in per_rank):
+            continue
+        slowest = [max(ts) for ts in zip(*[[r["step_time"] for r in rs] for rs in per_rank])]
+        step = med(slowest[w:])
+        # plain training runs one rank's share (local batch); the FSDP sides the global batch over W ranks
+        tokens = (o.global_batch // W if side == "plain" else o.global_batch) * o.seq
+        tps = tokens / step
+        ranks_busy = 1 if side == "plain" else W
+        out[side] = {"step_s": step, "tokens_per_s": tps,
+                     "mfu": tps * flops / (ranks_busy * peak_tflops * 1e12) if peak_tflops == peak_tflops else None,
+                     "peak_allocated_mib": max(r.get("device_peak_bytes", 0) for rs in per_rank for r in rs) / 2**20,
+                     "peak_reserved_mib": max(r.get("device_reserved_peak_bytes", 0) for rs in per_rank
+                                              for r in rs) / 2**20,
+                     "peak_rss_mib": max(r.get("vmhwm_kib", 0) for rs in per_rank for r in rs) / 1024,
+                     "first_loss": per_rank[0][0]["loss"], "last_loss": per_rank[0][-1]["loss"]}
+    out["flops_per_token"], out["peak_tflops"] = flops, peak_tflops
+    return out
 
 
 def summarize(W, lb, ranks, roof, memcpy_gbs, o, t_ours, t_theirs, n_params):
@@ -351,7 +464,44 @@ def fmt_bytes(b):
     return f"{b / 2**20:.3f} MiB"
 
 
-def render(results, o, details, memcpy_gbs):
+def render_perf(results, o):
+    """Throughput and memory per side and world size, failed runs included (their side says FAILED and why)."""
+    def cell(p, key, spec, scale=1.0):
+        return "—" if p is None or p.get(key) is None else format(p[key] * scale, spec)
+
+    L = ["| world | side | step (median) | tokens/s | MFU | peak allocated | peak reserved | loss first -> last |",
+         "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        perf, failed = r.get("perf", {}), r.get("failed", {})
+        for side in ("ours", "FSDP2", "plain"):
+            p = perf.get(side)
+            if p is None:
+                why = failed.get(side) or ("not run (--no-roofline)" if side == "plain" and o.no_roofline
+                                           else "no complete result")
+                L.append(f"| {r['world']} | {side} | FAILED: {why} | — | — | — | — | — |")
+                continue
+            dev = o.device == "cuda"
+            L.append(f"| {r['world']} | {side}{' (1 rank share)' if side == 'plain' and r['world'] > 1 else ''} | "
+                     f"{p['step_s'] * 1e3:.1f} ms | {p['tokens_per_s']:,.0f} | {cell(p, 'mfu', '.1%')} | "
+                     f"{cell(p, 'peak_allocated_mib', '.0f') + ' MiB' if dev else 'cpu (RSS %.0f MiB)' % p['peak_rss_mib']} | "
+                     f"{cell(p, 'peak_reserved_mib', '.0f') + ' MiB' if dev else '—'} | "
+                     f"{p['first_loss']:.4f} -> {p['last_loss']:.4f} |")
+        for side, why in failed.items():
+            if side not in ("ours", "FSDP2", "plain"):
+                L.append(f"| {r['world']} | {side} | FAILED: {why} | — | — | — | — | — |")
+    any_perf = next((r["perf"] for r in results if r.get("perf")), None)
+    if any_perf:
+        L += ["", f"MFU = tokens/s x {any_perf['flops_per_token'] / 1e6:.1f} MFLOP/token (TorchTitan's count) / "
+              f"(ranks x {any_perf['peak_tflops']:.1f} TFLOP/s per rank, "
+              f"{'given' if o.peak_tflops else 'a matmul measured on this device'}); tokens/s over all ranks "
+              f"(plain: one rank's share alone). Peak memory: the CUDA caching allocator's max allocated / reserved, "
+              f"max over ranks."]
+    return L + [""]
+
+
+def render(all_results, o, details, memcpy_gbs):
+    # Rows whose runs all completed get the full tables; a failed row says which side failed and why.
+    results = [r for r in all_results if not r.get("failed")]
     L = []
     L.append(f"### libfsdp vs PyTorch FSDP2 (torch {torch.__version__}), flavor `{o.flavor}`, "
              f"{'fp32' if o.mp == 'fp32' else 'bf16 compute / fp32 params and reduce'}, "
@@ -369,6 +519,9 @@ def render(results, o, details, memcpy_gbs):
     if memcpy_gbs:
         L.append(f"- memcpy bandwidth (1 thread): {memcpy_gbs:.2f} GB/s")
     L.append("")
+    L += render_perf(all_results, o)
+    if not results:
+        return "\n".join(L + ["No world size completed on both sides: no loss or traffic comparison."]) + "\n"
     L.append("| world | loss max rel diff | (step 0) | step time ours / theirs (median) | ratio | peak RSS ours / theirs (max rank) | ratio | training-phase RSS growth ours / theirs | bytes/step ours | FSDP2 requested | analytic optimum | AG/RS calls ours, theirs | comm hidden (ours) |")
     L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
@@ -402,7 +555,7 @@ def render(results, o, details, memcpy_gbs):
     L.append("Comm hidden: on our last step every collective's timeline is recorded (fsdp::record_timeline): "
              "1 - (time the training thread sat in wait()) / (time the transfers were in flight), summed over the "
              "step's collectives, mean over ranks.")
-    if "limit" in results[0]:
+    if results and "limit" in results[0]:
         L.append("")
         L.append("Roofline (per step). Compute limit: the fastest step of the same per-rank work without FSDP on "
                  "one process alone, x W/cores when ranks outnumber cores. Comm limit: bytes/step at memcpy "

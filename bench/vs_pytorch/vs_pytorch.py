@@ -254,6 +254,9 @@ def main():
     def device_peak():
         return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
+    def device_reserved_peak():  # TorchTitan's max_reserved
+        return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
+
     baseline_rss = rss_kib("VmRSS")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if device.type == "cuda":
@@ -323,6 +326,7 @@ def main():
         out.write(json.dumps({"event": "step", "step": step, "loss": gl.item() / world, "local_loss": loss.item(),
                               "step_time": step_time, "vmhwm_kib": rss_kib("VmHWM"),
                               "vmrss_kib": rss_kib("VmRSS"), "device_peak_bytes": device_peak(),
+                              "device_reserved_peak_bytes": device_reserved_peak(),
                               "bytes_requested": bytes1 - bytes0,
                               "all_gather_calls": calls1["all_gather"] - calls0["all_gather"],
                               "reduce_scatter_calls": calls1["reduce_scatter"] - calls0["reduce_scatter"],
