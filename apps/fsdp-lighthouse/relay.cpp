@@ -116,8 +116,8 @@ struct Relay::Impl {
     size_t in_unforwarded() const { return in.size() - in_start; }
   };
 
-  Impl(int listen_fd, const sockaddr_in& store, const RelayLimits& limits)
-      : listener(listen_fd), store(store), limits(limits) {
+  Impl(int listen_fd, const sockaddr_in& store, const RelayLimits& limits, std::FILE* log)
+      : listener(listen_fd), store(store), limits(limits), log(log) {
     epoll = Fd(epoll_create1(EPOLL_CLOEXEC));
     wake = Fd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!epoll || !wake) throw std::runtime_error(std::string("relay: epoll/eventfd: ") + std::strerror(errno));
@@ -146,7 +146,7 @@ struct Relay::Impl {
   }
 
   void log_close(const Conn& c, const std::string& why) {
-    std::fprintf(stderr, "fsdp-lighthouse: closed the connection from %s: %s\n", c.peer.c_str(), why.c_str());
+    std::fprintf(log, "fsdp-lighthouse: closed the connection from %s: %s\n", c.peer.c_str(), why.c_str());
   }
 
   void accept_clients();
@@ -162,6 +162,7 @@ struct Relay::Impl {
   Fd listener;
   sockaddr_in store;
   RelayLimits limits;
+  std::FILE* log;
   Fd epoll, wake;
   std::unordered_map<uint64_t, std::unique_ptr<Conn>> conns;
   uint64_t next_id = 2;
@@ -176,7 +177,7 @@ void Relay::Impl::accept_clients() {
     if (fd < 0) {
       if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
         // Out of descriptors: stop accepting for a moment rather than spin on a listener that stays readable.
-        std::fprintf(stderr, "fsdp-lighthouse: cannot accept a connection (%s): pausing accepts for 100 ms\n",
+        std::fprintf(log, "fsdp-lighthouse: cannot accept a connection (%s): pausing accepts for 100 ms\n",
                      std::strerror(errno));
         uint32_t current = EPOLLIN;
         modify(listener.get(), current, 0, kListenerTag);
@@ -187,7 +188,7 @@ void Relay::Impl::accept_clients() {
     }
     Fd client(fd);
     if (conns.size() >= limits.max_connections) {
-      std::fprintf(stderr, "fsdp-lighthouse: refused the connection from %s: --max-connections (%zu) reached\n",
+      std::fprintf(log, "fsdp-lighthouse: refused the connection from %s: --max-connections (%zu) reached\n",
                    peer_name(fd).c_str(), limits.max_connections);
       continue;
     }
@@ -339,8 +340,8 @@ void Relay::Impl::on_event(uint64_t data, uint32_t events) {
   if (!pump(c)) close(id);
 }
 
-Relay::Relay(int listen_fd, const sockaddr_in& store, const RelayLimits& limits)
-    : impl_(std::make_unique<Impl>(listen_fd, store, limits)) {}
+Relay::Relay(int listen_fd, const sockaddr_in& store, const RelayLimits& limits, std::FILE* log)
+    : impl_(std::make_unique<Impl>(listen_fd, store, limits, log)) {}
 
 Relay::~Relay() = default;
 
@@ -362,7 +363,7 @@ void Relay::run() {
     }
     const int n = epoll_wait(r.epoll.get(), events.data(), static_cast<int>(events.size()), timeout_ms);
     if (n < 0 && errno != EINTR) {
-      std::fprintf(stderr, "fsdp-lighthouse: relay: epoll_wait: %s\n", std::strerror(errno));
+      std::fprintf(r.log, "fsdp-lighthouse: relay: epoll_wait: %s\n", std::strerror(errno));
       return;
     }
     if (!r.listening && std::chrono::steady_clock::now() >= r.listen_again) {

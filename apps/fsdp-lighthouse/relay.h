@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 
 namespace fsdp_lighthouse {
@@ -31,8 +32,9 @@ struct RelayLimits {
 class Relay {
  public:
   // `listen_fd`: the listening socket clients connect to (taken over, closed by the relay); `store`: the address
-  // of c10d's server. Throws std::runtime_error if epoll or the wake-up eventfd cannot be created.
-  Relay(int listen_fd, const sockaddr_in& store, const RelayLimits& limits);
+  // of c10d's server; `log` gets one line per refused client. Throws std::runtime_error if epoll or the wake-up
+  // eventfd cannot be created.
+  Relay(int listen_fd, const sockaddr_in& store, const RelayLimits& limits, std::FILE* log = stderr);
   ~Relay();
   Relay(const Relay&) = delete;
   Relay& operator=(const Relay&) = delete;

@@ -15,8 +15,10 @@ each scenario; the lighthouse's memory is its VmRSS read from /proc/PID/status b
   3. N malformed connections (garbage, a wrong magic number, an unknown command, an oversized key or count), each
      opened and dropped. Checked: one log line each, RSS grew less than 2 MB (c10d leaked 4 KiB for each malformed
      connection it dropped), round trips stayed under 200 ms, and the store still answers.
-Pass --lighthouse the previous binary to measure what it did (--gets small: c10d queues every reply in memory)."""
+Pass --lighthouse the previous binary to measure what it did (with --max-gets 200: c10d queues every reply in
+memory)."""
 import argparse
+import atexit
 import os
 import re
 import shutil
@@ -34,6 +36,7 @@ ap.add_argument("--lighthouse", required=True)
 ap.add_argument("--workdir", required=True)
 ap.add_argument("--malformed", type=int, default=1000)
 ap.add_argument("--gets-seconds", type=float, default=3.0)
+ap.add_argument("--max-gets", type=int, default=0, help="send at most this many GETs (0: no limit)")
 ap.add_argument("--multi-set-seconds", type=float, default=30.0, help="give up streaming the big request after")
 a = ap.parse_args()
 shutil.rmtree(a.workdir, ignore_errors=True)
@@ -62,6 +65,7 @@ def rss_bytes(pid):
 
 
 light = fu.Job([a.lighthouse, "--port", "0"], "lighthouse")
+atexit.register(lambda: light.proc.poll() is None and light.proc.kill())  # also when a step raises
 light.wait_for(r"serving on", 30)
 served = re.search(r"serving on (\S+):(\d+)$", light.text(), re.M)
 if not fu.check(served is not None, f"fsdp-lighthouse started: {light.text()[:300]}"):
@@ -189,9 +193,10 @@ with rt:
     hog = socket.create_connection((host, port), timeout=10)
     hog.setblocking(False)
     pending, accepted, history, t0 = VALIDATE + get * 64, 0, [], time.monotonic()
-    while time.monotonic() - t0 < a.gets_seconds:
+    limit = len(VALIDATE) + len(get) * a.max_gets if a.max_gets else 1 << 62
+    while time.monotonic() - t0 < a.gets_seconds and accepted < limit:
         try:
-            n = hog.send(pending)
+            n = hog.send(pending[:limit - accepted])
             accepted += n
             pending = pending[n:] + (get * 64 if n else b"")
         except BlockingIOError:
@@ -242,7 +247,7 @@ def churn(count):
         ports.append(c.getsockname()[1])
         c.sendall(malformed[i % len(malformed)][1]())
         try:  # dropped: the lighthouse closes it (read its EOF, or the reset of unread garbage)
-            c.settimeout(5)
+            c.settimeout(1)
             c.recv(1)
         except OSError:
             pass
