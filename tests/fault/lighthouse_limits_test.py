@@ -15,6 +15,8 @@ each scenario; the lighthouse's memory is its VmRSS read from /proc/PID/status b
   3. N malformed connections (garbage, a wrong magic number, an unknown command, an oversized key or count), each
      opened and dropped. Checked: one log line each, RSS grew less than 2 MB (c10d leaked 4 KiB for each malformed
      connection it dropped), round trips stayed under 200 ms, and the store still answers.
+  4. A lighthouse with --max-connections 3: a 4th connection is closed with one line, the 3 are served, and a new
+     client is once they closed; --max-keys 0 is refused with one line naming the flag.
 Pass --lighthouse the previous binary to measure what it did (with --max-gets 200: c10d queues every reply in
 memory)."""
 import argparse
@@ -282,4 +284,37 @@ drained.set()
 light.proc.send_signal(15)
 light.finish(10)
 fu.check(light.proc.returncode == 0, f"the lighthouse stopped on SIGTERM (exit {light.proc.returncode})")
+
+# ---- 4. --max-connections, and a bad limit value ------------------------------------------------------------------
+small = fu.Job([a.lighthouse, "--port", "0", "--max-connections", "3"], "lighthouse --max-connections 3")
+atexit.register(lambda: small.proc.poll() is None and small.proc.kill())
+small.wait_for(r"serving on", 30)
+m = re.search(r"serving on (\S+):(\d+)$", small.text(), re.M)
+if fu.check(m is not None, f"fsdp-lighthouse --max-connections 3 started: {small.text()[:200]}"):
+    addr = (m.group(1), int(m.group(2)))
+    held = [TCPStore(*addr, is_master=False, timeout=timedelta(seconds=10)) for _ in range(3)]
+    extra = socket.create_connection(addr, timeout=10)
+    extra_port = extra.getsockname()[1]
+    extra.settimeout(5)
+    try:
+        dropped = extra.recv(1) == b""
+    except OSError:
+        dropped = True
+    extra.close()
+    small.wait_for(rf"refused the connection from 127\.0\.0\.1:{extra_port}", 5)
+    fu.check(dropped and small.grep(rf"refused the connection from 127\.0\.0\.1:{extra_port}: --max-connections \(3\)"),
+             f"a 4th connection is closed with one line: {small.grep('refused the connection')}")
+    held[0].set("k", "v")
+    fu.check(held[2].get("k") == b"v", "the 3 connections within the limit are served")
+    del held
+    time.sleep(0.3)
+    again = TCPStore(*addr, is_master=False, timeout=timedelta(seconds=10))
+    fu.check(again.get("k") == b"v", "once they closed, a new client is served")
+    del again
+small.proc.send_signal(15)
+small.finish(10)
+bad = fu.Job([a.lighthouse, "--port", "0", "--max-keys", "0"], "lighthouse --max-keys 0")
+bad.finish(10)
+fu.check(bad.proc.returncode == 2 and bad.grep(r"^fsdp-lighthouse: bad --max-keys '0' \(expected an integer in 1\.\.") and
+         not bad.grep("serving on"), f"--max-keys 0 is refused with a line naming the flag: {bad.text()[:120]}")
 fu.finish_test("lighthouse_limits_test")
