@@ -2,6 +2,9 @@
 """fsdp-lighthouse's memory per connection is bounded, and a client that breaks a limit is refused without
 stalling the others (docs/reliability.md, "The lighthouse as a server"; the relay: apps/fsdp-lighthouse/relay.h).
 
+  0. Every operation of PyTorch's TCPStore client (set, get, add, compare_set, append, check, multi_set/get,
+     num_keys, delete_key, list_keys, a wait that times out and is cancelled, queues, barrier, a 1 MB value) returns
+     through the lighthouse what it returns against a TCPStore server of PyTorch's own, started by the test.
 The reference client is PyTorch's own TCPStore client, timing set/get round trips on a thread of its own through
 each scenario; the lighthouse's memory is its VmRSS read from /proc/PID/status before and after.
   1. One client validates and streams a MULTI_SET of 8192 keys of 4 KiB values (33 MB). c10d's server alone kept
@@ -129,6 +132,51 @@ class RoundTrips:
 def closed_lines(local_port, pattern=""):
     return light.grep(rf"closed the connection from 127\.0\.0\.1:{local_port}: {pattern}")
 
+
+
+
+def every_command(s):
+    """Each operation of PyTorch's TCPStore client (every command of the wire protocol but PING and VALIDATE, which
+    its connect sends) and what it returned or raised."""
+    out = []
+
+    def rec(name, f):
+        try:
+            out.append((name, f()))
+        except Exception as e:  # a timeout, an empty queue: the same error is expected from both stores
+            out.append((name, f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"))
+
+    rec("set", lambda: s.set("a", "1"))
+    rec("get", lambda: s.get("a"))
+    rec("add", lambda: (s.add("n", 5), s.add("n", -2)))
+    rec("compare_set", lambda: (s.compare_set("a", "1", "2"), s.compare_set("a", "1", "3")))
+    rec("append", lambda: (s.append("a", "xyz"), s.get("a")))
+    rec("check", lambda: (s.check(["a", "n"]), s.check(["a", "absent"])))
+    rec("multi_set/get", lambda: (s.multi_set(["m1", "m2"], ["v1", "v2"]), s.multi_get(["m1", "m2", "a"])))
+    rec("num_keys", lambda: s.num_keys())
+    rec("delete_key", lambda: (s.delete_key("m1"), s.delete_key("m1")))
+    rec("list_keys", lambda: sorted(s.list_keys()))
+    rec("wait (times out: CANCEL_WAIT)", lambda: s.wait(["never"], timedelta(seconds=0.5)))
+    rec("after the cancelled wait", lambda: (s.set("w", "ok"), s.get("w"), s.wait(["w"], timedelta(seconds=5))))
+    rec("queue", lambda: (s.queue_push("q", "e1"), s.queue_push("q", "e2"), s.queue_len("q"), s.queue_pop("q"),
+                          s.queue_pop("q", block=False)))
+    rec("queue empty", lambda: s.queue_pop("q", block=False))
+    rec("barrier", lambda: s.barrier("b", 1, timedelta(seconds=5)))
+    rec("large value", lambda: (s.set("big", b"x" * 1000000), len(s.get("big"))))
+    return out
+
+
+# ---- 0. every command, through the relay and against PyTorch's own store -------------------------------------
+reference = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+want = every_command(TCPStore("127.0.0.1", reference.port, is_master=False, timeout=timedelta(seconds=10)))
+got = every_command(TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10)))
+differ = [(w, g) for w, g in zip(want, got) if w != g]
+fu.check(not differ and len(got) == len(want) == 16,
+         f"every operation of PyTorch's TCPStore client gives through the lighthouse what it gives against a "
+         f"TCPStore of PyTorch's own ({len(want)} compared; differences: {differ})")
+fu.check(want[10][1].startswith("DistStoreError") and want[11][1][1] == b"ok",
+         f"(the reference did time out a wait and serve the client afterwards: {want[10:12]})")
+del reference
 
 pid = light.proc.pid
 rt = RoundTrips()
