@@ -101,7 +101,7 @@ bool would_block(int err) { return err == EAGAIN || err == EWOULDBLOCK || err ==
 
 struct Relay::Impl {
   struct Conn {
-    Conn(const RequestLimits& limits) : framer(limits) {}
+    explicit Conn(const RequestLimits& limits) : framer(limits) {}
     uint64_t id = 0;
     Fd client, upstream;
     std::string peer;

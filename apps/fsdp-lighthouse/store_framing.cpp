@@ -156,9 +156,6 @@ RequestFramer::Status RequestFramer::next(const uint8_t* data, size_t size) {
         ++field_;
         break;
       }
-      case Field::kCommand:
-      case Field::kEnd:
-        return refuse("internal: bad request plan");
     }
   }
 }

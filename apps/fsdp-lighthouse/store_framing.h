@@ -48,7 +48,7 @@ class RequestFramer {
   const std::string& error() const { return error_; }
 
  private:
-  enum class Field : uint8_t { kCommand, kU32, kI64, kCount, kKey, kValue, kEnd };
+  enum class Field : uint8_t { kU32, kI64, kCount, kKey, kValue };
   Status refuse(std::string why);
   bool plan(uint8_t command);  // the fields of `command` (false: unknown command)
 
