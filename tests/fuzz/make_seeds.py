@@ -203,6 +203,12 @@ put("store_wire", "ping_queue", VALIDATE + b"\x0d" + struct.pack("<I", 1234) + b
     b"\x10" + w_str("q") + b"\x0f" + w_str("q") + b"\x11")
 put("store_wire", "no_validation", b"\1" + w_str("k") + w_str(b"v"))
 put("store_wire", "huge_length", VALIDATE + b"\1" + struct.pack("<Q", 1 << 62) + b"k")
+# The relay's rules (the harness's small limits: key 64, value 256, 100 keys, request 1024 bytes).
+put("store_wire", "relay_limits", VALIDATE + b"\x0b" + struct.pack("<Q", 3) + w_str("a") + w_str(b"x" * 200) +
+    w_str("b") + w_str(b"y" * 250) + w_str("c") + w_str(b"z" * 250) + b"\x05" + struct.pack("<Q", 101))
+put("store_wire", "relay_count_over_request", VALIDATE + b"\x0b" + struct.pack("<Q", 70) + w_str("a") + w_str(b"1"))
+put("store_wire", "relay_wait_then_cancel", VALIDATE + b"\6" + struct.pack("<Q", 1) + w_str("later") + b"\x0c" +
+    b"\3" + w_str("a") + b"\x11" + b"\x12" + w_str("barrier") + struct.pack("<q", 1) + b"\x0f" + w_str("q"))
 
 # ---- hf_config: byte 0 bit 0 = the file (0 config.json, 1 model.safetensors), bit 1 = the model (0 Llama,
 # 1 Qwen3); the harness's tiny model: dim 8, 1 layer, 2 heads of 4 (1 kv head), FFN 16, vocabulary 16 ----------
