@@ -6,7 +6,8 @@
 //    losses over the step's tokens). The same reference without splitting equals the causal run (so the batch was
 //    rebuilt right), and the two differ (the mask ran).
 //  - Two ranks (fsdprun): FSDP (dp_shard 2), FSDP with full activation checkpointing, TP 2 and PP 2 runs with
-//    block_causal equal the 1-rank run on the same global batches (loss and grad norm of every step, validation).
+//    block_causal equal the 1-rank run on the same global batches (loss and grad norm of every step, validation);
+//    so does Qwen3-MoE (cpu_tiny_moe) with expert parallelism 2.
 //  - An unknown attn_mask_type is refused naming the key.
 #include "config.h"
 #include "train_env.h"
@@ -170,36 +171,25 @@ TEST(BlockCausalTrainer, StepOneEqualsDocumentsAlone) {
       << "causal " << across.losses[0] << " block_causal " << packed.losses[0] << " reference " << alone.loss;
 }
 
-TEST(BlockCausalTrainer, LayoutsEqualOneRank) {
-  auto world = fsdp::world();
-  if (world->size() != 2) GTEST_SKIP() << "runs on 2 ranks";
-  const TrainSummary ref = run_single(base("ref_layouts"));
+namespace {
+
+struct Layout {
+  const char* name;
+  std::function<void(JobConfig&)> apply;
+  const char* plan;  // what the run's plan description must say
+};
+
+// Each layout (2 ranks) against the 1-rank run of `model` (applied to both) on the same global batches.
+void expect_layouts_equal_one_rank(const std::function<void(JobConfig&)>& model, const std::vector<Layout>& layouts) {
+  JobConfig ref_config = base("ref_layouts");
+  model(ref_config);
+  const TrainSummary ref = run_single(ref_config);
   ASSERT_EQ(ref.validation_steps, (std::vector<int64_t>{1, 2, 4}));
-  struct Layout {
-    const char* name;
-    std::function<void(JobConfig&)> apply;
-    const char* plan;  // what the run's plan description must say
-  };
-  const std::vector<Layout> layouts = {
-      {"dp2", [](JobConfig& c) { c.parallelism.data_parallel_shard_degree = 2; }, "FSDP"},
-      {"dp2_ac",
-       [](JobConfig& c) {
-         c.parallelism.data_parallel_shard_degree = 2;
-         c.activation_checkpoint.mode = AcMode::Full;
-       },
-       "full activation checkpointing"},
-      {"tp2", [](JobConfig& c) { c.parallelism.tensor_parallel_degree = 2; }, "TP 2"},
-      {"pp2",
-       [](JobConfig& c) {
-         c.parallelism.pipeline_parallel_degree = 2;
-         c.training.local_batch_size = 4;  // 4 microbatches of 1
-         c.parallelism.pipeline_parallel_microbatch_size = 1;
-       },
-       "PP 2 ("},
-  };
+  EXPECT_LT(ref.losses.back(), ref.losses.front());
   for (const auto& l : layouts) {
     SCOPED_TRACE(l.name);
     JobConfig config = base(l.name);
+    model(config);
     l.apply(config);
     if (config.parallelism.data_parallel_shard_degree == 2) config.validation.steps = 1;  // the same held-out samples
     const TrainSummary got = run_training(config, test::world_env(), false);
@@ -213,6 +203,46 @@ TEST(BlockCausalTrainer, LayoutsEqualOneRank) {
     for (size_t i = 0; i < ref.validation_losses.size(); ++i)
       EXPECT_NEAR(got.validation_losses[i], ref.validation_losses[i], 1e-5 * ref.validation_losses[i]) << "validation " << i;
   }
+}
+
+}  // namespace
+
+TEST(BlockCausalTrainer, LayoutsEqualOneRank) {
+  if (fsdp::world()->size() != 2) GTEST_SKIP() << "runs on 2 ranks";
+  expect_layouts_equal_one_rank(
+      [](JobConfig&) {},  // llama3 cpu_tiny
+      {
+          {"dp2", [](JobConfig& c) { c.parallelism.data_parallel_shard_degree = 2; }, "FSDP"},
+          {"dp2_ac",
+           [](JobConfig& c) {
+             c.parallelism.data_parallel_shard_degree = 2;
+             c.activation_checkpoint.mode = AcMode::Full;
+           },
+           "full activation checkpointing"},
+          {"tp2", [](JobConfig& c) { c.parallelism.tensor_parallel_degree = 2; }, "TP 2"},
+          {"pp2",
+           [](JobConfig& c) {
+             c.parallelism.pipeline_parallel_degree = 2;
+             c.training.local_batch_size = 4;  // 4 microbatches of 1
+             c.parallelism.pipeline_parallel_microbatch_size = 1;
+           },
+           "PP 2 ("},
+      });
+}
+
+TEST(BlockCausalTrainer, MoeExpertParallelEqualsOneRank) {
+  if (fsdp::world()->size() != 2) GTEST_SKIP() << "runs on 2 ranks";
+  expect_layouts_equal_one_rank(
+      [](JobConfig& c) {
+        c.model.name = ModelName::Qwen3;
+        c.model.flavor = "cpu_tiny_moe";
+      },
+      {{"moe_ep2",
+        [](JobConfig& c) {
+          c.parallelism.data_parallel_shard_degree = 2;
+          c.parallelism.expert_parallel_degree = 2;
+        },
+        "EP 2 ("}});
 }
 
 TEST(BlockCausalTrainer, UnknownMaskTypeRefusedNamingTheKey) {
