@@ -8,8 +8,9 @@
 //  - Two ranks (fsdprun): FSDP (dp_shard 2), FSDP with full activation checkpointing, TP 2 and PP 2 runs with
 //    block_causal equal the 1-rank run on the same global batches (loss and grad norm of every step, validation);
 //    so does Qwen3-MoE (cpu_tiny_moe) with expert parallelism 2.
-//  - An unknown attn_mask_type is refused naming the key.
+//  - An unknown attn_mask_type, and block_causal with a tokenizer without EOS, are refused naming the key.
 #include "config.h"
+#include "tokenizer.h"
 #include "train_env.h"
 #include "trainer.h"
 
@@ -21,6 +22,7 @@
 #include "expect_error.h"
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <filesystem>
@@ -243,6 +245,28 @@ TEST(BlockCausalTrainer, MoeExpertParallelEqualsOneRank) {
           c.parallelism.expert_parallel_degree = 2;
         },
         "EP 2 ("}});
+}
+
+// block_causal splits at the tokenizer's EOS: a tokenizer.json without one is refused before training, naming the key.
+TEST(BlockCausalTrainer, TokenizerWithoutEosRefused) {
+  nlohmann::json vocab = nlohmann::json::object();
+  for (int b = 0; b < 256; ++b) vocab[byte_to_unicode()[b]] = b;
+  const nlohmann::json tokenizer = {
+      {"version", "1.0"},
+      {"added_tokens", nlohmann::json::array()},
+      {"normalizer", nullptr},
+      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}}},
+      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}},
+  };
+  const std::string path = ::testing::TempDir() + "/block_causal_no_eos_" + std::to_string(::getpid()) + ".json";
+  std::ofstream(path) << tokenizer.dump();
+  JobConfig config = base("ref_no_eos", "block_causal", /*steps=*/1);
+  config.model.tokenizer_path = path;
+  const std::string message = fsdp_test::error_of([&] { run_single(config); });
+  fsdp_test::expect_message_has(message, {"model.attn_mask_type", "block_causal", "no EOS token"});
+  config.model.attn_mask_type = AttnMaskType::Causal;  // the same tokenizer trains causally
+  EXPECT_EQ(run_single(config).losses.size(), 1u);
+  std::filesystem::remove(path);
 }
 
 TEST(BlockCausalTrainer, UnknownMaskTypeRefusedNamingTheKey) {
