@@ -107,6 +107,11 @@ struct Choices<AcMode> : ExactNames {
   static constexpr ChoiceName<AcMode> names[] = {{AcMode::Selective, "selective"}, {AcMode::Full, "full"}, {AcMode::None, "none"}};
 };
 template <>
+struct Choices<AttnMaskType> : ExactNames {
+  static constexpr ChoiceName<AttnMaskType> names[] = {{AttnMaskType::Causal, "causal"},
+                                                       {AttnMaskType::BlockCausal, "block_causal"}};
+};
+template <>
 struct Choices<CheckpointPart> : ExactNames {
   static constexpr ChoiceName<CheckpointPart> names[] = {{CheckpointPart::Optimizer, "optimizer"},
                                                          {CheckpointPart::LrScheduler, "lr_scheduler"},
@@ -223,6 +228,8 @@ std::vector<Field> fields(JobConfig& c) {
       {"model", "tokenizer_path", &c.model.tokenizer_path,
        "\"\" = byte-level tokenizer (256 bytes + BOS + EOS); else a Hugging Face tokenizer.json (byte-level BPE). "
        "The model's vocab_size is set to the tokenizer's, as TorchTitan does"},
+      {"model", "attn_mask_type", choice(&c.model.attn_mask_type),
+       "causal | block_causal: attend only within the document (packed samples split after each tokenizer EOS)"},
       {"optimizer", "name", choice(&c.optimizer.name), "AdamW or Adam"},
       {"optimizer", "lr", &c.optimizer.lr, "peak learning rate"},
       {"optimizer", "beta1", &c.optimizer.beta1, "Adam beta1"},
@@ -664,6 +671,7 @@ FSDP_TRAIN_CHOICE_ENUM(ExportDtype)
 FSDP_TRAIN_CHOICE_ENUM(AsyncMode)
 FSDP_TRAIN_CHOICE_ENUM(CheckpointFormat)
 FSDP_TRAIN_CHOICE_ENUM(AcMode)
+FSDP_TRAIN_CHOICE_ENUM(AttnMaskType)
 FSDP_TRAIN_CHOICE_ENUM(CheckpointPart)
 #undef FSDP_TRAIN_CHOICE_ENUM
 

@@ -46,6 +46,7 @@ enum class ExportDtype { Float32, BFloat16, Float16 };        // float32 | bfloa
 enum class AsyncMode { Disabled, Async, AsyncWithPinnedMem }; // disabled | async | async_with_pinned_mem
 enum class CheckpointFormat { Libfsdp, Dcp };                 // libfsdp | dcp
 enum class AcMode { None, Selective, Full };                  // none | selective | full
+enum class AttnMaskType { Causal, BlockCausal };              // causal | block_causal
 // checkpoint.exclude_from_loading's items: optimizer | lr_scheduler | dataloader | train_state | rng.
 enum class CheckpointPart { Optimizer, LrScheduler, Dataloader, TrainState, Rng };
 
@@ -63,6 +64,7 @@ const char* to_string(ExportDtype v);
 const char* to_string(AsyncMode v);
 const char* to_string(CheckpointFormat v);
 const char* to_string(AcMode v);
+const char* to_string(AttnMaskType v);
 const char* to_string(CheckpointPart v);
 
 // The value a string-choice key's text names (the spellings the config accepts, case rules included), or nullopt.
@@ -93,6 +95,9 @@ struct JobConfig {
     ModelName name = ModelName::Llama3;
     std::string flavor = "debugmodel";
     std::string tokenizer_path;  // "" = byte-level tokenizer; else a Hugging Face tokenizer.json (byte-level BPE)
+    // TorchTitan's attn_mask_type: block_causal attends within the documents packing joined (split at the
+    // tokenizer's EOS, which ends its document).
+    AttnMaskType attn_mask_type = AttnMaskType::Causal;
     // MoE overrides of the flavor's block (qwen3 *_moe flavors; "" / -1 = the flavor's own): DeepSeek-V3-style
     // routing is moe_score_func = "sigmoid", moe_shared_experts = 1, moe_route_norm = "true", moe_route_scale.
     MoeScoreFunc moe_score_func = MoeScoreFunc::FlavorDefault;

@@ -62,6 +62,8 @@ GenerateResult generate(const JobConfig& config, const GenerateOptions& o) {
   auto args = model_args(config);
   args.vocab_size = tokenizer->vocab_size();  // as the trainer built it
   args.max_seq_len = config.training.seq_len;
+  // The prompt and its continuation are one document (generation stops at EOS): block_causal attention is causal.
+  args.attn_mask_type = fsdp::nn::llama::AttnMaskType::Causal;
   fsdp::nn::llama::Transformer model(args);
   // One sequence through a small model is a chain of tiny matmuls: intra-op threads cost more than they give
   // (9x slower with 2 threads for cpu_small on a busy 2-core machine). OMP_NUM_THREADS still decides if set.

@@ -109,6 +109,8 @@ fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config) {
   } catch (const c10::Error& e) {
     throw ConfigError(std::string("config error: model.flavor: ") + e.what_without_backtrace());
   }
+  args.attn_mask_type = m.attn_mask_type == AttnMaskType::BlockCausal ? fsdp::nn::llama::AttnMaskType::BlockCausal
+                                                                    : fsdp::nn::llama::AttnMaskType::Causal;
   const bool overrides = m.moe_score_func != MoeScoreFunc::FlavorDefault || m.moe_shared_experts >= 0 ||
                          m.moe_route_norm != MoeRouteNorm::FlavorDefault ||
                          m.moe_route_scale != 0 || m.moe_load_balance_coeff >= 0 || m.moe_sequence_aux_loss_coeff > 0 ||

@@ -162,6 +162,13 @@ class Trainer {
   const ParallelDims dims_;
   const bool track_tensors_;
   std::shared_ptr<const Tokenizer> tokenizer_;
+  // model.attn_mask_type = block_causal: the EOS that ends each packed document (nullopt: causal attention).
+  std::optional<int64_t> document_eos_;
+  // The document ids the model's forward takes for these tokens (nothing for causal attention).
+  std::optional<torch::Tensor> document_ids_of(const torch::Tensor& tokens) const {
+    if (!document_eos_) return std::nullopt;
+    return fsdp::nn::llama::document_ids(tokens, *document_eos_);
+  }
   std::vector<std::string> files_;
   fsdp::nn::llama::LlamaArgs args_;
   TextOptions text_options_;
@@ -218,6 +225,13 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
   files_ = resolve_dataset_files(config.training.dataset, config.training.dataset_path);
   args_ = model_args(config);
   args_.vocab_size = tokenizer_->vocab_size();  // TorchTitan: the model's vocab follows the tokenizer
+  if (config.model.attn_mask_type == AttnMaskType::BlockCausal) {
+    if (!tokenizer_->eos_id()) {
+      throw ConfigError("config error: model.attn_mask_type = \"block_causal\" splits packed samples into documents "
+                        "at the tokenizer's EOS, but the tokenizer (" + tokenizer_->describe() + ") has no EOS token");
+    }
+    document_eos_ = static_cast<int64_t>(*tokenizer_->eos_id());
+  }
   args_.max_seq_len = config.training.seq_len;
   // Mesh [pp, dp_replicate, dp_shard, tp]: the tp ranks of a data-parallel rank, and its pp ranks, read the
   // same samples (the first stage needs the tokens, the last the labels).
@@ -325,8 +339,12 @@ void Trainer::build_model() {
     std::vector<fsdp::PipelineStage> stages;
     for (size_t i = 0; i < plan_.stages.size(); ++i) {
       auto stage = plan_.stages[i];
-      stages.push_back({plan_.stage_indices[i], stage.ptr(),
-                        [stage](const torch::Tensor& x) { return fsdp::nn::call(stage, x); }});
+      // block_causal: every stage gets its microbatch's document ids alongside (the pipeline's context).
+      stages.push_back({plan_.stage_indices[i], stage.ptr(), nullptr,
+                        [stage](const torch::Tensor& x, const torch::Tensor& ids) {
+                          if (!ids.defined()) return fsdp::nn::call(stage, x);
+                          return fsdp::nn::call(stage, x, std::optional<torch::Tensor>(ids));
+                        }});
     }
     fsdp::PipelineOptions popts;
     popts.schedule = to_string(config.parallelism.pipeline_parallel_schedule);
@@ -377,7 +395,9 @@ void Trainer::print_header() const {
                                ", " + args.moe->score_func + ", hidden " + std::to_string(args.moe->hidden) +
                                (args.moe->num_shared_experts ? ", shared " + std::to_string(args.moe->num_shared_experts) : "") + ")"
                          : "ffn " + std::to_string(args.ffn_hidden_dim()))
-            << ", vocab " << args.vocab_size << ", " << n_params_ << " parameters\n"
+            << ", vocab " << args.vocab_size << ", " << n_params_ << " parameters"
+            << (document_eos_ ? ", block_causal attention (documents end at EOS " + std::to_string(*document_eos_) + ")" : "")
+            << "\n"
             << "  tokenizer " << tokenizer_->describe() << "\n"
             << "  data      " << to_string(config.training.dataset) << ": " << files_.size() << " files\n"
             << "  ranks     " << env_.world_size << " ("
@@ -422,12 +442,13 @@ double Trainer::forward_backward(std::vector<Batch>& batches, double global_toke
       pipeline_global_tokens_ = global_tokens;
       auto labels = torch::from_blob(b.labels.data(), {b.batch, b.seq_len}, torch::kLong);
       const auto result = pipeline_->step(plan_.holds_first_stage ? inputs : torch::Tensor(),
-                                          plan_.holds_last_stage ? labels : torch::Tensor());
+                                          plan_.holds_last_stage ? labels : torch::Tensor(),
+                                          document_ids_of(inputs).value_or(torch::Tensor()));
       local_loss_sum += result.loss_sum() * global_tokens;  // 0 off the last stage
       continue;
     }
     auto labels = torch::from_blob(b.labels.data(), {b.batch * b.seq_len}, torch::kLong);
-    auto logits = fsdp::nn::call(model_, inputs);
+    auto logits = fsdp::nn::call(model_, inputs, document_ids_of(inputs));
     auto loss_sum = loss_sum_of_(logits.reshape({-1, logits.size(-1)}), labels);
     if (track_tensors_) tmem.forward = tensor_memory::live_bytes();
     // Divided by the global count: summed over micro-batches and ranks, this is the full-batch gradient.
@@ -559,12 +580,13 @@ void Trainer::validate(int64_t step) {
     // pipeline_global_tokens_ = 1).
     batch_loss = [this](const torch::Tensor& x, const torch::Tensor& y) {
       pipeline_global_tokens_ = 1;
-      return pipeline_->eval(plan_.holds_first_stage ? x : torch::Tensor(), plan_.holds_last_stage ? y : torch::Tensor())
+      return pipeline_->eval(plan_.holds_first_stage ? x : torch::Tensor(), plan_.holds_last_stage ? y : torch::Tensor(),
+                             document_ids_of(x).value_or(torch::Tensor()))
           .loss_sum();
     };
   } else {
     batch_loss = [this](const torch::Tensor& x, const torch::Tensor& y) {
-      auto logits = fsdp::nn::call(model_, x);
+      auto logits = fsdp::nn::call(model_, x, document_ids_of(x));
       return loss_sum_of_(logits.reshape({-1, logits.size(-1)}), y.reshape({-1})).item<double>();
     };
   }

@@ -32,6 +32,11 @@ struct PipelineStage {
   int index = 0;
   std::shared_ptr<torch::nn::Module> module;
   std::function<at::Tensor(const at::Tensor& input)> forward;
+  // Instead of `forward`, for a stage that needs more than its input: also given the microbatch's slice of the
+  // step's `context` (step()/eval()'s third argument, split along dim 0 as the inputs are; undefined when the step
+  // has none). Every stage gets it, as torch's schedules give every stage the step's kwargs (TorchTitan passes
+  // its attention masks so).
+  std::function<at::Tensor(const at::Tensor& input, const at::Tensor& context)> forward_with_context;
 };
 
 // The loss of one microbatch: its last-stage output and its targets. It is backpropagated as is (no division by
@@ -75,11 +80,13 @@ class Pipeline {
   // One training step: forward and backward of every microbatch, gradients accumulated on the stages'
   // parameters (and reduced once by fully_shard). `inputs` is used on the rank of the first stage, `targets`
   // on the rank of the last (pass undefined tensors elsewhere). Every rank of the group calls it.
-  PipelineStepResult step(const at::Tensor& inputs, const at::Tensor& targets);
+  // `context` (optional, on any rank that passes it): split into microbatches like `inputs` and handed to the
+  // stages' forward_with_context.
+  PipelineStepResult step(const at::Tensor& inputs, const at::Tensor& targets, const at::Tensor& context = {});
   // Forward only (validation): the microbatches' losses on the last stage's rank, no gradients. Its batch may
   // have another shape than training's (shapes are agreed anew for each call); it must split into the same
   // number of microbatches.
-  PipelineStepResult eval(const at::Tensor& inputs, const at::Tensor& targets);
+  PipelineStepResult eval(const at::Tensor& inputs, const at::Tensor& targets, const at::Tensor& context = {});
 
   const pipeline::PipelineSchedule& schedule() const;
   // The schedule as a grid, one column per rank (with_comms: the lowered list this runtime executes).

@@ -300,7 +300,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AttentionImpl::qkv(const at::Tens
   return {apply_rope(xq, rope_cos, rope_sin, rope_layout), apply_rope(xk, rope_cos, rope_sin, rope_layout), xv};
 }
 
-at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin) {
+at::Tensor document_ids(const at::Tensor& tokens, int64_t eos_id) {
+  TORCH_CHECK(tokens.dim() == 2 && !at::isFloatingType(tokens.scalar_type()),
+              "llama document_ids: tokens must be integer [batch, seq], got ", tokens.scalar_type(), " ", tokens.sizes());
+  // Exclusive cumulative count of EOS: position t's id counts the EOS strictly before it.
+  auto eos = tokens.eq(eos_id).to(at::kLong);
+  return eos.cumsum(1) - eos;
+}
+
+at::Tensor block_causal_mask(const at::Tensor& ids) {
+  TORCH_CHECK(ids.dim() == 2, "llama block_causal_mask: document ids must be [batch, seq], got ", ids.sizes());
+  const int64_t seq = ids.size(1);
+  auto same_document = ids.unsqueeze(2).eq(ids.unsqueeze(1));  // [B, S(q), S(k)]
+  auto causal = at::ones({seq, seq}, ids.options().dtype(at::kBool)).tril();
+  return same_document.logical_and_(causal).unsqueeze(1);
+}
+
+AttentionMask attention_mask_for(const LlamaArgs& args, const std::optional<at::Tensor>& ids, const char* who) {
+  const bool block_causal = args.attn_mask_type == AttnMaskType::BlockCausal;
+  TORCH_CHECK(block_causal == (ids.has_value() && ids->defined()), who, ": ",
+              block_causal ? "a block_causal model needs the tokens' document ids (fsdp::nn::llama::document_ids)"
+                           : "document ids given to a causal model (attn_mask_type is causal)");
+  if (!block_causal) return std::nullopt;
+  return block_causal_mask(*ids);
+}
+
+at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin,
+                                  const AttentionMask& mask) {
   const int64_t bs = x.size(0), seq = x.size(1);
   auto [xq, xk, xv] = qkv(x, rope_cos, rope_sin, /*hooked=*/true);
   const int64_t n_rep = xq.size(2) / xk.size(2);
@@ -309,7 +335,15 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope_co
     xv = xv.repeat_interleave(n_rep, /*dim=*/2);
   }
   auto q = xq.transpose(1, 2), k = xk.transpose(1, 2), v = xv.transpose(1, 2);  // [B, H, S, D]
-  auto out = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+  at::Tensor out;
+  if (mask) {  // block_causal: the mask holds the causal structure too (every row sees at least its own position)
+    TORCH_CHECK(mask->dim() == 4 && mask->size(2) == q.size(2) && mask->size(3) == k.size(2),
+                "llama attention: the mask ", mask->sizes(), " does not fit ", q.size(2), " queries and ", k.size(2),
+                " keys");
+    out = at::scaled_dot_product_attention(q, k, v, *mask, /*dropout_p=*/0.0, /*is_causal=*/false);
+  } else {
+    out = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+  }
   return fsdp::nn::call(wo, out.transpose(1, 2).reshape({bs, seq, -1}));
 }
 
@@ -399,8 +433,12 @@ TransformerBlockImpl::TransformerBlockImpl(int64_t id, const LlamaArgs& a) : lay
                                  : 0.02 / std::sqrt(2.0 * static_cast<double>(a.n_layers));
 }
 
-at::Tensor TransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin) {
-  auto h = x + fsdp::nn::call(attention, fsdp::nn::call(attention_norm, x), rope_cos, rope_sin);
+at::Tensor TransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin,
+                                         const AttentionMask& mask) {
+  // Without a mask the attention keeps its three-argument call (what hooks and TP input styles saw before).
+  auto normed = fsdp::nn::call(attention_norm, x);
+  auto h = x + (mask ? fsdp::nn::call(attention, normed, rope_cos, rope_sin, mask)
+                     : fsdp::nn::call(attention, normed, rope_cos, rope_sin));
   if (moe) return h + fsdp::nn::call(moe, fsdp::nn::call(ffn_norm, h));
   return h + fsdp::nn::call(feed_forward, fsdp::nn::call(ffn_norm, h));
 }
@@ -451,11 +489,16 @@ std::pair<at::Tensor, at::Tensor> TransformerImpl::rope_tables(int64_t seq_len, 
   return {rope_cos_.slice(0, 0, seq_len), rope_sin_.slice(0, 0, seq_len)};
 }
 
-at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
+at::Tensor TransformerImpl::forward(const at::Tensor& tokens, const std::optional<at::Tensor>& document_ids) {
   TORCH_CHECK(tokens.dim() == 2, "llama: tokens must be [batch, seq], got ", tokens.sizes());
+  const AttentionMask mask = attention_mask_for(args_, document_ids, "llama");
+  if (mask) {
+    TORCH_CHECK(document_ids->sizes() == tokens.sizes(), "llama: document ids ", document_ids->sizes(),
+                " do not match the tokens ", tokens.sizes());
+  }
   auto h = fsdp::nn::call(tok_embeddings, tokens);
   auto [cos, sin] = rope_tables(tokens.size(1), h.device());
-  for (auto& block : blocks_) h = fsdp::nn::call(block, h, cos, sin);
+  for (auto& block : blocks_) h = mask ? fsdp::nn::call(block, h, cos, sin, mask) : fsdp::nn::call(block, h, cos, sin);
   h = fsdp::nn::call(norm, h);
   if (args_.tie_embeddings) return at::linear(h, tok_embeddings->weight());
   return fsdp::nn::call(output, h);

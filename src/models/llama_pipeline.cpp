@@ -118,7 +118,12 @@ std::vector<std::string> LlamaStageImpl::module_fqns() const {
   return fqns;
 }
 
-at::Tensor LlamaStageImpl::forward(const at::Tensor& x) {
+at::Tensor LlamaStageImpl::forward(const at::Tensor& x, const std::optional<at::Tensor>& document_ids) {
+  const AttentionMask mask = attention_mask_for(args_, document_ids, "llama stage");
+  if (mask) {
+    TORCH_CHECK(document_ids->size(0) == x.size(0), "llama stage: document ids for ", document_ids->size(0),
+                " sequences, the microbatch has ", x.size(0));
+  }
   at::Tensor h;
   int64_t seq_len;
   if (first_) {
@@ -138,7 +143,11 @@ at::Tensor LlamaStageImpl::forward(const at::Tensor& x) {
     rope_sin_ = s.to(h.device());
   }
   const at::Tensor cos = rope_cos_.slice(0, 0, seq_len), sin = rope_sin_.slice(0, 0, seq_len);
-  for (auto& block : blocks_) h = fsdp::nn::call(block, h, cos, sin);
+  if (mask) {
+    TORCH_CHECK(mask->size(2) == seq_len, "llama stage: document ids cover ", mask->size(2), " positions, the ",
+                "sequence has ", seq_len);
+  }
+  for (auto& block : blocks_) h = mask ? fsdp::nn::call(block, h, cos, sin, mask) : fsdp::nn::call(block, h, cos, sin);
   if (!last_) return h;
   h = fsdp::nn::call(norm, h);
   if (args_.tie_embeddings) return at::linear(h, tok_embeddings->weight());

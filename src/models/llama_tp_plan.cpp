@@ -23,7 +23,8 @@ ParallelizePlan tensor_parallel_plan(const LlamaArgs& args, int64_t tp, const Ll
   if (o.sequence_parallel) {
     plan.emplace_back("layers.*.attention_norm", SequenceParallel{});
     plan.emplace_back("layers.*.ffn_norm", SequenceParallel{});
-    // (x, rope_cos, rope_sin): only x is sequence-sharded.
+    // (x, rope_cos, rope_sin[, block_causal mask]): only x is sequence-sharded (the mask, over the full sequence,
+    // passes untouched: attention runs on the gathered sequence with this rank's heads).
     plan.emplace_back("layers.*.attention",
                       PrepareModuleInput{{seq, std::nullopt, std::nullopt}, {Replicate(), std::nullopt, std::nullopt}});
     plan.emplace_back("layers.*.feed_forward", PrepareModuleInput{{seq}, {Replicate()}});

@@ -110,7 +110,7 @@ struct Pipeline::Impl {
   std::map<int, StageRun> stages;  // by stage index
   std::vector<PipelineActionSpan> timeline;
   std::vector<Work> pending_sends;
-  std::vector<at::Tensor> input_mbs, target_mbs;
+  std::vector<at::Tensor> input_mbs, target_mbs, context_mbs;
   std::vector<at::Tensor> losses;
   bool training = true;
 
@@ -200,7 +200,9 @@ struct Pipeline::Impl {
       if (training && is_differentiable(x)) x.requires_grad_(true);
     }
     s.inputs[mb] = x;
-    at::Tensor out = s.stage.forward(x);
+    at::Tensor out = s.stage.forward_with_context
+                         ? s.stage.forward_with_context(x, context_mbs.empty() ? at::Tensor() : context_mbs.at(mb))
+                         : s.stage.forward(x);
     TORCH_CHECK(out.defined(), "fsdp pipeline: stage ", s.stage.index, " returned an undefined tensor");
     if (!s.is_last && s.out_shapes[mb] && out.sizes() != c10::IntArrayRef(s.out_shapes[mb]->sizes)) {
       TORCH_CHECK(false, "fsdp pipeline: stage ", s.stage.index, " output for microbatch ", mb, " has shape ",
@@ -361,13 +363,14 @@ struct Pipeline::Impl {
     return t.chunk(m, 0);
   }
 
-  PipelineStepResult run(const at::Tensor& inputs, const at::Tensor& targets, bool train) {
+  PipelineStepResult run(const at::Tensor& inputs, const at::Tensor& targets, const at::Tensor& context, bool train) {
     training = train;
     const int m = options.microbatches;
     input_mbs.clear();
     target_mbs.clear();
     if (stages.count(0)) input_mbs = split_batch(inputs, "inputs");
     if (stages.count(schedule.num_stages - 1)) target_mbs = split_batch(targets, "targets");
+    context_mbs = context.defined() ? split_batch(context, "context") : std::vector<at::Tensor>();
     losses.assign(m, at::Tensor());
     // Evaluation agrees its own shapes (its batch may differ from training's): it sends the shape headers every
     // time and leaves the training shapes as they were.
@@ -423,6 +426,7 @@ struct Pipeline::Impl {
     if (stages.count(schedule.num_stages - 1)) result.losses = losses;
     input_mbs.clear();
     target_mbs.clear();
+    context_mbs.clear();
     return result;
   }
 };
@@ -457,7 +461,7 @@ Pipeline::Pipeline(std::vector<PipelineStage> stages, ProcessGroupPtr group, Pip
   std::vector<int> given;
   for (auto& st : stages) {
     TORCH_CHECK(st.module, "fsdp::Pipeline: stage ", st.index, " has no module");
-    TORCH_CHECK(st.forward, "fsdp::Pipeline: stage ", st.index, " has no forward function");
+    TORCH_CHECK(st.forward || st.forward_with_context, "fsdp::Pipeline: stage ", st.index, " has no forward function");
     TORCH_CHECK(st.index >= 0 && st.index < p.schedule.num_stages, "fsdp::Pipeline: stage index ", st.index,
                 " is outside [0, ", p.schedule.num_stages, ")");
     given.push_back(st.index);
@@ -502,12 +506,12 @@ Pipeline::Pipeline(std::vector<PipelineStage> stages, ProcessGroupPtr group, Pip
 
 Pipeline::~Pipeline() = default;
 
-PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
-  return impl_->run(inputs, targets, /*train=*/true);
+PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets, const at::Tensor& context) {
+  return impl_->run(inputs, targets, context, /*train=*/true);
 }
 
-PipelineStepResult Pipeline::eval(const at::Tensor& inputs, const at::Tensor& targets) {
-  return impl_->run(inputs, targets, /*train=*/false);
+PipelineStepResult Pipeline::eval(const at::Tensor& inputs, const at::Tensor& targets, const at::Tensor& context) {
+  return impl_->run(inputs, targets, context, /*train=*/false);
 }
 
 const pipeline::PipelineSchedule& Pipeline::schedule() const { return impl_->schedule; }

@@ -156,6 +156,7 @@ TEST(Config, ChoiceKeysAcceptTorchTitanNamesAndWriteThemBack) {
       {"model.name", {"llama3", "qwen3"}},
       {"model.moe_score_func", {"", "softmax", "sigmoid"}},
       {"model.moe_route_norm", {"", "true", "false"}},
+      {"model.attn_mask_type", {"causal", "block_causal"}},
       {"optimizer.name", {"AdamW", "Adam"}},
       {"lr_scheduler.decay_type", {"linear", "sqrt", "cosine"}},
       {"training.dataset", {"common_licenses", "common_licenses_validation", "text", "jsonl", "tokens"}},
@@ -188,7 +189,7 @@ TEST(Config, ChoiceKeysAcceptTorchTitanNamesAndWriteThemBack) {
                          names.back()});
     expect_config_error([&] { load_config({"--" + key, "bogus"}); }, {key, "'bogus'", "command line --" + key});
   }
-  EXPECT_EQ(seen, 49u);
+  EXPECT_EQ(seen, 51u);
   // Schema types are still TOML's: a string.
   for (const auto& info : config_schema())
     if (info.key == "async_mode" || info.key == "pipeline_parallel_schedule") EXPECT_EQ(info.type, "string");

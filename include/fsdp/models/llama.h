@@ -75,6 +75,14 @@ double rope_attention_factor(const std::optional<RopeScaling>& scaling);
 // RoPE, Qwen3's checkpoints: their q/k weights then load without a row permutation).
 enum class RopeLayout { Interleaved, HalfSplit };
 
+// Which keys a query attends to (TorchTitan's attn_mask_type). Causal: every earlier position of the sequence.
+// BlockCausal: only the earlier positions of its own document, for samples packed from several documents; the
+// forward then takes the tokens' document ids (document_ids() below), and attention runs with a boolean
+// [batch, 1, seq, seq] mask built once per forward (block_causal_mask()). RoPE positions stay those of the packed
+// sequence, as in TorchTitan (attention depends only on the distance between a query and a key, so a document
+// attends as it would alone at position 0).
+enum class AttnMaskType { Causal, BlockCausal };
+
 // TorchTitan's TransformerModelArgs for llama3, generalised for Qwen3 (<fsdp/models/qwen3.h>): an explicit head
 // size and FFN size, QK-norm, the half-split RoPE layout and MoE layers. The defaults are Llama 3's.
 struct LlamaArgs {
@@ -106,6 +114,7 @@ struct LlamaArgs {
   std::optional<fsdp::nn::moe::MoEOptions> moe;
   int64_t moe_layer_step = 1;
   std::vector<int64_t> dense_layers;
+  AttnMaskType attn_mask_type = AttnMaskType::Causal;
 
   int64_t kv_heads() const { return n_kv_heads.value_or(n_heads); }
   int64_t head_dim() const { return explicit_head_dim.value_or(dim / n_heads); }
@@ -177,12 +186,25 @@ struct KVCache {
   int64_t capacity() const { return keys.empty() ? 0 : keys.front().size(1); }
 };
 
+// Document masking (AttnMaskType::BlockCausal), TorchTitan's rule (torchtitan/models/attention.py,
+// get_document_mask_mod): the document id of position t is the number of EOS tokens at positions < t, so an EOS
+// belongs to the document it ends and the next document starts right after it. tokens [B, S] (integer) ->
+// int64 [B, S]; ids count from 0 in each row.
+at::Tensor document_ids(const at::Tensor& tokens, int64_t eos_id);
+// The boolean mask attention takes for document ids [B, S]: [B, 1, S, S], true where query q may see key k
+// (k <= q and both in the same document). B * S * S bytes (32 MiB at B 8, S 2048).
+at::Tensor block_causal_mask(const at::Tensor& document_ids);
+// The attention mask a block gets: a block_causal_mask, or nothing (causal attention).
+using AttentionMask = std::optional<at::Tensor>;
+
 // Grouped-query causal self-attention with rotary position embeddings.
 class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const LlamaArgs& args);
-  // x: [B, S, dim]; rope_cos/rope_sin: [S, head_dim/2] (float32).
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin);
+  // x: [B, S, dim]; rope_cos/rope_sin: [S, head_dim/2] (float32); mask: a block_causal_mask [B, 1, S, S] (with
+  // sequence parallelism S is the full length: attention sees the whole sequence), or nothing for causal.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin,
+                     const AttentionMask& mask = std::nullopt);
   // x holds positions [start, start + S); rope tables for those positions. Writes their keys/values into
   // cache_k/cache_v at [start, start + S) and attends causally over [0, start + S).
   at::Tensor forward_cached(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin,
@@ -214,7 +236,9 @@ TORCH_MODULE(FeedForward);
 class TransformerBlockImpl : public torch::nn::Module {
  public:
   TransformerBlockImpl(int64_t layer_id, const LlamaArgs& args);
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin);
+  // mask: as AttentionImpl::forward's (an argument, so activation checkpointing's recomputation sees it too).
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin,
+                     const AttentionMask& mask = std::nullopt);
   at::Tensor forward_cached(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin,
                             at::Tensor& cache_k, at::Tensor& cache_v, int64_t start);
   void init_weights(at::Generator& gen);
@@ -230,8 +254,9 @@ TORCH_MODULE(TransformerBlock);
 class TransformerImpl : public torch::nn::Module {
  public:
   explicit TransformerImpl(LlamaArgs args);
-  // tokens: [B, S] int64 -> logits [B, S, vocab] (in the dtype the blocks computed in).
-  at::Tensor forward(const at::Tensor& tokens);
+  // tokens: [B, S] int64 -> logits [B, S, vocab] (in the dtype the blocks computed in). document_ids: the
+  // tokens' document_ids() [B, S], given exactly when args().attn_mask_type is BlockCausal (an error otherwise).
+  at::Tensor forward(const at::Tensor& tokens, const std::optional<at::Tensor>& document_ids = std::nullopt);
   // Incremental decoding for generation on an unsharded model (blocks are called directly: no module hooks).
   // An empty cache for `batch` sequences of up to `capacity` positions (zeros, the parameters' dtype/device).
   KVCache make_kv_cache(int64_t batch, int64_t capacity) const;
@@ -267,6 +292,11 @@ class TransformerImpl : public torch::nn::Module {
   at::Tensor rope_cos_, rope_sin_;
 };
 TORCH_MODULE(Transformer);
+
+// The attention mask of a forward: nothing for a Causal model; for a BlockCausal one the block_causal_mask of
+// `document_ids` [B, S] (required). `who` names the caller in errors.
+AttentionMask attention_mask_for(const LlamaArgs& args, const std::optional<at::Tensor>& document_ids,
+                                 const char* who);
 
 // RoPE inverse frequencies theta^(-2i/head_dim), i < head_dim/2, in float64, with the scaling if given
 // (Llama 3.1's: TorchTitan's ComplexRoPE._precompute_cache formula; YaRN and linear: transformers').

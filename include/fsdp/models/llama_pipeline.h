@@ -40,8 +40,9 @@ class LlamaStageImpl : public torch::nn::Module {
   // Shares `whole`'s modules: tok_embeddings when `first`, blocks [begin, end), norm and output when `last`.
   LlamaStageImpl(TransformerImpl& whole, int64_t begin, int64_t end, bool first, bool last);
   // First stage: tokens [B, S] -> hidden; middle: hidden -> hidden; last: hidden -> logits (hidden -> logits when
-  // both first and last).
-  at::Tensor forward(const at::Tensor& x);
+  // both first and last). document_ids: the microbatch's document_ids() [B, S] (full length), given exactly when
+  // the model is BlockCausal; every stage needs them (the pipeline carries them alongside the microbatch).
+  at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& document_ids = std::nullopt);
 
   // The hidden states between stages are split along the sequence over this many ranks (sequence parallel);
   // RoPE needs the full length. Set by the tensor-parallel plan's user (1 = not split).
