@@ -94,7 +94,7 @@ int main(int argc, char** argv) {
   app.add_option("--pp", c.pp, "pipeline parallel degree (pp ranks; the world is pp x replicate x shard x tp)");
   app.add_option("--schedule", c.schedule,
                  "pipeline schedule (torch's names): GPipe | 1F1B | LoopedBFS | Interleaved1F1B | "
-                 "InterleavedZeroBubble | ZBVZeroBubble");
+                 "InterleavedZeroBubble | ZBVZeroBubble | DualPipeV");
   app.add_option("--microbatches", c.microbatches, "pipeline microbatches per step (must divide --local-batch)");
   app.add_option("--stages-per-rank", c.stages_per_rank, "pipeline stages per pp rank (0: the schedule's default)");
   int64_t layers_per_stage = 0;

@@ -361,7 +361,10 @@ RankWalk walk_rank(const PlanConfig& c, const fsdp::pipeline::PipelineSchedule& 
   };
 
   CommPlan& cm = w.comm;
-  for (const pl::Action& action : schedule.actions[rank]) {
+  std::vector<pl::Action> walked;  // DualPipeV's OVERLAP_F_B as its parts, in the order they run
+  for (const pl::Action& listed : schedule.actions[rank])
+    for (const pl::Action& part : listed.leaves()) walked.push_back(part);
+  for (const pl::Action& action : walked) {
     const StagePlan& st = stages[action.stage];
     const std::string where = " of stage " + std::to_string(action.stage) + " (microbatch " +
                               std::to_string(action.microbatch) + ")";
@@ -404,6 +407,7 @@ RankWalk walk_rank(const PlanConfig& c, const fsdp::pipeline::PipelineSchedule& 
         break;
       case pl::ActionType::RecvF:
       case pl::ActionType::RecvB:
+      case pl::ActionType::OverlapFB:  // expanded above
         break;
     }
   }
@@ -616,6 +620,10 @@ void plan_pipeline(const PlanConfig& c, Plan& plan) {
     case pl::ScheduleKind::ZBVZeroBubble:
       pp.bubble_closed_form = (p - 1) / (3 * vv * m + p - 1);
       break;
+    case pl::ScheduleKind::DualPipeV:  // no closed form: the simulated value only
+    case pl::ScheduleKind::Csv:
+      pp.bubble_closed_form = -1;
+      break;
   }
 
   MemoryPlan& mem = plan.memory;
@@ -661,8 +669,13 @@ void format_pipeline(std::ostringstream& os, const Plan& p) {
        << " microbatches in flight, peak memory " << gib(r.peak_bytes) << " (" << r.peak_moment << "), sends "
        << gib(r.pp_send_bytes) << "\n";
   }
-  std::snprintf(buf, sizeof buf, "%.4f (simulated, F=1 B=2 I=W=1 per effective layer); closed form at equal stages %.4f",
-                pl.bubble_fraction, pl.bubble_closed_form);
+  if (pl.bubble_closed_form < 0)
+    std::snprintf(buf, sizeof buf, "%.4f (simulated, F=1 B=2 I=W=1 per effective layer); no closed form",
+                  pl.bubble_fraction);
+  else
+    std::snprintf(buf, sizeof buf,
+                  "%.4f (simulated, F=1 B=2 I=W=1 per effective layer); closed form at equal stages %.4f",
+                  pl.bubble_fraction, pl.bubble_closed_form);
   os << "  bubble fraction " << buf << "\n";
 }
 

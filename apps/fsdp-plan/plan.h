@@ -206,7 +206,7 @@ struct PipelinePlan {
   // fsdp::pipeline::simulate with F = 1, B = 2 (I = W = 1) per effective layer of the stage, no latency, and
   // the closed form of the reference table for equal stages ((p-1)/(m+p-1), (p-1)/(v m+p-1),
   // (p-1)/(3 v m+p-1)).
-  double bubble_fraction = 0, bubble_closed_form = 0;
+  double bubble_fraction = 0, bubble_closed_form = 0;  // closed form -1: none (DualPipeV)
 };
 
 struct Plan {

@@ -84,7 +84,8 @@ struct Choices<PipelineSchedule> {
                                                            {PipelineSchedule::LoopedBFS, "LoopedBFS"},
                                                            {PipelineSchedule::Interleaved1F1B, "Interleaved1F1B"},
                                                            {PipelineSchedule::InterleavedZeroBubble, "InterleavedZeroBubble"},
-                                                           {PipelineSchedule::ZBVZeroBubble, "ZBVZeroBubble"}};
+                                                           {PipelineSchedule::ZBVZeroBubble, "ZBVZeroBubble"},
+                                                           {PipelineSchedule::DualPipeV, "DualPipeV"}};
 };
 template <>
 struct Choices<ExportDtype> : ExactNames {
@@ -289,7 +290,11 @@ std::vector<Field> fields(JobConfig& c) {
       {"parallelism", "pipeline_parallel_degree", &c.parallelism.pipeline_parallel_degree,
        "pipeline ranks (outermost mesh dim: [pp, dp_replicate, dp_shard, tp]); each holds one or more stages"},
       {"parallelism", "pipeline_parallel_schedule", choice(&c.parallelism.pipeline_parallel_schedule),
-       "GPipe | 1F1B | LoopedBFS | Interleaved1F1B | InterleavedZeroBubble | ZBVZeroBubble (torch's names)"},
+       "GPipe | 1F1B | LoopedBFS | Interleaved1F1B | InterleavedZeroBubble | ZBVZeroBubble | DualPipeV (torch's "
+       "names)"},
+      {"parallelism", "pipeline_parallel_schedule_csv", &c.parallelism.pipeline_parallel_schedule_csv,
+       "a compute-only schedule file, one row per pipeline rank (torch's _dump_csv(format=\"compute_only\")); "
+       "replaces pipeline_parallel_schedule, its stage placement is the file's"},
       {"parallelism", "pipeline_parallel_microbatch_size", &c.parallelism.pipeline_parallel_microbatch_size,
        "samples per pipeline microbatch: local_batch_size / this microbatches per step"},
       {"parallelism", "num_pp_microbatches", &c.parallelism.num_pp_microbatches,

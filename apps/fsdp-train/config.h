@@ -40,8 +40,16 @@ enum class BadRecords { Skip, Error };                        // skip | error
 enum class MixedPrecision { Float32, BFloat16 };              // float32 | bfloat16
 enum class ReshardAfterForward { Default, Always, Never };    // default | always | never
 // torch's schedule names, case-insensitive: GPipe | 1F1B | LoopedBFS | Interleaved1F1B | InterleavedZeroBubble |
-// ZBVZeroBubble.
-enum class PipelineSchedule { GPipe, OneFOneB, LoopedBFS, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble };
+// ZBVZeroBubble | DualPipeV.
+enum class PipelineSchedule {
+  GPipe,
+  OneFOneB,
+  LoopedBFS,
+  Interleaved1F1B,
+  InterleavedZeroBubble,
+  ZBVZeroBubble,
+  DualPipeV
+};
 enum class ExportDtype { Float32, BFloat16, Float16 };        // float32 | bfloat16 | float16
 enum class AsyncMode { Disabled, Async, AsyncWithPinnedMem }; // disabled | async | async_with_pinned_mem
 enum class CheckpointFormat { Libfsdp, Dcp };                 // libfsdp | dcp
@@ -162,6 +170,8 @@ struct JobConfig {
     // Pipeline parallelism (TorchTitan's keys): the outermost mesh dim.
     int64_t pipeline_parallel_degree = 1;
     PipelineSchedule pipeline_parallel_schedule = PipelineSchedule::OneFOneB;
+    // A compute-only schedule file (torch's _load_csv; docs/pipeline.md); when set it replaces the schedule above.
+    std::string pipeline_parallel_schedule_csv;
     int64_t pipeline_parallel_microbatch_size = 1;    // microbatches = local_batch_size / this
     int64_t num_pp_microbatches = 0;                  // TorchTitan's newer key; > 0 overrides the line above
     int64_t pipeline_parallel_layers_per_stage = 0;   // 0 = the schedule's stages per rank

@@ -1,6 +1,7 @@
 // See parallel_dims.h.
 #include "parallel_dims.h"
 
+#include <filesystem>
 #include <string>
 
 namespace fsdp_train {
@@ -92,6 +93,11 @@ ParallelDims resolve_parallelism(const JobConfig& c, int64_t world_size) {
                                                 std::to_string(d.local_batch_size) + ")");
       d.pp_microbatches = d.local_batch_size / size;
     }
+    // A schedule file is read when the stages are cut (its rows and cells are checked there, against the stage
+    // count); here, before any process group, only that it is there (TorchTitan's check).
+    const std::string& csv = c.parallelism.pipeline_parallel_schedule_csv;
+    check(csv.empty() || std::filesystem::is_regular_file(csv),
+          "parallelism.pipeline_parallel_schedule_csv: '" + csv + "' does not exist or is not a file");
     // Validation runs the same schedule forward-only: its batch splits into the same number of microbatches.
     check(!c.validation.enable || c.validation.local_batch_size % d.pp_microbatches == 0,
           "validation.local_batch_size (" + std::to_string(c.validation.local_batch_size) +

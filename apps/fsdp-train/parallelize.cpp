@@ -27,6 +27,7 @@ fsdp::pipeline::ScheduleKind schedule_kind(PipelineSchedule schedule) {
     case PipelineSchedule::Interleaved1F1B: return K::Interleaved1F1B;
     case PipelineSchedule::InterleavedZeroBubble: return K::InterleavedZeroBubble;
     case PipelineSchedule::ZBVZeroBubble: return K::ZBVZeroBubble;
+    case PipelineSchedule::DualPipeV: return K::DualPipeV;
   }
   return K::OneFOneB;  // unreachable: every enumerator is handled above
 }
@@ -256,7 +257,7 @@ std::vector<fsdp::FSDPModule> apply_ddp(fsdp::nn::llama::Transformer& model, con
 
 PipelineSplit split_pipeline(const fsdp::nn::llama::LlamaArgs& args, const PipelineSplitOptions& o) {
   // Stages: TorchTitan's split, placed by the schedule (loop or V).
-  const auto kind = schedule_kind(o.schedule);
+  const auto kind = o.schedule_csv.empty() ? schedule_kind(o.schedule) : fsdp::pipeline::ScheduleKind::Csv;
   const int64_t n_layers = args.n_layers;
   PipelineSplit split;
   split.num_stages = o.pp * fsdp::pipeline::default_stages_per_rank(kind);
@@ -282,11 +283,17 @@ PipelineSplit split_pipeline(const fsdp::nn::llama::LlamaArgs& args, const Pipel
     split.layers = explicit_fqns ? fsdp::nn::llama::layers_from_fqns(args, o.module_fqns_per_model_part)
                                  : fsdp::nn::llama::split_layers(n_layers, split.num_stages, o.first_stage_less_layers,
                                                                  o.last_stage_less_layers);
-    split.schedule = fsdp::pipeline::build_schedule({kind, static_cast<int>(o.pp),
-                                                     static_cast<int>(split.num_stages / o.pp),
-                                                     static_cast<int>(o.microbatches)});
+    split.schedule = o.schedule_csv.empty()
+                         ? fsdp::pipeline::build_schedule({kind, static_cast<int>(o.pp),
+                                                           static_cast<int>(split.num_stages / o.pp),
+                                                           static_cast<int>(o.microbatches)})
+                         : fsdp::pipeline::load_schedule_csv(o.schedule_csv, static_cast<int>(o.pp),
+                                                             static_cast<int>(split.num_stages),
+                                                             static_cast<int>(o.microbatches));
   } catch (const c10::Error& e) {
-    throw ConfigError(std::string("config error: parallelism: ") + e.what_without_backtrace());
+    throw ConfigError(std::string(o.schedule_csv.empty() ? "config error: parallelism: "
+                                                         : "config error: parallelism.pipeline_parallel_schedule_csv: ") +
+                      e.what_without_backtrace());
   }
   return split;
 }
@@ -333,6 +340,7 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
   so.first_stage_less_layers = p.pipeline_parallel_first_stage_less_layers;
   so.last_stage_less_layers = p.pipeline_parallel_last_stage_less_layers;
   so.module_fqns_per_model_part = p.module_fqns_per_model_part;
+  so.schedule_csv = p.pipeline_parallel_schedule_csv;
   const PipelineSplit split = split_pipeline(model->args(), so);
   const int64_t num_stages = split.num_stages;
   plan.num_stages = static_cast<int>(num_stages);
@@ -353,7 +361,10 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
   plan.holds_last_stage = plan.stage_indices.back() == num_stages - 1;
   set_sum_gradients(plan);
   const bool always = p.fsdp_reshard_after_forward == ReshardAfterForward::Always;
-  plan.description = "PP " + std::to_string(dims.pp) + " (" + to_string(p.pipeline_parallel_schedule) + ", " +
+  const std::string schedule_text = p.pipeline_parallel_schedule_csv.empty()
+                                        ? std::string(to_string(p.pipeline_parallel_schedule))
+                                        : "CSV " + p.pipeline_parallel_schedule_csv;
+  plan.description = "PP " + std::to_string(dims.pp) + " (" + schedule_text + ", " +
                      std::to_string(num_stages) + " stages, " + std::to_string(dims.pp_microbatches) +
                      " microbatches; this rank: " + layers + ") + " + (dims.tp > 1 ? "TP " + std::to_string(dims.tp) +
                      " (sequence parallel) + " : std::string()) + (dims.dp_replicate > 1 ? "HSDP" : "FSDP") +

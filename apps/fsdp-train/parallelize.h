@@ -128,6 +128,7 @@ struct PipelineSplitOptions {
   int64_t layers_per_stage = 0;  // 0 = the schedule's stages per rank
   int64_t first_stage_less_layers = 1, last_stage_less_layers = 1;
   std::vector<std::vector<std::string>> module_fqns_per_model_part;  // explicit stages; empty = none
+  std::string schedule_csv;  // a schedule file (replaces `schedule`); empty = none
 };
 struct PipelineSplit {
   int64_t num_stages = 0;

@@ -350,6 +350,7 @@ void Trainer::build_model() {
     popts.schedule = to_string(config.parallelism.pipeline_parallel_schedule);
     popts.microbatches = static_cast<int>(dims_.pp_microbatches);
     popts.num_stages = plan_.num_stages;
+    popts.schedule_csv = config.parallelism.pipeline_parallel_schedule_csv;
     pipeline_ = std::make_unique<fsdp::Pipeline>(
         std::move(stages), plan_.pp_group,
         [this](const torch::Tensor& logits, const torch::Tensor& labels) {

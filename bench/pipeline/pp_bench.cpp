@@ -245,6 +245,10 @@ int run(const Options& o) {
       auto start = span.start;
       if (action.type == pl::ActionType::Forward) {
         start = ComputeEvents::first_in(events->forward, action.stage, span.start, span.end);
+      } else if (action.type == pl::ActionType::OverlapFB && action.sub_actions.front().type == pl::ActionType::Forward) {
+        // DualPipeV's pair runs its forward first: busy from the forward's real start to the backward's end (a wait
+        // between the parts counts as busy; the pair's parts are not in the per-type means below).
+        start = ComputeEvents::first_in(events->forward, action.sub_actions.front().stage, span.start, span.end);
       } else if ((action.type == pl::ActionType::Backward || action.type == pl::ActionType::BackwardInput) &&
                  action.stage != num_stages - 1) {
         start = ComputeEvents::first_in(events->backward, action.stage, span.start, span.end);
@@ -399,7 +403,7 @@ int main(int argc, char** argv) {
   Options o;
   app.add_option("--pp", o.pp, "pipeline ranks")->required();
   app.add_option("--dp", o.dp, "data-parallel (FSDP) ranks");
-  app.add_option("--schedule", o.schedule, "GPipe, 1F1B, LoopedBFS, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble");
+  app.add_option("--schedule", o.schedule, "GPipe, 1F1B, LoopedBFS, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV");
   app.add_option("--microbatches", o.microbatches);
   app.add_option("--dim", o.dim);
   app.add_option("--layers", o.layers);

@@ -10,7 +10,7 @@ ops in float64 and cast to float32), so bench/pipeline/pp_bench.cpp builds exact
 sharing an RNG stream or a file.
 
 Layers are split evenly over pp x v stages (v = 1 for GPipe and 1F1B, 2 for the multi-stage schedules); stage s
-lives on pp rank s % pp (ZBVZeroBubble: the V, ranks 0..p-1 then p-1..0). With dp > 1 every layer and every stage
+lives on pp rank s % pp (ZBVZeroBubble, DualPipeV: the V, ranks 0..p-1 then p-1..0). With dp > 1 every layer and every stage
 part gets fully_shard over the dp mesh with reshard_after_forward=False (TorchTitan under PP); at dp 1 no FSDP
 (TorchTitan applies it only when dp_shard > 1). Loss of a microbatch = its summed squared error / (local batch x
 D), backpropagated as is (scale_grads=False), so the sum over microbatches is this dp rank's mean; FSDP2's default
@@ -40,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from model_init import layer_params, step_batch  # noqa: E402
 
-SCHEDULES = ["GPipe", "1F1B", "LoopedBFS", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
+SCHEDULES = ["GPipe", "1F1B", "LoopedBFS", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 
 
 class Chain(nn.Module):
@@ -69,7 +69,7 @@ def stages_per_rank(schedule):
 
 
 def stage_to_rank(schedule, pp, num_stages):
-    if schedule.lower() == "zbvzerobubble":  # the V: ranks 0..p-1, then p-1..0
+    if schedule.lower() in ("zbvzerobubble", "dualpipev"):  # the V: ranks 0..p-1, then p-1..0
         return [s % pp if (s // pp) % 2 == 0 else pp - 1 - s % pp for s in range(num_stages)]
     return [s % pp for s in range(num_stages)]
 

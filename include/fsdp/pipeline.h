@@ -1,7 +1,8 @@
 #pragma once
 // Pipeline parallelism (torch.distributed.pipelining's runtime, in C++): the model is cut into stages; each
 // rank of a pipeline group holds one or more of them (its model parts) and a step pushes microbatches through
-// them by a schedule — GPipe, 1F1B, LoopedBFS, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble — executed
+// them by a schedule — GPipe, 1F1B, LoopedBFS, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV,
+// or one read from a CSV file — executed
 // from the schedule's action list (fsdp/pipeline/schedule.h: build, print, validate, simulate). Activations go
 // forward and their gradients back between neighbouring stages with point-to-point transfers over the pipeline
 // group; shapes are agreed at the first step.
@@ -48,7 +49,10 @@ using PipelineLoss = std::function<at::Tensor(const at::Tensor& output, const at
 struct PipelineOptions {
   std::string schedule = "1F1B";  // torch / TorchTitan names, case-insensitive
   int microbatches = 1;           // the step's inputs are split into this many equal pieces along dim 0
-  int num_stages = 0;             // 0 = pipeline group size x the schedule's stages per rank
+  int num_stages = 0;             // 0 = pipeline group size x the schedule's stages per rank (2 for a CSV)
+  // A compute-only schedule file instead of a named schedule (torch's _load_csv; fsdp/pipeline/schedule.h:
+  // load_schedule_csv). Its stage placement is the file's; `schedule` is then ignored.
+  std::string schedule_csv;
 };
 
 // What one action of the last step did on this rank (for the measured bubble, docs/pipeline.md).

@@ -311,6 +311,14 @@ struct Pipeline::Impl {
   }
 
   void execute(const Action& a) {
+    if (a.type == ActionType::OverlapFB) {
+      // DualPipeV's overlapped pair runs its parts one after the other, forward first, as torch's runtime does:
+      // the order and the result are the schedule's; overlapping them (one part's communication under the other's
+      // compute) would need a second stream.
+      for (const Action& part : a.sub_actions)
+        if (training || part.type == ActionType::Forward) execute(part);
+      return;
+    }
     StageRun& s = run_of(a.stage);
     const int mb = a.microbatch;
     switch (a.type) {
@@ -349,6 +357,8 @@ struct Pipeline::Impl {
         break;
       case ActionType::RecvB:
         receive_output_grad(s, mb);
+        break;
+      case ActionType::OverlapFB:  // expanded above
         break;
     }
   }
@@ -443,7 +453,7 @@ Pipeline::Pipeline(std::vector<PipelineStage> stages, ProcessGroupPtr group, Pip
   p.options = options;
   const int pp = p.group->size();
   pipeline::ScheduleSpec spec;
-  spec.kind = pipeline::parse_schedule_name(options.schedule);
+  spec.kind = options.schedule_csv.empty() ? pipeline::parse_schedule_name(options.schedule) : pipeline::ScheduleKind::Csv;
   spec.pp = pp;
   spec.microbatches = options.microbatches;
   if (options.num_stages > 0) {
@@ -453,7 +463,10 @@ Pipeline::Pipeline(std::vector<PipelineStage> stages, ProcessGroupPtr group, Pip
   } else {
     spec.stages_per_rank = pipeline::default_stages_per_rank(spec.kind);
   }
-  p.schedule = pipeline::build_schedule(spec);
+  p.schedule = options.schedule_csv.empty()
+                   ? pipeline::build_schedule(spec)
+                   : pipeline::load_schedule_csv(options.schedule_csv, pp, pp * spec.stages_per_rank,
+                                                 options.microbatches);
   TORCH_CHECK(p.schedule.num_stages < 1024 && options.microbatches < 65536, "fsdp::Pipeline: at most 1023 stages ",
               "and 65535 microbatches");
   const int rank = p.group->rank();

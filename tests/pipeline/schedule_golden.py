@@ -11,7 +11,13 @@ Prints a line-based text format on stdout (one token per action, "-" for an idle
                                         it against a fake stage and recording P2P functions
   END
 
+  CSVCASE <schedule> <pp> <stages_per_rank> <microbatches> <path>
+                                        torch's _dump_csv of the schedule was written to <path>; the COMMS lines
+                                        that follow are what torch's _load_csv lowers that file to
+
 Usage: schedule_golden.py [<schedule>:<pp>:<stages_per_rank>:<microbatches> ...]   (default: the test's set)
+       schedule_golden.py CSV:<schedule>:<pp>:<v>:<m>:<path>        (also CSV_COMMS: the lowered lists, which
+                                                                      torch's compute_only loader refuses)
 """
 
 import sys
@@ -26,7 +32,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.pipelining.stage import PipelineStage
 
-RUNTIME_KINDS = ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"]
+RUNTIME_KINDS = ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"]  # (and DualPipeV)
 DEFAULT_CASES = (
     [f"{k}:{pp}:2:{m}" for k in RUNTIME_KINDS for pp in (2, 4) for m in (4, 8, 16)]
     + [f"{k}:8:2:16" for k in RUNTIME_KINDS]
@@ -42,6 +48,9 @@ DEFAULT_CASES = (
     + ["Interleaved1F1B:2:2:1", "ZBVZeroBubble:2:2:1", "InterleavedZeroBubble:2:2:1"]  # one microbatch
     + [f"{k}:{pp}:1:{m}" for k in ("GPipe", "1F1B") for pp in (1, 2, 4) for m in (4, 8)]
     + ["1F1B:4:1:3", "GPipe:4:1:2", "1F1B:8:1:16", "GPipe:8:1:16"]
+    # DualPipeV (OVERLAP_F_B pairs): m >= 2 pp; odd and even ranks differ in the drain, rank pp-1 in the main phase
+    + [f"DualPipeV:{pp}:2:{m}" for pp in (1, 2, 3, 4) for m in (8, 9, 16)]
+    + ["DualPipeV:2:2:4", "DualPipeV:8:2:16", "DualPipeV:8:2:20", "DualPipeV:2:2:3"]  # 3 < 4 stages: refused
 )
 
 
@@ -144,9 +153,27 @@ def emit_case(name, pp, v, m):
     print("END")
 
 
+def emit_csv(name, pp, v, m, path, fmt_name):
+    """Writes torch's own CSV of a schedule (_dump_csv) to `path`; for compute_only, prints what torch's
+    _PipelineScheduleRuntime._load_csv makes of that file (its lowered lists) as COMMS lines."""
+    print(f"CSVCASE {name} {pp} {v} {m} {path}")
+    schedule = get_schedule_class(name)(mock_stages(pp, v, False), m)
+    schedule._dump_csv(path, format=fmt_name)
+    if fmt_name == "compute_only":
+        runtime = _PipelineScheduleRuntime(mock_stages(pp, v, False), m)
+        runtime._load_csv(path)
+        for r in range(pp):
+            print(f"COMMS {r} {fmt(runtime.pipeline_order_with_comms[r])}")
+    print("END")
+
+
 def main(argv):
     cases = argv[1:] or DEFAULT_CASES
     for case in cases:
+        if case.startswith("CSV"):  # CSV[_COMMS]:<schedule>:<pp>:<v>:<m>:<path>
+            kind, name, pp, v, m, path = case.split(":", 5)
+            emit_csv(name, int(pp), int(v), int(m), path, "compute_comms" if kind == "CSV_COMMS" else "compute_only")
+            continue
         name, pp, v, m = case.split(":")
         emit_case(name, int(pp), int(v), int(m))
 

@@ -23,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 namespace fsdp::pipeline {
 namespace {
 
@@ -65,21 +67,27 @@ std::string golden_command() {
          setting("FSDP_TEST_SCHEDULE_GOLDEN", FSDP_TEST_SCHEDULE_GOLDEN);
 }
 
+// The golden script's stdout for these arguments (none: the default cases).
+std::string run_golden(const std::string& args) {
+  const std::string cmd = golden_command() + (args.empty() ? "" : " " + args);
+  std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(cmd.c_str(), "r"), pclose);
+  if (!pipe) throw std::runtime_error("cannot run " + cmd);
+  std::string text;
+  std::array<char, 4096> buffer{};
+  while (size_t n = fread(buffer.data(), 1, buffer.size(), pipe.get())) text.append(buffer.data(), n);
+  return text;
+}
+
 // Runs the golden script once per process (about 5 s) and parses its output.
 const std::vector<GoldenCase>& golden() {
   static const std::vector<GoldenCase> cases = [] {
-    const std::string cmd = golden_command();
-    std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(cmd.c_str(), "r"), pclose);
-    if (!pipe) throw std::runtime_error("cannot run " + cmd);
-    std::string text;
-    std::array<char, 4096> buffer{};
-    while (size_t n = fread(buffer.data(), 1, buffer.size(), pipe.get())) text.append(buffer.data(), n);
+    const std::string text = run_golden("");
     std::vector<GoldenCase> parsed;
     std::istringstream lines(text);
     for (std::string line; std::getline(lines, line);) {
       auto words = split_words(line);
       if (words.empty()) continue;
-      if (words[0] == "CASE") {
+      if (words[0] == "CASE" || words[0] == "CSVCASE") {
         GoldenCase c;
         c.name = words.at(1);
         c.pp = std::stoi(words.at(2));
@@ -154,6 +162,23 @@ TEST(Action, StringRoundTrip) {
   EXPECT_EQ(Action::parse("2B0").type, ActionType::Backward);
 }
 
+// DualPipeV's overlapped pair, in torch's spelling.
+TEST(Action, OverlapRoundTrip) {
+  const Action pair = Action::parse("(0F3;3B1)OVERLAP_F_B");
+  EXPECT_EQ(pair.type, ActionType::OverlapFB);
+  EXPECT_EQ(pair.sub_actions, (std::vector<Action>{{0, ActionType::Forward, 3}, {3, ActionType::Backward, 1}}));
+  EXPECT_EQ(pair.str(), "(0F3;3B1)OVERLAP_F_B");
+  EXPECT_EQ(pair, Action::overlap({0, ActionType::Forward, 3}, {3, ActionType::Backward, 1}));
+  EXPECT_EQ(pair.leaves(), pair.sub_actions);
+  EXPECT_EQ(Action::parse("2F0").leaves(), (std::vector<Action>{{2, ActionType::Forward, 0}}));
+  EXPECT_TRUE(is_compute(ActionType::OverlapFB));
+  EXPECT_TRUE(Contains(error_of([] { Action::parse("(0F3;3B1"); }), "no closing parenthesis"));
+  EXPECT_TRUE(Contains(error_of([] { Action::parse("(0F3;3B1)F"); }), "only OVERLAP_F_B groups actions"));
+  EXPECT_TRUE(Contains(error_of([] { Action::parse("(0F3;3SEND_F1)OVERLAP_F_B"); }), "must be one F, B, I or W"));
+  EXPECT_TRUE(Contains(error_of([] { Action::parse("(0F3;)OVERLAP_F_B"); }), "must be one F, B, I or W"));
+  EXPECT_TRUE(Contains(error_of([] { Action::parse("0OVERLAP_F_B1"); }), "is written (<action>;<action>)"));
+}
+
 TEST(Action, ParseErrorsSayWhatIsWrong) {
   EXPECT_TRUE(Contains(error_of([] { Action::parse(""); }), "does not start with a stage number"));
   EXPECT_TRUE(Contains(error_of([] { Action::parse("F0"); }), "\"F0\""));
@@ -165,6 +190,7 @@ TEST(Action, ParseErrorsSayWhatIsWrong) {
 
 TEST(ScheduleNames, TorchAndTitanNamesCaseInsensitive) {
   EXPECT_EQ(parse_schedule_name("1f1b"), ScheduleKind::OneFOneB);
+  EXPECT_EQ(parse_schedule_name("dualpipev"), ScheduleKind::DualPipeV);
   EXPECT_EQ(parse_schedule_name("GPIPE"), ScheduleKind::GPipe);
   EXPECT_EQ(parse_schedule_name("interleaved1f1b"), ScheduleKind::Interleaved1F1B);
   EXPECT_EQ(parse_schedule_name("LoopedBFS"), ScheduleKind::LoopedBFS);
@@ -204,7 +230,10 @@ TEST(TorchGolden, RuntimeSchedulesMatchTorch) {
                  " m=" + std::to_string(g.microbatches));
     const ScheduleSpec spec{kind, g.pp, g.stages_per_rank, g.microbatches};
     if (!g.error.empty()) {  // torch refuses: so do we, for the same reason
-      EXPECT_TRUE(Contains(error_of([&] { build_schedule(spec); }), "multiple of the number of rounds")) << g.error;
+      const char* reason = kind == ScheduleKind::DualPipeV ? "at least as many microbatches as stages"
+                                                           : "multiple of the number of rounds";
+      EXPECT_TRUE(Contains(g.error, reason)) << g.error;
+      EXPECT_TRUE(Contains(error_of([&] { build_schedule(spec); }), reason)) << g.error;
       ++refused;
       continue;
     }
@@ -222,8 +251,8 @@ TEST(TorchGolden, RuntimeSchedulesMatchTorch) {
     ++per_kind[g.name];
   }
   EXPECT_GE(compared, 30);  // the test is not vacuous: every kind, several shapes
-  EXPECT_GE(refused, 1);
-  for (const char* name : {"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"})
+  EXPECT_GE(refused, 2);
+  for (const char* name : {"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"})
     EXPECT_GE(per_kind[name], 6) << name;
 }
 
@@ -430,6 +459,146 @@ TEST(ValidateLowered, RejectsMissingRecvDeadlockAndFsdpMistakes) {
   EXPECT_TRUE(Contains(error_of([&] { validate_lowered(local_p2p, v.stage_to_rank, 4); }), "same rank"));
 }
 
+// One bad list per rule of validate_compute / validate_lowered (src/pipeline/schedule_validate.cpp: one function per
+// rule), each refused with that rule's message; the cases above cover the others.
+TEST(ValidateRules, EachRuleRefusesItsOwnBadList) {
+  // validate_compute: rule_stage_in_range, rule_every_stage_placed.
+  EXPECT_TRUE(Contains(compute_error({{"0F0", "0F1", "0B0", "0B1"}, {"1F0", "1F1", "1B0", "1B1", "2F0"}}),
+                       "rank 1, step 4 (2F0): stage out of range [0, 2)"));
+  EXPECT_TRUE(Contains(compute_error({{"0F0", "0F1", "0B0", "0B1"}, {}}), "stage 1 appears on no rank"));
+  // rule_overlap_parts, and the rules applied to an OVERLAP_F_B's parts (the part is named).
+  ComputeGrid bad_pair = parse_grid({{"0F0", "0F1", "0B0", "0B1"}, {"1F0", "1F1", "1B0", "1B1"}});
+  bad_pair[1][2] = Action::overlap({1, ActionType::SendF, 0}, {1, ActionType::Backward, 0});
+  EXPECT_TRUE(Contains(error_of([&] { validate_compute(bad_pair, 2, 2, 2); }),
+                       "must be one F, B, I or W action, got 1SEND_F0"));
+  EXPECT_TRUE(Contains(compute_error({{"0F0", "0F1", "0B0", "0B1"}, {"(1B0;1F0)OVERLAP_F_B", "1F1", "1B1"}}),
+                       "rank 1, step 0 (1B0): Full Backward without first running Forward"));
+
+  const auto s = build_schedule({ScheduleKind::OneFOneB, 2, 1, 2});
+  auto lowered_error = [&](const ActionLists& lists, std::vector<int> stage_to_rank = {0, 1}) {
+    return error_of([&] { validate_lowered(lists, stage_to_rank, 2); });
+  };
+  auto with = [&](int rank, const std::function<void(std::vector<Action>&)>& edit) {
+    ActionLists lists = s.actions;
+    edit(lists[rank]);
+    return lists;
+  };
+  auto insert_at = [](size_t pos, const std::string& text) {
+    return [=](std::vector<Action>& list) { list.insert(list.begin() + static_cast<long>(pos), Action::parse(text)); };
+  };
+  // rule_actions_owned
+  EXPECT_TRUE(Contains(lowered_error(with(0, insert_at(1, "1F0"))), "(1F0): stage 1 lives on rank 1"));
+  EXPECT_TRUE(Contains(lowered_error(with(0, insert_at(1, "0F5"))), "(0F5): microbatch out of range"));
+  // rule_p2p_between_ranks: no neighbour upstream of stage 0.
+  EXPECT_TRUE(Contains(lowered_error(with(0, insert_at(1, "0RECV_F0"))), "there is no neighbour stage to talk to"));
+  // rule_compute_actions_valid: the lists are fine but the map given says otherwise.
+  const auto one_rank = build_schedule({ScheduleKind::GPipe, 1, 1, 2});
+  EXPECT_TRUE(Contains(error_of([&] { validate_lowered(one_rank.actions, {0}, 3); }),
+                       "stage 0 (rank 0), microbatch 2 has no Forward"));
+  // rule_transfers_unique
+  EXPECT_TRUE(Contains(lowered_error(with(0, [](std::vector<Action>& l) {
+                         auto it = std::find(l.begin(), l.end(), Action::parse("0SEND_F0"));
+                         l.insert(it + 1, Action::parse("0SEND_F0"));
+                       })),
+                       "(0SEND_F0): the same transfer appears twice"));
+  // rule_every_recv_sent
+  EXPECT_TRUE(Contains(lowered_error(with(0, [](std::vector<Action>& l) { l = erase_first(l, "0SEND_F1"); })),
+                       "(1RECV_F1): no matching 0SEND_F1 on rank 0"));
+  // rule_compute_while_unsharded: double UNSHARD, RESHARD without UNSHARD, unused UNSHARD, open at the end.
+  EXPECT_TRUE(Contains(lowered_error(with(0, insert_at(1, "0UNSHARD"))), "UNSHARD of a stage that is already"));
+  EXPECT_TRUE(Contains(lowered_error(with(0, insert_at(0, "0RESHARD"))), "RESHARD of a stage that is not unsharded"));
+  EXPECT_TRUE(Contains(lowered_error(with(0, [](std::vector<Action>& l) {
+                         l.insert(l.begin() + 1, Action::parse("0RESHARD"));
+                       })),
+                       "did not compute since its UNSHARD"));
+  EXPECT_TRUE(Contains(lowered_error(with(1, [](std::vector<Action>& l) { l = erase_first(l, "1RESHARD"); })),
+                       "stage 1 is still unsharded at the end"));
+  // rule_reduce_grad_once_after_last_backward: a second REDUCE_GRAD, one while resharded.
+  EXPECT_TRUE(Contains(lowered_error(with(1, [](std::vector<Action>& l) {
+                         auto it = std::find(l.begin(), l.end(), Action::parse("1REDUCE_GRAD"));
+                         l.insert(it + 1, Action::parse("1REDUCE_GRAD"));
+                       })),
+                       "a second REDUCE_GRAD for the stage"));
+  EXPECT_TRUE(Contains(lowered_error(with(1, [](std::vector<Action>& l) {
+                         l = erase_first(l, "1REDUCE_GRAD");
+                         l.push_back(Action::parse("1REDUCE_GRAD"));
+                       })),
+                       "REDUCE_GRAD while the stage is resharded"));
+}
+
+// CSV schedules: files that torch itself wrote (_dump_csv(format="compute_only")) load into the compute lists torch
+// built and lower to exactly the lists torch's _load_csv lowers them to; bad files are refused with one line naming
+// the file, row, column and rule.
+TEST(CsvSchedule, TorchsOwnCsvLoadsAsTorchLoadsIt) {
+  const std::string dir = ::testing::TempDir() + "fsdp_csv_" + std::to_string(getpid());
+  ASSERT_EQ(std::system(("mkdir -p " + dir).c_str()), 0);
+  struct Case {
+    std::string name;
+    int pp, m;
+  };
+  const std::vector<Case> cases = {{"DualPipeV", 2, 4},       {"DualPipeV", 4, 8},    {"Interleaved1F1B", 2, 4},
+                                   {"InterleavedZeroBubble", 4, 8}, {"ZBVZeroBubble", 2, 4}, {"LoopedBFS", 2, 3}};
+  std::string args;
+  for (const Case& c : cases)
+    args += " CSV:" + c.name + ":" + std::to_string(c.pp) + ":2:" + std::to_string(c.m) + ":" + dir + "/" + c.name +
+            std::to_string(c.pp) + ".csv";
+  args += " CSV_COMMS:DualPipeV:2:2:4:" + dir + "/lowered.csv";
+  const std::string out = run_golden(args);
+  std::vector<GoldenCase> parsed;
+  std::vector<std::string> paths;
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);) {
+    auto words = split_words(line);
+    if (words.empty()) continue;
+    if (words[0] == "CSVCASE") {
+      parsed.push_back(GoldenCase{words.at(1), std::stoi(words.at(2)), std::stoi(words.at(3)), std::stoi(words.at(4))});
+      paths.push_back(words.at(5));
+    } else if (words[0] == "COMMS") {
+      parsed.back().comms.emplace_back(words.begin() + 2, words.end());
+    }
+  }
+  ASSERT_EQ(parsed.size(), cases.size() + 1) << out;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const GoldenCase& g = parsed[i];
+    SCOPED_TRACE(g.name + " pp=" + std::to_string(g.pp) + " m=" + std::to_string(g.microbatches));
+    const PipelineSchedule loaded = load_schedule_csv(paths[i], g.pp, 2 * g.pp, g.microbatches);
+    const PipelineSchedule built = build_schedule({parse_schedule_name(g.name), g.pp, 2, g.microbatches});
+    EXPECT_EQ(loaded.spec.kind, ScheduleKind::Csv);
+    EXPECT_EQ(loaded.stage_to_rank, built.stage_to_rank);  // inferred from the file: loop or V
+    ASSERT_EQ(static_cast<int>(g.comms.size()), g.pp);
+    for (int r = 0; r < g.pp; ++r) {
+      EXPECT_EQ(to_strings(loaded.compute[r]), to_strings(built.compute[r])) << "compute, rank " << r;
+      EXPECT_EQ(to_strings(loaded.actions[r]), g.comms[r]) << "lowered, rank " << r;
+    }
+  }
+
+  // Refused, each with its rule. A file torch wrote in its lowered format (its default for _dump_csv):
+  EXPECT_TRUE(Contains(error_of([&] { load_schedule_csv(paths.back(), 2, 4, 4); }),
+                       paths.back() + ": row 1, column 1 ('0UNSHARD'): not a compute action"));
+  EXPECT_TRUE(Contains(error_of([&] { load_schedule_csv(paths.back(), 2, 4, 4); }), "compute_only"));
+  EXPECT_TRUE(Contains(error_of([&] { load_schedule_csv(dir + "/missing.csv", 2, 4, 4); }),
+                       dir + "/missing.csv: cannot open"));
+  auto csv_error = [](const std::string& text, int pp = 2, int stages = 2, int m = 2) {
+    return error_of([&] { parse_schedule_csv(text, "s.csv", pp, stages, m); });
+  };
+  const std::string good = "0F0,0F1,,0B0,0B1\r\n,1F0,1F1,1B0,1B1\r\n";
+  EXPECT_NO_THROW(parse_schedule_csv(good, "s.csv", 2, 2, 2));
+  EXPECT_TRUE(Contains(csv_error("0F0,0X1,,0B0,0B1\n,1F0,1F1,1B0,1B1\n"),
+                       "s.csv: row 1, column 2 ('0X1'): not an action: unknown action type"));
+  EXPECT_TRUE(Contains(csv_error("0F0,0F1,,0B0,0B1\n"), "s.csv: 1 rows, expected one per pipeline rank (2)"));
+  EXPECT_TRUE(Contains(csv_error("0F0,0F1,,0B0,0B1\n,1F0,1F1,1B0,1B2\n"),
+                       "s.csv: row 2, column 5 ('1B2'): microbatch out of range [0, 2)"));
+  EXPECT_TRUE(Contains(csv_error("0F0,0F1,,0B0,0B1\n,1F0,1F1,1B1,1B0,0F0\n"),
+                       "row 2, column 6 ('0F0'): stage 0 is assigned to both rank 1 and rank 0"));
+  EXPECT_TRUE(Contains(csv_error("0F0,0F1,,0B0,0B1\n,1F0,1B0,1F1\n"),
+                       "s.csv: stage 1 (rank 1), microbatch 1 has no backward"));
+  // Every rank's order is locally fine, but rank 0 waits for stage 1's gradient before it sends the activation
+  // that stage 1 needs: the file deadlocks, and the error points at each waiting cell.
+  EXPECT_TRUE(Contains(csv_error("0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1\n"),
+                       "s.csv: the schedule deadlocks: every unfinished rank waits for an input that no rank produces "
+                       "before it (s.csv: row 1, column 2 ('0B0'); s.csv: row 2, column 1 ('1F1'))"));
+}
+
 // Thousands of microbatches: every pass is near-linear (the ctest timeout bounds this; it takes well under a second).
 TEST(Scale, LargeSchedulesBuildAndValidate) {
   const auto looped = build_schedule({ScheduleKind::LoopedBFS, 8, 1, 4096});
@@ -481,6 +650,28 @@ TEST(Simulate, BubbleFractionsOfTheReferenceTable) {
     for (double busy : r.busy) EXPECT_DOUBLE_EQ(busy, 3 * v * m);
     EXPECT_EQ(r.spans.size(), static_cast<size_t>(row.pp));
     EXPECT_EQ(r.spans[0].size(), s.actions[0].size());
+  }
+}
+
+// DualPipeV: an OVERLAP_F_B costs its F plus its B, so each rank is still busy 3 units per microbatch per stage;
+// its bubble sits between ZBV's and Interleaved1F1B's (the reference numbers of bench/RESULTS.md).
+TEST(Simulate, DualPipeVConservesWorkAndBubblesBetweenZbvAndInterleaved) {
+  for (const auto& [pp, m] : std::vector<std::pair<int, int>>{{2, 8}, {4, 8}, {4, 16}, {8, 16}}) {
+    SCOPED_TRACE("pp=" + std::to_string(pp) + " m=" + std::to_string(m));
+    const auto dual = build_schedule({ScheduleKind::DualPipeV, pp, 2, m});
+    const SimResult r = simulate(dual, SimCosts{});
+    for (double busy : r.busy) EXPECT_DOUBLE_EQ(busy, 3 * 2 * m);
+    const double zbv = simulate(build_schedule({ScheduleKind::ZBVZeroBubble, pp, 2, m}), SimCosts{}).bubble_fraction;
+    const double interleaved =
+        simulate(build_schedule({ScheduleKind::Interleaved1F1B, pp, 2, m}), SimCosts{}).bubble_fraction;
+    EXPECT_GE(r.bubble_fraction, zbv - 1e-9);
+    EXPECT_LT(r.bubble_fraction, interleaved);
+    // The pairs are there and cost F + B.
+    size_t pairs = 0;
+    for (const auto& list : dual.actions)
+      for (const Action& a : list) pairs += a.type == ActionType::OverlapFB ? 1 : 0;
+    EXPECT_GT(pairs, 0u);
+    EXPECT_DOUBLE_EQ(SimCosts{}.cost_of(Action::parse("(0F3;3B1)OVERLAP_F_B")), 3.0);
   }
 }
 

@@ -276,6 +276,14 @@ TEST(Config, ImpossibleParallelismIsRejected) {
   expect_config_error([&] { resolve_parallelism(c, 2); },
                       {"training.global_batch_size (20)", "multiple of training.local_batch_size (8)",
                        "data-parallel degree (2) = 16"});
+  JobConfig pp = parse_toml("", "x");
+  pp.parallelism.pipeline_parallel_degree = 2;
+  pp.training.local_batch_size = 4;
+  pp.training.global_batch_size = 4;
+  pp.parallelism.pipeline_parallel_schedule_csv = "/nonexistent/schedule.csv";
+  expect_config_error([&] { resolve_parallelism(pp, 2); },
+                      {"parallelism.pipeline_parallel_schedule_csv: '/nonexistent/schedule.csv' does not exist or is "
+                       "not a file"});
 }
 
 TEST(Config, FaultToleranceKeysAndTheDataShareOfAReplicaGroup) {

@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 
 using namespace fsdp_train;
 
@@ -86,8 +87,9 @@ namespace {
 // into up to 4 stages: embedding | layer 0 | layer 1 | norm + output).
 // `flavor`: cpu_tiny (2 layers: up to 4 stages) or debugmodel (6 layers: 8 stages, for the multi-stage schedules
 // at pp 4).
+// `schedule_csv`: run the schedule file instead (the names only label the runs).
 void expect_pipeline_parity(int64_t pp, int64_t shard, int64_t tp, const std::vector<std::string>& schedules,
-                            const std::string& flavor = "cpu_tiny") {
+                            const std::string& flavor = "cpu_tiny", const std::string& schedule_csv = "") {
   auto world = fsdp::world();
   if (pp * shard * tp != world->size()) GTEST_SKIP() << "needs pp x shard x tp = world size " << world->size();
   TrainEnv single;
@@ -112,10 +114,16 @@ void expect_pipeline_parity(int64_t pp, int64_t shard, int64_t tp, const std::ve
     config.validation.steps = 4 / shard;  // the same 16 held-out samples over the data-parallel ranks
     config.training.local_batch_size = 4;
     config.parallelism.pipeline_parallel_degree = pp;
-    config.parallelism.pipeline_parallel_schedule = parse_choice<PipelineSchedule>(schedule).value();
+    if (schedule_csv.empty()) {
+      config.parallelism.pipeline_parallel_schedule = parse_choice<PipelineSchedule>(schedule).value();
+    } else {
+      config.parallelism.pipeline_parallel_schedule_csv = schedule_csv;
+    }
     config.parallelism.pipeline_parallel_microbatch_size = 1;
     const TrainSummary got = run_training(config, test::world_env(), false);
-    EXPECT_NE(got.plan.find("PP " + std::to_string(pp) + " ("), std::string::npos) << got.plan;
+    EXPECT_NE(got.plan.find("PP " + std::to_string(pp) + (schedule_csv.empty() ? " (" : " (CSV " + schedule_csv)),
+              std::string::npos)
+        << got.plan;
     ASSERT_EQ(ref.losses.size(), got.losses.size());
     for (size_t i = 0; i < ref.losses.size(); ++i) {
       EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5 * ref.losses[i]) << "step " << i + 1;
@@ -143,6 +151,43 @@ TEST(TrainerParity, PipelineMatchesOneRankWithAccumulation) {
     expect_pipeline_parity(4, 1, 1, {"LoopedBFS", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"},
                            "debugmodel");
   }
+}
+
+// Writes `text` to `path` from every rank: a private temporary then a rename, so that no rank reads a half-written
+// file (every rank must name the same file: the launch check compares configurations).
+std::string write_shared_file(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp" + std::to_string(fsdp::world()->rank());
+  std::ofstream(tmp, std::ios::binary) << text;
+  std::filesystem::rename(tmp, path);
+  return path;
+}
+
+// DualPipeV (overlapped forward-backward pairs, 2 stages per rank in a V) and a CSV schedule, pp 2 on 2 ranks, equal
+// the 1-rank run with accumulation (loss, grad norm, validation; 1e-5). The CSV is a V-shaped GPipe no schedule
+// name gives (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2: the placement comes from the file). Dense model
+// only: the trainer refuses MoE under PP (issue 37). A deadlocking CSV is refused before training with the cell.
+TEST(TrainerParity, PipelineDualPipeVAndCsvScheduleMatchOneRankWithAccumulation) {
+  if (fsdp::world()->size() != 2) GTEST_SKIP() << "pp 2 on 2 ranks";
+  expect_pipeline_parity(2, 1, 1, {"DualPipeV"});
+  const std::string dir = ::testing::TempDir() + "/fsdp_train_parity_csv";
+  std::filesystem::create_directories(dir);
+  const std::string v_gpipe = write_shared_file(
+      dir + "/v_gpipe.csv",
+      "0F0,0F1,0F2,0F3,3F0,3F1,3F2,3F3,3B0,3B1,3B2,3B3,0B0,0B1,0B2,0B3\r\n"
+      "1F0,2F0,1F1,2F1,1F2,2F2,1F3,2F3,2B0,1B0,2B1,1B1,2B2,1B2,2B3,1B3\r\n");
+  expect_pipeline_parity(2, 1, 1, {"csv"}, "cpu_tiny", v_gpipe);
+
+  const std::string deadlock = write_shared_file(
+      dir + "/deadlock.csv",
+      "0F0,0F1,0F2,0F3,3F0,3F1,3F2,3F3,3B0,3B1,3B2,3B3,0B0,0B1,0B2,0B3\n"
+      "1F0,2F0,1F1,2F1,1F2,2F2,2B0,1F3,2F3,1B0,2B1,1B1,2B2,1B2,2B3,1B3\n");
+  JobConfig config = base("pp_csv_deadlock", 1, 1);
+  config.training.local_batch_size = 4;
+  config.parallelism.pipeline_parallel_degree = 2;
+  config.parallelism.pipeline_parallel_schedule_csv = deadlock;
+  fsdp_test::expect_error_containing<std::exception>(
+      [&] { run_training(config, test::world_env(), false); },
+      "config error: parallelism.pipeline_parallel_schedule_csv: " + deadlock + ": the schedule deadlocks");
 }
 
 // module_fqns_per_model_part: explicit stages (one module each but the last) give the same curve; bad lists,

@@ -13,7 +13,10 @@
 
 namespace fsdp::pipeline {
 
-// F, B (full backward), I (backward for inputs), W (backward for weights), then FSDP and P2P actions.
+// F, B (full backward), I (backward for inputs), W (backward for weights), then FSDP and P2P actions, then
+// OVERLAP_F_B (DualPipeV: a forward of one stage and a backward of another, issued together; torch's runtime and
+// ours run its two parts one after the other, forward first — what the pair allows is overlapping one part's
+// communication, e.g. MoE all-to-all, with the other's compute).
 enum class ActionType {
   Forward,
   Backward,
@@ -25,12 +28,13 @@ enum class ActionType {
   SendF,
   RecvF,
   SendB,
-  RecvB
+  RecvB,
+  OverlapFB
 };
 
 // torch's spelling of the type inside an action string: "F", "B", "I", "W", "UNSHARD", "SEND_F", ...
 const char* action_type_token(ActionType type);
-// F, B, I, W: the actions that run the stage's module.
+// F, B, I, W and OVERLAP_F_B: the actions that run stage modules.
 bool is_compute(ActionType type);
 bool is_send(ActionType type);
 bool is_recv(ActionType type);
@@ -38,28 +42,47 @@ bool is_recv(ActionType type);
 // One step of one stage. For SEND_* the stage is the sender, for RECV_* the receiver (torch's convention):
 // stage 0's activation for microbatch 3 travels as "0SEND_F3" on 0's rank and "1RECV_F3" on 1's rank.
 struct Action {
+  Action() = default;
+  Action(int stage_index, ActionType action_type, int microbatch_index = -1)
+      : stage(stage_index), type(action_type), microbatch(microbatch_index) {}
+
   int stage = 0;
   ActionType type = ActionType::Forward;
   int microbatch = -1;  // -1 for Unshard / Reshard / ReduceGrad (they act on the whole stage)
+  // OVERLAP_F_B only: its compute actions, in the order they run (stage and microbatch are then -1, as torch's).
+  std::vector<Action> sub_actions;
 
-  // torch's string form: "2F0", "1UNSHARD", "3SEND_F1", "0REDUCE_GRAD".
+  // torch's string form: "2F0", "1UNSHARD", "3SEND_F1", "0REDUCE_GRAD", "(0F3;3B1)OVERLAP_F_B".
   std::string str() const;
   // The inverse of str(); throws c10::Error naming the text and the expected form on anything else.
   static Action parse(const std::string& text);
+  // The actions that really run: the sub-actions of an OVERLAP_F_B, else the action itself.
+  std::vector<Action> leaves() const;
+  static Action overlap(Action forward, Action backward);
 
   bool operator==(const Action& other) const {
-    return stage == other.stage && type == other.type && microbatch == other.microbatch;
+    return stage == other.stage && type == other.type && microbatch == other.microbatch &&
+           sub_actions == other.sub_actions;
   }
   bool operator!=(const Action& other) const { return !(*this == other); }
 };
 
-enum class ScheduleKind { GPipe, OneFOneB, LoopedBFS, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble };
+enum class ScheduleKind {
+  GPipe,
+  OneFOneB,
+  LoopedBFS,
+  Interleaved1F1B,
+  InterleavedZeroBubble,
+  ZBVZeroBubble,
+  DualPipeV,
+  Csv  // read from a file (load_schedule_csv); not a name parse_schedule_name accepts
+};
 
 // Case-insensitive, with torch's / TorchTitan's names: "GPipe", "1F1B", "LoopedBFS", "Interleaved1F1B",
-// "InterleavedZeroBubble", "ZBVZeroBubble". An unknown name is an error that lists the valid ones.
+// "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV". An unknown name is an error that lists the valid ones.
 ScheduleKind parse_schedule_name(const std::string& name);
 std::string schedule_name(ScheduleKind kind);
-// 1 for GPipe and 1F1B (one stage per rank), 2 for the multi-stage schedules (ZBV needs exactly 2).
+// 1 for GPipe and 1F1B (one stage per rank), 2 for the multi-stage schedules (ZBV and DualPipeV need exactly 2).
 int default_stages_per_rank(ScheduleKind kind);
 // GPipe and 1F1B: torch runs a hand-written loop per rank (PipelineScheduleSingle); the others are executed from
 // the lowered action lists (_PipelineScheduleRuntime).
@@ -80,13 +103,24 @@ using ActionLists = std::vector<std::vector<Action>>;
 struct PipelineSchedule {
   ScheduleSpec spec;
   int num_stages = 0;
-  std::vector<int> stage_to_rank;  // loop schedules: stage s on rank s % pp; ZBV: the V (0..p-1, p-1..0)
-  ComputeGrid compute;             // F/B/I/W only
+  std::vector<int> stage_to_rank;  // loop schedules: stage s on rank s % pp; ZBV, DualPipeV: the V (0..p-1, p-1..0)
+  ComputeGrid compute;             // F/B/I/W/OVERLAP_F_B only
   ActionLists actions;             // + UNSHARD / RESHARD / REDUCE_GRAD / SEND_* / RECV_*
 
   // The stages this rank holds, ascending.
   std::vector<int> stages_of_rank(int rank) const;
 };
+
+// torch's _PipelineScheduleRuntime._load_csv (format "compute_only", as TorchTitan's pipeline_parallel_schedule_csv
+// is read, and as torch's _dump_csv(format="compute_only") writes): one row per pipeline rank, one cell per step,
+// each an action string ("0F1", "1I0", "(0F3;3B1)OVERLAP_F_B") or empty for an idle step. The lists are checked
+// with validate_compute's rules, the stage placement is inferred from them (any, not only loop or V), a deadlock is
+// found before anything runs, then they are lowered as a built schedule is. An error is one line that names the
+// file, the row (rank + 1), the column (step + 1), the cell and the rule broken.
+PipelineSchedule load_schedule_csv(const std::string& path, int pp, int num_stages, int microbatches);
+// The same from the file's text; `source` names it in errors.
+PipelineSchedule parse_schedule_csv(const std::string& text, const std::string& source, int pp, int num_stages,
+                                    int microbatches);
 
 // Checks the spec (the reasons torch refuses it, and a few it would not catch), generates the compute lists,
 // validates them, lowers them and validates the lowered lists. Throws c10::Error with the reason.
@@ -137,6 +171,8 @@ std::string format_grid(const ComputeGrid& grid, int error_step = -1);
 // Costs for simulate(). Compute costs are per action of one stage; stage_scale, when not empty, multiplies them
 // per stage (size num_stages). Communication actions take no time on the rank that issues them; a RECV's data
 // arrives p2p_latency after its SEND was issued. Unshard / reshard / reduce_grad occupy the rank for their cost.
+// An OVERLAP_F_B costs the sum of its parts: the simulator models no communication inside a stage (the MoE
+// all-to-all that DualPipeV hides under the other part's compute), so the pair gains nothing here.
 struct SimCosts {
   // Where a rank waits for received data. false (torch's runtime): the RECV is posted without waiting and the
   // compute that consumes it waits — the runtime schedules' lowering posts RECVs early, so this matters. true: the
