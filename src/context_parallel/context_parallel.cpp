@@ -1,0 +1,361 @@
+// Context parallelism (fsdp/context_parallel.h): the sequence layouts (head-tail / contiguous chunks) and ring
+// attention, an autograd function whose forward merges per-chunk attention through the log-sum-exp and whose
+// backward recomputes each chunk pair from the saved global output and log-sum-exp (PyTorch's
+// _templated_ring_attention and its backward; _SDPAMerger's merge rule).
+
+#include <fsdp/context_parallel.h>
+
+#include "tensor_parallel/group_capsule.h"
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <c10/util/Exception.h>
+#include <torch/autograd.h>
+
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fsdp {
+namespace {
+
+// Gloo pairs a send with the receive of the same tag from the same peer: one tag range per kind of transfer.
+constexpr int kForwardKvTag = 0x100;
+constexpr int kBackwardKvTag = 0x200;
+constexpr int kBackwardGradTag = 0x300;
+
+struct BlockResult {
+  at::Tensor out;  // [B, H, Lq, D], float
+  at::Tensor lse;  // [B, H, Lq], float
+};
+
+struct BlockGrads {
+  at::Tensor dq, dk, dv;  // float
+};
+
+at::Tensor causal_mask_like(int64_t lq, int64_t lk, const at::TensorOptions& options) {
+  // True where the key is in the future of the query (square diagonal chunks only).
+  return at::ones({lq, lk}, options.dtype(at::kBool)).triu(1);
+}
+
+// Attention of q against one key/value chunk, with its log-sum-exp. CPU: libtorch's flash attention (it returns
+// the log-sum-exp); other devices: the exact math in float (chunk-sized scores only).
+BlockResult attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale) {
+  if (q.device().is_cpu()) {
+    auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, std::nullopt, scale);
+    return {out.to(at::kFloat), lse.to(at::kFloat)};
+  }
+  auto scores = at::matmul(q.to(at::kFloat), k.to(at::kFloat).transpose(-2, -1)) * scale;
+  if (causal) scores = scores.masked_fill(causal_mask_like(q.size(2), k.size(2), scores.options()), -INFINITY);
+  auto lse = at::logsumexp(scores, -1);
+  auto out = at::matmul((scores - lse.unsqueeze(-1)).exp(), v.to(at::kFloat));
+  return {out, lse};
+}
+
+// Gradients of one chunk pair given the GLOBAL output and log-sum-exp of the queries: softmax probabilities
+// recomputed against the global normaliser are the pair's share of the full attention, so the pair's dq, dk, dv
+// summed over all pairs are the full attention's.
+BlockGrads attend_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& out, const at::Tensor& lse, bool causal, double scale) {
+  if (q.device().is_cpu()) {
+    auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, std::nullopt, scale);
+    return {dq.to(at::kFloat), dk.to(at::kFloat), dv.to(at::kFloat)};
+  }
+  const auto qf = q.to(at::kFloat), kf = k.to(at::kFloat), vf = v.to(at::kFloat);
+  const auto doutf = dout.to(at::kFloat);
+  auto scores = at::matmul(qf, kf.transpose(-2, -1)) * scale;
+  if (causal) scores = scores.masked_fill(causal_mask_like(q.size(2), k.size(2), scores.options()), -INFINITY);
+  const auto p = (scores - lse.unsqueeze(-1)).exp();
+  const auto dv = at::matmul(p.transpose(-2, -1), doutf);
+  const auto dp = at::matmul(doutf, vf.transpose(-2, -1));
+  const auto delta = (doutf * out.to(at::kFloat)).sum(-1, /*keepdim=*/true);
+  const auto ds = p * (dp - delta);
+  return {at::matmul(ds, kf) * scale, at::matmul(ds.transpose(-2, -1), qf) * scale, dv};
+}
+
+// The log-sum-exp merge of a chunk's partial result into the running one (_SDPAMerger).
+void merge_into(BlockResult& acc, BlockResult part) {
+  if (!acc.out.defined()) {
+    acc = std::move(part);
+    return;
+  }
+  auto lse = at::logaddexp(acc.lse, part.lse);
+  acc.out = acc.out * (acc.lse - lse).exp().unsqueeze(-1) + part.out * (part.lse - lse).exp().unsqueeze(-1);
+  acc.lse = std::move(lse);
+}
+
+// How a query chunk relates to a key chunk, by global chunk index.
+enum class Pair { Past, Diagonal, Future };
+Pair relation(int64_t q_chunk, int64_t k_chunk) {
+  return q_chunk > k_chunk ? Pair::Past : q_chunk == k_chunk ? Pair::Diagonal : Pair::Future;
+}
+
+// One rank's view of the layout: its chunk ids, and how to cut a local [B, H, L, D] tensor into its chunks.
+struct Layout {
+  int64_t rank = 0, size = 1;
+  CpLoadBalancer balancer = CpLoadBalancer::HeadTail;
+  std::vector<int64_t> ids_of(int64_t r) const { return context_parallel_chunk_ids(r, size, balancer); }
+  int64_t per_rank() const { return balancer == CpLoadBalancer::HeadTail ? 2 : 1; }
+};
+
+std::vector<at::Tensor> split_chunks(const at::Tensor& t, int64_t n) { return t.chunk(n, 2); }
+
+// Every rank's K/V reaches this rank, one rank's chunk set at a time: visit(source_rank, kv [2, B, H, L, D]).
+// AllGather: one all-gather up front. AllToAll: a ring, the next transfer in flight while `visit` computes.
+template <typename Visit>
+void for_each_kv(const at::Tensor& kv_local, ProcessGroup& group, CpRotateMethod method, int tag_base,
+                 Visit&& visit) {
+  const int64_t rank = group.rank(), size = group.size();
+  if (method == CpRotateMethod::AllGather || size == 1) {
+    at::Tensor gathered;
+    {
+      RECORD_USER_SCOPE("fsdp::context_parallel::allgather_kv");
+      std::vector<int64_t> shape{size};
+      for (auto s : kv_local.sizes()) shape.push_back(s);
+      gathered = at::empty(shape, kv_local.options());
+      group.all_gather_into_tensor(gathered, kv_local).wait();
+    }
+    for (int64_t t = 0; t < size; ++t) {
+      const int64_t source = (rank - t + size) % size;  // own chunks first, as the ring
+      visit(source, gathered[source]);
+    }
+    return;
+  }
+  const int next = static_cast<int>((rank + 1) % size), prev = static_cast<int>((rank - 1 + size) % size);
+  at::Tensor current = kv_local;
+  for (int64_t t = 0; t < size; ++t) {
+    at::Tensor incoming;
+    Work sent, received;
+    if (t + 1 < size) {
+      RECORD_USER_SCOPE("fsdp::context_parallel::rotate_kv");
+      incoming = at::empty_like(current);
+      sent = group.send(current, next, tag_base + static_cast<int>(t));
+      received = group.recv(incoming, prev, tag_base + static_cast<int>(t));
+    }
+    visit((rank - t + size) % size, current);
+    sent.wait();
+    received.wait();
+    current = incoming;
+  }
+}
+
+struct RingAttention : torch::autograd::Function<RingAttention> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const ProcessGroupPtr& group, int64_t method, int64_t balancer,
+                            double scale) {
+    RECORD_USER_SCOPE("fsdp::context_parallel::ring_attention");
+    const Layout layout{group->rank(), group->size(), static_cast<CpLoadBalancer>(balancer)};
+    const auto my_ids = layout.ids_of(layout.rank);
+    const auto q_chunks = split_chunks(q, layout.per_rank());
+    std::vector<BlockResult> acc(q_chunks.size());
+    const auto kv_local = at::stack({k, v}).contiguous();
+    for_each_kv(kv_local, *group, static_cast<CpRotateMethod>(method), kForwardKvTag,
+                [&](int64_t source, const at::Tensor& kv) {
+                  const auto ids = layout.ids_of(source);
+                  const auto k_chunks = split_chunks(kv[0], layout.per_rank());
+                  const auto v_chunks = split_chunks(kv[1], layout.per_rank());
+                  for (size_t a = 0; a < q_chunks.size(); ++a) {
+                    for (size_t b = 0; b < ids.size(); ++b) {
+                      const Pair pair = relation(my_ids[a], ids[b]);
+                      if (pair == Pair::Future) continue;
+                      merge_into(acc[a], attend(q_chunks[a], k_chunks[b], v_chunks[b], pair == Pair::Diagonal, scale));
+                    }
+                  }
+                });
+    std::vector<at::Tensor> outs, lses;
+    for (auto& r : acc) {
+      outs.push_back(r.out);
+      lses.push_back(r.lse);
+    }
+    const auto out = at::cat(outs, 2).to(q.scalar_type());
+    const auto lse = at::cat(lses, 2);
+    ctx->save_for_backward({q, k, v, out, lse});
+    detail::save_group(ctx, group);
+    ctx->saved_data["method"] = method;
+    ctx->saved_data["balancer"] = balancer;
+    ctx->saved_data["scale"] = scale;
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    RECORD_USER_SCOPE("fsdp::context_parallel::ring_attention_backward");
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    const auto group = detail::saved_group(ctx);
+    const auto method = static_cast<CpRotateMethod>(ctx->saved_data["method"].toInt());
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const Layout layout{group->rank(), group->size(), static_cast<CpLoadBalancer>(ctx->saved_data["balancer"].toInt())};
+    const int64_t per = layout.per_rank();
+    const auto my_ids = layout.ids_of(layout.rank);
+    const auto dout = grads[0].to(q.scalar_type());
+    const auto q_chunks = split_chunks(q, per), dout_chunks = split_chunks(dout, per);
+    const auto out_chunks = split_chunks(out, per), lse_chunks = lse.chunk(per, 2);
+    auto dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+    const auto dq_chunks = split_chunks(dq, per);
+
+    // dK/dV of one source rank's chunk set from this rank's queries: [2, B, H, L, D] float.
+    auto kv_grads_from_here = [&](int64_t source, const at::Tensor& kv) {
+      const auto ids = layout.ids_of(source);
+      const auto k_chunks = split_chunks(kv[0], per), v_chunks = split_chunks(kv[1], per);
+      auto dkv = at::zeros(kv.sizes(), kv.options().dtype(at::kFloat));
+      const auto dk_chunks = split_chunks(dkv[0], per), dv_chunks = split_chunks(dkv[1], per);
+      for (size_t a = 0; a < q_chunks.size(); ++a) {
+        for (size_t b = 0; b < ids.size(); ++b) {
+          const Pair pair = relation(my_ids[a], ids[b]);
+          if (pair == Pair::Future) continue;
+          auto g = attend_backward(dout_chunks[a], q_chunks[a], k_chunks[b], v_chunks[b], out_chunks[a],
+                                   lse_chunks[a], pair == Pair::Diagonal, scale);
+          dq_chunks[a].add_(g.dq);
+          dk_chunks[b].add_(g.dk);
+          dv_chunks[b].add_(g.dv);
+        }
+      }
+      return dkv;
+    };
+
+    const auto kv_local = at::stack({k, v}).contiguous();
+    at::Tensor dkv_own;
+    const int64_t size = layout.size, rank = layout.rank;
+    if (method == CpRotateMethod::AllGather || size == 1) {
+      // Every source's dK/dV from here, then a reduce-scatter sums each owner's over the ranks.
+      std::vector<int64_t> shape{size};
+      for (auto s : kv_local.sizes()) shape.push_back(s);
+      auto all = at::zeros(shape, kv_local.options().dtype(at::kFloat));
+      for_each_kv(kv_local, *group, method, kBackwardKvTag,
+                  [&](int64_t source, const at::Tensor& kv) { all[source].copy_(kv_grads_from_here(source, kv)); });
+      dkv_own = at::empty(kv_local.sizes(), all.options());
+      RECORD_USER_SCOPE("fsdp::context_parallel::reduce_scatter_dkv");
+      group->reduce_scatter_tensor(dkv_own, all, ReduceOp::Sum).wait();
+    } else {
+      // The ring: the accumulator of source s travels with s's K/V; after the last step one more hop takes it
+      // home (rank s), so the accumulator this rank receives last is its own, summed over every rank.
+      const int next = static_cast<int>((rank + 1) % size), prev = static_cast<int>((rank - 1 + size) % size);
+      at::Tensor carried;  // the accumulator received for the current source (none at step 0)
+      at::Tensor sending;  // the accumulator in flight to `next`: unchanged and alive until its send completes
+      Work carried_in, carried_out;
+      int64_t step = 0;
+      for_each_kv(kv_local, *group, method, kBackwardKvTag, [&](int64_t source, const at::Tensor& kv) {
+        auto dkv = kv_grads_from_here(source, kv);
+        if (carried.defined()) {
+          carried_in.wait();
+          dkv.add_(carried);
+        }
+        carried_out.wait();  // the previous hop's buffer is free again
+        RECORD_USER_SCOPE("fsdp::context_parallel::rotate_dkv");
+        sending = dkv;
+        carried = at::empty_like(dkv);
+        carried_out = group->send(sending, next, kBackwardGradTag + static_cast<int>(step));
+        carried_in = group->recv(carried, prev, kBackwardGradTag + static_cast<int>(step));
+        ++step;
+      });
+      carried_out.wait();
+      carried_in.wait();
+      dkv_own = carried;
+    }
+    return {dq.to(q.scalar_type()), dkv_own[0].to(k.scalar_type()), dkv_own[1].to(v.scalar_type()), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+CpRotateMethod parse_cp_rotate_method(std::string_view name) {
+  if (name == "allgather") return CpRotateMethod::AllGather;
+  if (name == "alltoall") return CpRotateMethod::AllToAll;
+  TORCH_CHECK(false, "context_parallel_rotate_method: '", std::string(name),
+              "' is not a rotate method (\"allgather\" or \"alltoall\")");
+}
+
+CpLoadBalancer parse_cp_load_balancer(std::string_view name) {
+  if (name == "headtail") return CpLoadBalancer::HeadTail;
+  if (name == "none" || name.empty()) return CpLoadBalancer::None;
+  TORCH_CHECK(false, "context_parallel_load_balancer: '", std::string(name),
+              "' is not a load balancer (\"headtail\" or \"none\")");
+}
+
+const char* to_string(CpRotateMethod method) {
+  return method == CpRotateMethod::AllGather ? "allgather" : "alltoall";
+}
+
+const char* to_string(CpLoadBalancer balancer) { return balancer == CpLoadBalancer::HeadTail ? "headtail" : "none"; }
+
+int64_t context_parallel_num_chunks(int64_t cp_size, CpLoadBalancer balancer) {
+  TORCH_CHECK(cp_size >= 1, "context parallel: cp degree must be >= 1, got ", cp_size);
+  return balancer == CpLoadBalancer::HeadTail ? 2 * cp_size : cp_size;
+}
+
+std::vector<int64_t> context_parallel_chunk_ids(int64_t cp_rank, int64_t cp_size, CpLoadBalancer balancer) {
+  TORCH_CHECK(cp_rank >= 0 && cp_rank < cp_size, "context parallel: cp rank ", cp_rank, " is not in [0, ", cp_size,
+              ")");
+  if (balancer == CpLoadBalancer::HeadTail) return {cp_rank, 2 * cp_size - 1 - cp_rank};
+  return {cp_rank};
+}
+
+void check_context_parallel_seq_len(int64_t seq_len, int64_t cp_size, CpLoadBalancer balancer) {
+  const int64_t chunks = context_parallel_num_chunks(cp_size, balancer);
+  TORCH_CHECK(seq_len > 0 && seq_len % chunks == 0, "context parallel: sequence length ", seq_len,
+              " does not divide by ",
+              balancer == CpLoadBalancer::HeadTail ? "2 * context_parallel_degree = " : "context_parallel_degree = ",
+              chunks,
+              balancer == CpLoadBalancer::HeadTail ? " (head-tail load balancing cuts the sequence into 2*cp chunks)"
+                                                   : " (without load balancing the sequence is cut into cp chunks)");
+}
+
+at::Tensor context_parallel_shard(const at::Tensor& global, int64_t seq_dim, int64_t cp_rank, int64_t cp_size,
+                                  CpLoadBalancer balancer) {
+  seq_dim = c10::maybe_wrap_dim(seq_dim, global.dim());
+  check_context_parallel_seq_len(global.size(seq_dim), cp_size, balancer);
+  const auto chunks = global.chunk(context_parallel_num_chunks(cp_size, balancer), seq_dim);
+  std::vector<at::Tensor> mine;
+  for (int64_t id : context_parallel_chunk_ids(cp_rank, cp_size, balancer)) mine.push_back(chunks[id]);
+  return at::cat(mine, seq_dim).contiguous();
+}
+
+at::Tensor context_parallel_unshard(const at::Tensor& local, int64_t seq_dim, ProcessGroup& cp_group,
+                                    CpLoadBalancer balancer) {
+  seq_dim = c10::maybe_wrap_dim(seq_dim, local.dim());
+  const int64_t size = cp_group.size();
+  const int64_t per = balancer == CpLoadBalancer::HeadTail ? 2 : 1;
+  TORCH_CHECK(local.size(seq_dim) % per == 0, "context_parallel_unshard: local sequence length ",
+              local.size(seq_dim), " does not divide by the ", per, " chunks each rank holds");
+  const auto front = local.movedim(seq_dim, 0).contiguous();
+  std::vector<int64_t> shape = front.sizes().vec();
+  shape[0] *= size;
+  auto gathered = at::empty(shape, front.options());
+  cp_group.all_gather_into_tensor(gathered, front).wait();
+  // gathered holds rank-major local layouts; put each rank's chunks at their global places.
+  const auto pieces = gathered.chunk(size * per, 0);
+  std::vector<at::Tensor> ordered(static_cast<size_t>(size * per));
+  for (int64_t r = 0; r < size; ++r) {
+    const auto ids = context_parallel_chunk_ids(r, size, balancer);
+    for (int64_t j = 0; j < per; ++j) ordered[static_cast<size_t>(ids[j])] = pieces[r * per + j];
+  }
+  return at::cat(ordered, 0).movedim(0, seq_dim).contiguous();
+}
+
+at::Tensor context_parallel_positions(int64_t seq_len, int64_t cp_rank, int64_t cp_size, CpLoadBalancer balancer) {
+  return context_parallel_shard(at::arange(seq_len, at::kLong), 0, cp_rank, cp_size, balancer);
+}
+
+at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const ProcessGroupPtr& cp_group,
+                          const ContextParallelOptions& options, std::optional<double> scale) {
+  TORCH_CHECK(cp_group != nullptr, "fsdp::ring_attention: null cp group");
+  TORCH_CHECK(q.dim() == 4, "fsdp::ring_attention: q must be [batch, heads, seq_local, head_dim], got ", q.sizes());
+  TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(),
+              "fsdp::ring_attention: q, k, v must have the same shape (repeat grouped KV heads first); got q ",
+              q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+                  k.device() == q.device() && v.device() == q.device(),
+              "fsdp::ring_attention: q, k, v must share dtype and device");
+  const int64_t per = options.load_balancer == CpLoadBalancer::HeadTail ? 2 : 1;
+  TORCH_CHECK(q.size(2) % per == 0, "fsdp::ring_attention: local sequence length ", q.size(2),
+              " does not divide by 2 (head-tail load balancing: each rank holds chunks i and 2*cp-1-i)");
+  const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
+  return RingAttention::apply(q, k, v, cp_group, static_cast<int64_t>(options.rotate_method),
+                              static_cast<int64_t>(options.load_balancer), s);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,257 @@
+// Ring attention (fsdp/context_parallel.h) against plain causal attention over the full sequence on one rank.
+//
+// Every rank builds the same global q, k, v [batch, heads, seq, head_dim] and upstream gradient (same seed). The
+// reference is causal softmax attention written out in double (scores, mask, softmax, weighted sum: not the
+// flash kernels under test), differentiated by autograd. Each rank feeds its own chunks (head-tail or
+// contiguous) to ring_attention over the cp group (the whole world: cp2 at np2, cp4 at np4) and must get the
+// reference's output rows and dq, dk, dv rows for those chunks (1e-5), with either rotate method. The
+// reference must differ from non-causal attention (the mask mattered) and the transfers must have happened.
+// A measurement compares the peak CPU bytes allocated during the forward and backward of one attention at
+// cp = world against the same attention over a one-rank group on the full sequence.
+#include "comm/dist_env.h"
+#include "expect_error.h"
+
+#include <fsdp/comm_stats.h>
+#include <fsdp/context_parallel.h>
+#include <fsdp/process_group.h>
+
+#include <c10/core/Allocator.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBatch = 2, kHeads = 3, kSeq = 24, kHeadDim = 8;
+
+struct Global {
+  torch::Tensor q, k, v, g;
+};
+
+Global global_inputs(int64_t seq = kSeq) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(2024);
+  Global x;
+  x.q = torch::randn({kBatch, kHeads, seq, kHeadDim}, gen);
+  x.k = torch::randn({kBatch, kHeads, seq, kHeadDim}, gen);
+  x.v = torch::randn({kBatch, kHeads, seq, kHeadDim}, gen);
+  x.g = torch::randn({kBatch, kHeads, seq, kHeadDim}, gen);
+  return x;
+}
+
+// Softmax attention written out, in double.
+torch::Tensor reference_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool causal) {
+  auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
+  if (causal) {
+    const int64_t L = q.size(2);
+    scores = scores.masked_fill(torch::ones({L, L}, torch::kBool).triu(1), -std::numeric_limits<double>::infinity());
+  }
+  return torch::matmul(torch::softmax(scores, -1), v);
+}
+
+struct Reference {
+  torch::Tensor out, dq, dk, dv;
+};
+
+Reference reference(const Global& x) {
+  auto q = x.q.to(torch::kDouble).requires_grad_(), k = x.k.to(torch::kDouble).requires_grad_(),
+       v = x.v.to(torch::kDouble).requires_grad_();
+  auto out = reference_attention(q, k, v, /*causal=*/true);
+  (out * x.g.to(torch::kDouble)).sum().backward();
+  return {out.detach().to(torch::kFloat), q.grad().to(torch::kFloat), k.grad().to(torch::kFloat),
+          v.grad().to(torch::kFloat)};
+}
+
+void expect_close(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
+  EXPECT_TRUE(torch::allclose(got, want, 1e-5, 1e-5))
+      << what << ": max diff " << (got - want).abs().max().item<double>() << " (rank " << fsdp::world()->rank() << ")";
+}
+
+void run_case(fsdp::CpRotateMethod method, fsdp::CpLoadBalancer balancer) {
+  auto cp = fsdp_test::test_world();
+  const int64_t rank = cp->rank(), size = cp->size();
+  const Global x = global_inputs();
+  const Reference ref = reference(x);
+  {
+    // Not vacuous: causal attention differs from attention over the whole sequence.
+    const auto full = reference_attention(x.q.to(torch::kDouble), x.k.to(torch::kDouble), x.v.to(torch::kDouble),
+                                          /*causal=*/false);
+    ASSERT_GT((full.to(torch::kFloat) - ref.out).abs().max().item<double>(), 1e-2);
+  }
+  auto shard = [&](const torch::Tensor& t) { return fsdp::context_parallel_shard(t, 2, rank, size, balancer); };
+  auto q = shard(x.q).requires_grad_(), k = shard(x.k).requires_grad_(), v = shard(x.v).requires_grad_();
+  EXPECT_EQ(q.size(2), kSeq / size);
+
+  fsdp::reset_comm_stats(*cp);
+  auto out = fsdp::ring_attention(q, k, v, cp, {method, balancer});
+  (out * shard(x.g)).sum().backward();
+
+  expect_close(out, shard(ref.out), "output");
+  expect_close(q.grad(), shard(ref.dq), "dq");
+  expect_close(k.grad(), shard(ref.dk), "dk");
+  expect_close(v.grad(), shard(ref.dv), "dv");
+  // The whole output, put back together, is the reference's.
+  expect_close(fsdp::context_parallel_unshard(out.detach(), 2, *cp, balancer), ref.out, "unsharded output");
+
+  // The keys and values did travel: forward and backward exchanged them by the chosen method.
+  const auto& stats = fsdp::comm_stats(*cp);
+  if (size > 1) {
+    if (method == fsdp::CpRotateMethod::AllGather) {
+      EXPECT_EQ(stats.all_gather_calls, 3) << "K/V in forward and in backward, then the unshard";
+      EXPECT_EQ(stats.reduce_scatter_calls, 1) << "dK/dV home";
+      EXPECT_EQ(stats.send_calls, 0);
+    } else {
+      // Forward and backward rotate K/V cp-1 times; the dK/dV accumulators make cp hops.
+      EXPECT_EQ(stats.send_calls, 2 * (size - 1) + size);
+      EXPECT_EQ(stats.recv_calls, 2 * (size - 1) + size);
+      EXPECT_EQ(stats.all_gather_calls, 1) << "only the unshard";
+      const int64_t kv_bytes = 2 * q.numel() * 4;
+      EXPECT_EQ(stats.p2p_bytes_sent, (2 * (size - 1) + size) * kv_bytes) << "one chunk set per hop, never more";
+    }
+  }
+}
+
+TEST(ContextParallel, RingAttentionAllGatherHeadTail) {
+  run_case(fsdp::CpRotateMethod::AllGather, fsdp::CpLoadBalancer::HeadTail);
+}
+TEST(ContextParallel, RingAttentionAllGatherNoBalancing) {
+  run_case(fsdp::CpRotateMethod::AllGather, fsdp::CpLoadBalancer::None);
+}
+TEST(ContextParallel, RingAttentionRingHeadTail) {
+  run_case(fsdp::CpRotateMethod::AllToAll, fsdp::CpLoadBalancer::HeadTail);
+}
+TEST(ContextParallel, RingAttentionRingNoBalancing) {
+  run_case(fsdp::CpRotateMethod::AllToAll, fsdp::CpLoadBalancer::None);
+}
+
+TEST(ContextParallel, LayoutsAndPositions) {
+  // Analytic: 8 tokens at cp 2. Head-tail: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
+  using fsdp::CpLoadBalancer;
+  auto ids = [](int64_t r, int64_t n, CpLoadBalancer b) {
+    auto p = fsdp::context_parallel_positions(8, r, n, b);
+    return std::vector<int64_t>(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + p.numel());
+  };
+  EXPECT_EQ(ids(0, 2, CpLoadBalancer::HeadTail), (std::vector<int64_t>{0, 1, 6, 7}));
+  EXPECT_EQ(ids(1, 2, CpLoadBalancer::HeadTail), (std::vector<int64_t>{2, 3, 4, 5}));
+  EXPECT_EQ(ids(1, 2, CpLoadBalancer::None), (std::vector<int64_t>{4, 5, 6, 7}));
+  EXPECT_EQ(ids(3, 4, CpLoadBalancer::HeadTail), (std::vector<int64_t>{3, 4}));
+  // Tokens [batch, seq] shard along dim 1 like positions do.
+  auto tokens = torch::arange(16, torch::kLong).reshape({2, 8});
+  auto mine = fsdp::context_parallel_shard(tokens, 1, 1, 2, CpLoadBalancer::HeadTail);
+  EXPECT_TRUE(torch::equal(mine[1], torch::tensor({10, 11, 12, 13}, torch::kLong)));
+
+  auto cp = fsdp_test::test_world();
+  for (auto b : {CpLoadBalancer::HeadTail, CpLoadBalancer::None}) {
+    auto local = fsdp::context_parallel_shard(tokens, 1, cp->rank(), cp->size(), b);
+    EXPECT_TRUE(torch::equal(fsdp::context_parallel_unshard(local, 1, *cp, b), tokens)) << fsdp::to_string(b);
+  }
+}
+
+TEST(ContextParallel, BadInputIsRefusedNamingTheRule) {
+  using fsdp::CpLoadBalancer;
+  fsdp_test::expect_message_has(
+      fsdp_test::error_of([] { fsdp::check_context_parallel_seq_len(30, 4, CpLoadBalancer::HeadTail); }),
+      {"sequence length 30", "2 * context_parallel_degree = 8", "head-tail"});
+  fsdp_test::expect_message_has(
+      fsdp_test::error_of([] { fsdp::check_context_parallel_seq_len(30, 4, CpLoadBalancer::None); }),
+      {"sequence length 30", "context_parallel_degree = 4"});
+  fsdp_test::expect_message_has(fsdp_test::error_of([] {
+                                  fsdp::context_parallel_shard(torch::zeros({2, 10}), 1, 0, 4, CpLoadBalancer::HeadTail);
+                                }),
+                                {"sequence length 10", "= 8"});
+  fsdp_test::expect_message_has(fsdp_test::error_of([] { fsdp::parse_cp_rotate_method("ring"); }),
+                                {"context_parallel_rotate_method", "'ring'", "\"allgather\" or \"alltoall\""});
+  fsdp_test::expect_message_has(fsdp_test::error_of([] { fsdp::parse_cp_load_balancer("roundrobin"); }),
+                                {"context_parallel_load_balancer", "'roundrobin'"});
+  EXPECT_EQ(fsdp::parse_cp_rotate_method("alltoall"), fsdp::CpRotateMethod::AllToAll);
+  EXPECT_EQ(fsdp::parse_cp_load_balancer("headtail"), CpLoadBalancer::HeadTail);
+
+  auto cp = fsdp_test::test_world();
+  auto q = torch::zeros({1, 2, 3, 4});
+  fsdp_test::expect_message_has(fsdp_test::error_of([&] { fsdp::ring_attention(q, q, q, cp, {}); }),
+                                {"local sequence length 3", "head-tail"});
+  fsdp_test::expect_message_has(
+      fsdp_test::error_of([&] { fsdp::ring_attention(q, torch::zeros({1, 1, 3, 4}), q, cp, {}); }),
+      {"same shape", "repeat grouped KV heads"});
+}
+
+// The CPU allocator's own accounting (c10's memory reporting hook, which libtorch's profiler uses): bytes
+// allocated on this thread while it is installed, current and peak.
+struct PeakBytes : c10::MemoryReportingInfoBase {
+  int64_t current = 0, peak = 0;
+  void reportMemoryUsage(void*, int64_t bytes, size_t, size_t, c10::Device device) override {
+    if (!device.is_cpu()) return;
+    current += bytes;
+    peak = std::max(peak, current);
+  }
+  bool memoryProfilingEnabled() const override { return true; }
+};
+
+// Peak bytes allocated by one forward and backward of ring attention (inputs and upstream gradient allocated
+// before): the attention's activations, saved tensors, gradients and transfer buffers.
+int64_t attention_peak_bytes(const torch::Tensor& q0, const torch::Tensor& k0, const torch::Tensor& v0,
+                             const torch::Tensor& g, const fsdp::ProcessGroupPtr& group,
+                             const fsdp::ContextParallelOptions& options) {
+  auto q = q0.clone().requires_grad_(), k = k0.clone().requires_grad_(), v = v0.clone().requires_grad_();
+  auto tracker = std::make_shared<PeakBytes>();
+  {
+    c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, tracker);
+    auto out = fsdp::ring_attention(q, k, v, group, options);
+    out.backward(g);
+  }
+  return tracker->peak;
+}
+
+TEST(ContextParallel, PeakAttentionBytesPerRankFallAsOneOverCp) {
+  auto cp = fsdp_test::test_world();
+  const int64_t rank = cp->rank(), size = cp->size();
+  torch::set_num_threads(1);  // allocations on this thread only
+  // One-rank groups: every rank alone with the full sequence (the cp = 1 run), collective to create.
+  fsdp::ProcessGroupPtr alone;
+  for (int r = 0; r < size; ++r) {
+    auto g = fsdp::new_group({r}, "alone" + std::to_string(r));
+    if (r == rank) alone = g;
+  }
+  constexpr int64_t kLongSeq = 2048;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  // Many heads, so the attention kernels' fixed scratch (independent of the sequence) is small beside the
+  // activations, as it is at training lengths.
+  const std::vector<int64_t> shape{1, 16, kLongSeq, 32};
+  auto q = torch::randn(shape, gen), k = torch::randn(shape, gen), v = torch::randn(shape, gen),
+       g = torch::randn(shape, gen);
+  const fsdp::ContextParallelOptions ring{fsdp::CpRotateMethod::AllToAll, fsdp::CpLoadBalancer::HeadTail};
+  const int64_t whole = attention_peak_bytes(q, k, v, g, alone, ring);
+  auto shard = [&](const torch::Tensor& t) {
+    return fsdp::context_parallel_shard(t, 2, rank, size, fsdp::CpLoadBalancer::HeadTail);
+  };
+  const int64_t per_rank = attention_peak_bytes(shard(q), shard(k), shard(v), shard(g), cp, ring);
+  const int64_t per_rank_allgather =
+      attention_peak_bytes(shard(q), shard(k), shard(v), shard(g), cp,
+                           {fsdp::CpRotateMethod::AllGather, fsdp::CpLoadBalancer::HeadTail});
+  int64_t plain = 0;  // libtorch's causal SDPA on the full sequence, for the record
+  {
+    auto qq = q.clone().requires_grad_(), kk = k.clone().requires_grad_(), vv = v.clone().requires_grad_();
+    auto tracker = std::make_shared<PeakBytes>();
+    {
+      c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, tracker);
+      at::scaled_dot_product_attention(qq, kk, vv, {}, 0.0, /*is_causal=*/true).backward(g);
+    }
+    plain = tracker->peak;
+  }
+  const int64_t input_bytes = q.numel() * 4;
+  std::cout << "[cp memory] seq " << kLongSeq << " cp " << size << " rank " << rank << ": peak attention bytes cp1 "
+            << whole << " (" << static_cast<double>(whole) / input_bytes << " x q), ring per rank " << per_rank
+            << " (ratio " << static_cast<double>(per_rank) / whole << ", 1/cp = " << 1.0 / size
+            << "), allgather per rank " << per_rank_allgather << " (ratio "
+            << static_cast<double>(per_rank_allgather) / whole << "); plain SDPA on the full sequence " << plain << "\n";
+  ASSERT_GT(whole, 4 * input_bytes) << "the cp = 1 run allocated its activations (out, grads) under the tracker";
+  const double ratio = static_cast<double>(per_rank) / static_cast<double>(whole);
+  EXPECT_NEAR(ratio * size, 1.0, 0.15) << "ring attention's per-rank peak is 1/cp of the full sequence's";
+}
+
+}  // namespace
