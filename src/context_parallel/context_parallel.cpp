@@ -22,8 +22,8 @@ namespace {
 
 // Gloo pairs a send with the receive of the same tag from the same peer: one tag range per kind of transfer.
 constexpr int kForwardKvTag = 0x100;
-constexpr int kBackwardKvTag = 0x200;
-constexpr int kBackwardGradTag = 0x300;
+constexpr int kBackwardKvTag = 0x200;  // two tags per step (K, V)
+constexpr int kBackwardGradTag = 0x400;
 
 struct BlockResult {
   at::Tensor out;  // [B, H, Lq, D], float
@@ -75,15 +75,18 @@ BlockGrads attend_backward(const at::Tensor& dout, const at::Tensor& q, const at
   return {at::matmul(ds, kf) * scale, at::matmul(ds.transpose(-2, -1), qf) * scale, dv};
 }
 
-// The log-sum-exp merge of a chunk's partial result into the running one (_SDPAMerger).
-void merge_into(BlockResult& acc, BlockResult part) {
-  if (!acc.out.defined()) {
-    acc = std::move(part);
+// The log-sum-exp merge of a chunk's partial result into the running one (_SDPAMerger), in place: acc.out and
+// acc.lse are views into the call's output and log-sum-exp, so the merge allocates only its temporaries.
+void merge_into(BlockResult& acc, bool& first, const BlockResult& part) {
+  if (first) {
+    acc.out.copy_(part.out);
+    acc.lse.copy_(part.lse);
+    first = false;
     return;
   }
   auto lse = at::logaddexp(acc.lse, part.lse);
-  acc.out = acc.out * (acc.lse - lse).exp().unsqueeze(-1) + part.out * (part.lse - lse).exp().unsqueeze(-1);
-  acc.lse = std::move(lse);
+  acc.out.mul_((acc.lse - lse).exp_().unsqueeze(-1)).add_(part.out * (part.lse - lse).exp_().unsqueeze(-1));
+  acc.lse.copy_(lse);
 }
 
 // How a query chunk relates to a key chunk, by global chunk index.
@@ -102,75 +105,95 @@ struct Layout {
 
 std::vector<at::Tensor> split_chunks(const at::Tensor& t, int64_t n) { return t.chunk(n, 2); }
 
-// Every rank's K/V reaches this rank, one rank's chunk set at a time: visit(source_rank, kv [2, B, H, L, D]).
-// AllGather: one all-gather up front. AllToAll: a ring, the next transfer in flight while `visit` computes.
+std::vector<int64_t> with_leading(int64_t n, at::IntArrayRef sizes) {
+  std::vector<int64_t> shape{n};
+  shape.insert(shape.end(), sizes.begin(), sizes.end());
+  return shape;
+}
+
+// Every rank's K and V reach this rank, one rank's chunks at a time: visit(source_rank, k, v). One rank alone:
+// its own, no transfer. AllGather: two all-gathers up front (every rank's K and V held for the call).
+// AllToAll: a ring, each step's transfer in flight while `visit` computes on the chunks that arrived before, so
+// a rank holds at most two ranks' K and V at a time.
 template <typename Visit>
-void for_each_kv(const at::Tensor& kv_local, ProcessGroup& group, CpRotateMethod method, int tag_base,
+void for_each_kv(const at::Tensor& k, const at::Tensor& v, ProcessGroup& group, CpRotateMethod method, int tag_base,
                  Visit&& visit) {
   const int64_t rank = group.rank(), size = group.size();
-  if (method == CpRotateMethod::AllGather || size == 1) {
-    at::Tensor gathered;
+  if (size == 1) {
+    visit(rank, k, v);
+    return;
+  }
+  if (method == CpRotateMethod::AllGather) {
+    at::Tensor k_all = at::empty(with_leading(size, k.sizes()), k.options());
+    at::Tensor v_all = at::empty(with_leading(size, v.sizes()), v.options());
     {
       RECORD_USER_SCOPE("fsdp::context_parallel::allgather_kv");
-      std::vector<int64_t> shape{size};
-      for (auto s : kv_local.sizes()) shape.push_back(s);
-      gathered = at::empty(shape, kv_local.options());
-      group.all_gather_into_tensor(gathered, kv_local).wait();
+      Work kw = group.all_gather_into_tensor(k_all, k);
+      Work vw = group.all_gather_into_tensor(v_all, v);
+      kw.wait();
+      vw.wait();
     }
     for (int64_t t = 0; t < size; ++t) {
       const int64_t source = (rank - t + size) % size;  // own chunks first, as the ring
-      visit(source, gathered[source]);
+      visit(source, k_all[source], v_all[source]);
     }
     return;
   }
   const int next = static_cast<int>((rank + 1) % size), prev = static_cast<int>((rank - 1 + size) % size);
-  at::Tensor current = kv_local;
+  at::Tensor k_cur = k, v_cur = v;
   for (int64_t t = 0; t < size; ++t) {
-    at::Tensor incoming;
-    Work sent, received;
+    at::Tensor k_next, v_next;
+    std::vector<Work> transfers;
     if (t + 1 < size) {
       RECORD_USER_SCOPE("fsdp::context_parallel::rotate_kv");
-      incoming = at::empty_like(current);
-      sent = group.send(current, next, tag_base + static_cast<int>(t));
-      received = group.recv(incoming, prev, tag_base + static_cast<int>(t));
+      k_next = at::empty_like(k_cur);
+      v_next = at::empty_like(v_cur);
+      const int tag = tag_base + 2 * static_cast<int>(t);
+      transfers.push_back(group.send(k_cur, next, tag));
+      transfers.push_back(group.send(v_cur, next, tag + 1));
+      transfers.push_back(group.recv(k_next, prev, tag));
+      transfers.push_back(group.recv(v_next, prev, tag + 1));
     }
-    visit((rank - t + size) % size, current);
-    sent.wait();
-    received.wait();
-    current = incoming;
+    visit((rank - t + size) % size, k_cur, v_cur);
+    for (auto& w : transfers) w.wait();
+    k_cur = std::move(k_next);
+    v_cur = std::move(v_next);
   }
 }
 
 struct RingAttention : torch::autograd::Function<RingAttention> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const ProcessGroupPtr& group, int64_t method, int64_t balancer,
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
+                            const at::Tensor& v_in, const ProcessGroupPtr& group, int64_t method, int64_t balancer,
                             double scale) {
     RECORD_USER_SCOPE("fsdp::context_parallel::ring_attention");
+    const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
     const Layout layout{group->rank(), group->size(), static_cast<CpLoadBalancer>(balancer)};
     const auto my_ids = layout.ids_of(layout.rank);
     const auto q_chunks = split_chunks(q, layout.per_rank());
-    std::vector<BlockResult> acc(q_chunks.size());
-    const auto kv_local = at::stack({k, v}).contiguous();
-    for_each_kv(kv_local, *group, static_cast<CpRotateMethod>(method), kForwardKvTag,
-                [&](int64_t source, const at::Tensor& kv) {
+    // The merged output and log-sum-exp, written in place chunk by chunk.
+    auto out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+    auto lse = at::empty(q.sizes().slice(0, 3), q.options().dtype(at::kFloat));
+    const auto out_chunks = split_chunks(out, layout.per_rank()), lse_chunks = lse.chunk(layout.per_rank(), 2);
+    std::vector<BlockResult> acc;
+    for (size_t a = 0; a < q_chunks.size(); ++a) acc.push_back({out_chunks[a], lse_chunks[a]});
+    std::vector<bool> first(q_chunks.size(), true);
+    for_each_kv(k, v, *group, static_cast<CpRotateMethod>(method), kForwardKvTag,
+                [&](int64_t source, const at::Tensor& ks, const at::Tensor& vs) {
                   const auto ids = layout.ids_of(source);
-                  const auto k_chunks = split_chunks(kv[0], layout.per_rank());
-                  const auto v_chunks = split_chunks(kv[1], layout.per_rank());
+                  const auto k_chunks = split_chunks(ks, layout.per_rank());
+                  const auto v_chunks = split_chunks(vs, layout.per_rank());
                   for (size_t a = 0; a < q_chunks.size(); ++a) {
                     for (size_t b = 0; b < ids.size(); ++b) {
                       const Pair pair = relation(my_ids[a], ids[b]);
                       if (pair == Pair::Future) continue;
-                      merge_into(acc[a], attend(q_chunks[a], k_chunks[b], v_chunks[b], pair == Pair::Diagonal, scale));
+                      bool is_first = first[a];
+                      merge_into(acc[a], is_first,
+                                 attend(q_chunks[a], k_chunks[b], v_chunks[b], pair == Pair::Diagonal, scale));
+                      first[a] = is_first;
                     }
                   }
                 });
-    std::vector<at::Tensor> outs, lses;
-    for (auto& r : acc) {
-      outs.push_back(r.out);
-      lses.push_back(r.lse);
-    }
-    const auto out = at::cat(outs, 2).to(q.scalar_type());
-    const auto lse = at::cat(lses, 2);
+    out = out.to(q.scalar_type());
     ctx->save_for_backward({q, k, v, out, lse});
     detail::save_group(ctx, group);
     ctx->saved_data["method"] = method;
@@ -188,19 +211,18 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     const auto method = static_cast<CpRotateMethod>(ctx->saved_data["method"].toInt());
     const double scale = ctx->saved_data["scale"].toDouble();
     const Layout layout{group->rank(), group->size(), static_cast<CpLoadBalancer>(ctx->saved_data["balancer"].toInt())};
-    const int64_t per = layout.per_rank();
-    const auto my_ids = layout.ids_of(layout.rank);
-    const auto dout = grads[0].to(q.scalar_type());
+    const int64_t per = layout.per_rank(), size = layout.size, rank = layout.rank;
+    const auto my_ids = layout.ids_of(rank);
+    const auto dout = grads[0].to(q.scalar_type()).contiguous();
     const auto q_chunks = split_chunks(q, per), dout_chunks = split_chunks(dout, per);
     const auto out_chunks = split_chunks(out, per), lse_chunks = lse.chunk(per, 2);
     auto dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
     const auto dq_chunks = split_chunks(dq, per);
 
-    // dK/dV of one source rank's chunk set from this rank's queries: [2, B, H, L, D] float.
-    auto kv_grads_from_here = [&](int64_t source, const at::Tensor& kv) {
+    // Adds this rank's queries' share of dK/dV of one source rank's chunks into dkv ([2, B, H, L, D] float).
+    auto add_kv_grads = [&](int64_t source, const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& dkv) {
       const auto ids = layout.ids_of(source);
-      const auto k_chunks = split_chunks(kv[0], per), v_chunks = split_chunks(kv[1], per);
-      auto dkv = at::zeros(kv.sizes(), kv.options().dtype(at::kFloat));
+      const auto k_chunks = split_chunks(ks, per), v_chunks = split_chunks(vs, per);
       const auto dk_chunks = split_chunks(dkv[0], per), dv_chunks = split_chunks(dkv[1], per);
       for (size_t a = 0; a < q_chunks.size(); ++a) {
         for (size_t b = 0; b < ids.size(); ++b) {
@@ -213,43 +235,41 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
           dv_chunks[b].add_(g.dv);
         }
       }
-      return dkv;
     };
 
-    const auto kv_local = at::stack({k, v}).contiguous();
+    const auto grad_options = k.options().dtype(at::kFloat);
     at::Tensor dkv_own;
-    const int64_t size = layout.size, rank = layout.rank;
-    if (method == CpRotateMethod::AllGather || size == 1) {
-      // Every source's dK/dV from here, then a reduce-scatter sums each owner's over the ranks.
-      std::vector<int64_t> shape{size};
-      for (auto s : kv_local.sizes()) shape.push_back(s);
-      auto all = at::zeros(shape, kv_local.options().dtype(at::kFloat));
-      for_each_kv(kv_local, *group, method, kBackwardKvTag,
-                  [&](int64_t source, const at::Tensor& kv) { all[source].copy_(kv_grads_from_here(source, kv)); });
-      dkv_own = at::empty(kv_local.sizes(), all.options());
+    if (size == 1) {
+      dkv_own = at::zeros(with_leading(2, k.sizes()), grad_options);
+      add_kv_grads(rank, k, v, dkv_own);
+    } else if (method == CpRotateMethod::AllGather) {
+      // Every source's dK/dV from here, then one reduce-scatter sums each owner's over the ranks.
+      auto all = at::zeros(with_leading(size, with_leading(2, k.sizes())), grad_options);
+      for_each_kv(k, v, *group, method, kBackwardKvTag, [&](int64_t source, const at::Tensor& ks, const at::Tensor& vs) {
+        add_kv_grads(source, ks, vs, all[source]);
+      });
+      dkv_own = at::empty(with_leading(2, k.sizes()), grad_options);
       RECORD_USER_SCOPE("fsdp::context_parallel::reduce_scatter_dkv");
       group->reduce_scatter_tensor(dkv_own, all, ReduceOp::Sum).wait();
     } else {
-      // The ring: the accumulator of source s travels with s's K/V; after the last step one more hop takes it
-      // home (rank s), so the accumulator this rank receives last is its own, summed over every rank.
+      // The ring: the dK/dV accumulator of source s travels with s's K and V, each rank adding its share; after
+      // the last step one more hop takes it home (rank s), so the accumulator this rank receives last is its
+      // own, summed over every rank.
       const int next = static_cast<int>((rank + 1) % size), prev = static_cast<int>((rank - 1 + size) % size);
-      at::Tensor carried;  // the accumulator received for the current source (none at step 0)
-      at::Tensor sending;  // the accumulator in flight to `next`: unchanged and alive until its send completes
+      at::Tensor carried = at::zeros(with_leading(2, k.sizes()), grad_options);  // step 0: own, empty
+      at::Tensor in_flight;  // the accumulator sent last, unchanged and alive until its send completes
       Work carried_in, carried_out;
-      int64_t step = 0;
-      for_each_kv(kv_local, *group, method, kBackwardKvTag, [&](int64_t source, const at::Tensor& kv) {
-        auto dkv = kv_grads_from_here(source, kv);
-        if (carried.defined()) {
-          carried_in.wait();
-          dkv.add_(carried);
-        }
-        carried_out.wait();  // the previous hop's buffer is free again
+      int tag = kBackwardGradTag;
+      for_each_kv(k, v, *group, method, kBackwardKvTag, [&](int64_t source, const at::Tensor& ks, const at::Tensor& vs) {
+        carried_in.wait();
+        add_kv_grads(source, ks, vs, carried);
+        carried_out.wait();
         RECORD_USER_SCOPE("fsdp::context_parallel::rotate_dkv");
-        sending = dkv;
-        carried = at::empty_like(dkv);
-        carried_out = group->send(sending, next, kBackwardGradTag + static_cast<int>(step));
-        carried_in = group->recv(carried, prev, kBackwardGradTag + static_cast<int>(step));
-        ++step;
+        in_flight = std::move(carried);
+        carried = at::empty_like(in_flight);
+        carried_out = group->send(in_flight, next, tag);
+        carried_in = group->recv(carried, prev, tag);
+        ++tag;
       });
       carried_out.wait();
       carried_in.wait();
