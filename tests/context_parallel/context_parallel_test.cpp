@@ -18,11 +18,13 @@
 #include <c10/core/Allocator.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <iostream>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -178,6 +180,38 @@ TEST(ContextParallel, BadInputIsRefusedNamingTheRule) {
   fsdp_test::expect_message_has(
       fsdp_test::error_of([&] { fsdp::ring_attention(q, torch::zeros({1, 1, 3, 4}), q, cp, {}); }),
       {"same shape", "repeat grouped KV heads"});
+}
+
+// In libtorch's profiler (Kineto, as fsdp-train's [profiling] records it) the ring's steps are named ranges and
+// its transfers the comm layer's transfer events.
+TEST(ContextParallel, RingStepsAreNamedRangesInTheProfiler) {
+  namespace kineto = torch::autograd::profiler;
+  using torch::profiler::impl::ActivityType;
+  using torch::profiler::impl::ProfilerConfig;
+  using torch::profiler::impl::ProfilerState;
+  auto cp = fsdp_test::test_world();
+  const Global x = global_inputs();
+  auto shard = [&](const torch::Tensor& t) {
+    return fsdp::context_parallel_shard(t, 2, cp->rank(), cp->size(), fsdp::CpLoadBalancer::HeadTail);
+  };
+  auto q = shard(x.q).requires_grad_(), k = shard(x.k).requires_grad_(), v = shard(x.v).requires_grad_();
+  const ProfilerConfig config(ProfilerState::KINETO, /*report_input_shapes=*/false, /*profile_memory=*/false);
+  const std::set<ActivityType> activities{ActivityType::CPU};
+  kineto::prepareProfiler(config, activities);
+  kineto::enableProfiler(config, activities);
+  auto out = fsdp::ring_attention(q, k, v, cp, {fsdp::CpRotateMethod::AllToAll, fsdp::CpLoadBalancer::HeadTail});
+  out.backward(shard(x.g));
+  fsdp::flush_profiler_reports(*cp, std::chrono::seconds(10));
+  auto result = kineto::disableProfiler();
+  std::set<std::string> names;
+  for (const auto& e : result->events()) names.insert(e.name());
+  for (const char* want : {"fsdp::context_parallel::ring_attention", "fsdp::context_parallel::ring_attention_backward"})
+    EXPECT_TRUE(names.count(want)) << want;
+  if (cp->size() > 1) {
+    for (const char* want : {"fsdp::context_parallel::rotate_kv", "fsdp::context_parallel::rotate_dkv", "fsdp::send",
+                             "fsdp::recv"})
+      EXPECT_TRUE(names.count(want)) << want;
+  }
 }
 
 // The CPU allocator's own accounting (c10's memory reporting hook, which libtorch's profiler uses): bytes
