@@ -373,6 +373,8 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t per = options.load_balancer == CpLoadBalancer::HeadTail ? 2 : 1;
   TORCH_CHECK(q.size(2) % per == 0, "fsdp::ring_attention: local sequence length ", q.size(2),
               " does not divide by 2 (head-tail load balancing: each rank holds chunks i and 2*cp-1-i)");
+  TORCH_CHECK(cp_group->size() <= 128, "fsdp::ring_attention: cp degree ", cp_group->size(),
+              " is above 128 (the ring's transfer tags are 0x100-0x5ff per group)");
   const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
   return RingAttention::apply(q, k, v, cp_group, static_cast<int64_t>(options.rotate_method),
                               static_cast<int64_t>(options.load_balancer), s);
