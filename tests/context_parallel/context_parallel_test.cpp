@@ -13,6 +13,7 @@
 
 #include <fsdp/comm_stats.h>
 #include <fsdp/context_parallel.h>
+#include <fsdp/device_mesh.h>
 #include <fsdp/process_group.h>
 
 #include <c10/core/Allocator.h>
@@ -71,11 +72,12 @@ Reference reference(const Global& x) {
 
 void expect_close(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
   EXPECT_TRUE(torch::allclose(got, want, 1e-5, 1e-5))
-      << what << ": max diff " << (got - want).abs().max().item<double>() << " (rank " << fsdp::world()->rank() << ")";
+      << what << ": max diff " << (got - want).abs().max().item<double>() << " (world rank " << fsdp::world()->rank()
+      << ")";
 }
 
-void run_case(fsdp::CpRotateMethod method, fsdp::CpLoadBalancer balancer) {
-  auto cp = fsdp_test::test_world();
+void run_case(fsdp::CpRotateMethod method, fsdp::CpLoadBalancer balancer, fsdp::ProcessGroupPtr cp = nullptr) {
+  if (!cp) cp = fsdp_test::test_world();
   const int64_t rank = cp->rank(), size = cp->size();
   const Global x = global_inputs();
   const Reference ref = reference(x);
@@ -129,6 +131,16 @@ TEST(ContextParallel, RingAttentionRingHeadTail) {
 }
 TEST(ContextParallel, RingAttentionRingNoBalancing) {
   run_case(fsdp::CpRotateMethod::AllToAll, fsdp::CpLoadBalancer::None);
+}
+
+// cp over one dim of a 2-D mesh (np4: [dp 2, cp 2]): the ring's peers are cp-group ranks, not world ranks.
+TEST(ContextParallel, RingAttentionOverAMeshDim) {
+  auto world = fsdp_test::test_world();
+  if (world->size() % 2 != 0 || world->size() < 4) GTEST_SKIP() << "needs a world of 4";
+  const fsdp::DeviceMesh mesh = fsdp::init_device_mesh("cpu", {world->size() / 2, 2}, {"dp", "cp"});
+  ASSERT_EQ(mesh.group("cp")->size(), 2);
+  run_case(fsdp::CpRotateMethod::AllToAll, fsdp::CpLoadBalancer::HeadTail, mesh.group("cp"));
+  run_case(fsdp::CpRotateMethod::AllGather, fsdp::CpLoadBalancer::None, mesh.group("cp"));
 }
 
 TEST(ContextParallel, LayoutsAndPositions) {
