@@ -5,6 +5,7 @@
 
 #include <fsdp/context_parallel.h>
 
+#include "context_parallel/chunk_attention.h"
 #include "tensor_parallel/group_capsule.h"
 
 #include <ATen/ATen.h>
@@ -20,68 +21,27 @@
 namespace fsdp {
 namespace {
 
+using detail::BlockResult;
+using detail::attend;
+using detail::attend_backward;
+
 // Gloo pairs a send with the receive of the same tag from the same peer: one tag range per kind of transfer.
 constexpr int kForwardKvTag = 0x100;
 constexpr int kBackwardKvTag = 0x200;  // two tags per step (K, V)
 constexpr int kBackwardGradTag = 0x400;
 
-struct BlockResult {
-  at::Tensor out;  // [B, H, Lq, D], float
-  at::Tensor lse;  // [B, H, Lq], float
-};
-
-struct BlockGrads {
-  at::Tensor dq, dk, dv;  // float
-};
-
-at::Tensor causal_mask_like(int64_t lq, int64_t lk, const at::TensorOptions& options) {
-  // True where the key is in the future of the query (square diagonal chunks only).
-  return at::ones({lq, lk}, options.dtype(at::kBool)).triu(1);
-}
-
-// Attention of q against one key/value chunk, with its log-sum-exp. CPU: libtorch's flash attention (it returns
-// the log-sum-exp); other devices: the exact math in float (chunk-sized scores only).
-BlockResult attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale) {
-  if (q.device().is_cpu()) {
-    auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, std::nullopt, scale);
-    return {out.to(at::kFloat), lse.to(at::kFloat)};
-  }
-  auto scores = at::matmul(q.to(at::kFloat), k.to(at::kFloat).transpose(-2, -1)) * scale;
-  if (causal) scores = scores.masked_fill(causal_mask_like(q.size(2), k.size(2), scores.options()), -INFINITY);
-  auto lse = at::logsumexp(scores, -1);
-  auto out = at::matmul((scores - lse.unsqueeze(-1)).exp(), v.to(at::kFloat));
-  return {out, lse};
-}
-
-// Gradients of one chunk pair given the GLOBAL output and log-sum-exp of the queries: softmax probabilities
-// recomputed against the global normaliser are the pair's share of the full attention, so the pair's dq, dk, dv
-// summed over all pairs are the full attention's.
-BlockGrads attend_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           const at::Tensor& out, const at::Tensor& lse, bool causal, double scale) {
-  if (q.device().is_cpu()) {
-    auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, std::nullopt, scale);
-    return {dq.to(at::kFloat), dk.to(at::kFloat), dv.to(at::kFloat)};
-  }
-  const auto qf = q.to(at::kFloat), kf = k.to(at::kFloat), vf = v.to(at::kFloat);
-  const auto doutf = dout.to(at::kFloat);
-  auto scores = at::matmul(qf, kf.transpose(-2, -1)) * scale;
-  if (causal) scores = scores.masked_fill(causal_mask_like(q.size(2), k.size(2), scores.options()), -INFINITY);
-  const auto p = (scores - lse.unsqueeze(-1)).exp();
-  const auto dv = at::matmul(p.transpose(-2, -1), doutf);
-  const auto dp = at::matmul(doutf, vf.transpose(-2, -1));
-  const auto delta = (doutf * out.to(at::kFloat)).sum(-1, /*keepdim=*/true);
-  const auto ds = p * (dp - delta);
-  return {at::matmul(ds, kf) * scale, at::matmul(ds.transpose(-2, -1), qf) * scale, dv};
-}
-
 // The log-sum-exp merge of a chunk's partial result into the running one (_SDPAMerger), in place: acc.out and
 // acc.lse are views into the call's output and log-sum-exp, so the merge allocates only its temporaries.
-void merge_into(BlockResult& acc, bool& first, const BlockResult& part) {
-  if (first) {
+struct Merged {
+  at::Tensor out, lse;  // views of the call's output and log-sum-exp
+  bool filled = false;  // false until the first chunk landed
+};
+
+void merge_into(Merged& acc, const BlockResult& part) {
+  if (!acc.filled) {
     acc.out.copy_(part.out);
     acc.lse.copy_(part.lse);
-    first = false;
+    acc.filled = true;
     return;
   }
   auto lse = at::logaddexp(acc.lse, part.lse);
@@ -174,9 +134,8 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     auto out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
     auto lse = at::empty(q.sizes().slice(0, 3), q.options().dtype(at::kFloat));
     const auto out_chunks = split_chunks(out, layout.per_rank()), lse_chunks = lse.chunk(layout.per_rank(), 2);
-    std::vector<BlockResult> acc;
+    std::vector<Merged> acc;
     for (size_t a = 0; a < q_chunks.size(); ++a) acc.push_back({out_chunks[a], lse_chunks[a]});
-    std::vector<bool> first(q_chunks.size(), true);
     for_each_kv(k, v, *group, static_cast<CpRotateMethod>(method), kForwardKvTag,
                 [&](int64_t source, const at::Tensor& ks, const at::Tensor& vs) {
                   const auto ids = layout.ids_of(source);
@@ -186,10 +145,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
                     for (size_t b = 0; b < ids.size(); ++b) {
                       const Pair pair = relation(my_ids[a], ids[b]);
                       if (pair == Pair::Future) continue;
-                      bool is_first = first[a];
-                      merge_into(acc[a], is_first,
-                                 attend(q_chunks[a], k_chunks[b], v_chunks[b], pair == Pair::Diagonal, scale));
-                      first[a] = is_first;
+                      merge_into(acc[a], attend(q_chunks[a], k_chunks[b], v_chunks[b], pair == Pair::Diagonal, scale));
                     }
                   }
                 });

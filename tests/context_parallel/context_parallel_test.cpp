@@ -9,6 +9,7 @@
 // A measurement compares the peak CPU bytes allocated during the forward and backward of one attention at
 // cp = world against the same attention over a one-rank group on the full sequence.
 #include "comm/dist_env.h"
+#include "context_parallel/chunk_attention.h"
 #include "expect_error.h"
 
 #include <fsdp/comm_stats.h>
@@ -141,6 +142,35 @@ TEST(ContextParallel, RingAttentionOverAMeshDim) {
   ASSERT_EQ(mesh.group("cp")->size(), 2);
   run_case(fsdp::CpRotateMethod::AllToAll, fsdp::CpLoadBalancer::HeadTail, mesh.group("cp"));
   run_case(fsdp::CpRotateMethod::AllGather, fsdp::CpLoadBalancer::None, mesh.group("cp"));
+}
+
+// The chunk kernels other devices use (exact math in float) equal the CPU flash kernels, forward (output and
+// log-sum-exp) and backward (with a global output and log-sum-exp merged from two chunks), full and causal.
+TEST(ContextParallel, MathChunkKernelsEqualFlash) {
+  namespace d = fsdp::detail;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  auto q = torch::randn({2, 3, 6, 8}, gen), k0 = torch::randn({2, 3, 6, 8}, gen), k1 = torch::randn({2, 3, 6, 8}, gen);
+  auto v0 = torch::randn({2, 3, 6, 8}, gen), v1 = torch::randn({2, 3, 6, 8}, gen), dout = torch::randn({2, 3, 6, 8}, gen);
+  const double scale = 0.3;
+  // Chunk 0 in the past (full), chunk 1 the diagonal (causal).
+  const auto past = d::attend(q, k0, v0, false, scale), diag = d::attend(q, k1, v1, true, scale);
+  const auto past_m = d::attend_math(q, k0, v0, false, scale), diag_m = d::attend_math(q, k1, v1, true, scale);
+  expect_close(past_m.out, past.out, "full out");
+  expect_close(past_m.lse, past.lse, "full lse");
+  expect_close(diag_m.out, diag.out, "causal out");
+  expect_close(diag_m.lse, diag.lse, "causal lse");
+  ASSERT_GT((diag.out - d::attend(q, k1, v1, false, scale).out).abs().max().item<double>(), 1e-2);
+  const auto lse = torch::logaddexp(past.lse, diag.lse);
+  const auto out = past.out * (past.lse - lse).exp().unsqueeze(-1) + diag.out * (diag.lse - lse).exp().unsqueeze(-1);
+  for (bool causal : {false, true}) {
+    const auto& k = causal ? k1 : k0;
+    const auto& v = causal ? v1 : v0;
+    const auto flash = d::attend_backward(dout, q, k, v, out, lse, causal, scale);
+    const auto math = d::attend_backward_math(dout, q, k, v, out, lse, causal, scale);
+    expect_close(math.dq, flash.dq, causal ? "causal dq" : "full dq");
+    expect_close(math.dk, flash.dk, causal ? "causal dk" : "full dk");
+    expect_close(math.dv, flash.dv, causal ? "causal dv" : "full dv");
+  }
 }
 
 TEST(ContextParallel, LayoutsAndPositions) {
