@@ -134,6 +134,36 @@ TEST(ContextParallel, RingAttentionRingNoBalancing) {
   run_case(fsdp::CpRotateMethod::AllToAll, fsdp::CpLoadBalancer::None);
 }
 
+// As a model calls it: bf16, and q/k/v as transposed views of [batch, seq, heads, head_dim] projections (not
+// contiguous). bf16 tolerance against the double reference; gradients come back in bf16, in the views' shape.
+TEST(ContextParallel, RingAttentionBf16OnTransposedViews) {
+  auto cp = fsdp_test::test_world();
+  const int64_t rank = cp->rank(), size = cp->size();
+  const Global x = global_inputs();
+  const Reference ref = reference(x);
+  const auto balancer = fsdp::CpLoadBalancer::HeadTail;
+  auto shard = [&](const torch::Tensor& t) { return fsdp::context_parallel_shard(t, 2, rank, size, balancer); };
+  // [B, H, L, D] -> [B, L, H, D] bf16 leaves; attention gets their transposes.
+  auto leaf = [&](const torch::Tensor& t) {
+    return shard(t).transpose(1, 2).contiguous().to(torch::kBFloat16).requires_grad_();
+  };
+  auto q = leaf(x.q), k = leaf(x.k), v = leaf(x.v);
+  ASSERT_FALSE(q.transpose(1, 2).is_contiguous());
+  auto out = fsdp::ring_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cp,
+                                  {fsdp::CpRotateMethod::AllToAll, balancer});
+  EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+  (out.to(torch::kFloat) * shard(x.g)).sum().backward();
+  ASSERT_EQ(q.grad().scalar_type(), torch::kBFloat16);
+  auto close = [](const torch::Tensor& got, const torch::Tensor& want, const char* what) {
+    EXPECT_TRUE(torch::allclose(got.to(torch::kFloat), want, 3e-2, 3e-2))
+        << what << ": max diff " << (got.to(torch::kFloat) - want).abs().max().item<double>();
+  };
+  close(out, shard(ref.out), "output");
+  close(q.grad().transpose(1, 2), shard(ref.dq), "dq");
+  close(k.grad().transpose(1, 2), shard(ref.dk), "dk");
+  close(v.grad().transpose(1, 2), shard(ref.dv), "dv");
+}
+
 // cp over one dim of a 2-D mesh (np4: [dp 2, cp 2]): the ring's peers are cp-group ranks, not world ranks.
 TEST(ContextParallel, RingAttentionOverAMeshDim) {
   auto world = fsdp_test::test_world();
