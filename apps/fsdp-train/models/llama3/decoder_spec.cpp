@@ -24,6 +24,12 @@ Transformer decoder_of(const TrainModel& model) {
   return Transformer(impl);
 }
 
+TransformerImpl& decoder_impl(torch::nn::Module& model, const std::string& family, const char* what) {
+  auto* impl = dynamic_cast<TransformerImpl*>(&model);
+  TORCH_CHECK(impl, what, ": the model is not a ", family, " decoder (the ", family, " Hugging Face adapter's model)");
+  return *impl;
+}
+
 std::string summary_of(const LlamaArgs& args) {
   std::string ffn;
   if (args.moe) {
@@ -66,7 +72,8 @@ TrainModel build_model(const JobConfig& config, const ModelShape& shape) {
 
 }  // namespace
 
-TrainSpec decoder_train_spec(std::string name, std::vector<std::string> flavors, HfAdapter hf) {
+TrainSpec decoder_train_spec(std::string name, std::vector<std::string> flavors, DecoderImport import_hf,
+                             DecoderExport export_hf) {
   TrainSpec spec;
   spec.name = name;
   spec.flavors = std::move(flavors);
@@ -85,7 +92,14 @@ TrainSpec decoder_train_spec(std::string name, std::vector<std::string> flavors,
   spec.tp_plan = [](const TrainModel& model, int64_t tp_degree, bool loss_parallel) {
     return fsdp::nn::llama::tensor_parallel_plan(decoder_of(model)->args(), tp_degree, {true, loss_parallel});
   };
-  spec.hf = std::move(hf);
+  // The adapters take the decoder; `what` names the config key in the error for any other module.
+  spec.hf.import_weights = [import_hf, name](torch::nn::Module& model, const std::string& dir) {
+    return import_hf(decoder_impl(model, name, "checkpoint.initial_load_in_hf"), dir, {});
+  };
+  spec.hf.export_weights = [export_hf, name](torch::nn::Module& model, const std::string& dir,
+                                             const fsdp::checkpoint::SafetensorsExportOptions& options) {
+    return export_hf(decoder_impl(model, name, "checkpoint.last_save_in_hf"), dir, options);
+  };
   return spec;
 }
 
