@@ -3,13 +3,11 @@
 
 #include "config.h"
 #include "data.h"
+#include "model_spec.h"
 
 #include <fsdp/checkpoint/async_save.h>
 #include <fsdp/checkpoint/checkpoint.h>
-#include <fsdp/models/hf_llama.h>
-#include <fsdp/models/hf_qwen3.h>
 #include <fsdp/checkpoint/optimizer.h>
-#include <fsdp/models/llama.h>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -104,7 +102,7 @@ int64_t checked_int(const std::string& text, const std::string& file, const std:
 class DistributedCheckpointer final : public Checkpointer {
  public:
   DistributedCheckpointer(const JobConfig& config, int rank, fsdp::ProcessGroupPtr group)
-      : cfg_(config.checkpoint), model_name_(config.model.name), base_lr_(config.optimizer.lr), rank_(rank), world_(group ? group->size() : 1),
+      : cfg_(config.checkpoint), hf_(train_spec(to_string(config.model.name)).hf), base_lr_(config.optimizer.lr), rank_(rank), world_(group ? group->size() : 1),
         job_group_(std::move(group)) {
     folder_ = (fs::path(config.job.dump_folder) / cfg_.folder).string();
     const ckpt::AsyncMode mode = async_mode_of(cfg_.async_mode);
@@ -330,17 +328,11 @@ class DistributedCheckpointer final : public Checkpointer {
     std::fflush(stdout);
   }
 
-  static fsdp::nn::llama::TransformerImpl& llama_of(TrainState& s, const char* what) {
-    auto* m = dynamic_cast<fsdp::nn::llama::TransformerImpl*>(s.model);
-    TORCH_CHECK(m, "checkpoint.", what, ": the model is not a Llama 3 / Qwen3 decoder (the Hugging Face adapters' model)");
-    return *m;
-  }
-
-  // initial_load_in_hf: Hugging Face Llama weights (model only), each rank reading only its rows.
+  // initial_load_in_hf: Hugging Face weights (model only) through the family's adapter (model_spec.h), each rank
+  // reading only its rows.
   bool load_hf(TrainState& s, const std::string& dir) {
     const auto t0 = Clock::now();
-    auto& model = llama_of(s, "initial_load_in_hf");
-    const auto r = model_name_ == ModelName::Qwen3 ? ckpt::hf::import_qwen3(model, dir) : ckpt::hf::import_llama(model, dir);
+    const auto r = hf_.import_weights(*s.model, dir);
     if (rank_ == 0) {
       std::printf("checkpoint: loaded Hugging Face weights %s (model only) in %.3f s (%.1f MB read by rank 0)\n",
                   dir.c_str(), since(t0), r.bytes_read / 1e6);
@@ -349,13 +341,13 @@ class DistributedCheckpointer final : public Checkpointer {
     return true;
   }
 
-  // last_save_in_hf: the final model as Hugging Face Llama safetensors (+ index, config.json) in step-N.
+  // last_save_in_hf: the final model as Hugging Face safetensors (+ index, config.json) in step-N, through the
+  // family's adapter.
   void save_hf(TrainState& s, const std::string& dir, std::optional<at::ScalarType> cast) {
     const auto t0 = Clock::now();
     ckpt::SafetensorsExportOptions eo;
     eo.dtype = cast;
-    auto& model = llama_of(s, "last_save_in_hf");
-    const auto r = model_name_ == ModelName::Qwen3 ? ckpt::hf::export_qwen3(model, dir, eo) : ckpt::hf::export_llama(model, dir, eo);
+    const auto r = hf_.export_weights(*s.model, dir, eo);
     if (rank_ == 0) {
       std::printf("checkpoint: last step Hugging Face save of %s done in %.3f s (%.1f MB, %zu files)\n", dir.c_str(),
                   since(t0), r.total_bytes / 1e6, r.files.size());
@@ -447,7 +439,7 @@ class DistributedCheckpointer final : public Checkpointer {
   }
 
   JobConfig::Checkpoint cfg_;
-  ModelName model_name_;  // model.name: which Hugging Face adapter
+  HfAdapter hf_;  // model.name's Hugging Face adapter
   double base_lr_;
   int rank_;
   int world_;

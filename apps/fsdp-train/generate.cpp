@@ -1,12 +1,11 @@
 // Text generation from a checkpoint (see generate.h).
 #include "generate.h"
 
-#include "parallelize.h"
+#include "model_spec.h"
 
 #include "tokenizer.h"
 
 #include <fsdp/checkpoint/checkpoint.h>
-#include <fsdp/models/llama.h>
 
 #include <torch/torch.h>
 
@@ -59,44 +58,46 @@ GenerateResult generate(const JobConfig& config, const GenerateOptions& o) {
   GenerateResult r;
   r.checkpoint_dir = resolve_checkpoint_dir(o.checkpoint);
   auto tokenizer = make_tokenizer(config.model.tokenizer_path);
-  auto args = model_args(config);
-  args.vocab_size = tokenizer->vocab_size();  // as the trainer built it
-  args.max_seq_len = config.training.seq_len;
+  ModelShape shape;
+  shape.vocab_size = tokenizer->vocab_size();  // as the trainer built it
+  shape.max_seq_len = config.training.seq_len;
   // The prompt and its continuation are one document (generation stops at EOS): block_causal attention is causal.
-  args.attn_mask_type = fsdp::nn::llama::AttnMaskType::Causal;
-  fsdp::nn::llama::Transformer model(args);
+  JobConfig causal = config;
+  causal.model.attn_mask_type = AttnMaskType::Causal;
+  const TrainModel built = train_spec(to_string(config.model.name)).build(causal, shape);
+  torch::nn::Module& model = *built.module;
   // One sequence through a small model is a chain of tiny matmuls: intra-op threads cost more than they give
   // (9x slower with 2 threads for cpu_small on a busy 2-core machine). OMP_NUM_THREADS still decides if set.
-  if (!std::getenv("OMP_NUM_THREADS") && fsdp::nn::llama::num_params(args) < 100'000'000) torch::set_num_threads(1);
+  if (!std::getenv("OMP_NUM_THREADS") && built.num_params < 100'000'000) torch::set_num_threads(1);
 
   // Every parameter whole, whatever the number of ranks that saved it (checksums verified).
   ckpt::Reader reader(r.checkpoint_dir);
   {
     torch::NoGradGuard no_grad;
-    for (auto& item : model->named_parameters()) {
+    for (auto& item : model.named_parameters()) {
       at::Tensor saved;
       try {
         saved = reader.read(item.key());
       } catch (const std::exception& e) {
         throw std::runtime_error("generate: checkpoint '" + r.checkpoint_dir + "' has no usable '" + item.key() +
-                                 "' for " + to_string(config.model.name) + " " + config.model.flavor + " (vocab " + std::to_string(args.vocab_size) +
+                                 "' for " + to_string(config.model.name) + " " + config.model.flavor + " (vocab " + std::to_string(shape.vocab_size) +
                                  "; is --config the job that trained it?): " + e.what());
       }
       if (saved.sizes() != item.value().sizes()) {
         std::ostringstream msg;
         msg << "generate: '" << item.key() << "' in '" << r.checkpoint_dir << "' has shape " << saved.sizes()
-            << ", " << to_string(config.model.name) << " " << config.model.flavor << " with vocab " << args.vocab_size << " expects "
+            << ", " << to_string(config.model.name) << " " << config.model.flavor << " with vocab " << shape.vocab_size << " expects "
             << item.value().sizes() << " (is --config the job that trained it?)";
         throw std::runtime_error(msg.str());
       }
       item.value().copy_(saved);  // a bfloat16/float16 export is cast to float32
     }
     // MoE load-balancing biases steer the routing: the trained ones, not zeros.
-    for (auto& item : model->named_buffers()) {
+    for (auto& item : model.named_buffers()) {
       if (item.key().find("expert_bias") != std::string::npos) item.value().copy_(reader.read(item.key()));
     }
   }
-  model->eval();
+  model.eval();
   torch::NoGradGuard no_grad;
 
   if (tokenizer->bos_id()) r.prompt_tokens.push_back(*tokenizer->bos_id());
@@ -106,17 +107,17 @@ GenerateResult generate(const JobConfig& config, const GenerateOptions& o) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(o.seed);
   const auto eos = tokenizer->eos_id();
 
-  fsdp::nn::llama::KVCache cache;
-  if (o.kv_cache) cache = model->make_kv_cache(1, capacity);
+  std::function<at::Tensor(const at::Tensor&)> cached_forward;  // keeps its KV cache between calls
+  if (o.kv_cache) cached_forward = built.cached_forward(capacity);
   std::vector<int64_t> pending = sequence;  // tokens not yet run through the model (with the cache)
   for (int64_t i = 0; i < o.max_new_tokens; ++i) {
     at::Tensor logits;
     if (o.kv_cache) {
       auto input = torch::tensor(pending, torch::kLong).view({1, -1});
-      logits = model->forward_cached(input, cache);
+      logits = cached_forward(input);
     } else {
       auto input = torch::tensor(sequence, torch::kLong).view({1, -1});
-      logits = model->forward(input);
+      logits = built.forward(input);
     }
     const int64_t next = sample(logits[0][logits.size(1) - 1], o, gen);
     r.new_tokens.push_back(static_cast<uint32_t>(next));

@@ -11,6 +11,7 @@
 #include "data.h"
 #include "generate.h"
 #include "metrics.h"
+#include "model_spec.h"
 #include "plot.h"
 #include "trace_merge.h"
 #include "trainer.h"
@@ -21,6 +22,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
@@ -189,6 +191,9 @@ int main(int argc, char** argv) {
     // for MSG_NOSIGNAL. Python, where PyTorch normally runs, ignores SIGPIPE from its start alike. (A rank of a
     // replica group resumed after a SIGSTOP died of it in 2 of 6 stops of fault_ft_stop_test.)
     std::signal(SIGPIPE, SIG_IGN);
+    // The model family's layouts, before any process group exists (a refused layout is one line, no rendezvous).
+    const char* world_size = std::getenv("WORLD_SIZE");
+    fsdp_train::check_model_layout(config, world_size && std::atoi(world_size) > 1 ? std::atoi(world_size) : 1);
     auto env = fsdp_train::init_distributed(config);
     const auto summary = fsdp_train::run_training(config, env);
     if (env.rank == 0) print_summary(config, summary);

@@ -1,23 +1,8 @@
 #pragma once
-// TorchTitan's parallelize step (torchtitan/models/llama3/infra/parallelize.py): the model (fsdp/models/llama.h)
-// knows nothing of any parallelism; one apply_* function per parallelism changes it, each taking the module, its
-// mesh and the few typed options it needs, and parallelize_llama composes them from the config:
-//   apply_ac        [activation_checkpoint] on every block, first (any plan): full, every k-th block, or op SAC
-//   apply_tp        tensor_parallel_degree > 1: TorchTitan's Llama plan (sequence parallel; loss parallel unless
-//                   disable_loss_parallel) over the innermost mesh dim "tp"; the model is initialized whole on
-//                   every rank first (no meta init)
-//   apply_ep        expert_parallel_degree > 1: each MoE block's routed experts split over "ep", borrowed from
-//                   the data-parallel shard dim (mesh [dp_replicate,] efsdp, ep)
-//   apply_fsdp      fully_shard on every block, then on the root, over the data-parallel mesh: 1-D "dp_shard",
-//                   or 2-D (dp_replicate, dp_shard) = HSDP (also with shard degree 1 under TP); reshard
-//                   fsdp_reshard_after_forward (default: every block but the last, which backward needs at once;
-//                   root kept, as TorchTitan; under PP: kept, one all-gather per step), mixed_precision_param /
-//                   _reduce, CPU offload; MoE experts on their own mesh (EP's efsdp) and shard dim
-//   apply_ddp       shard degree 1 with replicate > 1 and no TP: plain data parallelism (TorchTitan's DDP path)
-//                   through fsdp::replicate on every block and the root (parameters broadcast from rank 0, never
-//                   sharded, one gradient all-reduce per block as its backward finishes; full precision)
-//   split_pipeline  pipeline_parallel_degree > 1: TorchTitan's stage split and the schedule's stage placement;
-//                   parallelize_llama then gives each stage this rank holds apply_tp and apply_fsdp
+// What a model family's parallelize step (TorchTitan's parallelize_<model>, reached through the model seam:
+// model_spec.h) gives the trainer, and the pieces every family shares: the meshes, the device, whether the model
+// is built on `meta`, the pipeline split's options and result. Nothing here knows a model class; each family's
+// apply_* steps live in its folder (models/<family>/parallelize.*).
 // Meshes are built once (build_meshes): [pp, dp_replicate, dp_shard, tp] with the dims of size 1 left out (but
 // dp_shard, and dp_replicate on the DDP path), on the device type of training.device.
 // Gradients are summed, not averaged, across ranks (gradient divide factor 1): the loss is already divided by
@@ -28,18 +13,28 @@
 
 #include <fsdp/device_mesh.h>
 #include <fsdp/fully_shard.h>
-#include <fsdp/models/llama.h>
-#include <fsdp/models/llama_pipeline.h>
 #include <fsdp/pipeline/schedule.h>
 #include <fsdp/process_group.h>
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <torch/nn/module.h>
 
+#include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace fsdp_train {
+
+// A pipeline stage this rank holds: its module (sharing the whole model's modules, so FQNs are the whole
+// model's) and its forward through fsdp::nn::call (hidden states or tokens in, hidden states or logits out).
+struct ModelStage {
+  std::shared_ptr<torch::nn::Module> module;
+  // (input, document ids) -> output; the ids are undefined under causal attention (TrainModel::document_ids).
+  std::function<at::Tensor(const at::Tensor& input, const at::Tensor& document_ids)> forward;
+};
 
 struct ParallelPlan {
   bool fsdp = false;  // fully_shard or replicate applied (clip with fsdp::clip_grad_norm_)
@@ -50,25 +45,23 @@ struct ParallelPlan {
   std::string activation_checkpointing;  // what [activation_checkpoint] applied (before fully_shard)
   fsdp::DeviceMesh tp_mesh;              // valid when tensor parallel
   bool loss_parallel = false;            // logits are vocabulary-sharded over tp_mesh
-  // Pipeline parallelism (pipeline_parallel_degree > 1): the stages this rank holds (sharing the whole model's
-  // modules, so FQNs are the whole model's), and the pipeline group (mesh dim "pp").
-  std::vector<fsdp::nn::llama::LlamaStage> stages;
+  // Pipeline parallelism (pipeline_parallel_degree > 1): the stages this rank holds, and the pipeline group
+  // (mesh dim "pp").
+  std::vector<ModelStage> stages;
   std::vector<int> stage_indices;
   int num_stages = 1;
   fsdp::ProcessGroupPtr pp_group;
   bool holds_first_stage = true, holds_last_stage = true;
 };
 
-// The model the config names: model.name's flavor (llama3 or qwen3) with the [model] moe_* overrides applied; a
-// ConfigError for an unknown flavor, or overrides on a flavor without MoE layers.
-fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config);
-
 // The device of the mesh (training.device); a ConfigError when it is not available in this process.
 c10::Device mesh_device(const JobConfig& config);
-// Whether parallelize_llama will apply fully_shard (then the trainer builds the model on `meta` and
+// Replicas without sharding or tensor parallelism: TorchTitan's DDP path (fsdp::replicate).
+bool plain_data_parallel(const ParallelDims& dims);
+// Whether the parallelize step will apply fully_shard (then the trainer builds the model on `meta` and
 // materializes only the shards, as TorchTitan does). `has_group`: running under a process group.
 bool plan_uses_fully_shard(const ParallelDims& dims, bool has_group);
-// Whether the trainer must build and initialize the model whole before parallelize_llama (meta init otherwise).
+// Whether the trainer must build and initialize the model whole before the parallelize step (meta init otherwise).
 bool plan_needs_full_init(const ParallelDims& dims, bool has_group);
 
 // ---- the meshes -------------------------------------------------------------------------------------------
@@ -83,42 +76,6 @@ struct ParallelMeshes {
 // Collective over the world (every rank, same order). `device_type`: "cpu" or "cuda".
 ParallelMeshes build_meshes(const ParallelDims& dims, const std::string& device_type);
 
-// ---- one apply_* per parallelism --------------------------------------------------------------------------
-
-// Activation checkpointing on every transformer block (before fully_shard: TorchTitan's order). Returns what it
-// applied, for the log.
-std::string apply_ac(fsdp::nn::llama::Transformer& model, AcMode mode, const SelectiveAcOption& option);
-
-// TorchTitan's Llama TP plan (sequence parallel) over the 1-D `tp_mesh`; loss_parallel: the output projection
-// keeps its logits sharded over the vocabulary.
-void apply_tp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& tp_mesh, bool loss_parallel);
-// The same for one pipeline stage: only the plan's entries for the modules it holds; its hidden states between
-// stages travel split along the sequence.
-void apply_tp(fsdp::nn::llama::LlamaStage& stage, const fsdp::nn::llama::LlamaArgs& args,
-              const fsdp::DeviceMesh& tp_mesh, bool loss_parallel);
-
-// The routed experts of every MoE block split over the 1-D `ep_mesh` (collective-free; before fully_shard).
-void apply_ep(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& ep_mesh);
-
-struct FsdpOptions {
-  fsdp::DeviceMesh mesh;  // the data-parallel mesh (1-D = FSDP, 2-D (replicate, shard) = HSDP)
-  MixedPrecision param_dtype = MixedPrecision::Float32;
-  MixedPrecision reduce_dtype = MixedPrecision::Float32;
-  bool cpu_offload = false;
-  ReshardAfterForward reshard_after_forward = ReshardAfterForward::Default;
-  bool pipeline = false;  // under PP "default" keeps every unit unsharded across microbatches (TorchTitan)
-  // MoE blocks' routed experts: sharded on `experts_mesh` (invalid: `mesh`) along `experts_shard_dim`.
-  fsdp::DeviceMesh experts_mesh;
-  int64_t experts_shard_dim = 0;
-};
-// fully_shard on every block, then on the root; returns the FSDP modules (blocks first, the root last).
-std::vector<fsdp::FSDPModule> apply_fsdp(fsdp::nn::llama::Transformer& model, const FsdpOptions& options);
-// The same for a pipeline stage (its blocks, then the stage).
-std::vector<fsdp::FSDPModule> apply_fsdp(fsdp::nn::llama::LlamaStage& stage, const FsdpOptions& options);
-
-// TorchTitan's DDP path: fsdp::replicate on every block, then the root, over `mesh` (dp_replicate, 1).
-std::vector<fsdp::FSDPModule> apply_ddp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& mesh);
-
 // ---- pipeline split -----------------------------------------------------------------------------------------
 
 struct PipelineSplitOptions {
@@ -130,21 +87,14 @@ struct PipelineSplitOptions {
   std::vector<std::vector<std::string>> module_fqns_per_model_part;  // explicit stages; empty = none
   std::string schedule_csv;  // a schedule file (replaces `schedule`); empty = none
 };
+// The [parallelism] pipeline keys of `config` with `dims`' degree and microbatches.
+PipelineSplitOptions pipeline_split_options(const JobConfig& config, const ParallelDims& dims);
 struct PipelineSplit {
   int64_t num_stages = 0;
   std::vector<std::pair<int64_t, int64_t>> layers;  // [begin, end) per stage
   fsdp::pipeline::PipelineSchedule schedule;        // stages_of_rank(r): the stages pipeline rank r holds
 };
-// TorchTitan's split of `args.n_layers` into stages and the schedule that places them; a ConfigError naming the
-// [parallelism] keys when they do not fit. No collectives: any rank (or a test) can compute any rank's stages.
-PipelineSplit split_pipeline(const fsdp::nn::llama::LlamaArgs& args, const PipelineSplitOptions& options);
-
-// ---- the composition ------------------------------------------------------------------------------------------
-
-// `group` is the world group when distributed, or null for a single process (no collectives at all: only AC).
-// With pipeline_parallel_degree > 1: the model split into stages (split_pipeline), this rank's stages each given
-// TP, then fully_shard per block and on the stage.
-ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobConfig& config, const ParallelDims& dims,
-                               const fsdp::ProcessGroupPtr& group);
+// libfsdp's schedule kind of a [parallelism] pipeline_parallel_schedule.
+fsdp::pipeline::ScheduleKind schedule_kind(PipelineSchedule schedule);
 
 }  // namespace fsdp_train

@@ -7,6 +7,7 @@
 #include "lr_schedule.h"
 #include "metrics.h"
 #include "metrics_processor.h"
+#include "model_spec.h"
 #include "parallelize.h"
 #include "profiling.h"
 #include "tensor_memory.h"
@@ -16,8 +17,8 @@
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/clip_grad.h>
 #include <fsdp/materialize.h>
+#include <fsdp/models/moe.h>  // the MoE layer (any family): its aux loss
 #include <fsdp/tensor_parallel.h>
-#include <fsdp/models/llama.h>
 #include <fsdp/nn/module_call.h>
 #include <fsdp/pipeline.h>
 #include <fsdp/launch_check.h>
@@ -97,6 +98,10 @@ static void check_launch_matches(const JobConfig& config, const torch::nn::Modul
   fsdp::check_same_on_all_ranks("job configuration (effective TOML, job.dump_folder excepted)", to_toml(compared));
 }
 
+void check_model_layout(const JobConfig& config, int64_t world_size) {
+  train_spec(to_string(config.model.name)).check_layout(config, resolve_parallelism(config, world_size));
+}
+
 TrainEnv init_distributed(const JobConfig& config) {
   TrainEnv env;
   const char* ws = std::getenv("WORLD_SIZE");
@@ -161,22 +166,20 @@ class Trainer {
   const bool main_rank_, say_;
   const ParallelDims dims_;
   const bool track_tensors_;
+  const TrainSpec& spec_;  // model.name's family (model_spec.h)
   std::shared_ptr<const Tokenizer> tokenizer_;
   // model.attn_mask_type = block_causal: the EOS that ends each packed document (nullopt: causal attention).
   std::optional<int64_t> document_eos_;
   // The document ids the model's forward takes for these tokens (nothing for causal attention).
-  std::optional<torch::Tensor> document_ids_of(const torch::Tensor& tokens) const {
-    if (!document_eos_) return std::nullopt;
-    return fsdp::nn::llama::document_ids(tokens, *document_eos_);
+  torch::Tensor document_ids_of(const torch::Tensor& tokens) const {
+    return model_.document_ids ? model_.document_ids(tokens) : torch::Tensor();
   }
   std::vector<std::string> files_;
-  fsdp::nn::llama::LlamaArgs args_;
+  ModelShape shape_;
   TextOptions text_options_;
   std::unique_ptr<DataLoader> loader_;
   std::unique_ptr<Validator> validator_;
-  fsdp::nn::llama::Transformer model_{nullptr};
-  int64_t n_params_ = 0;
-  double flops_per_token_ = 0;
+  TrainModel model_;
   ParallelPlan plan_;
   std::vector<fsdp::nn::moe::MoEImpl*> moe_blocks_;
   // The summed token loss of flattened logits (training and validation alike): with loss parallel the logits are
@@ -207,7 +210,9 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
       main_rank_(env.rank == 0),
       say_(main_rank_ && env.verbose),
       dims_(resolve_parallelism(config, env.world_size)),
-      track_tensors_(config.metrics.tensor_memory) {
+      track_tensors_(config.metrics.tensor_memory),
+      spec_(train_spec(to_string(config.model.name))) {
+  spec_.check_layout(config, dims_);  // fsdp-train's main checked it before the process group; tests call here
   set_threads();
   torch::manual_seed(static_cast<uint64_t>(config.debug.seed));
   if (config.debug.deterministic) at::globalContext().setDeterministicAlgorithms(true, false);
@@ -223,29 +228,29 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
   // ---- tokenizer, data ----
   tokenizer_ = make_tokenizer(config.model.tokenizer_path);
   files_ = resolve_dataset_files(config.training.dataset, config.training.dataset_path);
-  args_ = model_args(config);
-  args_.vocab_size = tokenizer_->vocab_size();  // TorchTitan: the model's vocab follows the tokenizer
   if (config.model.attn_mask_type == AttnMaskType::BlockCausal) {
     if (!tokenizer_->eos_id()) {
       throw ConfigError("config error: model.attn_mask_type = \"block_causal\" splits packed samples into documents "
                         "at the tokenizer's EOS, but the tokenizer (" + tokenizer_->describe() + ") has no EOS token");
     }
     document_eos_ = static_cast<int64_t>(*tokenizer_->eos_id());
+    shape_.eos_id = *document_eos_;
   }
-  args_.max_seq_len = config.training.seq_len;
+  shape_.vocab_size = tokenizer_->vocab_size();  // TorchTitan: the model's vocab follows the tokenizer
+  shape_.max_seq_len = config.training.seq_len;
   // Mesh [pp, dp_replicate, dp_shard, tp]: the tp ranks of a data-parallel rank, and its pp ranks, read the
   // same samples (the first stage needs the tokens, the last the labels).
   // [fault_tolerance]: every global batch is split over all replica groups (data_rank_of, data_degree); a group's
   // validation runs on its own ranks over the whole held-out set.
   const int64_t dp_rank = dims_.dp_rank_of(env.rank);
   text_options_ = TextOptions{config.training.dataset_text_field, config.training.bad_records == BadRecords::Skip, main_rank_};
-  loader_ = std::make_unique<DataLoader>(files_, tokenizer_, args_.vocab_size,
+  loader_ = std::make_unique<DataLoader>(files_, tokenizer_, shape_.vocab_size,
                                          LoaderOptions{config.training.seq_len, dims_.local_batch_size,
                                                        dims_.grad_accum_steps, dims_.data_rank_of(env.rank),
                                                        dims_.data_degree()},
                                          text_options_);
   if (config.validation.enable)
-    validator_ = std::make_unique<Validator>(config.validation, tokenizer_, args_.vocab_size, dp_rank, dims_.dp_degree(),
+    validator_ = std::make_unique<Validator>(config.validation, tokenizer_, shape_.vocab_size, dp_rank, dims_.dp_degree(),
                                              text_options_);
 
   build_model();
@@ -276,11 +281,11 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
 
   // ---- checkpoint ----
   checkpointer_ = make_checkpointer(config, env.rank, env.group);
-  state_.model = model_.ptr().get();
+  state_.model = model_.module.get();
   if (plan_.stages.empty()) {
-    state_.parts = {model_.ptr().get()};
+    state_.parts = {model_.module.get()};
   } else {
-    for (auto& stage : plan_.stages) state_.parts.push_back(stage.ptr().get());
+    for (auto& stage : plan_.stages) state_.parts.push_back(stage.module.get());
   }
   state_.optimizer = optimizer_.get();
   state_.data = loader_.get();
@@ -295,15 +300,13 @@ void Trainer::build_model() {
   // allocated and initialized unit by unit — the same weights as an unsharded init (TorchTitan's flow).
   const bool meta_init = !plan_needs_full_init(dims_, env_.group != nullptr);
   const uint64_t seed = static_cast<uint64_t>(config.debug.seed);
-  if (meta_init) args_.device = c10::kMeta;
-  model_ = fsdp::nn::llama::Transformer(args_);
-  if (env_.group) check_launch_matches(config, *model_);
-  if (!meta_init) model_->init_weights(seed);
-  n_params_ = fsdp::nn::llama::num_params(args_);
-  flops_per_token_ = fsdp::nn::llama::flops_per_token(args_, config.training.seq_len);
+  if (meta_init) shape_.device = c10::kMeta;
+  model_ = spec_.build(config, shape_);
+  if (env_.group) check_launch_matches(config, *model_.module);
+  if (!meta_init) model_.init_weights(seed, {});
 
-  plan_ = parallelize_llama(model_, config, dims_, env_.group);
-  moe_blocks_ = moe_layers(*model_);
+  plan_ = spec_.parallelize(model_, config, dims_, env_.group);
+  moe_blocks_ = moe_layers(*model_.module);
   loss_sum_of_ = [this](const torch::Tensor& logits, const torch::Tensor& labels) {
     if (plan_.loss_parallel)
       return fsdp::loss_parallel_cross_entropy(logits, labels, plan_.tp_mesh, -100, fsdp::LossReduction::Sum);
@@ -312,8 +315,8 @@ void Trainer::build_model() {
         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(-100));
   };
   if (meta_init && plan_.stages.empty()) {
-    fsdp::materialize_module(*model_);
-    model_->init_weights(seed, fsdp::full_params_init_scope(*model_));
+    fsdp::materialize_module(*model_.module);
+    model_.init_weights(seed, fsdp::full_params_init_scope(*model_.module));
   } else if (meta_init) {
     // Pipeline stages: only this rank's stages get storage. The whole model's init runs in full order (one
     // generator, the same numbers as an unsharded init); the parts of other ranks' stages stay on `meta`, where
@@ -321,12 +324,12 @@ void Trainer::build_model() {
     std::vector<std::function<void(torch::nn::Module&, const std::function<void()>&)>> scopes;
     std::vector<std::unordered_set<const torch::nn::Module*>> held;
     for (auto& stage : plan_.stages) {
-      fsdp::materialize_module(*stage);
-      scopes.push_back(fsdp::full_params_init_scope(*stage));
+      fsdp::materialize_module(*stage.module);
+      scopes.push_back(fsdp::full_params_init_scope(*stage.module));
       held.emplace_back();
-      for (const auto& m : stage->modules(/*include_self=*/true)) held.back().insert(m.get());
+      for (const auto& m : stage.module->modules(/*include_self=*/true)) held.back().insert(m.get());
     }
-    model_->init_weights(seed, [&](torch::nn::Module& part, const std::function<void()>& fn) {
+    model_.init_weights(seed, [&](torch::nn::Module& part, const std::function<void()>& fn) {
       for (size_t i = 0; i < held.size(); ++i) {
         if (held[i].count(&part)) return scopes[i](part, fn);
       }
@@ -338,13 +341,9 @@ void Trainer::build_model() {
   if (!plan_.stages.empty()) {
     std::vector<fsdp::PipelineStage> stages;
     for (size_t i = 0; i < plan_.stages.size(); ++i) {
-      auto stage = plan_.stages[i];
+      const ModelStage& stage = plan_.stages[i];
       // block_causal: every stage gets its microbatch's document ids alongside (the pipeline's context).
-      stages.push_back({plan_.stage_indices[i], stage.ptr(), nullptr,
-                        [stage](const torch::Tensor& x, const torch::Tensor& ids) {
-                          if (!ids.defined()) return fsdp::nn::call(stage, x);
-                          return fsdp::nn::call(stage, x, std::optional<torch::Tensor>(ids));
-                        }});
+      stages.push_back({plan_.stage_indices[i], stage.module, nullptr, stage.forward});
     }
     fsdp::PipelineOptions popts;
     popts.schedule = to_string(config.parallelism.pipeline_parallel_schedule);
@@ -365,10 +364,10 @@ void Trainer::build_optimizer() {
   const auto& o = config_.optimizer;
   // Under PP only this rank's stages' parameters (the others' stay on `meta`, or are not trained here).
   if (plan_.stages.empty()) {
-    params_ = model_->parameters();
+    params_ = model_.module->parameters();
   } else {
     for (auto& stage : plan_.stages) {
-      for (auto& p : stage->parameters()) params_.push_back(p);
+      for (auto& p : stage.module->parameters()) params_.push_back(p);
     }
   }
   if (o.name == OptimizerName::AdamW) {
@@ -386,17 +385,10 @@ void Trainer::build_optimizer() {
 void Trainer::print_header() const {
   if (!say_) return;
   const auto& config = config_;
-  const auto& args = args_;
   const auto& dims = dims_;
   const std::string tb = metrics_->tensorboard_dir();
   std::cout << "fsdp-train: " << config.job.description << "\n"
-            << "  model     " << to_string(config.model.name) << " " << config.model.flavor << ": dim " << args.dim << ", "
-            << args.n_layers << " layers, " << args.n_heads << " heads (" << args.kv_heads() << " kv), "
-            << (args.moe ? std::to_string(args.moe->num_experts) + " experts (top-" + std::to_string(args.moe->top_k) +
-                               ", " + args.moe->score_func + ", hidden " + std::to_string(args.moe->hidden) +
-                               (args.moe->num_shared_experts ? ", shared " + std::to_string(args.moe->num_shared_experts) : "") + ")"
-                         : "ffn " + std::to_string(args.ffn_hidden_dim()))
-            << ", vocab " << args.vocab_size << ", " << n_params_ << " parameters"
+            << "  model     " << to_string(config.model.name) << " " << config.model.flavor << ": " << model_.summary << ", " << model_.num_params << " parameters"
             << (document_eos_ ? ", block_causal attention (documents end at EOS " + std::to_string(*document_eos_) + ")" : "")
             << "\n"
             << "  tokenizer " << tokenizer_->describe() << "\n"
@@ -412,7 +404,7 @@ void Trainer::print_header() const {
             << " ranks; " << torch::get_num_threads() << " threads per rank\n"
             << "  peak      " << summary_.peak_tflops << " TFLOP/s per rank ("
             << (config.metrics.peak_tflops > 0 ? "metrics.peak_tflops" : "measured") << "), "
-            << flops_per_token_ / 1e6 << " MFLOP per token\n"
+            << model_.flops_per_token / 1e6 << " MFLOP per token\n"
             << "  output    " << config.job.dump_folder << "/metrics.jsonl"
             << (tb.empty() ? std::string() : ", TensorBoard " + tb) << "\n";
   if (config.fault_tolerance.enable) {
@@ -444,12 +436,12 @@ double Trainer::forward_backward(std::vector<Batch>& batches, double global_toke
       auto labels = torch::from_blob(b.labels.data(), {b.batch, b.seq_len}, torch::kLong);
       const auto result = pipeline_->step(plan_.holds_first_stage ? inputs : torch::Tensor(),
                                           plan_.holds_last_stage ? labels : torch::Tensor(),
-                                          document_ids_of(inputs).value_or(torch::Tensor()));
+                                          document_ids_of(inputs));
       local_loss_sum += result.loss_sum() * global_tokens;  // 0 off the last stage
       continue;
     }
     auto labels = torch::from_blob(b.labels.data(), {b.batch * b.seq_len}, torch::kLong);
-    auto logits = fsdp::nn::call(model_, inputs, document_ids_of(inputs));
+    auto logits = model_.forward(inputs);
     auto loss_sum = loss_sum_of_(logits.reshape({-1, logits.size(-1)}), labels);
     if (track_tensors_) tmem.forward = tensor_memory::live_bytes();
     // Divided by the global count: summed over micro-batches and ranks, this is the full-batch gradient.
@@ -475,10 +467,10 @@ double Trainer::clip_gradients() {
   if (pipeline_) {
     // Over every stage of every pp rank (TorchTitan's clip_grad_norm_ with pp_mesh).
     std::vector<std::shared_ptr<torch::nn::Module>> parts;
-    for (auto& stage : plan_.stages) parts.push_back(stage.ptr());
+    for (auto& stage : plan_.stages) parts.push_back(stage.module);
     return fsdp::clip_grad_norm_(parts, config_.training.max_norm, 2.0, plan_.pp_group).item<double>();
   }
-  if (plan_.fsdp) return fsdp::clip_grad_norm_(*model_, config_.training.max_norm).item<double>();
+  if (plan_.fsdp) return fsdp::clip_grad_norm_(*model_.module, config_.training.max_norm).item<double>();
   return torch::nn::utils::clip_grad_norm_(params_, config_.training.max_norm);
 }
 
@@ -582,12 +574,12 @@ void Trainer::validate(int64_t step) {
     batch_loss = [this](const torch::Tensor& x, const torch::Tensor& y) {
       pipeline_global_tokens_ = 1;
       return pipeline_->eval(plan_.holds_first_stage ? x : torch::Tensor(), plan_.holds_last_stage ? y : torch::Tensor(),
-                             document_ids_of(x).value_or(torch::Tensor()))
+                             document_ids_of(x))
           .loss_sum();
     };
   } else {
     batch_loss = [this](const torch::Tensor& x, const torch::Tensor& y) {
-      auto logits = fsdp::nn::call(model_, x, document_ids_of(x));
+      auto logits = model_.forward(x);
       return loss_sum_of_(logits.reshape({-1, logits.size(-1)}), y.reshape({-1})).item<double>();
     };
   }
@@ -624,7 +616,7 @@ void Trainer::log(int64_t step, const StepResult& r, const TrainSummary::TensorM
                           fsdp::ReduceOp::Max)[0];
   m.mem_gib = static_cast<double>(peak_rss_bytes()) / (1 << 30);
   m.mem_max_gib = all_reduce(env_.group, {m.mem_gib}, fsdp::ReduceOp::Max)[0];
-  metrics_->log(m, flops_per_token_, summary_.peak_tflops);
+  metrics_->log(m, model_.flops_per_token, summary_.peak_tflops);
 }
 
 TrainSummary Trainer::train(bool compute_entropy) {
@@ -682,8 +674,8 @@ TrainSummary Trainer::train(bool compute_entropy) {
   summary_.mean_mfu = metrics_->mean_mfu();
   if (compute_entropy && main_rank_)
     summary_.unigram_entropy =
-        unigram_entropy_nats(files_, tokenizer_, args_.vocab_size, &summary_.epoch_tokens, text_options_);
-  const fsdp::CheckpointStats ac = fsdp::checkpoint_stats(*model_);
+        unigram_entropy_nats(files_, tokenizer_, shape_.vocab_size, &summary_.epoch_tokens, text_options_);
+  const fsdp::CheckpointStats ac = fsdp::checkpoint_stats(*model_.module);
   summary_.ac_forwards = ac.forwards;
   summary_.ac_recomputes = ac.recomputes;
   summary_.ac_mm_reused = ac.mm_reused;

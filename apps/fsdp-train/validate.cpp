@@ -3,7 +3,6 @@
 
 #include "data.h"
 
-#include <fsdp/models/llama.h>
 #include <fsdp/nn/module_call.h>
 
 #include <torch/torch.h>

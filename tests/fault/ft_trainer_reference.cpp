@@ -16,7 +16,7 @@
 #include "data.h"
 #include "lr_schedule.h"
 #include "parallel_dims.h"
-#include "parallelize.h"
+#include "models/llama3/parallelize_llama.h"
 #include "tokenizer.h"
 
 #include <fsdp/models/llama.h>
@@ -30,6 +30,7 @@
 #include <sstream>
 
 using namespace fsdp_train;
+using namespace fsdp_train::llama3;
 
 int main(int argc, char** argv) {
   if (argc < 4 || std::string(argv[3]) != "--") {

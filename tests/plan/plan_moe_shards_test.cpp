@@ -7,7 +7,7 @@
 //   local bytes of the routed experts        == the plan's expert shards (GroupPlan::expert_shard_numel)
 //   each local expert weight's shape         == [E/ep, ...] cut on the planned dim into efsdp pieces
 #include "config.h"
-#include "parallelize.h"
+#include "models/llama3/parallelize_llama.h"
 #include "plan.h"
 
 #include <fsdp/models/qwen3.h>
@@ -40,7 +40,7 @@ Held shard_for_real(const llama::LlamaArgs& args, int64_t ep) {
   EXPECT_EQ(dims.dp_shard, world->size());
   llama::Transformer model(args);
   model->init_weights(0);
-  const fsdp_train::ParallelPlan plan = fsdp_train::parallelize_llama(model, config, dims, world);
+  const fsdp_train::ParallelPlan plan = fsdp_train::llama3::parallelize_llama(model, config, dims, world);
   EXPECT_TRUE(plan.fsdp) << plan.description;
   Held held;
   for (const auto& item : model->named_parameters()) {

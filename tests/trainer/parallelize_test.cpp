@@ -10,7 +10,7 @@
 // composition, each from its [parallelism] keys.
 #include "config.h"
 #include "parallel_dims.h"
-#include "parallelize.h"
+#include "models/llama3/parallelize_llama.h"
 
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/fully_shard.h>
@@ -31,6 +31,7 @@
 #include <vector>
 
 using namespace fsdp_train;
+using namespace fsdp_train::llama3;
 
 namespace {
 
@@ -428,14 +429,14 @@ TEST(Parallelize, PipelineStagesThenFsdpPerStage) {
   EXPECT_EQ(a.plan.holds_last_stage, stage == 1);
   const std::string block = "layers." + std::to_string(stage);
   EXPECT_EQ(fsdp_fqns(*model), std::set<std::string>{block}) << "the whole model's view: only this stage's block";
-  EXPECT_TRUE(fsdp::fsdp_module(*a.plan.stages[0])) << "and the stage itself";
+  EXPECT_TRUE(fsdp::fsdp_module(*a.plan.stages[0].module)) << "and the stage itself";
   EXPECT_EQ(a.plan.fsdp_modules.size(), 2u);
   for (const auto& b : model->blocks()) EXPECT_TRUE(fsdp::is_checkpointed(*b));
   const std::set<std::string> held = stage == 0 ? std::set<std::string>{"tok_embeddings", "layers.0"}
                                                 : std::set<std::string>{"layers.1", "norm", "output"};
   size_t checked = 0;
-  const auto sd = fsdp::sharded_state_dict(*a.plan.stages[0]);
-  for (const auto& p : a.plan.stages[0]->named_parameters()) {
+  const auto sd = fsdp::sharded_state_dict(*a.plan.stages[0].module);
+  for (const auto& p : a.plan.stages[0].module->named_parameters()) {
     const std::string& fqn = p.key();
     SCOPED_TRACE(fqn);
     const std::string module = fqn.rfind("layers.", 0) == 0 ? fqn.substr(0, fqn.find('.', 7)) : fqn.substr(0, fqn.find('.'));

@@ -7,7 +7,7 @@
 // ranks in one file on one clock. Under pipeline parallelism the trace holds each action ("PP:...") and the
 // activations' sends and receives with their analytic size.
 #include "config.h"
-#include "parallelize.h"
+#include "models/llama3/parallelize_llama.h"
 #include "tokenizer.h"
 #include "trace_merge.h"
 #include "trainer.h"
@@ -102,7 +102,7 @@ struct ModuleBytes {
   int64_t all_gather = 0, reduce_scatter = 0;
 };
 std::map<std::string, ModuleBytes> fsdp_bytes(const JobConfig& config, int64_t world) {
-  auto args = model_args(config);
+  auto args = llama3::model_args(config);
   args.vocab_size = make_tokenizer(config.model.tokenizer_path)->vocab_size();
   args.max_seq_len = config.training.seq_len;
   fsdp::nn::llama::Transformer model(args);
@@ -284,7 +284,7 @@ TEST(Profiling, PipelineActionsAndTheirSendsAndReceives) {
   const auto events = complete_events(trace);
   // Microbatches of pipeline_parallel_microbatch_size (1) sample: each activation (and its gradient) is
   // [1, seq_len, dim] float32.
-  const int64_t activation_bytes = 1 * config.training.seq_len * model_args(config).dim * 4;
+  const int64_t activation_bytes = 1 * config.training.seq_len * llama3::model_args(config).dim * 4;
   const int64_t microbatches = config.training.local_batch_size;
   const auto sends = sizes_of(events, "fsdp::send"), recvs = sizes_of(events, "fsdp::recv");
   // Stage 0 sends every microbatch's activations and receives their gradients; stage 1 the other way round.

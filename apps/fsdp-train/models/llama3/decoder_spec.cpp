@@ -1,0 +1,116 @@
+// See decoder_spec.h.
+#include "decoder_spec.h"
+
+#include "parallelize_llama.h"
+
+#include <fsdp/models/llama.h>
+#include <fsdp/models/llama_tp_plan.h>
+#include <fsdp/nn/module_call.h>
+
+#include <memory>
+#include <utility>
+
+namespace fsdp_train::llama3 {
+namespace {
+
+using fsdp::nn::llama::LlamaArgs;
+using fsdp::nn::llama::Transformer;
+using fsdp::nn::llama::TransformerImpl;
+
+// The decoder a TrainModel holds (every TrainModel of this spec was built by build_model below).
+Transformer decoder_of(const TrainModel& model) {
+  auto impl = std::dynamic_pointer_cast<TransformerImpl>(model.module);
+  TORCH_CHECK(impl, "the model is not a Llama 3 decoder (fsdp::nn::llama::Transformer)");
+  return Transformer(impl);
+}
+
+TransformerImpl& decoder_impl(torch::nn::Module& model, const std::string& family, const char* what) {
+  auto* impl = dynamic_cast<TransformerImpl*>(&model);
+  TORCH_CHECK(impl, what, ": the model is not a ", family, " decoder (the ", family, " Hugging Face adapter's model)");
+  return *impl;
+}
+
+std::string summary_of(const LlamaArgs& args) {
+  std::string ffn;
+  if (args.moe) {
+    const auto& m = *args.moe;
+    ffn = std::to_string(m.num_experts) + " experts (top-" + std::to_string(m.top_k) + ", " + m.score_func +
+          ", hidden " + std::to_string(m.hidden) +
+          (m.num_shared_experts ? ", shared " + std::to_string(m.num_shared_experts) : "") + ")";
+  } else {
+    ffn = "ffn " + std::to_string(args.ffn_hidden_dim());
+  }
+  return "dim " + std::to_string(args.dim) + ", " + std::to_string(args.n_layers) + " layers, " +
+         std::to_string(args.n_heads) + " heads (" + std::to_string(args.kv_heads()) + " kv), " + ffn + ", vocab " +
+         std::to_string(args.vocab_size);
+}
+
+TrainModel build_model(const JobConfig& config, const ModelShape& shape) {
+  LlamaArgs args = model_args(config);
+  args.vocab_size = shape.vocab_size;  // TorchTitan: the model's vocab follows the tokenizer
+  args.max_seq_len = shape.max_seq_len;
+  args.device = shape.device;
+  Transformer model(args);
+  TrainModel out;
+  out.module = model.ptr();
+  if (args.attn_mask_type == fsdp::nn::llama::AttnMaskType::BlockCausal) {
+    TORCH_CHECK(shape.eos_id >= 0, "block_causal attention needs the tokenizer's EOS (ModelShape::eos_id)");
+    out.document_ids = [eos = shape.eos_id](const at::Tensor& tokens) {
+      return fsdp::nn::llama::document_ids(tokens, eos);
+    };
+    out.forward = [model, ids = out.document_ids](const at::Tensor& tokens) {
+      return fsdp::nn::call(model, tokens, std::optional<at::Tensor>(ids(tokens)));
+    };
+  } else {
+    out.forward = [model](const at::Tensor& tokens) { return fsdp::nn::call(model, tokens); };
+  }
+  const std::shared_ptr<TransformerImpl> impl = model.ptr();
+  out.init_weights = [impl](uint64_t seed, const InitScope& scope) {
+    if (scope) impl->init_weights(seed, scope);
+    else impl->init_weights(seed);
+  };
+  out.cached_forward = [impl](int64_t capacity) {
+    auto cache = std::make_shared<fsdp::nn::llama::KVCache>(impl->make_kv_cache(1, capacity));
+    return std::function<at::Tensor(const at::Tensor&)>(
+        [impl, cache](const at::Tensor& tokens) { return impl->forward_cached(tokens, *cache); });
+  };
+  out.summary = summary_of(args);
+  out.num_params = fsdp::nn::llama::num_params(args);
+  out.flops_per_token = fsdp::nn::llama::flops_per_token(args, shape.max_seq_len);
+  return out;
+}
+
+}  // namespace
+
+TrainSpec decoder_train_spec(std::string name, std::vector<std::string> flavors, DecoderImport import_hf,
+                             DecoderExport export_hf) {
+  TrainSpec spec;
+  spec.name = name;
+  spec.flavors = std::move(flavors);
+  spec.build = build_model;
+  spec.check_layout = [name](const JobConfig& config, const ParallelDims& dims) {
+    check_layout(name, model_args(config), config, dims);
+  };
+  spec.parallelize = [](TrainModel& model, const JobConfig& config, const ParallelDims& dims,
+                        const fsdp::ProcessGroupPtr& group) {
+    Transformer decoder = decoder_of(model);
+    return parallelize_llama(decoder, config, dims, group);
+  };
+  spec.split_pipeline = [](const TrainModel& model, const PipelineSplitOptions& options) {
+    return split_pipeline(decoder_of(model)->args(), options);
+  };
+  spec.tp_plan = [](const TrainModel& model, int64_t tp_degree, bool loss_parallel) {
+    return fsdp::nn::llama::tensor_parallel_plan(decoder_of(model)->args(), tp_degree, {true, loss_parallel});
+  };
+  // The adapters take the decoder; `what` names the config key in the error for any other module.
+  spec.hf.import_weights = [import_hf, name](torch::nn::Module& model, const std::string& dir) {
+    return import_hf(decoder_impl(model, name, "checkpoint.initial_load_in_hf"), dir, {});
+  };
+  spec.hf.export_weights = [export_hf, name](torch::nn::Module& model, const std::string& dir,
+                                             const fsdp::checkpoint::SafetensorsExportOptions& options) {
+    return export_hf(decoder_impl(model, name, "checkpoint.last_save_in_hf"), dir, options);
+  };
+  return spec;
+}
+
+}  // namespace fsdp_train::llama3

@@ -1,0 +1,394 @@
+// See parallelize_llama.h.
+#include "parallelize_llama.h"
+
+#include <fsdp/activation_checkpoint.h>
+#include <fsdp/expert_parallel.h>
+#include <fsdp/nn/module_call.h>
+#include <fsdp/models/moe.h>
+#include <fsdp/models/llama_tp_plan.h>
+#include <fsdp/models/qwen3.h>
+#include <fsdp/replicate.h>
+#include <fsdp/tensor_parallel.h>
+
+#include <ATen/ATen.h>
+
+#include <unordered_set>
+
+namespace fsdp_train::llama3 {
+namespace {
+
+c10::ScalarType dtype_of(MixedPrecision p) { return p == MixedPrecision::BFloat16 ? c10::kBFloat16 : c10::kFloat; }
+
+// The MoE block of a transformer block, or null for a dense one (its feed-forward is a child named "moe").
+fsdp::nn::moe::MoEImpl* moe_of(torch::nn::Module& block) {
+  for (const auto& child : block.named_children()) {
+    if (child.key() == "moe") return child.value()->as<fsdp::nn::moe::MoEImpl>();
+  }
+  return nullptr;
+}
+
+// The routed experts per MoE block (0: a dense model).
+int64_t num_experts_of(fsdp::nn::llama::Transformer& model) {
+  int64_t n = 0;
+  for (auto& block : model->blocks()) {
+    if (auto* moe = moe_of(*block)) n = moe->options().num_experts;
+  }
+  return n;
+}
+
+// fully_shard on `blocks`, then `root`: the per-block reshard rule, the experts' placement (TorchTitan HEAD: one
+// fully_shard per block with per-parameter meshes, the routed experts in their own parameter group).
+template <class Root>
+std::vector<fsdp::FSDPModule> fully_shard_blocks_then_root(std::vector<fsdp::nn::llama::TransformerBlock>& blocks,
+                                                           Root& root, const FsdpOptions& o) {
+  fsdp::FullyShardOptions base;
+  base.mesh = o.mesh;
+  if (o.param_dtype != MixedPrecision::Float32 || o.reduce_dtype != MixedPrecision::Float32) {
+    base.mp_policy.param_dtype = dtype_of(o.param_dtype);
+    base.mp_policy.reduce_dtype = dtype_of(o.reduce_dtype);
+  }
+  base.offload_policy.cpu_offload = o.cpu_offload;
+  const ReshardAfterForward policy = o.reshard_after_forward;
+  const bool own_expert_placement = o.experts_mesh.valid() || o.experts_shard_dim != 0;
+  std::vector<fsdp::FSDPModule> out;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    fsdp::FullyShardOptions opts = base;
+    if (auto* moe = moe_of(*blocks[i]); moe && own_expert_placement) {
+      std::unordered_set<const c10::TensorImpl*> expert_params;
+      for (const auto& p : moe->experts->parameters()) expert_params.insert(p.unsafeGetTensorImpl());
+      opts.shard_placement_fn = [expert_params, mesh = o.experts_mesh,
+                                 dim = o.experts_shard_dim](const at::Tensor& p) -> std::optional<fsdp::ShardPlacement> {
+        if (!expert_params.count(p.unsafeGetTensorImpl())) return std::nullopt;
+        return mesh.valid() ? fsdp::ShardPlacement{dim, mesh} : fsdp::ShardPlacement{dim};
+      };
+    }
+    if (o.pipeline) {
+      // Under PP TorchTitan keeps parameters across microbatches (default -> false); "always" reshards anyway.
+      opts.reshard_after_forward = policy == ReshardAfterForward::Always;
+    } else if (policy == ReshardAfterForward::Always) {
+      opts.reshard_after_forward = true;
+    } else if (policy == ReshardAfterForward::Never) {
+      opts.reshard_after_forward = false;
+    } else {
+      opts.reshard_after_forward = i + 1 < blocks.size();  // backward starts with the last block: keep it
+    }
+    out.push_back(fsdp::fully_shard(blocks[i], opts));
+  }
+  fsdp::FullyShardOptions root_opts = base;
+  if (o.pipeline) root_opts.reshard_after_forward = policy == ReshardAfterForward::Always;
+  else if (policy == ReshardAfterForward::Always) root_opts.reshard_after_forward = true;
+  // (default / never without PP: the root's option is left as is; FSDP2's root rule keeps the root unsharded.)
+  out.push_back(fsdp::fully_shard(root, root_opts));
+  return out;
+}
+
+}  // namespace
+
+fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config) {
+  const auto& m = config.model;
+  fsdp::nn::llama::LlamaArgs args;
+  try {
+    args = fsdp::nn::llama::model_flavor(to_string(m.name), m.flavor);
+  } catch (const c10::Error& e) {
+    throw ConfigError(std::string("config error: model.flavor: ") + e.what_without_backtrace());
+  }
+  args.attn_mask_type = m.attn_mask_type == AttnMaskType::BlockCausal ? fsdp::nn::llama::AttnMaskType::BlockCausal
+                                                                    : fsdp::nn::llama::AttnMaskType::Causal;
+  const bool overrides = m.moe_score_func != MoeScoreFunc::FlavorDefault || m.moe_shared_experts >= 0 ||
+                         m.moe_route_norm != MoeRouteNorm::FlavorDefault ||
+                         m.moe_route_scale != 0 || m.moe_load_balance_coeff >= 0 || m.moe_sequence_aux_loss_coeff > 0 ||
+                         m.moe_num_expert_groups > 0;
+  if (!overrides) return args;
+  if (!args.moe) {
+    throw ConfigError("config error: model.moe_* keys set, but " + std::string(to_string(m.name)) + " " + m.flavor +
+                      " has no MoE layers (use a *_moe flavor)");
+  }
+  auto& o = *args.moe;
+  if (m.moe_score_func != MoeScoreFunc::FlavorDefault) o.score_func = to_string(m.moe_score_func);  // libfsdp's names
+  if (m.moe_shared_experts >= 0) o.num_shared_experts = m.moe_shared_experts;
+  if (m.moe_route_norm != MoeRouteNorm::FlavorDefault) o.route_norm = m.moe_route_norm == MoeRouteNorm::On;
+  if (m.moe_route_scale != 0) o.route_scale = m.moe_route_scale;
+  if (m.moe_load_balance_coeff == 0) o.load_balance_coeff.reset();
+  else if (m.moe_load_balance_coeff > 0) o.load_balance_coeff = m.moe_load_balance_coeff;
+  if (m.moe_sequence_aux_loss_coeff > 0) o.sequence_aux_loss_coeff = m.moe_sequence_aux_loss_coeff;
+  if (m.moe_num_expert_groups > 0) {
+    o.num_expert_groups = m.moe_num_expert_groups;
+    o.num_limited_groups = m.moe_num_limited_groups;
+  }
+  return args;
+}
+
+std::string apply_ac(fsdp::nn::llama::Transformer& model, AcMode mode, const SelectiveAcOption& option) {
+  if (mode == AcMode::None) return "no activation checkpointing";
+  std::vector<std::shared_ptr<torch::nn::Module>> blocks;
+  for (auto& b : model->blocks()) blocks.push_back(b.ptr());
+  if (mode == AcMode::Full) {
+    fsdp::checkpoint_every_kth(blocks, 1);
+    return "full activation checkpointing (every block)";
+  }
+  if (option.kind == SelectiveAcOption::Kind::Op) {
+    fsdp::checkpoint_every_kth(blocks, 1, {fsdp::CheckpointPolicy::SelectiveOp});
+    return "op-level selective activation checkpointing (every 2nd matmul kept)";
+  }
+  TORCH_CHECK(option.kind == SelectiveAcOption::Kind::EveryKth,
+              "activation_checkpoint.selective_ac_option: expected \"op\" or an integer k, got \"", option.unparsed, "\"");
+  const int64_t k = option.k;
+  const size_t n = fsdp::checkpoint_every_kth(blocks, k);
+  return "layer-selective activation checkpointing (every " + std::to_string(k <= 1 ? 1 : k) + " blocks: " +
+         std::to_string(n) + " of " + std::to_string(blocks.size()) + ")";
+}
+
+void apply_tp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& tp_mesh, bool loss_parallel) {
+  fsdp::parallelize_module(model, tp_mesh,
+                           fsdp::nn::llama::tensor_parallel_plan(model->args(), tp_mesh.size(), {true, loss_parallel}));
+}
+
+void apply_tp(fsdp::nn::llama::LlamaStage& stage, const fsdp::nn::llama::LlamaArgs& args,
+              const fsdp::DeviceMesh& tp_mesh, bool loss_parallel) {
+  // TorchTitan's Llama TP plan without the entries for modules this stage does not hold.
+  fsdp::ParallelizePlan kept;
+  for (auto& entry : fsdp::nn::llama::tensor_parallel_plan(args, tp_mesh.size(), {true, loss_parallel})) {
+    const std::string& pattern = entry.first;
+    if (pattern == "tok_embeddings" && !stage->first()) continue;
+    if ((pattern == "norm" || pattern == "output") && !stage->last()) continue;
+    if (pattern.rfind("layers.", 0) == 0 && stage->begin() == stage->end()) continue;
+    kept.push_back(std::move(entry));
+  }
+  fsdp::parallelize_module(stage, tp_mesh, kept);
+  stage->sequence_shards = tp_mesh.size();  // the plan is sequence parallel: hidden states travel split on the sequence
+}
+
+void apply_ep(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& ep_mesh) {
+  for (auto& block : model->blocks()) {
+    if (auto* moe = moe_of(*block)) fsdp::apply_expert_parallel(moe->experts.ptr(), ep_mesh);
+  }
+}
+
+std::vector<fsdp::FSDPModule> apply_fsdp(fsdp::nn::llama::Transformer& model, const FsdpOptions& options) {
+  return fully_shard_blocks_then_root(model->blocks(), model, options);
+}
+
+std::vector<fsdp::FSDPModule> apply_fsdp(fsdp::nn::llama::LlamaStage& stage, const FsdpOptions& options) {
+  return fully_shard_blocks_then_root(stage->blocks(), stage, options);
+}
+
+std::vector<fsdp::FSDPModule> apply_ddp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& mesh) {
+  // Every block, then the root (bottom-up): one gradient all-reduce per block, issued as soon as its backward is
+  // done (DDP's buckets, overlapping the rest of backward), rather than one flat all-reduce after backward.
+  fsdp::ReplicateOptions opts;
+  opts.mesh = mesh;
+  std::vector<fsdp::FSDPModule> out;
+  for (auto& block : model->blocks()) out.push_back(fsdp::replicate(block, opts));
+  out.push_back(fsdp::replicate(model, opts));
+  return out;
+}
+
+PipelineSplit split_pipeline(const fsdp::nn::llama::LlamaArgs& args, const PipelineSplitOptions& o) {
+  // Stages: TorchTitan's split, placed by the schedule (loop or V).
+  const auto kind = o.schedule_csv.empty() ? schedule_kind(o.schedule) : fsdp::pipeline::ScheduleKind::Csv;
+  const int64_t n_layers = args.n_layers;
+  PipelineSplit split;
+  split.num_stages = o.pp * fsdp::pipeline::default_stages_per_rank(kind);
+  const bool explicit_fqns = !o.module_fqns_per_model_part.empty();
+  if (explicit_fqns) {
+    split.num_stages = static_cast<int64_t>(o.module_fqns_per_model_part.size());
+    if (split.num_stages % o.pp != 0) {
+      throw ConfigError("config error: parallelism.module_fqns_per_model_part lists " +
+                        std::to_string(split.num_stages) + " stages, not a multiple of pipeline_parallel_degree = " +
+                        std::to_string(o.pp));
+    }
+  } else if (o.layers_per_stage > 0) {
+    split.num_stages = fsdp::nn::llama::stages_for_layers_per_stage(n_layers, o.layers_per_stage,
+                                                                    o.first_stage_less_layers, o.last_stage_less_layers);
+    if (split.num_stages % o.pp != 0) {
+      throw ConfigError("config error: parallelism.pipeline_parallel_layers_per_stage = " +
+                        std::to_string(o.layers_per_stage) + " gives " + std::to_string(split.num_stages) +
+                        " stages for " + std::to_string(n_layers) + " layers, not a multiple of "
+                        "pipeline_parallel_degree = " + std::to_string(o.pp));
+    }
+  }
+  try {
+    split.layers = explicit_fqns ? fsdp::nn::llama::layers_from_fqns(args, o.module_fqns_per_model_part)
+                                 : fsdp::nn::llama::split_layers(n_layers, split.num_stages, o.first_stage_less_layers,
+                                                                 o.last_stage_less_layers);
+    split.schedule = o.schedule_csv.empty()
+                         ? fsdp::pipeline::build_schedule({kind, static_cast<int>(o.pp),
+                                                           static_cast<int>(split.num_stages / o.pp),
+                                                           static_cast<int>(o.microbatches)})
+                         : fsdp::pipeline::load_schedule_csv(o.schedule_csv, static_cast<int>(o.pp),
+                                                             static_cast<int>(split.num_stages),
+                                                             static_cast<int>(o.microbatches));
+  } catch (const c10::Error& e) {
+    throw ConfigError(std::string(o.schedule_csv.empty() ? "config error: parallelism: "
+                                                         : "config error: parallelism.pipeline_parallel_schedule_csv: ") +
+                      e.what_without_backtrace());
+  }
+  return split;
+}
+
+namespace {
+
+FsdpOptions fsdp_options(const JobConfig& config, const fsdp::DeviceMesh& dp_mesh, bool pipeline) {
+  FsdpOptions o;
+  o.mesh = dp_mesh;
+  o.param_dtype = config.training.mixed_precision_param;
+  o.reduce_dtype = config.training.mixed_precision_reduce;
+  o.cpu_offload = config.training.enable_cpu_offload;
+  o.reshard_after_forward = config.parallelism.fsdp_reshard_after_forward;
+  o.pipeline = pipeline;
+  return o;
+}
+
+void set_sum_gradients(ParallelPlan& plan) {
+  for (auto& m : plan.fsdp_modules) m.set_gradient_divide_factor(1.0);
+  plan.fsdp = true;
+}
+
+ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, const JobConfig& config,
+                                        const ParallelDims& dims, const fsdp::ProcessGroupPtr& group) {
+  ParallelPlan plan;
+  plan.dp_group = group;
+  const std::string device = mesh_device(config).is_cuda() ? "cuda" : "cpu";
+  plan.activation_checkpointing =
+      apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option);
+  TORCH_CHECK(group, "pipeline parallelism needs a process group (run under fsdprun)");
+  const ParallelMeshes meshes = build_meshes(dims, device);
+  plan.mesh = meshes.world;
+  plan.pp_group = plan.mesh.group("pp");
+  if (dims.tp > 1) {
+    plan.tp_mesh = meshes.tp;
+    plan.loss_parallel = !config.parallelism.disable_loss_parallel;
+  }
+  const auto& p = config.parallelism;
+  const PipelineSplit split = split_pipeline(model->args(), pipeline_split_options(config, dims));
+  const int64_t num_stages = split.num_stages;
+  plan.num_stages = static_cast<int>(num_stages);
+  plan.stage_indices = split.schedule.stages_of_rank(plan.pp_group->rank());
+  const FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/true);
+  std::string layers;
+  for (int s : plan.stage_indices) {
+    const auto [begin, end] = split.layers[static_cast<size_t>(s)];
+    fsdp::nn::llama::LlamaStage stage(*model, begin, end, s == 0, s == num_stages - 1);
+    if (dims.tp > 1) apply_tp(stage, model->args(), plan.tp_mesh, plan.loss_parallel);
+    for (auto& m : apply_fsdp(stage, fsdp)) plan.fsdp_modules.push_back(m);
+    layers += (layers.empty() ? "" : ", ") + std::string("stage ") + std::to_string(s) + " = layers " +
+              std::to_string(begin) + ".." + std::to_string(end - 1) + (s == 0 ? " + tok_embeddings" : "") +
+              (s == num_stages - 1 ? " + norm, output" : "");
+    // block_causal: every stage gets its microbatch's document ids alongside (the pipeline's context).
+    plan.stages.push_back({stage.ptr(), [stage](const at::Tensor& x, const at::Tensor& ids) {
+                             if (!ids.defined()) return fsdp::nn::call(stage, x);
+                             return fsdp::nn::call(stage, x, std::optional<at::Tensor>(ids));
+                           }});
+  }
+  plan.holds_first_stage = plan.stage_indices.front() == 0;
+  plan.holds_last_stage = plan.stage_indices.back() == num_stages - 1;
+  set_sum_gradients(plan);
+  const bool always = p.fsdp_reshard_after_forward == ReshardAfterForward::Always;
+  const std::string schedule_text = p.pipeline_parallel_schedule_csv.empty()
+                                        ? std::string(to_string(p.pipeline_parallel_schedule))
+                                        : "CSV " + p.pipeline_parallel_schedule_csv;
+  plan.description = "PP " + std::to_string(dims.pp) + " (" + schedule_text + ", " +
+                     std::to_string(num_stages) + " stages, " + std::to_string(dims.pp_microbatches) +
+                     " microbatches; this rank: " + layers + ") + " + (dims.tp > 1 ? "TP " + std::to_string(dims.tp) +
+                     " (sequence parallel) + " : std::string()) + (dims.dp_replicate > 1 ? "HSDP" : "FSDP") +
+                     " mesh " + plan.mesh.to_string() + ", reshard_after_forward " +
+                     (always ? "always" : "false (PP)");
+  return plan;
+}
+
+}  // namespace
+
+void check_layout(const std::string& family, const fsdp::nn::llama::LlamaArgs& args, const JobConfig& config,
+                  const ParallelDims& dims) {
+  const int64_t num_experts = args.moe ? args.moe->num_experts : 0;
+  const bool has_moe = num_experts > 0;
+  const auto& ac = config.activation_checkpoint;
+  const std::string model = family + " " + config.model.flavor;
+  if (has_moe && (dims.pp > 1 || dims.tp > 1)) {
+    throw ConfigError("config error: MoE models (" + model + ") with " + (dims.pp > 1 ? "pipeline" : "tensor") +
+                      " parallelism are not supported yet; use FSDP, HSDP and parallelism.expert_parallel_degree");
+  }
+  if (has_moe && dims.world_size > 1 && (config.checkpoint.initial_load_in_hf || config.checkpoint.last_save_in_hf)) {
+    throw ConfigError("config error: checkpoint.initial_load_in_hf / last_save_in_hf with an MoE model (" + model +
+                      ") on several ranks is not supported yet (the Qwen3-MoE adapter needs the whole model); "
+                      "convert on 1 rank");
+  }
+  if (has_moe && ac.mode == AcMode::Selective && ac.selective_ac_option.kind == SelectiveAcOption::Kind::Op) {
+    // Op-level SAC runs the forward twice with gradients on: the experts' token counts (load balancing) would
+    // double. Full and layer-selective AC count once (their first pass runs without gradients).
+    throw ConfigError("config error: activation_checkpoint.selective_ac_option = \"op\" with an MoE model (" + model +
+                      ") is not supported yet; use mode = \"full\" or a layer-selective option");
+  }
+  if (dims.ep > 1 && !has_moe) {
+    throw ConfigError("config error: parallelism.expert_parallel_degree = " + std::to_string(dims.ep) + " but " +
+                      model + " has no MoE layers (use a *_moe flavor)");
+  }
+  if (has_moe && num_experts % dims.ep != 0) {
+    throw ConfigError("config error: parallelism.expert_parallel_degree = " + std::to_string(dims.ep) +
+                      " does not divide the " + std::to_string(num_experts) + " experts of " + model);
+  }
+}
+
+ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobConfig& config, const ParallelDims& dims,
+                               const fsdp::ProcessGroupPtr& group) {
+  check_layout(to_string(config.model.name), model->args(), config, dims);
+  const int64_t num_experts = num_experts_of(model);
+  const bool has_moe = num_experts > 0;
+  const auto& ac = config.activation_checkpoint;
+  if (dims.pp > 1) return parallelize_llama_pipeline(model, config, dims, group);
+  ParallelPlan plan;
+  plan.dp_group = group;
+  const std::string device = mesh_device(config).is_cuda() ? "cuda" : "cpu";  // init_device_mesh takes the type
+  plan.activation_checkpointing = apply_ac(model, ac.mode, ac.selective_ac_option);
+  if (!group) {
+    // fully_shard needs a process group (even a 1-rank one, as under fsdprun); a bare process trains unsharded.
+    plan.description = "single process (no process group: run under fsdprun to apply fully_shard)";
+    return plan;
+  }
+  const ParallelMeshes meshes = build_meshes(dims, device);
+  plan.mesh = meshes.world;
+  if (plain_data_parallel(dims)) {
+    // TorchTitan's DDP path, in FSDP2's style (fsdp::replicate). Full precision, as TorchTitan's DDP: the
+    // mixed_precision_* keys apply to FSDP.
+    plan.fsdp_modules = apply_ddp(model, plan.mesh);
+    set_sum_gradients(plan);
+    plan.description = "data parallel (replicate " + std::to_string(dims.dp_replicate) +
+                       ", fsdp::replicate: gradient all-reduce per block)";
+    return plan;
+  }
+  std::string tp_description;
+  if (dims.tp > 1) {
+    plan.tp_mesh = meshes.tp;
+    plan.loss_parallel = !config.parallelism.disable_loss_parallel;
+    apply_tp(model, plan.tp_mesh, plan.loss_parallel);
+    tp_description = "TP " + std::to_string(dims.tp) + " (sequence parallel, " +
+                     (plan.loss_parallel ? "loss parallel" : "logits gathered") + ") + ";
+  }
+  FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/false);
+  std::string experts_description;
+  if (has_moe) {
+    // Where the routed experts are sharded (TorchTitan's apply_moe_ep + apply_fsdp): with expert parallelism over
+    // the data-parallel ranks left after ep; without it, over the dense mesh. Shard(1) instead of Shard(0) when
+    // the expert weights would be cut in more pieces (efsdp x ep = dp_shard) than there are experts (tt#1561:
+    // dim-0 shards would be mostly padding; the count excludes dp_replicate, tt#4767).
+    fsdp.experts_shard_dim = dims.dp_shard > num_experts ? 1 : 0;
+    if (dims.ep > 1) {
+      apply_ep(model, meshes.ep);
+      fsdp.experts_mesh = meshes.expert_dp;
+      experts_description = "EP " + std::to_string(dims.ep) + " (experts' FSDP over " + fsdp.experts_mesh.to_string() +
+                            ", Shard(" + std::to_string(fsdp.experts_shard_dim) + ")) + ";
+    } else if (fsdp.experts_shard_dim == 1) {
+      experts_description = "experts Shard(1) + ";
+    }
+  }
+  plan.fsdp_modules = apply_fsdp(model, fsdp);
+  set_sum_gradients(plan);
+  plan.description = tp_description + experts_description + std::string(dims.dp_replicate > 1 ? "HSDP" : "FSDP") +
+                     " mesh " + plan.mesh.to_string() + ", reshard_after_forward " +
+                     to_string(config.parallelism.fsdp_reshard_after_forward) + ", param " +
+                     to_string(config.training.mixed_precision_param) + ", reduce " +
+                     to_string(config.training.mixed_precision_reduce);
+  return plan;
+}
+
+}  // namespace fsdp_train::llama3

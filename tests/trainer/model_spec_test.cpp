@@ -1,0 +1,158 @@
+// The model seam (apps/fsdp-train/model_spec.h): every registered family answers every entry of its TrainSpec, its
+// meta-built model has the shapes, parameter count and FLOPs the model library's own flavor gives (counted here
+// from the built module and TorchTitan's formula), its forward and KV-cached forward equal the library model's,
+// and its layout check refuses what the family cannot train before any process group exists.
+#include "config.h"
+#include "model_spec.h"
+#include "parallel_dims.h"
+#include "trainer.h"
+
+#include <fsdp/models/llama.h>
+#include <fsdp/models/qwen3.h>
+#include <fsdp/process_group.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+using namespace fsdp_train;
+
+namespace {
+
+JobConfig job(const std::string& name, const std::string& flavor, std::vector<std::string> more = {}) {
+  std::vector<std::string> args{"--model.name", name, "--model.flavor", flavor, "--training.seq_len", "16"};
+  args.insert(args.end(), more.begin(), more.end());
+  return load_config(args);
+}
+
+std::string config_error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(ModelSpec, RegistryHoldsEveryFamilyWithEveryEntry) {
+  EXPECT_EQ(train_spec_names(), (std::vector<std::string>{"llama3", "qwen3"}));
+  for (const auto& name : train_spec_names()) {
+    SCOPED_TRACE(name);
+    const TrainSpec& spec = train_spec(name);
+    EXPECT_EQ(spec.name, name);
+    EXPECT_FALSE(spec.flavors.empty());
+    EXPECT_TRUE(spec.build && spec.check_layout && spec.parallelize && spec.split_pipeline && spec.tp_plan);
+    EXPECT_TRUE(spec.hf.import_weights && spec.hf.export_weights);
+  }
+  // The model library's flavor lists, family by family.
+  EXPECT_EQ(train_spec("llama3").flavors, fsdp::nn::llama::llama3_flavor_names());
+  EXPECT_EQ(train_spec("qwen3").flavors, fsdp::nn::llama::qwen3_flavor_names());
+  const std::string unknown = config_error_of([] { train_spec("gpt2"); });
+  EXPECT_NE(unknown.find("model.name = \"gpt2\""), std::string::npos) << unknown;
+  EXPECT_NE(unknown.find("llama3, qwen3"), std::string::npos) << unknown;
+}
+
+// Built on meta: no storage, the parameter count the module holds, and TorchTitan's FLOPs per token
+// (6 x non-embedding parameters + 6 x layers x heads x head_dim x seq) from the module's own shapes.
+TEST(ModelSpec, MetaBuildHasTheFlavorsShapesCountsAndFlops) {
+  struct Case {
+    std::string name, flavor;
+    fsdp::nn::llama::LlamaArgs args;
+  };
+  const std::vector<Case> cases{{"llama3", "cpu_tiny", fsdp::nn::llama::llama3_flavor("cpu_tiny")},
+                                {"llama3", "debugmodel", fsdp::nn::llama::llama3_flavor("debugmodel")},
+                                {"qwen3", "cpu_tiny", fsdp::nn::llama::qwen3_flavor("cpu_tiny")},
+                                {"qwen3", "cpu_tiny_moe", fsdp::nn::llama::qwen3_flavor("cpu_tiny_moe")}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name + " " + c.flavor);
+    ModelShape shape;
+    shape.vocab_size = 300;
+    shape.max_seq_len = 16;
+    shape.device = c10::kMeta;
+    const TrainModel model = train_spec(c.name).build(job(c.name, c.flavor), shape);
+    int64_t params = 0, embedding = 0, layers = 0;
+    for (const auto& p : model.module->named_parameters()) {
+      EXPECT_TRUE(p.value().is_meta()) << p.key();
+      params += p.value().numel();
+      if (p.key() == "tok_embeddings.weight") {
+        embedding = p.value().numel();
+        EXPECT_EQ(p.value().size(0), 300);  // the vocabulary follows the shape (the tokenizer's)
+      }
+    }
+    for (const auto& child : model.module->named_modules("", false))
+      if (child.key().rfind("layers.", 0) == 0 && child.key().find('.', 7) == std::string::npos) ++layers;
+    EXPECT_EQ(layers, c.args.n_layers);
+    EXPECT_EQ(model.num_params, params);
+    EXPECT_NE(model.summary.find("vocab 300"), std::string::npos) << model.summary;
+    if (c.args.moe) continue;  // MoE FLOPs count only the top_k experts a token visits (library test)
+    const int64_t head_dim = c.args.explicit_head_dim.value_or(c.args.dim / c.args.n_heads);
+    const double flops = 6.0 * static_cast<double>(params - embedding) +
+                         6.0 * static_cast<double>(c.args.n_layers * c.args.n_heads * head_dim * 16);
+    EXPECT_DOUBLE_EQ(model.flops_per_token, flops);
+  }
+}
+
+// Built on the CPU and initialised through the seam = the library's model built and initialised directly
+// (the same logits); the cached forward over a prompt and then one token = the full forward's last positions.
+TEST(ModelSpec, ForwardAndCachedForwardEqualTheLibraryModel) {
+  for (const auto& [name, flavor] : std::vector<std::pair<std::string, std::string>>{{"llama3", "cpu_tiny"},
+                                                                                      {"qwen3", "cpu_tiny_moe"}}) {
+    SCOPED_TRACE(name + " " + flavor);
+    ModelShape shape;
+    shape.vocab_size = 64;
+    shape.max_seq_len = 16;
+    const TrainModel model = train_spec(name).build(job(name, flavor), shape);
+    model.init_weights(7, {});
+    auto args = fsdp::nn::llama::model_flavor(name, flavor);
+    args.vocab_size = 64;
+    args.max_seq_len = 16;
+    fsdp::nn::llama::Transformer reference(args);
+    reference->init_weights(7);
+    torch::NoGradGuard no_grad;
+    const auto tokens = torch::randint(0, 64, {1, 9}, torch::kLong);
+    const auto logits = model.forward(tokens);
+    EXPECT_TRUE(torch::equal(logits, reference->forward(tokens)));
+    auto cached = model.cached_forward(16);
+    const auto prompt_logits = cached(tokens.slice(1, 0, 8));
+    const auto next_logits = cached(tokens.slice(1, 8, 9));
+    EXPECT_TRUE(torch::allclose(prompt_logits, logits.slice(1, 0, 8), 1e-5, 1e-5));
+    EXPECT_TRUE(torch::allclose(next_logits, logits.slice(1, 8, 9), 1e-5, 1e-5));
+  }
+}
+
+// Refused layouts name the family, the flavor and the layout, from the config and the world size alone: no
+// process group exists in this test.
+TEST(ModelSpec, LayoutCheckRefusesBeforeAnyProcessGroup) {
+  ASSERT_FALSE(fsdp::is_initialized());
+  const auto moe_tp = config_error_of(
+      [] { check_model_layout(job("qwen3", "cpu_tiny_moe", {"--parallelism.tensor_parallel_degree", "2"}), 2); });
+  EXPECT_NE(moe_tp.find("qwen3 cpu_tiny_moe"), std::string::npos) << moe_tp;
+  EXPECT_NE(moe_tp.find("tensor parallelism"), std::string::npos) << moe_tp;
+  const auto moe_pp = config_error_of([] {
+    check_model_layout(job("qwen3", "cpu_tiny_moe", {"--parallelism.pipeline_parallel_degree", "2"}), 2);
+  });
+  EXPECT_NE(moe_pp.find("pipeline parallelism"), std::string::npos) << moe_pp;
+  const auto dense_ep = config_error_of(
+      [] { check_model_layout(job("llama3", "cpu_tiny", {"--parallelism.expert_parallel_degree", "2"}), 2); });
+  EXPECT_NE(dense_ep.find("llama3 cpu_tiny has no MoE layers"), std::string::npos) << dense_ep;
+  const auto op_sac = config_error_of([] {
+    check_model_layout(job("qwen3", "cpu_tiny_moe", {"--activation_checkpoint.mode", "selective",
+                                                     "--activation_checkpoint.selective_ac_option", "op"}),
+                       1);
+  });
+  EXPECT_NE(op_sac.find("qwen3 cpu_tiny_moe"), std::string::npos) << op_sac;
+  // The control: the layouts each family does train pass.
+  EXPECT_EQ(config_error_of([] {
+              check_model_layout(job("qwen3", "cpu_tiny_moe", {"--parallelism.expert_parallel_degree", "2"}), 2);
+            }),
+            "");
+  EXPECT_EQ(config_error_of([] {
+              check_model_layout(job("llama3", "cpu_tiny", {"--parallelism.tensor_parallel_degree", "2"}), 2);
+            }),
+            "");
+  EXPECT_FALSE(fsdp::is_initialized());
+}
