@@ -3,7 +3,7 @@
 
 #include "checkpoint_seam.h"
 #include "data.h"
-#include "fault_tolerance.h"
+#include "replica_group_ft.h"
 #include "lr_schedule.h"
 #include "metrics.h"
 #include "metrics_processor.h"

@@ -16,6 +16,7 @@
 #include <fsdp/nn/sequential.h>
 #include <fsdp/device_mesh.h>
 #include <fsdp/process_group.h>
+#include <fsdp/util/timer.h>
 
 #include <ATen/ATen.h>
 #include <torch/cuda.h>
@@ -38,11 +39,9 @@
 
 namespace fs = std::filesystem;
 namespace ckpt = fsdp::checkpoint;
-using Clock = std::chrono::steady_clock;
+using Clock = fsdp::util::SteadyClock;
 
 namespace {
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
 // The disk benchmarks keep their state on the CPU: Gloo, also where "auto" would pick NCCL (a GPU machine).
 fsdp::InitOptions cpu_world() {
   fsdp::InitOptions o;
@@ -100,7 +99,7 @@ int reshard_load(const std::string& path, int read_threads) {
   load_options.read_threads = read_threads;
   const auto res = ckpt::load(dst, path, load_options);
   world->barrier().wait();
-  const double load_s = since(t0);
+  const double load_s = fsdp::util::seconds_since(t0);
   bool equal = true;
   for (const auto& [k, v] : dst.tensors) {
     equal = equal && at::equal(v.local(), rows_of_key(index.at(k), v.local_offset()[0], v.local().size(0), v.local().size(1)));
@@ -179,7 +178,7 @@ Stall measure_stall(const fsdp::ProcessGroupPtr& world, const fsdp::DeviceMesh& 
     optim.step();
     synchronize(device);  // the step's kernels done, not only queued
     world->barrier().wait();
-    return since(s0);
+    return fsdp::util::seconds_since(s0);
   };
   step();  // optimizer state allocated
   Stall out;
@@ -216,7 +215,7 @@ Stall measure_stall(const fsdp::ProcessGroupPtr& world, const fsdp::DeviceMesh& 
     staging_saver = nullptr;
     saver.wait();
     world->barrier().wait();
-    t.save_total_s = since(t0);
+    t.save_total_s = fsdp::util::seconds_since(t0);
     return t;
   };
   for (const StallConfig& c : configs) {
@@ -318,7 +317,7 @@ int main(int argc, char** argv) {
     const auto t = Clock::now();
     f();
     world->barrier().wait();
-    return since(t);
+    return fsdp::util::seconds_since(t);
   };
   auto raw_write = [&](bool direct) {
     return timed([&] {
@@ -432,7 +431,7 @@ int main(int argc, char** argv) {
   const auto t0 = Clock::now();
   int64_t snap_bytes = 0;
   for (const auto& [k, v] : sd.tensors) snap_bytes += v.local().clone().numel() * 4;
-  const double snapshot_s = since(t0);
+  const double snapshot_s = fsdp::util::seconds_since(t0);
   sd = {};
   dst = {};
 

@@ -1,6 +1,7 @@
 // Asynchronous checkpoint saves (see include/fsdp/checkpoint/async_save.h). One background thread per save;
 // the save's outcome (result or exception) is kept until the owner asks for it, so no error is ever dropped.
 #include <fsdp/checkpoint/async_save.h>
+#include <fsdp/util/timer.h>
 
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
@@ -25,8 +26,7 @@
 
 namespace fsdp::checkpoint {
 namespace {
-using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+using Clock = util::SteadyClock;
 }  // namespace
 
 AsyncMode parse_async_mode(const std::string& name) {
@@ -218,7 +218,7 @@ AsyncSaver::Started AsyncSaver::save(const StateDict& state, const std::string& 
     SaveResult r = cast ? checkpoint::save(snapshot(state, cast), path, options) : checkpoint::save(state, path, options);
     if (after) after(r);
     impl_->result = r;
-    started.stage_seconds = since(t0);
+    started.stage_seconds = util::seconds_since(t0);
     return started;
   }
   const bool pin = impl_->options.mode == AsyncMode::AsyncWithPinnedMem;
@@ -227,7 +227,7 @@ AsyncSaver::Started AsyncSaver::save(const StateDict& state, const std::string& 
   if (impl_->options.staging == Staging::Blocking) {
     auto snap = std::make_shared<StateDict>(snapshot_into(state, impl_->take_staging_buffers(), cast, pin,
                                                                 &impl_->staging_bytes_allocated));
-    started.stage_seconds = since(t0);
+    started.stage_seconds = util::seconds_since(t0);
     impl_->staged = {};
     impl_->worker = std::thread([impl = impl_.get(), snap, path, options, after = std::move(after)] {
       impl->run(std::move(*snap), path, options, after);
@@ -255,7 +255,7 @@ AsyncSaver::Started AsyncSaver::save(const StateDict& state, const std::string& 
     if (!impl->error) impl->run(std::move(snap), path, options, after);
     impl->done = true;
   });
-  started.stage_seconds = since(t0);
+  started.stage_seconds = util::seconds_since(t0);
   return started;
 }
 
@@ -264,7 +264,7 @@ double AsyncSaver::wait_staged() {
   const auto t0 = Clock::now();
   impl_->staged.wait();
   impl_->staged = {};
-  return since(t0);
+  return util::seconds_since(t0);
 }
 
 std::optional<SaveResult> AsyncSaver::wait() {

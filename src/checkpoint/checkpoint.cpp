@@ -2,6 +2,7 @@
 // to the one save loop (codec.h, either format); load() and the inspection calls read through OpenCheckpoint
 // (either format) with the parallel piece reader below.
 #include <fsdp/checkpoint/checkpoint.h>
+#include <fsdp/util/timer.h>
 
 #include "checkpoint/agreement.h"
 #include "checkpoint/codec.h"
@@ -34,8 +35,7 @@ using namespace detail;
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+using Clock = util::SteadyClock;
 
 bool excluded(const std::string& key, const std::vector<std::string>& prefixes) {
   for (const auto& p : prefixes) {
@@ -228,7 +228,7 @@ LoadResult load(StateDict& state, const std::string& path, const LoadOptions& op
   const bool failed = any_rank(group, !err.empty());
   TORCH_CHECK(err.empty(), err);
   TORCH_CHECK(!failed, "checkpoint::load from ", path, " failed on another rank (see its error)");
-  res.seconds = since(t0);
+  res.seconds = util::seconds_since(t0);
   return res;
 }
 

@@ -2,6 +2,7 @@
 #include "checkpoint/format.h"
 
 #include <fsdp/checkpoint/safetensors.h>
+#include <fsdp/util/json_nesting.h>
 
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
@@ -48,28 +49,6 @@ int64_t get_int(const nlohmann::json& j, const char* key, const std::string& wha
   TORCH_CHECK(j.is_object() && j.contains(key) && j[key].is_number_integer(), what, ": \"", key,
               "\" missing or not an integer");
   return j[key].get<int64_t>();
-}
-
-// The deepest nesting of arrays and objects in JSON text, found by one pass over its bytes (strings skipped):
-// the byte offset where it first exceeds `limit`, or npos. Bounding it before parsing keeps every later
-// recursion (nlohmann's dump(), comparisons) shallow: 100,000 levels of '[' crashed dump() with a stack overflow.
-size_t nesting_beyond(const std::string& text, int limit) {
-  int depth = 0;
-  bool in_string = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (c == '\\') ++i;  // the escaped character cannot end the string
-      else if (c == '"') in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > limit) return i;
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return std::string::npos;
 }
 
 bool boxes_overlap(const ChunkMeta& a, const ChunkMeta& b) {
@@ -192,7 +171,7 @@ std::string to_json_text(const Metadata& md) {
 }
 
 Metadata parse_metadata(const std::string& text, const std::string& where) {
-  const size_t deep = nesting_beyond(text, kMaxMetadataDepth);
+  const size_t deep = util::json_nesting_beyond(text, kMaxMetadataDepth);
   TORCH_CHECK(deep == std::string::npos, "checkpoint: ", where, ": JSON nested deeper than ", kMaxMetadataDepth,
               " levels (at byte ", deep, ")");
   nlohmann::json j;

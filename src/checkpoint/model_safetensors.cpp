@@ -8,6 +8,7 @@
 // Import reads, on every rank, only the dim-0 rows its own pieces cover (Reader::read_rows: positioned reads
 // of those bytes), and loads them through load_sharded_state_dict like any sharded state.
 #include <fsdp/checkpoint/model_safetensors.h>
+#include <fsdp/util/timer.h>
 
 #include "checkpoint/agreement.h"
 #include "checkpoint/model_safetensors_impl.h"
@@ -33,8 +34,7 @@ using namespace detail;
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+using Clock = util::SteadyClock;
 
 constexpr const char* kIndexName = "model.safetensors.index.json";
 
@@ -211,7 +211,7 @@ SafetensorsExportResult export_safetensors(torch::nn::Module& root, const std::s
   if (!writer) {
     for (const auto& file : files) result.total_bytes += file.bytes;
   }
-  result.seconds = since(start);
+  result.seconds = util::seconds_since(start);
   return result;
 }
 
@@ -269,7 +269,7 @@ SafetensorsImportResult import_safetensors(torch::nn::Module& root, const std::s
   }
   error = first_error(group, error);
   TORCH_CHECK(error.empty(), error);
-  result.seconds = since(start);
+  result.seconds = util::seconds_since(start);
   return result;
 }
 

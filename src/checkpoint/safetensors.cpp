@@ -2,6 +2,7 @@
 // implementation: header length bounded, JSON object, every tensor's byte range consistent with its shape and
 // dtype, ranges contiguous from 0 and covering the data section exactly.
 #include <fsdp/checkpoint/safetensors.h>
+#include <fsdp/util/atomic_file.h>
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -103,16 +104,6 @@ void pread_all(int fd, void* dst, int64_t n, int64_t offset, const std::string& 
     TORCH_CHECK(got > 0, "safetensors: reading ", path, " at byte ", offset, " failed: ",
                 got == 0 ? "unexpected end of file" : std::strerror(errno));
     p += got, n -= got, offset += got;
-  }
-}
-
-void write_all(int fd, const void* src, int64_t n, const std::string& path) {
-  const auto* p = static_cast<const char*>(src);
-  while (n > 0) {
-    const ssize_t put = ::write(fd, p, static_cast<size_t>(std::min<int64_t>(n, 1 << 30)));
-    if (put < 0 && errno == EINTR) continue;
-    TORCH_CHECK(put > 0, "safetensors: writing ", path, " failed: ", std::strerror(errno));
-    p += put, n -= put;
   }
 }
 
@@ -336,34 +327,20 @@ void save_file_streamed(const std::string& path, const std::vector<TensorSpec>& 
   uint64_t n = text.size();
   for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<unsigned char>((n >> (8 * i)) & 0xff);
 
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    TORCH_CHECK(fd.get() >= 0, "safetensors: cannot create ", tmp, ": ", std::strerror(errno));
-    try {
-      write_all(fd.get(), len_bytes, 8, tmp);
-      write_all(fd.get(), text.data(), static_cast<int64_t>(text.size()), tmp);
-      for (size_t i = 0; i < specs.size(); ++i) {
-        at::Tensor t = produce(i);
-        TORCH_CHECK(t.defined(), "safetensors: tensor '", specs[i].name, "' is undefined");
-        TORCH_CHECK(t.scalar_type() == specs[i].dtype && t.sizes() == at::IntArrayRef(specs[i].shape), "safetensors: tensor '",
-                    specs[i].name, "' is ", t.scalar_type(), t.sizes(), " but was declared ", specs[i].dtype,
-                    at::IntArrayRef(specs[i].shape));
-        at::Tensor c = t.detach().to(at::kCPU).contiguous();
-        if (c.numel() > 0) write_all(fd.get(), c.data_ptr(), c.numel() * static_cast<int64_t>(c.element_size()), tmp);
-      }
-      TORCH_CHECK(::fsync(fd.get()) == 0, "safetensors: fsync of ", tmp, " failed: ", std::strerror(errno));
-    } catch (...) {
-      fd.reset();
-      ::unlink(tmp.c_str());
-      throw;
-    }
+  // A throw from produce() or a failed write leaves the old file (if any) as it was and no temporary.
+  util::AtomicFile file(path, "safetensors");
+  file.write(len_bytes, 8);
+  file.write(text);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    at::Tensor t = produce(i);
+    TORCH_CHECK(t.defined(), "safetensors: tensor '", specs[i].name, "' is undefined");
+    TORCH_CHECK(t.scalar_type() == specs[i].dtype && t.sizes() == at::IntArrayRef(specs[i].shape), "safetensors: tensor '",
+                specs[i].name, "' is ", t.scalar_type(), t.sizes(), " but was declared ", specs[i].dtype,
+                at::IntArrayRef(specs[i].shape));
+    at::Tensor c = t.detach().to(at::kCPU).contiguous();
+    if (c.numel() > 0) file.write(c.data_ptr(), c.numel() * static_cast<int64_t>(c.element_size()));
   }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    TORCH_CHECK(false, "safetensors: cannot rename ", tmp, " to ", path, ": ", std::strerror(err));
-  }
+  file.commit(util::DirSync::No);
 }
 
 // ---- index of a sharded set ------------------------------------------------------------------------------
@@ -423,18 +400,7 @@ std::map<std::string, std::string> read_index(const std::string& path) {
 void save_index(const std::string& path, const std::map<std::string, std::string>& weight_map, int64_t total_size) {
   nlohmann::json j = {{"metadata", {{"total_size", total_size}}}, {"weight_map", weight_map}};
   const std::string text = j.dump(2) + "\n";
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    TORCH_CHECK(fd.get() >= 0, "safetensors: cannot create ", tmp, ": ", std::strerror(errno));
-    write_all(fd.get(), text.data(), static_cast<int64_t>(text.size()), tmp);
-    TORCH_CHECK(::fsync(fd.get()) == 0, "safetensors: fsync of ", tmp, " failed: ", std::strerror(errno));
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    TORCH_CHECK(false, "safetensors: cannot rename ", tmp, " to ", path, ": ", std::strerror(err));
-  }
+  util::write_file_atomic(path, text, util::DirSync::No, "safetensors");
 }
 
 }  // namespace fsdp::checkpoint::safetensors

@@ -4,6 +4,7 @@
 #include "checkpoint/format.h"
 
 #include <fsdp/checkpoint/checkpoint.h>  // checkpoint_format: the one format detection
+#include <fsdp/util/atomic_file.h>
 
 #include <c10/util/Exception.h>
 
@@ -190,29 +191,10 @@ void RangeReader::read(int64_t offset, int64_t n, void* dst) const {
   }
 }
 
-void fsync_dir(const std::string& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  TORCH_CHECK(fd >= 0, "checkpoint: cannot open directory ", dir, ": ", std::strerror(errno));
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  TORCH_CHECK(rc == 0, "checkpoint: fsync of directory ", dir, " failed: ", std::strerror(err));
-}
+void fsync_dir(const std::string& dir) { util::fsync_dir(dir, "checkpoint"); }
 
 void write_file_atomic(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    FileWriter w(tmp);
-    w.append(text.data(), static_cast<int64_t>(text.size()));
-    w.fsync();
-    w.close();
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    TORCH_CHECK(false, "checkpoint: cannot rename ", tmp, " to ", path, ": ", std::strerror(err));
-  }
-  fsync_dir(fs::path(path).parent_path().string());
+  util::write_file_atomic(path, text, util::DirSync::Yes, "checkpoint");
 }
 
 std::string read_small_file(const std::string& path, int64_t max_bytes) {

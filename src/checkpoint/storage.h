@@ -80,7 +80,8 @@ class RangeReader {
 };
 
 void fsync_dir(const std::string& dir);
-// Writes `text` to `path` through a temporary file in the same directory: write, fsync, rename, fsync dir.
+// Writes `text` to `path` through a temporary file in the same directory: write, fsync, rename, fsync dir
+// (fsdp::util::write_file_atomic with DirSync::Yes and "checkpoint" errors).
 void write_file_atomic(const std::string& path, const std::string& text);
 // Reads a whole file, refusing files larger than max_bytes (error naming the file).
 std::string read_small_file(const std::string& path, int64_t max_bytes);

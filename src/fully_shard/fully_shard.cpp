@@ -136,14 +136,12 @@ MeshBucket& bucket_of(std::vector<MeshBucket>& buckets, const DeviceMesh& mesh) 
   return buckets.back();
 }
 
-}  // namespace
+// fully_shard's phases, in the order it runs them (PyTorch's fully_shard.py likewise splits them into
+// _get_managed_modules / _get_managed_states / _move_states_to_device / FSDPParamGroup construction).
+using Modules = std::vector<std::shared_ptr<torch::nn::Module>>;
 
-FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options) {
-  return fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{module}, options);
-}
-
-FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
-                       const FullyShardOptions& options) {
+// Non-null modules, none sharded before; Sequential containers dispatch to sharded elements correctly.
+void check_modules(const Modules& modules) {
   TORCH_CHECK(!modules.empty(), "fully_shard: no module given");
   for (const auto& m : modules) {
     TORCH_CHECK(m != nullptr, "fully_shard: null module");
@@ -151,115 +149,156 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
                 "applied to it before)");
   }
   for (const auto& m : modules) detail::check_container_dispatch(*m);  // torch::nn::Sequential with sharded elements
-  FullyShardOptions opts = options;
-  if (!opts.mesh.valid()) opts.mesh = default_world_mesh();
-  detail::MeshInfo mesh_info = make_mesh_info(opts.mesh);
+}
 
-  // Parameters already managed by FSDP states below (children sharded first, bottom-up) or ignored stay
-  // out of this group; shared (tied) parameters are managed once.
-  // Sharded submodules keep their own ignored parameters out of this group too (PyTorch's managed-module
-  // walk stops at sharded submodules), and their buffers under their own buffer_dtype.
-  std::unordered_set<const c10::TensorImpl*> excluded;
-  std::unordered_set<const c10::TensorImpl*> buffers_done;
-  for (const auto& t : opts.ignored_params) excluded.insert(t.unsafeGetTensorImpl());
+// What this call must leave alone.
+struct Exclusions {
+  std::unordered_set<const c10::TensorImpl*> params;        // ignored, or managed by a state below
+  std::unordered_set<const c10::TensorImpl*> buffers_done;  // cast by a state below (its own buffer_dtype)
+};
+
+// Parameters already managed by FSDP states below (children sharded first, bottom-up) or ignored stay out of
+// this group; shared (tied) parameters are managed once (choose_params). Sharded submodules keep their own
+// ignored parameters out of this group too (PyTorch's managed-module walk stops at sharded submodules), and
+// their buffers under their own buffer_dtype.
+Exclusions collect_exclusions(const Modules& modules, const FullyShardOptions& opts) {
+  Exclusions out;
+  for (const auto& t : opts.ignored_params) out.params.insert(t.unsafeGetTensorImpl());
   for (const auto& m : modules) {
     for (const auto& sub : m->modules(/*include_self=*/false)) {
       auto s = detail::find_state(*sub);
       if (!s) continue;
       for (auto* g : s->param_groups()) {
-        for (auto* p : g->params()) excluded.insert(p->param().unsafeGetTensorImpl());
+        for (auto* p : g->params()) out.params.insert(p->param().unsafeGetTensorImpl());
       }
-      for (const auto& t : s->options().ignored_params) excluded.insert(t.unsafeGetTensorImpl());
-      for (const auto& [buffer, dtype] : s->cast_buffers) buffers_done.insert(buffer.unsafeGetTensorImpl());
+      for (const auto& t : s->options().ignored_params) out.params.insert(t.unsafeGetTensorImpl());
+      for (const auto& [buffer, dtype] : s->cast_buffers) out.buffers_done.insert(buffer.unsafeGetTensorImpl());
     }
   }
-  // Validate before changing anything: a refused call leaves every parameter as it was.
-  std::vector<std::pair<std::string, at::Tensor>> to_shard;
-  std::vector<int64_t> shard_dims;
-  // One group per mesh: the call's mesh first, then the meshes shard_placement_fn chose, in order of first use.
-  std::vector<MeshBucket> buckets;
-  bucket_of(buckets, opts.mesh);
+  return out;
+}
+
+// A parameter this call shards: its name within the call, the dim and the mesh it shards over.
+struct ChosenParam {
+  std::string fqn;
+  at::Tensor param;
+  int64_t shard_dim = 0;
+  DeviceMesh mesh;
+};
+
+// The parameters to shard, in named_parameters order, with their placement (shard_placement_fn, else dim 0 of
+// the call's mesh). Validates only: a refused call leaves every parameter as it was. A parameter another
+// call's group manages (a tied weight sharded separately) is refused here.
+std::vector<ChosenParam> choose_params(const Modules& modules, const FullyShardOptions& opts,
+                                       const Exclusions& exclusions) {
+  std::vector<ChosenParam> chosen_params;
   std::unordered_set<const c10::TensorImpl*> seen;
-  {
-    std::lock_guard<std::mutex> lock(param_owners_mutex());
-    param_owners().purge();
-    for (size_t mi = 0; mi < modules.size(); ++mi) {
-      const std::string prefix = modules.size() > 1 ? std::to_string(mi) + "." : "";
-      for (const auto& item : modules[mi]->named_parameters(/*recurse=*/true)) {
-        const at::Tensor& p = item.value();
-        const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
-        if (excluded.count(impl) || !seen.insert(impl).second) continue;
-        if (const ParamOwner* owner = param_owners().find(p)) {
-          const std::string other = owner->state.lock()->name();
-          TORCH_CHECK(false, "fully_shard(", module_list(modules), "): parameter '", prefix + item.key(),
-                      "' is already managed by the FSDP parameter group of ", other, " (as '", owner->fqn,
-                      "'): a shared (tied) parameter can belong to only one group. Shard the modules that share it "
-                      "in one call — fully_shard({", other, ", ", modules[mi]->name(), "}) in C++ terms: "
-                      "fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{a, b}, options) — or do not "
-                      "shard them separately and let their common parent's fully_shard own it. (If ", other,
-                      " is an ancestor of this module, apply fully_shard bottom-up: submodules first.)");
-        }
-        int64_t dim = 0;
-        DeviceMesh mesh = opts.mesh;
-        if (opts.shard_placement_fn) {
-          std::optional<ShardPlacement> chosen = opts.shard_placement_fn(p);
-          if (chosen) {
-            const int64_t ndim = p.dim();
-            TORCH_CHECK(ndim > 0 ? (chosen->dim >= -ndim && chosen->dim < ndim) : chosen->dim == 0, "fully_shard: "
-                        "shard_placement_fn chose dim ", chosen->dim, " for parameter '", prefix + item.key(),
-                        "' of shape ", p.sizes(), ", which has no such dim");
-            dim = chosen->dim;
-            if (chosen->mesh.valid()) {
-              mesh = chosen->mesh;
-              check_param_mesh(mesh, opts, prefix + item.key(), modules);
-            }
+  std::lock_guard<std::mutex> lock(param_owners_mutex());
+  param_owners().purge();
+  for (size_t mi = 0; mi < modules.size(); ++mi) {
+    const std::string prefix = modules.size() > 1 ? std::to_string(mi) + "." : "";
+    for (const auto& item : modules[mi]->named_parameters(/*recurse=*/true)) {
+      const at::Tensor& p = item.value();
+      const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
+      if (exclusions.params.count(impl) || !seen.insert(impl).second) continue;
+      if (const ParamOwner* owner = param_owners().find(p)) {
+        const std::string other = owner->state.lock()->name();
+        TORCH_CHECK(false, "fully_shard(", module_list(modules), "): parameter '", prefix + item.key(),
+                    "' is already managed by the FSDP parameter group of ", other, " (as '", owner->fqn,
+                    "'): a shared (tied) parameter can belong to only one group. Shard the modules that share it "
+                    "in one call — fully_shard({", other, ", ", modules[mi]->name(), "}) in C++ terms: "
+                    "fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{a, b}, options) — or do not "
+                    "shard them separately and let their common parent's fully_shard own it. (If ", other,
+                    " is an ancestor of this module, apply fully_shard bottom-up: submodules first.)");
+      }
+      ChosenParam chosen_param{prefix + item.key(), p, 0, opts.mesh};
+      if (opts.shard_placement_fn) {
+        std::optional<ShardPlacement> chosen = opts.shard_placement_fn(p);
+        if (chosen) {
+          const int64_t ndim = p.dim();
+          TORCH_CHECK(ndim > 0 ? (chosen->dim >= -ndim && chosen->dim < ndim) : chosen->dim == 0, "fully_shard: "
+                      "shard_placement_fn chose dim ", chosen->dim, " for parameter '", chosen_param.fqn,
+                      "' of shape ", p.sizes(), ", which has no such dim");
+          chosen_param.shard_dim = chosen->dim;
+          if (chosen->mesh.valid()) {
+            chosen_param.mesh = chosen->mesh;
+            check_param_mesh(chosen_param.mesh, opts, chosen_param.fqn, modules);
           }
         }
-        bucket_of(buckets, mesh).params.push_back(to_shard.size());
-        to_shard.emplace_back(prefix + item.key(), p);
-        shard_dims.push_back(dim);
       }
+      chosen_params.push_back(std::move(chosen_param));
     }
   }
-  // Tensor-parallel parameters (parallelize_module ran first): FSDP shards their local TP piece.
+  return chosen_params;
+}
+
+// One bucket per mesh: the call's mesh first (even when empty), then the meshes shard_placement_fn chose, in
+// order of first use.
+std::vector<MeshBucket> bucket_by_mesh(const std::vector<ChosenParam>& chosen_params, const DeviceMesh& call_mesh) {
+  std::vector<MeshBucket> buckets;
+  bucket_of(buckets, call_mesh);
+  for (size_t i = 0; i < chosen_params.size(); ++i) bucket_of(buckets, chosen_params[i].mesh).params.push_back(i);
+  return buckets;
+}
+
+// One FSDPParamGroup per non-empty bucket. Tensor-parallel parameters (parallelize_module ran first): FSDP
+// shards their local TP piece.
+std::vector<std::unique_ptr<detail::FSDPParamGroup>> build_groups(const Modules& modules,
+                                                                  const std::vector<ChosenParam>& chosen_params,
+                                                                  const std::vector<MeshBucket>& buckets,
+                                                                  const detail::MeshInfo& call_mesh_info,
+                                                                  const FullyShardOptions& opts) {
   std::unordered_map<const c10::TensorImpl*, TensorParallelSpec> tp_specs;
   for (const auto& m : modules) tp_specs.merge(tp::collect_specs(*m));
   std::vector<std::unique_ptr<detail::FSDPParamGroup>> groups;
   for (size_t b = 0; b < buckets.size(); ++b) {
     const MeshBucket& bucket = buckets[b];
     if (bucket.params.empty()) continue;  // e.g. every parameter went to another mesh
-    const detail::MeshInfo info = b == 0 ? mesh_info : make_mesh_info(bucket.mesh);
+    const detail::MeshInfo info = b == 0 ? call_mesh_info : make_mesh_info(bucket.mesh);
     std::vector<std::unique_ptr<detail::FSDPParam>> params;
     for (size_t i : bucket.params) {
+      const ChosenParam& chosen = chosen_params[i];
       std::shared_ptr<const AllGatherTransform> transform =
-          opts.all_gather_transform_fn ? opts.all_gather_transform_fn(to_shard[i].second) : nullptr;
-      params.push_back(std::make_unique<detail::FSDPParam>(to_shard[i].second, to_shard[i].first, info.shard_rank,
+          opts.all_gather_transform_fn ? opts.all_gather_transform_fn(chosen.param) : nullptr;
+      params.push_back(std::make_unique<detail::FSDPParam>(chosen.param, chosen.fqn, info.shard_rank,
                                                            info.shard_size, info.device, opts.mp_policy,
-                                                           opts.offload_policy, shard_dims[i], std::move(transform)));
-      auto tp = tp_specs.find(to_shard[i].second.unsafeGetTensorImpl());
+                                                           opts.offload_policy, chosen.shard_dim, std::move(transform)));
+      auto tp = tp_specs.find(chosen.param.unsafeGetTensorImpl());
       if (tp != tp_specs.end()) params.back()->set_tensor_parallel(tp->second, bucket.mesh);
     }
     groups.push_back(std::make_unique<detail::FSDPParamGroup>(std::move(params), info, opts));
   }
-  // Buffers are not sharded; like PyTorch, FSDP moves them to the mesh's device (and, with buffer_dtype,
-  // keeps the floating-point ones of this call in that dtype).
+  return groups;
+}
+
+// Buffers are not sharded; like PyTorch, FSDP moves them to the mesh's device (and, with buffer_dtype, keeps
+// the floating-point ones of this call in that dtype). Returns the cast buffers with their original dtypes.
+std::vector<std::pair<at::Tensor, c10::ScalarType>> move_and_cast_buffers(
+    const Modules& modules, const detail::MeshInfo& mesh_info, const FullyShardOptions& opts,
+    std::unordered_set<const c10::TensorImpl*> buffers_done) {
   std::vector<std::pair<at::Tensor, c10::ScalarType>> cast_buffers;
-  {
-    c10::NoGradGuard no_grad;
-    const auto buffer_dtype = opts.mp_policy.buffer_dtype;
-    for (const auto& m : modules) {
-      for (auto& buffer : m->buffers(/*recurse=*/true)) {
-        if (buffer.is_meta()) continue;
-        if (buffer.device() != mesh_info.device) buffer.set_data(buffer.to(mesh_info.device));
-        if (!buffer_dtype || !at::isFloatingType(buffer.scalar_type()) || buffers_done.count(buffer.unsafeGetTensorImpl())) {
-          continue;
-        }
-        if (!buffers_done.insert(buffer.unsafeGetTensorImpl()).second) continue;  // shared by two members
-        cast_buffers.emplace_back(buffer, buffer.scalar_type());
-        if (buffer.scalar_type() != *buffer_dtype) buffer.set_data(buffer.to(*buffer_dtype));
+  c10::NoGradGuard no_grad;
+  const auto buffer_dtype = opts.mp_policy.buffer_dtype;
+  for (const auto& m : modules) {
+    for (auto& buffer : m->buffers(/*recurse=*/true)) {
+      if (buffer.is_meta()) continue;
+      if (buffer.device() != mesh_info.device) buffer.set_data(buffer.to(mesh_info.device));
+      if (!buffer_dtype || !at::isFloatingType(buffer.scalar_type()) || buffers_done.count(buffer.unsafeGetTensorImpl())) {
+        continue;
       }
+      if (!buffers_done.insert(buffer.unsafeGetTensorImpl()).second) continue;  // shared by two members
+      cast_buffers.emplace_back(buffer, buffer.scalar_type());
+      if (buffer.scalar_type() != *buffer_dtype) buffer.set_data(buffer.to(*buffer_dtype));
     }
   }
+  return cast_buffers;
+}
+
+// The state over the groups: its parameters recorded as owned (for later calls' tied-weight check), the states
+// below told they have an ancestor, its hooks installed, and each module given its holder.
+FSDPModule attach_state(const Modules& modules, std::vector<std::unique_ptr<detail::FSDPParamGroup>> groups,
+                        const FullyShardOptions& opts,
+                        std::vector<std::pair<at::Tensor, c10::ScalarType>> cast_buffers) {
   std::vector<std::weak_ptr<torch::nn::Module>> weak_modules(modules.begin(), modules.end());
   auto state = std::make_shared<FSDPState>(std::move(weak_modules), std::move(groups), opts);
   state->cast_buffers = std::move(cast_buffers);
@@ -282,6 +321,27 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
     m->register_module(detail::kStateHolderName, holder);
   }
   return FSDPModule(state);
+}
+
+}  // namespace
+
+FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options) {
+  return fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{module}, options);
+}
+
+FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                       const FullyShardOptions& options) {
+  check_modules(modules);
+  FullyShardOptions opts = options;
+  if (!opts.mesh.valid()) opts.mesh = default_world_mesh();
+  const detail::MeshInfo mesh_info = make_mesh_info(opts.mesh);
+  Exclusions exclusions = collect_exclusions(modules, opts);
+  // Validate before changing anything: a refused call leaves every parameter as it was.
+  const std::vector<ChosenParam> chosen_params = choose_params(modules, opts, exclusions);
+  const std::vector<MeshBucket> buckets = bucket_by_mesh(chosen_params, opts.mesh);
+  auto groups = build_groups(modules, chosen_params, buckets, mesh_info, opts);
+  auto cast_buffers = move_and_cast_buffers(modules, mesh_info, opts, std::move(exclusions.buffers_done));
+  return attach_state(modules, std::move(groups), opts, std::move(cast_buffers));
 }
 
 std::optional<FSDPModule> fsdp_module(const torch::nn::Module& module) {

@@ -185,6 +185,31 @@ TEST(Safetensors, IndexOfShardedSet) {
   EXPECT_THROW(st::read_index(dir.file("bad.json")), c10::Error);
 }
 
+// The writer goes through fsdp::util::AtomicFile: a producer that throws half way leaves the previous file
+// (read back by the reader, equal to the fixture) and no temporary beside it.
+TEST(Safetensors, FailedStreamedSaveKeepsThePreviousFileAndNoTemporary) {
+  TempDir dir;
+  const std::string path = dir.file("model.safetensors");
+  const auto want = fixture();
+  st::save_file(path, std::vector<std::pair<std::string, at::Tensor>>(want.begin(), want.end()));
+  const std::vector<st::TensorSpec> specs = {{"a", at::kFloat, {1000}}, {"b", at::kFloat, {1000}}};
+  int produced = 0;
+  EXPECT_THROW(st::save_file_streamed(path, specs,
+                                      [&](size_t i) {
+                                        if (i == 1) throw std::runtime_error("producer failed");
+                                        ++produced;
+                                        return at::ones({1000}, at::kFloat);
+                                      }),
+               std::runtime_error);
+  EXPECT_EQ(produced, 1) << "the failure did not come mid-write";
+  const auto got = st::load_file(path);
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [name, t] : want) expect_same(got.at(name), t, name);
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir.path)) names.push_back(e.path().filename().string());
+  EXPECT_EQ(names, std::vector<std::string>{"model.safetensors"});
+}
+
 // Issue 40: a header whose shape product overflows int64 used to be accepted (the product wrapped, to 0 for
 // [2^62, 4] of U8 = 2^64 bytes, matching an empty byte range) and failed later naming no file or tensor.
 // Every product and conversion is checked now; the error names the file, the tensor and the rule.

@@ -1,11 +1,22 @@
 // FileWriter, buffered and direct (O_DIRECT through an aligned staging buffer): whatever the sizes and alignment
 // of the appends, and with fsyncs in between, the file holds exactly the appended bytes (the reference is the
 // same byte sequence kept in memory), offsets are where append() said, and the file has no padding left.
+// AtomicFile (fsdp/util/atomic_file.h), the one "temporary, fsync, rename" writer behind every file the library
+// replaces: concurrent writers of one target never leave a torn file, a failure leaves the old file and no temporary.
 #include "checkpoint/storage.h"
+
+#include <fsdp/util/atomic_file.h>
+
+#include <c10/util/Exception.h>
 
 #include <gtest/gtest.h>
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -122,4 +133,123 @@ TEST(FileWriter, CloseWithoutFsyncKeepsEveryByte) {
   }
   EXPECT_EQ(slurp(path), std::string(src.aligned(3), 10000));
   fs::remove(path);
+}
+
+namespace {
+
+// Names in `dir` that start with `prefix` + ".tmp": the temporaries a writer of `prefix` may leave.
+std::vector<std::string> temporaries_of(const std::string& target) {
+  std::vector<std::string> out;
+  const fs::path t(target);
+  for (const auto& e : fs::directory_iterator(t.parent_path())) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(t.filename().string() + ".tmp", 0) == 0) out.push_back(name);
+  }
+  return out;
+}
+
+// A whole file of writer k: `size` bytes, every one 'A' + k (so a torn or mixed file cannot pass as whole).
+std::string version_of(int k) { return std::string(static_cast<size_t>(200'000 + 70'000 * k), static_cast<char>('A' + k)); }
+
+}  // namespace
+
+TEST(AtomicFile, ConcurrentWritersOfOneTargetNeverTearIt) {
+  const std::string target = temp_path("atomic_concurrent");
+  fs::remove(target);
+  constexpr int kWriters = 2;
+  constexpr int kRewrites = 150;
+  std::vector<pid_t> children;
+  for (int k = 0; k < kWriters; ++k) {
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0) << "fork failed";
+    if (pid == 0) {  // a writer process: rewrites the target again and again, then exits 0 (1 on any error)
+      int rc = 0;
+      try {
+        const std::string bytes = version_of(k);
+        for (int i = 0; i < kRewrites; ++i) fsdp::util::write_file_atomic(target, bytes, fsdp::util::DirSync::No, "test");
+      } catch (...) {
+        rc = 1;
+      }
+      ::_exit(rc);
+    }
+    children.push_back(pid);
+  }
+  // Read while they write: every read is a whole version of one writer or (before the first rename) no file.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
+  int whole_reads = 0, running = kWriters;
+  std::vector<int> exit_codes(kWriters, -1);
+  while (running > 0) {
+    if (fs::exists(target)) {
+      const std::string got = slurp(target);
+      if (!got.empty()) {
+        const int k = got[0] - 'A';
+        ASSERT_TRUE(k >= 0 && k < kWriters && got == version_of(k)) << "torn file: " << got.size() << " bytes";
+        ++whole_reads;
+      }
+    }
+    for (int k = 0; k < kWriters; ++k) {
+      int status = 0;
+      if (exit_codes[k] < 0 && ::waitpid(children[k], &status, WNOHANG) == children[k]) {
+        exit_codes[k] = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+        --running;
+      }
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      for (int k = 0; k < kWriters; ++k) {
+        if (exit_codes[k] < 0) ::kill(children[k], SIGKILL), ::waitpid(children[k], nullptr, 0);
+      }
+      FAIL() << "the writers did not finish in 90 s";
+    }
+  }
+  for (int k = 0; k < kWriters; ++k) EXPECT_EQ(exit_codes[k], 0) << "writer " << k << " failed";
+  EXPECT_GT(whole_reads, 0) << "the reader never saw the file: the check ran on nothing";
+  const std::string final_bytes = slurp(target);
+  ASSERT_FALSE(final_bytes.empty());
+  EXPECT_TRUE(final_bytes == version_of(final_bytes[0] - 'A'));
+  EXPECT_TRUE(temporaries_of(target).empty()) << "a temporary was left behind";
+  fs::remove(target);
+}
+
+TEST(AtomicFile, TemporaryNamesAreUniquePerCall) {
+  const std::string target = temp_path("atomic_names");
+  fsdp::util::AtomicFile a(target), b(target);
+  EXPECT_NE(a.temp_path(), b.temp_path());
+  EXPECT_NE(a.temp_path().find("." + std::to_string(::getpid()) + "."), std::string::npos) << a.temp_path();
+  EXPECT_EQ(temporaries_of(target).size(), 2u);
+}
+
+TEST(AtomicFile, FailureMidWriteKeepsTheOldFileAndNoTemporary) {
+  const std::string target = temp_path("atomic_failure");
+  fsdp::util::write_file_atomic(target, "old contents", fsdp::util::DirSync::Yes, "test");
+  ASSERT_EQ(slurp(target), "old contents");
+  // A throw between writes (what a failing tensor producer or a full disk does to a writer).
+  try {
+    fsdp::util::AtomicFile file(target, "test");
+    file.write("new, but only half");
+    ASSERT_EQ(temporaries_of(target).size(), 1u) << "the bytes did not go to a temporary";
+    throw std::runtime_error("producer failed");
+  } catch (const std::runtime_error&) {
+  }
+  EXPECT_EQ(slurp(target), "old contents");
+  EXPECT_TRUE(temporaries_of(target).empty());
+  // Never committed: same.
+  { fsdp::util::AtomicFile file(target, "test"); file.write("abandoned"); }
+  EXPECT_EQ(slurp(target), "old contents");
+  EXPECT_TRUE(temporaries_of(target).empty());
+  fs::remove(target);
+
+  // The rename itself fails (the target is a non-empty directory): one error naming both, no temporary left.
+  const std::string dir_target = temp_path("atomic_failure_dir");
+  fs::create_directories(dir_target + "/inside");
+  try {
+    fsdp::util::write_file_atomic(dir_target, "x", fsdp::util::DirSync::No, "test");
+    ADD_FAILURE() << "renaming over a non-empty directory succeeded";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("test: cannot rename"), std::string::npos)
+        << e.what_without_backtrace();
+  }
+  EXPECT_TRUE(fs::is_directory(dir_target + "/inside"));
+  EXPECT_TRUE(temporaries_of(dir_target).empty());
+  fs::remove(dir_target + "/inside");
+  fs::remove(dir_target);
 }

@@ -33,6 +33,20 @@ def parse_args(ap):
     shutil.rmtree(a.workdir, ignore_errors=True)
     os.makedirs(a.workdir)
     return a
+def lighthouse_server_test_args(ap):
+    """The start of a lighthouse server test: `ap` (holding the test's own arguments) gets --lighthouse and
+    --workdir, the workdir is emptied, and PyTorch's TCPStore (the reference client) is imported; the test is
+    skipped where it is not importable. Returns (args, TCPStore)."""
+    ap.add_argument("--lighthouse", required=True)
+    ap.add_argument("--workdir", required=True)
+    a = parse_args(ap)
+    try:
+        from torch.distributed import TCPStore
+    except ImportError as e:
+        skip(f"PyTorch's TCPStore is not importable in this Python ({e}): it is the reference client")
+    return a, TCPStore
+
+
 _test_id = uuid.uuid4().hex
 _failures = []
 

@@ -89,6 +89,9 @@ small = ["--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--training.l
 groups = [fu.Job([a.fsdprun, "--nproc-per-node", "1", "--max-restarts", str(r), "--timeout", "300", a.train] + small +
                  ["--fault_tolerance.replica_id", str(r)], f"replica {r} (heal after load)", FSDP_LIGHTHOUSE=addr,
                  FT_REPLICA_ID=r) for r in (0, 1)]
+# Polled every few ms by wait_until below: compiled once.
+TRAINED_ALONE = re.compile(r"ft: step (\d+) trained by replicas 0$")
+STEP_LINE = re.compile(r"step:\s+(\d+)")
 killed = False
 try:
     ck = os.path.join(work, "replica_1", "checkpoint", "step-8", "metadata.json")
@@ -104,10 +107,8 @@ try:
             fu.injected(f"SIGKILL replica 1 (pid {victim}) after its checkpoint of step 8, its fsdprun held")
 
             def replica0_ahead():
-                alone = [int(m.group(1)) for m in map(re.compile(r"ft: step (\d+) trained by replicas 0$").search,
-                                                      (l for _, l in groups[0].lines)) if m]
-                steps = [int(m.group(1)) for m in map(re.compile(r"step:\s+(\d+)").search,
-                                                      (l for _, l in groups[0].lines)) if m]
+                alone = [int(m.group(1)) for m in map(TRAINED_ALONE.search, (l for _, l in groups[0].lines)) if m]
+                steps = [int(m.group(1)) for m in map(STEP_LINE.search, (l for _, l in groups[0].lines)) if m]
                 return bool(alone) and bool(steps) and max(steps) >= alone[0] + 2
             ahead = fu.wait_until(groups + [light], replica0_ahead, 120)
             os.kill(groups[1].proc.pid, signal.SIGCONT)

@@ -26,32 +26,22 @@ import argparse
 import atexit
 import os
 import re
-import shutil
 import socket
 import struct
 import sys
 import threading
 import time
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fault_util as fu  # noqa: E402
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--lighthouse", required=True)
-ap.add_argument("--workdir", required=True)
 ap.add_argument("--malformed", type=int, default=1000)
 ap.add_argument("--gets-seconds", type=float, default=3.0)
 ap.add_argument("--max-gets", type=int, default=0, help="send at most this many GETs (0: no limit)")
 ap.add_argument("--multi-set-seconds", type=float, default=30.0, help="give up streaming the big request after")
-a = ap.parse_args()
-shutil.rmtree(a.workdir, ignore_errors=True)
-os.makedirs(a.workdir)
-try:
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-except ImportError as e:
-    fu.skip(f"PyTorch's TCPStore is not importable in this Python ({e}): it is the reference client")
+a, TCPStore = fu.lighthouse_server_test_args(ap)
 
 ROUND_TRIP_BOUND_S = 0.2
 MB = 1 << 20

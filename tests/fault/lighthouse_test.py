@@ -17,30 +17,20 @@ The stand-in itself is checked first: Python's own socket.getnameinfo through it
 import argparse
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fault_util as fu  # noqa: E402
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--lighthouse", required=True)
 ap.add_argument("--shim", required=True, help="slow_resolver shared library")
-ap.add_argument("--workdir", required=True)
 ap.add_argument("--connections", type=int, default=200)
-a = ap.parse_args()
-shutil.rmtree(a.workdir, ignore_errors=True)
-os.makedirs(a.workdir)
-try:
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-except ImportError as e:
-    fu.skip(f"PyTorch's TCPStore is not importable in this Python ({e}): it is the reference client")
+a, TCPStore = fu.lighthouse_server_test_args(ap)
 
 SLOW_S = 2.0
 ROUND_TRIP_BOUND_S = 1.0

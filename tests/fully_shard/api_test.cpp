@@ -12,6 +12,7 @@
 //   MixedPrecisionPolicy::buffer_dtype         buffers kept in it; state dicts in the original dtype
 #include "fully_shard/fsdp_state.h"
 #include "fully_shard/fsdp_test_util.h"
+#include "fully_shard/runtime_test_util.h"
 
 #include <fsdp/checkpoint/checkpoint.h>
 #include <fsdp/comm_stats.h>
@@ -23,15 +24,11 @@
 
 using namespace fsdp_test;
 
+using fsdp_rt::nranks;
+using fsdp_rt::rank;
+using fsdp_rt::world_mesh;
+
 namespace {
-
-int64_t rank() { return test_world()->rank(); }
-int64_t nranks() { return test_world()->size(); }
-
-fsdp::DeviceMesh world_mesh() {
-  static fsdp::DeviceMesh mesh = fsdp::init_device_mesh("cpu", {test_world()->size()}, {"shard"});
-  return mesh;
-}
 
 constexpr int64_t kBatch = 12;  // divisible by 1, 2, 3, 4
 

@@ -2,6 +2,7 @@
 // shards) and initialized unit by unit equals the same model initialized unsharded on one process, and
 // trains like it.
 #include "fully_shard/fsdp_test_util.h"
+#include "fully_shard/small_llama.h"
 
 #include <fsdp/materialize.h>
 #include <fsdp/models/llama.h>
@@ -9,26 +10,12 @@
 using namespace fsdp_test;
 namespace llama = fsdp::nn::llama;
 
-namespace {
-llama::LlamaArgs small_args(c10::Device device) {
-  llama::LlamaArgs a;
-  a.dim = 40;
-  a.n_layers = 3;
-  a.n_heads = 4;
-  a.n_kv_heads = 2;
-  a.vocab_size = 53;
-  a.multiple_of = 16;
-  a.device = device;
-  return a;
-}
-}  // namespace
-
 TEST(MetaInit, ShardedInitEqualsUnshardedInit) {
   auto world = test_world();
-  llama::Transformer reference(small_args(c10::kCPU));
+  llama::Transformer reference(small_llama_args(c10::kCPU));
   reference->init_weights(9);
 
-  llama::Transformer model(small_args(c10::kMeta));
+  llama::Transformer model(small_llama_args(c10::kMeta));
   for (const auto& p : model->parameters()) ASSERT_TRUE(p.is_meta());
   std::vector<fsdp::FSDPModule> units;
   for (size_t i = 0; i < model->layers->size(); ++i) units.push_back(fsdp::fully_shard(model->layers[i]));

@@ -219,6 +219,24 @@ void expect_same_training(Side& dist, const Side& ref, const std::map<std::strin
   expect_same_training(*dist.model, *ref.model, init, what);
 }
 
+// One training step of both sides, the reference first: zero_grad, `forward_backward(side)` (which may check
+// more on the sharded side), the sharded side's gathered gradients equal to the reference's within `tol`, then
+// the optimizer step.
+void step_both_and_compare_grads(Side& ref, Side& dist, const std::function<void(Side&)>& forward_backward,
+                                 const std::string& at, double tol = 1e-5) {
+  std::map<std::string, torch::Tensor> ref_grads;
+  for (Side* s : {&ref, &dist}) {
+    s->opt->zero_grad();
+    forward_backward(*s);
+    if (s->sharded) {
+      expect_equal_maps(full_grads(*s->model), ref_grads, tol, at);
+    } else {
+      ref_grads = reference_grads(*s->model);
+    }
+    s->opt->step();
+  }
+}
+
 // Mean of h^2 plus a second term on another function of h: a loss of the hidden state only (no head).
 torch::Tensor hidden_loss(const torch::Tensor& h, double weight) {
   return h.pow(2).mean() + weight * torch::tanh(h).mean();
@@ -289,25 +307,19 @@ TEST(PartialGroupForward, TwoPartialForwardsThenOneBackward) {
       auto world = world_mesh().group(0);
       for (int64_t step = 0; step < 3; ++step) {
         const auto t1 = tokens_for(10 + 2 * step), t2 = tokens_for(11 + 2 * step);
-        std::map<std::string, torch::Tensor> ref_grads;
-        for (Side* s : {&ref, &dist}) {
-          s->opt->zero_grad();
-          s->model->skip_head = true;
-          auto h1 = fsdp::nn::call(s->model, s->rows(t1).narrow(1, 0, kSeq));
-          auto h2 = fsdp::nn::call(s->model, s->rows(t2).narrow(1, 0, kSeq));
+        step_both_and_compare_grads(ref, dist, [&](Side& s) {
+          s.model->skip_head = true;
+          auto h1 = fsdp::nn::call(s.model, s.rows(t1).narrow(1, 0, kSeq));
+          auto h2 = fsdp::nn::call(s.model, s.rows(t2).narrow(1, 0, kSeq));
           const int64_t rs_before = fsdp::comm_stats(*world).reduce_scatter_calls;
           (hidden_loss(h1, 1.0) + hidden_loss(h2, -0.5)).backward();
-          if (s->sharded) {
+          if (s.sharded) {
             // embed, body, {norm, head} (tied: body, {embed, norm, head}); the root holds no parameter.
             EXPECT_EQ(fsdp::comm_stats(*world).reduce_scatter_calls - rs_before, tied ? 2 : 3)
                 << what << " step " << step << ": one reduction per group for both forwards";
-            EXPECT_EQ(s->model->head->weight.grad().defined(), tied) << what << ": the head ran in no forward";
-            expect_equal_maps(full_grads(*s->model), ref_grads, 1e-5, what + " step " + std::to_string(step));
-          } else {
-            ref_grads = reference_grads(*s->model);
+            EXPECT_EQ(s.model->head->weight.grad().defined(), tied) << what << ": the head ran in no forward";
           }
-          s->opt->step();
-        }
+        }, what + " step " + std::to_string(step));
       }
       expect_same_training(dist, ref, init, what);
     }
@@ -327,28 +339,20 @@ TEST(PartialGroupForward, ChunkedLossWithGradientAccumulation) {
       const auto init = reference_params(*ref.model);
       auto world = world_mesh().group(0);
       for (int64_t step = 0; step < 3; ++step) {
-        std::map<std::string, torch::Tensor> ref_grads;
-        for (Side* s : {&ref, &dist}) {
-          s->opt->zero_grad();
+        step_both_and_compare_grads(ref, dist, [&](Side& s) {
           for (int64_t m = 0; m < kMicro; ++m) {
             const bool last = m == kMicro - 1;
-            if (s->sharded) {
-              s->root_unit->set_requires_gradient_sync(last);
-              s->root_unit->set_is_last_backward(last);
+            if (s.sharded) {
+              s.root_unit->set_requires_gradient_sync(last);
+              s.root_unit->set_is_last_backward(last);
             }
             const int64_t rs_before = fsdp::comm_stats(*world).reduce_scatter_calls;
-            chunked_loss_backward(*s, tokens_for(100 + kMicro * step + m));
-            if (s->sharded && !last) {
+            chunked_loss_backward(s, tokens_for(100 + kMicro * step + m));
+            if (s.sharded && !last) {
               EXPECT_EQ(fsdp::comm_stats(*world).reduce_scatter_calls, rs_before) << what << " micro-batch " << m;
             }
           }
-          if (s->sharded) {
-            expect_equal_maps(full_grads(*s->model), ref_grads, kMicro * 1e-5, what + " step " + std::to_string(step));
-          } else {
-            ref_grads = reference_grads(*s->model);
-          }
-          s->opt->step();
-        }
+        }, what + " step " + std::to_string(step), kMicro * 1e-5);
       }
       expect_same_training(dist, ref, init, what);
     }
@@ -368,26 +372,25 @@ TEST(PartialGroupForward, ReshardToggleAroundTheChunkLoop) {
       const int64_t shard_rows = fsdp::shard_offset_and_size(kVocab, nranks(), rank()).second;
       for (int64_t step = 0; step < 3; ++step) {
         const auto tokens = tokens_for(200 + step);
-        ref.opt->zero_grad();
-        chunked_loss_backward(ref, tokens);
-        const auto ref_grads = reference_grads(*ref.model);
-        dist.opt->zero_grad();
-        // Set after the root's forward, before the first chunk; restored after the last chunk's backward.
-        chunked_loss_backward(dist, tokens, [&](int64_t c) {
-          if (c < 0) {
-            dist.head_unit->set_reshard_after_forward(false);
-            dist.head_unit->set_reshard_after_backward(false);
+        step_both_and_compare_grads(ref, dist, [&](Side& s) {
+          if (!s.sharded) {
+            chunked_loss_backward(s, tokens);
+            return;
           }
-          if (c == kChunks - 1) {
-            dist.head_unit->set_reshard_after_forward(reshard);
-            dist.head_unit->set_reshard_after_backward(true);
-            dist.head_unit->reshard();
-            EXPECT_EQ(dist.model->head->weight.size(0), shard_rows) << what << ": head.reshard() left it unsharded";
-          }
-        });
-        expect_equal_maps(full_grads(*dist.model), ref_grads, 1e-5, what + " step " + std::to_string(step));
-        ref.opt->step();
-        dist.opt->step();
+          // Set after the root's forward, before the first chunk; restored after the last chunk's backward.
+          chunked_loss_backward(s, tokens, [&](int64_t c) {
+            if (c < 0) {
+              s.head_unit->set_reshard_after_forward(false);
+              s.head_unit->set_reshard_after_backward(false);
+            }
+            if (c == kChunks - 1) {
+              s.head_unit->set_reshard_after_forward(reshard);
+              s.head_unit->set_reshard_after_backward(true);
+              s.head_unit->reshard();
+              EXPECT_EQ(s.model->head->weight.size(0), shard_rows) << what << ": head.reshard() left it unsharded";
+            }
+          });
+        }, what + " step " + std::to_string(step));
       }
       expect_same_training(dist, ref, init, what);
     }
@@ -530,17 +533,8 @@ TEST(PartialGroupForward, ExceptionInAPartialForwardThenChunkedTraining) {
         if (explicit_reset) dist.root_unit->reset();
         continue;  // the reference skips the failed step
       }
-      std::map<std::string, torch::Tensor> ref_grads;
-      for (Side* s : {&ref, &dist}) {
-        s->opt->zero_grad();
-        chunked_loss_backward(*s, tokens);
-        if (s->sharded) {
-          expect_equal_maps(full_grads(*s->model), ref_grads, 1e-5, what + " step " + std::to_string(step));
-        } else {
-          ref_grads = reference_grads(*s->model);
-        }
-        s->opt->step();
-      }
+      step_both_and_compare_grads(ref, dist, [&](Side& s) { chunked_loss_backward(s, tokens); },
+                                  what + " step " + std::to_string(step));
     }
     expect_same_training(dist, ref, init, what);
   }
@@ -613,22 +607,14 @@ TEST(PartialGroupForward, BackwardMisprefetchIsDroppedAndTrainsTheSame) {
   const int64_t shard_rows = fsdp::shard_offset_and_size(kVocab, nranks(), rank()).second;
   for (int64_t step = 0; step < 3; ++step) {
     const auto tokens = tokens_for(900 + step);
-    std::map<std::string, torch::Tensor> ref_grads;
-    for (Side* s : {&ref, &dist}) {
-      s->opt->zero_grad();
-      s->model->skip_head = false;
-      auto t = s->rows(tokens);
-      auto logits = fsdp::nn::call(s->model, t.narrow(1, 0, kSeq));
+    step_both_and_compare_grads(ref, dist, [&](Side& s) {
+      s.model->skip_head = false;
+      auto t = s.rows(tokens);
+      auto logits = fsdp::nn::call(s.model, t.narrow(1, 0, kSeq));
       torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}), t.narrow(1, 1, kSeq).reshape({-1})).backward();
-      if (s->sharded) {
-        expect_equal_maps(full_grads(*s->model), ref_grads, 1e-5, what + " step " + std::to_string(step));
-        // Nothing left gathered by the misprefetch.
-        EXPECT_EQ(s->model->head->weight.size(0), shard_rows) << what << " step " << step;
-      } else {
-        ref_grads = reference_grads(*s->model);
-      }
-      s->opt->step();
-    }
+      // Nothing left gathered by the misprefetch.
+      if (s.sharded) EXPECT_EQ(s.model->head->weight.size(0), shard_rows) << what << " step " << step;
+    }, what + " step " + std::to_string(step));
   }
   expect_same_training(dist, ref, init, what);
 }
@@ -650,26 +636,21 @@ TEST(PartialGroupForward, ManualReshardBetweenForwardAndBackward) {
   units.push_back(*dist.head_unit);
   for (int64_t step = 0; step < 3; ++step) {
     const auto tokens = tokens_for(950 + step);
-    std::map<std::string, torch::Tensor> ref_grads;
-    for (Side* s : {&ref, &dist}) {
-      s->opt->zero_grad();
-      s->model->skip_head = false;
-      auto t = s->rows(tokens);
-      auto logits = fsdp::nn::call(s->model, t.narrow(1, 0, kSeq));
+    step_both_and_compare_grads(ref, dist, [&](Side& s) {
+      s.model->skip_head = false;
+      auto t = s.rows(tokens);
+      auto logits = fsdp::nn::call(s.model, t.narrow(1, 0, kSeq));
       auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}), t.narrow(1, 1, kSeq).reshape({-1}));
-      if (s->sharded) {
-        for (auto& u : units) u.reshard();
-        EXPECT_EQ(s->model->head->weight.size(0), fsdp::shard_offset_and_size(kVocab, nranks(), rank()).second) << what;
-        const int64_t ag_before = fsdp::comm_stats(*world).all_gather_calls;
+      if (!s.sharded) {
         loss.backward();
-        EXPECT_EQ(fsdp::comm_stats(*world).all_gather_calls - ag_before, 3) << what << " step " << step;
-        expect_equal_maps(full_grads(*s->model), ref_grads, 1e-5, what + " step " + std::to_string(step));
-      } else {
-        loss.backward();
-        ref_grads = reference_grads(*s->model);
+        return;
       }
-      s->opt->step();
-    }
+      for (auto& u : units) u.reshard();
+      EXPECT_EQ(s.model->head->weight.size(0), fsdp::shard_offset_and_size(kVocab, nranks(), rank()).second) << what;
+      const int64_t ag_before = fsdp::comm_stats(*world).all_gather_calls;
+      loss.backward();
+      EXPECT_EQ(fsdp::comm_stats(*world).all_gather_calls - ag_before, 3) << what << " step " << step;
+    }, what + " step " + std::to_string(step));
   }
   expect_same_training(dist, ref, init, what);
 }

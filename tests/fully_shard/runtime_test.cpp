@@ -4,6 +4,7 @@
 // Every training test compares with single-process training on the same global batch (fp32, 1e-5), checks
 // that the reference trained, and checks from the collective counters that the feature under test ran.
 #include "fully_shard/runtime_test_util.h"
+#include "fully_shard/small_llama.h"
 
 #include <fsdp/materialize.h>
 #include <fsdp/models/llama.h>
@@ -695,17 +696,6 @@ TEST(RuntimeGroups, TwoModulesOneGroupAnyOrder) {
 
 namespace {
 namespace llama = fsdp::nn::llama;
-llama::LlamaArgs small_llama(c10::Device device) {
-  llama::LlamaArgs a;
-  a.dim = 40;
-  a.n_layers = 3;
-  a.n_heads = 4;
-  a.n_kv_heads = 2;
-  a.vocab_size = 53;
-  a.multiple_of = 16;
-  a.device = device;
-  return a;
-}
 fsdp::FullyShardOptions bf16_opts() {
   auto o = mesh_opts();
   o.mp_policy.param_dtype = torch::kBFloat16;
@@ -716,9 +706,9 @@ fsdp::FullyShardOptions bf16_opts() {
 // Llama on meta, bf16 compute: full_params_init_scope writes fp32 shards equal to an fp32 unsharded init
 // bit for bit, without any all-gather.
 TEST(RuntimeMetaInit, MixedPrecisionScopeInitIsExactAndGathersNothing) {
-  llama::Transformer reference(small_llama(c10::kCPU));
+  llama::Transformer reference(fsdp_test::small_llama_args(c10::kCPU));
   reference->init_weights(9);
-  llama::Transformer model(small_llama(c10::kMeta));
+  llama::Transformer model(fsdp_test::small_llama_args(c10::kMeta));
   auto o = bf16_opts();
   for (size_t i = 0; i < model->layers->size(); ++i) fsdp::fully_shard(model->layers[i], o);
   fsdp::fully_shard(model, o);

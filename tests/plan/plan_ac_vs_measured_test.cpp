@@ -11,6 +11,7 @@
 #include "config.h"
 #include "plan.h"
 #include "trainer.h"
+#include "trainer/train_env.h"
 
 #include <fsdp/process_group.h>
 
@@ -42,15 +43,8 @@ TrainSummary::TensorMemory measure(const std::string& flavor, int64_t seq, const
                              "--parallelism.tensor_parallel_degree", std::to_string(tp)});
   auto world = fsdp::world();
   // One folder for all ranks: the launch check requires the same effective configuration on every rank.
-  c.job.dump_folder = ::testing::TempDir() + "/fsdp_plan_ac_" + flavor + m.mode + m.option + "_tp" + std::to_string(tp);
-  if (world->rank() == 0) std::filesystem::remove_all(c.job.dump_folder);  // one remover
-  world->barrier().wait();
-  TrainEnv env;
-  env.rank = world->rank();
-  env.world_size = world->size();
-  env.group = world;
-  env.verbose = false;
-  const TrainSummary s = run_training(c, env, false);
+  c.job.dump_folder = test::shared_dir("fsdp_plan_ac", flavor + m.mode + m.option + "_tp" + std::to_string(tp));
+  const TrainSummary s = run_training(c, test::world_env(), false);
   world->barrier().wait();  // every rank is done with the folder
   if (world->rank() == 0) std::filesystem::remove_all(c.job.dump_folder);
   EXPECT_EQ(s.tensor_memory.size(), 2u);

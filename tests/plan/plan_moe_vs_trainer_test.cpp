@@ -8,6 +8,7 @@
 #include "config.h"
 #include "plan.h"
 #include "trainer.h"
+#include "trainer/train_env.h"
 
 #include <fsdp/models/qwen3.h>
 #include <fsdp/process_group.h>
@@ -33,15 +34,8 @@ TrainSummary::TensorMemory measure(int64_t ep) {
                              std::to_string(world->size()), "--training.steps", "2", "--lr_scheduler.warmup_steps",
                              "1", "--metrics.peak_tflops", "1", "--metrics.tensor_memory", "true",
                              "--parallelism.expert_parallel_degree", std::to_string(ep)});
-  c.job.dump_folder = ::testing::TempDir() + "/fsdp_plan_moe_ep" + std::to_string(ep);
-  if (world->rank() == 0) std::filesystem::remove_all(c.job.dump_folder);
-  world->barrier().wait();
-  TrainEnv env;
-  env.rank = world->rank();
-  env.world_size = world->size();
-  env.group = world;
-  env.verbose = false;
-  const TrainSummary s = run_training(c, env, false);
+  c.job.dump_folder = test::shared_dir("fsdp_plan_moe", "ep" + std::to_string(ep));
+  const TrainSummary s = run_training(c, test::world_env(), false);
   world->barrier().wait();
   if (world->rank() == 0) std::filesystem::remove_all(c.job.dump_folder);
   EXPECT_NE(s.plan.find(ep > 1 ? "EP " + std::to_string(ep) : std::string("FSDP")), std::string::npos) << s.plan;

@@ -1,5 +1,5 @@
-// See fault_tolerance.h.
-#include "fault_tolerance.h"
+// See replica_group_ft.h.
+#include "replica_group_ft.h"
 
 #include "data.h"
 
