@@ -8,6 +8,7 @@
 #include <fsdp/checkpoint/async_save.h>
 #include <fsdp/checkpoint/checkpoint.h>
 #include <fsdp/checkpoint/optimizer.h>
+#include <fsdp/util/timer.h>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -29,8 +30,8 @@ namespace {
 
 namespace ckpt = fsdp::checkpoint;
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+using Clock = fsdp::util::SteadyClock;
+using fsdp::util::seconds_since;
 
 // checkpoint.async_mode as libfsdp's (the same three modes, TorchTitan's names).
 ckpt::AsyncMode async_mode_of(AsyncMode mode) {
@@ -231,7 +232,7 @@ class DistributedCheckpointer final : public Checkpointer {
       }
       restore_train_state(s, sd, exclude, dir);
     }
-    const double dt = since(t0);
+    const double dt = seconds_since(t0);
     if (rank_ == 0) {
       std::printf("checkpoint: loaded %s%s in %.3f s (%.1f MB read by rank 0, %.2f GB/s)\n", dir.c_str(),
                   model_only ? " (model only)" : "", dt, res.bytes_read / 1e6, res.bytes_read / 1e9 / std::max(dt, 1e-9));
@@ -322,7 +323,7 @@ class DistributedCheckpointer final : public Checkpointer {
 
   void report(const ckpt::SaveResult& r, Clock::time_point t0, const char* what) {
     if (rank_ != 0) return;
-    const double dt = since(t0);
+    const double dt = seconds_since(t0);
     std::printf("checkpoint: %ssave of %s done in %.3f s (%.1f MB, %.2f GB/s)\n", what, r.path.c_str(), dt,
                 r.total_bytes / 1e6, r.total_bytes / 1e9 / std::max(dt, 1e-9));
     std::fflush(stdout);
@@ -335,7 +336,7 @@ class DistributedCheckpointer final : public Checkpointer {
     const auto r = hf_.import_weights(*s.model, dir);
     if (rank_ == 0) {
       std::printf("checkpoint: loaded Hugging Face weights %s (model only) in %.3f s (%.1f MB read by rank 0)\n",
-                  dir.c_str(), since(t0), r.bytes_read / 1e6);
+                  dir.c_str(), seconds_since(t0), r.bytes_read / 1e6);
       std::fflush(stdout);
     }
     return true;
@@ -350,7 +351,7 @@ class DistributedCheckpointer final : public Checkpointer {
     const auto r = hf_.export_weights(*s.model, dir, eo);
     if (rank_ == 0) {
       std::printf("checkpoint: last step Hugging Face save of %s done in %.3f s (%.1f MB, %zu files)\n", dir.c_str(),
-                  since(t0), r.total_bytes / 1e6, r.files.size());
+                  seconds_since(t0), r.total_bytes / 1e6, r.files.size());
       std::fflush(stdout);
     }
   }
