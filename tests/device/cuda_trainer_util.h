@@ -21,6 +21,9 @@ inline fsdp_train::JobConfig trainer_job(const std::string& name, const std::vec
                                 "--training.global_batch_size", "4", "--training.steps", std::to_string(steps),
                                 "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1",
                                 "--metrics.peak_tflops", "1"};
+  // The default data (Debian's /usr/share/common-licenses); a GPU machine without it trains on the repository's docs.
+  if (!std::filesystem::exists("/usr/share/common-licenses"))
+    args.insert(args.end(), {"--training.dataset", "text", "--training.dataset_path", FSDP_SOURCE_DIR "/docs"});
   args.insert(args.end(), extra.begin(), extra.end());
   fsdp_train::JobConfig c = fsdp_train::load_config(args);
   // Each rank's own folder: the reference runs of every rank must not share files.
