@@ -50,7 +50,7 @@ import glob, sys, zipfile
 d = sys.argv[1]
 for whl in glob.glob(f"{d}/torch-*.whl") + glob.glob(f"{d}/nvidia_nccl*.whl"):
     z = zipfile.ZipFile(whl)
-    keep = [n for n in z.namelist() if n.startswith(("torch/include/", "torch/share/", "torch/lib/", "nvidia/"))]
+    keep = [n for n in z.namelist() if n.startswith(("torch/include/", "torch/share/", "torch/lib/", "torch/version.py", "nvidia/"))]
     z.extractall(d, keep)
 PY
 fi

@@ -26,7 +26,11 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEBS="$ROOT/.gpu-debs"
 DEPS="${FSDP_GPU_DEPS:-/tmp/gpu-deps}"
 BUILD="$ROOT/build-gpu"
-PKGS=(libgloo-dev libxxhash-dev libxxhash0 nlohmann-json3-dev libcli11-dev libgtest-dev)
+# fsdp-train's: zlib, protobuf (headers, library, protoc and its library), crcutil, toml++ (cairo is left out: its
+# X11/glib tree is large, and fsdp-train builds without its `plot` subcommands when cairo is missing).
+PKGS=(libgloo-dev libxxhash-dev libxxhash0 nlohmann-json3-dev libcli11-dev libgtest-dev
+      zlib1g-dev libprotobuf-dev libprotobuf32 protobuf-compiler libprotoc32 libcrcutil-dev libcrcutil0
+      libtomlplusplus-dev)
 log() { echo "[gpu-check] $*" >&2; }
 die() { echo "gpu-check: $*" >&2; exit 2; }
 
@@ -92,7 +96,7 @@ for p in nvidia.__path__:
     -DCMAKE_CXX_FLAGS="$cxx_flags" \
     -DCMAKE_BUILD_RPATH="$(dirname "$xxhash_lib")" \
     -DFSDP_TEST_DIRS="${FSDP_GPU_TEST_DIRS:-device;comm}" \
-    -DFSDP_APPS_EXCLUDE="${FSDP_GPU_APPS_EXCLUDE-fsdp-train;fsdp-plan;fsdp-ckpt}" \
+    -DFSDP_APPS_EXCLUDE="${FSDP_GPU_APPS_EXCLUDE-fsdp-plan;fsdp-ckpt}" \
     > "$logs/gpu-configure.log" 2>&1 || { tail -40 "$logs/gpu-configure.log" >&2; die "cmake configure failed"; }
   # `all` configures through here, then builds and runs its stages itself (scripts/gpu-check-all.sh).
   [ -z "${FSDP_GPU_CONFIGURE_ONLY:-}" ] || { log "configured $BUILD"; return 0; }

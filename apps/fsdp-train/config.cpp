@@ -371,6 +371,9 @@ std::vector<Field> fields(JobConfig& c) {
        "fail when no quorum of min_replica_size groups forms within this"},
       {"comm", "init_timeout_seconds", &c.comm.init_timeout_seconds, "rendezvous and first collectives"},
       {"comm", "train_timeout_seconds", &c.comm.train_timeout_seconds, "collectives after the first step"},
+      {"comm", "backend", &c.comm.backend,
+       "auto | gloo | nccl: the process group on a CUDA training.device (auto = NCCL where libfsdp has it, else Gloo "
+       "on CUDA tensors; gloo lets ranks share one GPU). The CPU always takes Gloo. Not a TorchTitan key"},
       {"debug", "seed", &c.debug.seed, "model init and anything random"},
       {"debug", "deterministic", &c.debug.deterministic, "torch deterministic algorithms"},
   };
@@ -848,11 +851,20 @@ void validate(const JobConfig& c) {
                             std::all_of(d.begin() + 5, d.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
     check(d == "cpu" || d == "cuda" || cuda_index,
           "training.device: expected \"cpu\", \"cuda\" or \"cuda:N\", got \"" + d + "\"");
-    // The timeline counts CPU tensors only: on a GPU it would show almost nothing and look like an answer.
+#ifndef FSDP_TRAIN_WITH_CUDA
+    // The timeline counts CPU tensors only: on a GPU it would show almost nothing and look like an answer; the
+    // CUDA caching allocator's snapshot needs a CUDA build of libtorch (cuda_support.h).
     check(!c.profiling.enable_memory_snapshot || d == "cpu",
           "profiling.enable_memory_snapshot: on training.device \"" + d + "\" TorchTitan writes the CUDA caching "
-          "allocator's snapshot, which fsdp-train does not yet; the memory timeline it writes counts CPU tensors "
-          "(training.device = \"cpu\")");
+          "allocator's snapshot, which this build of fsdp-train cannot (libtorch without CUDA); the memory timeline "
+          "it writes counts CPU tensors (training.device = \"cpu\")");
+#endif
+    const std::string& b = c.comm.backend;
+    check(b == "auto" || b == "gloo" || b == "nccl",
+          "comm.backend: expected \"auto\", \"gloo\" or \"nccl\", got \"" + b + "\"");
+    check(b != "nccl" || d != "cpu",
+          "comm.backend = \"nccl\" with training.device = \"cpu\": NCCL works on CUDA tensors only (use \"gloo\" or "
+          "\"auto\", or training.device = \"cuda\")");
   }
   check(!c.checkpoint.last_save_in_hf || c.checkpoint.last_save_model_only,
         "checkpoint.last_save_in_hf needs checkpoint.last_save_model_only = true (as TorchTitan)");

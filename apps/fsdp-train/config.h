@@ -237,6 +237,10 @@ struct JobConfig {
   struct Comm {
     int64_t init_timeout_seconds = 300;
     int64_t train_timeout_seconds = 100;
+    // auto | gloo | nccl: the process group's backend on a CUDA training.device (the CPU always takes Gloo).
+    // "auto" = NCCL where libfsdp was built with it, else Gloo on CUDA tensors; "gloo" lets several ranks share
+    // one GPU (training.device = "cuda:0" on every rank), which NCCL refuses.
+    std::string backend = "auto";
   } comm;
   struct Debug {
     int64_t seed = 0;

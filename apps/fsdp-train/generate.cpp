@@ -41,7 +41,7 @@ namespace {
 
 // The next token from the last position's logits [vocab].
 int64_t sample(const at::Tensor& logits_in, const GenerateOptions& o, at::Generator& gen) {
-  auto logits = logits_in.to(torch::kFloat);
+  auto logits = logits_in.to(torch::kCPU, torch::kFloat);  // sampled with a CPU generator: the same on any device
   if (o.temperature <= 0) return logits.argmax().item<int64_t>();
   logits = logits / o.temperature;
   if (o.top_k > 0 && o.top_k < logits.size(0)) {
@@ -97,6 +97,10 @@ GenerateResult generate(const JobConfig& config, const GenerateOptions& o) {
       if (item.key().find("expert_bias") != std::string::npos) item.value().copy_(reader.read(item.key()));
     }
   }
+  // On the job's training.device when this process has it (a job trained on a GPU samples on one); else the CPU.
+  const c10::Device job_device(config.training.device);
+  const c10::Device device = job_device.is_cuda() && at::hasCUDA() ? job_device : c10::Device(c10::kCPU);
+  if (!device.is_cpu()) model.to(device);
   model.eval();
   torch::NoGradGuard no_grad;
 
@@ -113,10 +117,10 @@ GenerateResult generate(const JobConfig& config, const GenerateOptions& o) {
   for (int64_t i = 0; i < o.max_new_tokens; ++i) {
     at::Tensor logits;
     if (o.kv_cache) {
-      auto input = torch::tensor(pending, torch::kLong).view({1, -1});
-      logits = cached_forward(input);
+      auto input = torch::tensor(pending, torch::kLong).view({1, -1}).to(device);
+      logits = cached_forward(input);  // the cache is made on the model's device (after the move above)
     } else {
-      auto input = torch::tensor(sequence, torch::kLong).view({1, -1});
+      auto input = torch::tensor(sequence, torch::kLong).view({1, -1}).to(device);
       logits = built.forward(input);
     }
     const int64_t next = sample(logits[0][logits.size(1) - 1], o, gen);

@@ -48,11 +48,20 @@ std::string format_duration(double s) {
 }
 
 std::string format_log_line(const StepMetrics& m) {
-  char buf[400];
+  char memory[120];
+  if (m.device_memory) {
+    char pct[24] = "";
+    if (m.mem_max_reserved_pct >= 0) std::snprintf(pct, sizeof pct, "(%.2f%%)", m.mem_max_reserved_pct);
+    std::snprintf(memory, sizeof memory, "%.2fGiB%s (max %.2fGiB) active %.2fGiB", m.mem_gib, pct, m.mem_max_gib,
+                  m.mem_max_active_gib);
+  } else {
+    std::snprintf(memory, sizeof memory, "%.2fGiB (max %.2fGiB)", m.mem_gib, m.mem_max_gib);
+  }
+  char buf[480];
   std::snprintf(buf, sizeof buf,
-                "step: %4lld  loss: %8.4f  grad_norm: %7.3f  lr: %.2e  memory: %.2fGiB (max %.2fGiB)  tps: %s  "
+                "step: %4lld  loss: %8.4f  grad_norm: %7.3f  lr: %.2e  memory: %s  tps: %s  "
                 "tflops: %.3f  mfu: %.1f%%  elapsed: %s  eta: %s",
-                static_cast<long long>(m.step), m.loss, m.grad_norm, m.lr, m.mem_gib, m.mem_max_gib,
+                static_cast<long long>(m.step), m.loss, m.grad_norm, m.lr, memory,
                 thousands(m.tps).c_str(), m.tflops, m.mfu, format_duration(m.elapsed_s).c_str(),
                 format_duration(m.eta_s).c_str());
   std::string line = buf;
@@ -64,6 +73,8 @@ std::string format_log_line(const StepMetrics& m) {
     std::snprintf(moe, sizeof moe, "  expert load max/mean: %.2f", worst);
     line += moe;
   }
+  if (m.device_memory && m.mem_alloc_retries > 0)
+    line += "  alloc retries: " + std::to_string(m.mem_alloc_retries);  // TorchTitan warns on these too
   if (!m.ft_replicas.empty()) {
     line += "  replicas: ";
     for (size_t i = 0; i < m.ft_replicas.size(); ++i) line += (i ? "," : "") + std::to_string(m.ft_replicas[i]);
@@ -135,6 +146,17 @@ void JsonlWriter::write(const StepMetrics& m) {
     j["tensor_start_bytes"] = m.tensor_start_bytes;
     j["tensor_forward_bytes"] = m.tensor_forward_bytes;
     j["tensor_peak_bytes"] = m.tensor_peak_bytes;
+  }
+  if (m.device_memory) {  // the caching allocator's figures (TorchTitan's DeviceMemoryMonitor)
+    j["memory_source"] = "caching_allocator";
+    j["memory_max_reserved_gib"] = m.mem_gib;
+    j["memory_max_active_gib"] = m.mem_max_active_gib;
+    j["memory_reserved_gib"] = m.mem_reserved_gib;
+    j["memory_active_gib"] = m.mem_active_gib;
+    if (m.mem_max_reserved_pct >= 0) j["memory_max_reserved_pct"] = m.mem_max_reserved_pct;
+    if (m.mem_max_active_pct >= 0) j["memory_max_active_pct"] = m.mem_max_active_pct;
+    j["memory_alloc_retries"] = m.mem_alloc_retries;
+    j["memory_ooms"] = m.mem_ooms;
   }
   if (m.eta_s >= 0) j["eta_s"] = m.eta_s;
   if (!m.expert_tokens_min.empty()) {

@@ -19,8 +19,14 @@ struct StepMetrics {
   double tps = 0;             // tokens/s per rank since the previous log
   double tflops = 0;          // achieved TFLOP/s per rank
   double mfu = 0;             // % of the peak
-  double mem_gib = 0;         // this rank's peak RSS
+  double mem_gib = 0;         // this rank's peak: RSS on the CPU, the caching allocator's max reserved on a device
   double mem_max_gib = 0;     // max over ranks
+  // On a device (CUDA): TorchTitan's DeviceMemoryMonitor figures of this rank's caching allocator, peaks over the
+  // log window (reset after each logged step); device_memory = false on the CPU (the fields are then unused).
+  bool device_memory = false;
+  double mem_max_active_gib = 0, mem_active_gib = 0, mem_reserved_gib = 0;
+  double mem_max_reserved_pct = -1, mem_max_active_pct = -1;  // of the device's memory; -1 = unknown
+  int64_t mem_alloc_retries = 0, mem_ooms = 0;
   double data_s = 0;          // time spent loading data since the previous log
   double elapsed_s = 0;       // since the first step started
   double eta_s = -1;          // estimated time to training.steps (-1 = unknown)
@@ -41,7 +47,9 @@ struct StepMetrics {
 int64_t peak_rss_bytes();
 
 // "step:  10  loss:  2.3456  grad_norm:  0.812  lr: 3.0e-03  memory: 0.21GiB (max 0.22GiB)  tps: 1,234  tflops: 0.01
-//  mfu: 4.2%  elapsed: 12s  eta: 5m40s"
+//  mfu: 4.2%  elapsed: 12s  eta: 5m40s"; on a device the memory part is the caching allocator's
+//  "memory: 12.31GiB(8.81%) (max 12.40GiB) active 10.02GiB" (max reserved, its share of the device, max over
+//  ranks, max active), and "  alloc retries: N" is added when the allocator had to free its cache to allocate.
 std::string format_log_line(const StepMetrics& m);
 // "validate step:  10  loss:  2.5000  perplexity: 12.18  tps: 5,000  time: 0.4s"
 std::string format_validation_line(int64_t step, double loss, double perplexity, double tps, double seconds);

@@ -76,6 +76,13 @@ void MetricsProcessor::log(StepMetrics& m, double flops_per_token, double peak_t
     tb_.add_scalar("time_metrics/data_loading(s)", m.data_s / steps, step);
     tb_.add_scalar("time_metrics/data_loading(%)", 100.0 * m.data_s / dt, step);
     tb_.add_scalar("memory/max_reserved(GiB)", m.mem_gib, step);  // CPU: this rank's peak RSS
+    if (m.device_memory) {
+      tb_.add_scalar("memory/max_active(GiB)", m.mem_max_active_gib, step);
+      if (m.mem_max_active_pct >= 0) tb_.add_scalar("memory/max_active(%)", m.mem_max_active_pct, step);
+      if (m.mem_max_reserved_pct >= 0) tb_.add_scalar("memory/max_reserved(%)", m.mem_max_reserved_pct, step);
+      tb_.add_scalar("memory/num_alloc_retries", static_cast<double>(m.mem_alloc_retries), step);
+      tb_.add_scalar("memory/num_ooms", static_cast<double>(m.mem_ooms), step);
+    }
     for (size_t l = 0; l < m.expert_tokens_min.size(); ++l) {     // per MoE layer, in layer order
       const std::string tag = "moe/layer_" + std::to_string(l) + "/";
       tb_.add_scalar(tag + "expert_tokens_min", m.expert_tokens_min[l], step);

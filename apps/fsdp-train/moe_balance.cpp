@@ -27,8 +27,13 @@ ExpertLoad update_expert_load_balance(const std::vector<fsdp::nn::moe::MoEImpl*>
   at::Tensor global = local.clone();
   at::Tensor local_min = local.min().reshape({1});
   if (dp_group && dp_group->size() > 1) {
+    // On the group's device (NCCL takes CUDA tensors only), back to the host for the figures below.
+    global = global.to(dp_group->device());
+    local_min = local_min.to(dp_group->device());
     dp_group->all_reduce(global, fsdp::ReduceOp::Sum).wait();
     dp_group->all_reduce(local_min, fsdp::ReduceOp::Min).wait();
+    global = global.cpu();
+    local_min = local_min.cpu();
   }
   load.min_local_tokens = local_min.item<double>();
   for (size_t l = 0; l < layers.size(); ++l) {

@@ -34,12 +34,6 @@ std::string lowercase(std::string s) {
   return s;
 }
 
-std::string json_error_reason(const std::string& what) {
-  const size_t column = what.find("column ");
-  const size_t colon = column == std::string::npos ? std::string::npos : what.find(": ", column);
-  return colon == std::string::npos ? what : what.substr(colon + 2);
-}
-
 PlotCanvas::PlotCanvas(const std::string& out_path, int width, int height)
     : path_(out_path), width_(width), height_(height) {
   const std::string lower = lowercase(out_path);

@@ -4,6 +4,8 @@
 // through cairo's toy text API, and the pieces every chart needs (a framed plot area with "nice" ticks, a
 // title, axis labels, a legend). Internal to fsdp-train; no torch headers.
 
+#include "trace_file.h"
+
 #include <cairo.h>
 
 #include <memory>
@@ -92,9 +94,7 @@ struct LegendEntry {
 Rect draw_legend(PlotCanvas& canvas, double x, double y, const std::vector<LegendEntry>& entries);
 Rect legend_size(const PlotCanvas& canvas, const std::vector<LegendEntry>& entries);
 
-// nlohmann::json's parse error message without its "[json.exception...] parse error at line L, column C: "
-// prefix (positions within the text it was given, which the callers replace with the file's line and column).
-std::string json_error_reason(const std::string& what);
+// json_error_reason: trace_file.h (the trace reader needs it in a build without cairo too).
 
 // The lowercase copy of s (series and event names are matched case-insensitively).
 std::string lowercase(std::string s);

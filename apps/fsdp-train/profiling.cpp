@@ -2,6 +2,7 @@
 // and the CPU memory timeline.
 #include "profiling.h"
 
+#include "cuda_support.h"
 #include "tensor_memory.h"
 #include "trace_file.h"
 
@@ -54,12 +55,14 @@ double seconds(fsdp::CollectiveSpan::Clock::duration d) { return std::chrono::du
 struct StepProfiler::Recording {
   int64_t step = 0;
   bool kineto = false;
-  bool memory = false;
+  bool memory = false;         // the CPU's live-tensor timeline
+  bool cuda_snapshot = false;  // the CUDA caching allocator's snapshot at the step's end
   fsdp::CollectiveSpan::Clock::time_point start = fsdp::CollectiveSpan::Clock::now();
 };
 
-StepProfiler::StepProfiler(const JobConfig& config, int rank, std::vector<fsdp::ProcessGroupPtr> groups)
-    : options_(config.profiling), dump_folder_(config.job.dump_folder), rank_(rank) {
+StepProfiler::StepProfiler(const JobConfig& config, int rank, std::vector<fsdp::ProcessGroupPtr> groups,
+                           const c10::Device& device)
+    : options_(config.profiling), dump_folder_(config.job.dump_folder), rank_(rank), cuda_(device.is_cuda()) {
   for (auto& g : groups) {
     if (g && std::find(groups_.begin(), groups_.end(), g) == groups_.end()) groups_.push_back(std::move(g));
   }
@@ -74,6 +77,30 @@ StepProfiler::~StepProfiler() {
     // Unwinding from a failed step: the recording is dropped either way.
   }
   if (recording_->memory) tensor_memory::stop_timeline();
+}
+
+std::string StepProfiler::write_cuda_snapshot(const std::string& iteration_folder) {
+  const auto folder = std::filesystem::path(dump_folder_) / options_.save_memory_snapshot_folder / iteration_folder;
+  std::error_code ec;
+  std::filesystem::create_directories(folder, ec);
+  TORCH_CHECK(!ec, "fsdp-train: [profiling] cannot create ", folder.string(), ": ", ec.message());
+  const auto path = folder / ("rank" + std::to_string(rank_) + "_memory_snapshot.pickle");
+  write_file_whole(path.string(), cuda_support::memory_snapshot_pickle(), "fsdp-train: [profiling]");
+  wrote_memory_ = true;
+  return path.string();
+}
+
+void StepProfiler::dump_memory_snapshot_on_oom(int64_t step) {
+  if (!options_.enable_memory_snapshot || !cuda_) return;
+  try {
+    const std::string path = write_cuda_snapshot("iteration_" + std::to_string(step) + "_exit");
+    std::fprintf(stderr, "fsdp-train: rank %d ran out of device memory in step %lld; the CUDA memory snapshot is in %s\n",
+                 rank_, static_cast<long long>(step), path.c_str());
+  } catch (const std::exception& e) {
+    // The out-of-memory error is what the run reports; a snapshot that could not be written must not replace it.
+    std::fprintf(stderr, "fsdp-train: rank %d: no memory snapshot after the out-of-memory error: %s\n", rank_,
+                 e.what());
+  }
 }
 
 bool StepProfiler::records(int64_t step) const {
@@ -93,12 +120,16 @@ void StepProfiler::begin_step(int64_t step) {
     }
     // TorchTitan records shapes; the collectives' sizes travel as range arguments, which Kineto keeps with them.
     const ProfilerConfig config(ProfilerState::KINETO, /*report_input_shapes=*/true, /*profile_memory=*/false);
-    const std::set<ActivityType> activities{ActivityType::CPU};
+    // On a GPU also the device's activities (kernels, memcpy, memset), as TorchTitan's profiler records them.
+    std::set<ActivityType> activities{ActivityType::CPU};
+    if (cuda_) activities.insert(ActivityType::CUDA);
     kineto::prepareProfiler(config, activities);
     kineto::enableProfiler(config, activities);
     rec->kineto = true;
   }
-  if (options_.enable_memory_snapshot) {
+  if (options_.enable_memory_snapshot && cuda_) {
+    rec->cuda_snapshot = true;  // the allocator records its history since the trainer started: nothing to begin
+  } else if (options_.enable_memory_snapshot) {
     TORCH_CHECK(tensor_memory::installed(), "fsdp-train: [profiling] enable_memory_snapshot needs the counting "
                                             "allocator, installed before the model is built");
     tensor_memory::start_timeline();
@@ -112,6 +143,8 @@ void StepProfiler::end_step(int64_t step) {
   if (!recording_ || recording_->step != step) return;
   const std::unique_ptr<Recording> rec = std::move(recording_);
   const std::string r = std::to_string(rank_);
+  // TorchTitan's MemoryProfiler.step: the snapshot as the step ends, with the history leading up to it.
+  if (rec->cuda_snapshot) write_cuda_snapshot("iteration_" + std::to_string(step));
   if (rec->memory) {
     const std::vector<tensor_memory::Sample> samples = tensor_memory::stop_timeline();
     const int64_t base_ns = samples.front().unix_ns / 1000000000 * 1000000000;  // whole seconds, as Kineto's
@@ -185,7 +218,8 @@ std::vector<std::pair<std::string, std::string>> StepProfiler::outputs() const {
   std::vector<std::pair<std::string, std::string>> out;
   const std::filesystem::path dump(dump_folder_);
   if (wrote_traces_) out.push_back({"profiler traces", (dump / options_.save_traces_folder).string()});
-  if (wrote_memory_) out.push_back({"memory timelines", (dump / options_.save_memory_snapshot_folder).string()});
+  if (wrote_memory_)
+    out.push_back({cuda_ ? "memory snapshots" : "memory timelines", (dump / options_.save_memory_snapshot_folder).string()});
   return out;
 }
 

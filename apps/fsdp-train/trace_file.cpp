@@ -1,7 +1,5 @@
 #include "trace_file.h"
 
-#include "plot_canvas.h"  // json_error_reason
-
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -9,6 +7,12 @@
 #include <stdexcept>
 
 namespace fsdp_train {
+
+std::string json_error_reason(const std::string& what) {
+  const size_t column = what.find("column ");
+  const size_t colon = column == std::string::npos ? std::string::npos : what.find(": ", column);
+  return colon == std::string::npos ? what : what.substr(colon + 2);
+}
 
 TraceFile read_trace_file(const std::string& path, const std::string& who) {
   std::ifstream in(path, std::ios::binary);

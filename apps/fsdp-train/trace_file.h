@@ -15,6 +15,10 @@ struct TraceFile {
   const nlohmann::json& events() const { return document.is_array() ? document : document.at("traceEvents"); }
 };
 
+// nlohmann::json's parse error message without its "[json.exception...] parse error at line L, column C: "
+// prefix (positions within the text it was given, which the callers replace with the file's line and column).
+std::string json_error_reason(const std::string& what);
+
 // Throws std::runtime_error naming `who` and the file, with line:column for JSON syntax errors.
 TraceFile read_trace_file(const std::string& path, const std::string& who);
 

@@ -2,7 +2,9 @@
 #include "trainer.h"
 
 #include "checkpoint_seam.h"
+#include "cuda_support.h"
 #include "data.h"
+#include "device_stats.h"
 #include "replica_group_ft.h"
 #include "lr_schedule.h"
 #include "metrics.h"
@@ -44,14 +46,29 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-// Sum of a few doubles over the group (identity without a group).
+// Sum of a few doubles over the group (identity without a group), on the group's device (NCCL takes CUDA
+// tensors only; Gloo on CUDA tensors expects them where its meshes are).
 std::vector<double> all_reduce(const fsdp::ProcessGroupPtr& group, std::vector<double> values,
                                fsdp::ReduceOp op = fsdp::ReduceOp::Sum) {
   if (!group) return values;
-  auto t = torch::tensor(values, torch::kDouble);
+  auto t = torch::tensor(values, torch::kDouble).to(group->device());
   group->all_reduce(t, op).wait();
+  t = t.cpu();
   auto* p = t.data_ptr<double>();
   return std::vector<double>(p, p + values.size());
+}
+
+// TorchTitan records the CUDA caching allocator's last 100,000 actions (MEMORY_SNAPSHOT_MAX_ENTRIES).
+constexpr size_t kMemorySnapshotMaxEntries = 100000;
+
+// Where this rank trains: its process group's device (resolved at init: cuda:LOCAL_RANK, or the index given);
+// without a group, training.device with cuda's index from LOCAL_RANK (0 when unset), as the group would take it.
+c10::Device training_device(const JobConfig& config, const TrainEnv& env) {
+  const c10::Device asked = mesh_device(config);  // a ConfigError naming the key when CUDA is not there
+  if (env.group) return env.group->device();
+  if (!asked.is_cuda() || asked.has_index()) return asked;
+  const char* local_rank = std::getenv("LOCAL_RANK");
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank ? std::atoi(local_rank) : 0));
 }
 
 void set_threads() {
@@ -107,17 +124,24 @@ TrainEnv init_distributed(const JobConfig& config) {
   const char* ws = std::getenv("WORLD_SIZE");
   // A fault-tolerant replica group of one rank still needs its group: the Manager talks to the others through it.
   const bool ft_single = config.fault_tolerance.enable && !(ws && std::atoi(ws) > 1);
-  if ((ws && std::atoi(ws) > 1) || ft_single) {
+  // On a GPU a launched world of one rank joins its group too (TorchTitan's world-1 run): FSDP then applies, with
+  // training.mixed_precision_param, as it would on more ranks. On the CPU one rank stays a plain process.
+  const bool cuda_launched = ws && mesh_device(config).is_cuda();
+  if ((ws && std::atoi(ws) > 1) || ft_single || cuda_launched) {
     fsdp::InitOptions opts;
     if (ft_single) {
       opts.rank = 0;
       opts.world_size = 1;
     }
     opts.timeout = std::chrono::seconds(config.comm.init_timeout_seconds);
-    // The process group works on the mesh's device (training.device): Gloo for the CPU; for CUDA, NCCL where
-    // libfsdp has it, else Gloo on CUDA tensors.
-    if (mesh_device(config).is_cuda()) opts.device = config.training.device;
-    else opts.backend = "gloo";
+    // The process group works on the mesh's device (training.device): Gloo for the CPU; for CUDA, comm.backend
+    // ("auto": NCCL where libfsdp has it, else Gloo on CUDA tensors; "gloo": ranks may share one GPU).
+    if (mesh_device(config).is_cuda()) {
+      opts.device = config.training.device;
+      opts.backend = config.comm.backend;
+    } else {
+      opts.backend = "gloo";
+    }
     env.group = fsdp::init_process_group(opts);
     env.rank = env.group->rank();
     env.world_size = env.group->size();
@@ -167,6 +191,10 @@ class Trainer {
   const ParallelDims dims_;
   const bool track_tensors_;
   const TrainSpec& spec_;  // model.name's family (model_spec.h)
+  const c10::Device device_;  // where this rank's model, batches and loss live (training_device)
+  const bool device_memory_;  // the log's memory from the device's caching allocator (device_stats.h)
+  const int64_t device_total_bytes_;  // the device's whole memory (0 on the CPU): the log's percentages
+  std::string peak_source_;   // where summary_.peak_tflops came from (the header says it)
   std::shared_ptr<const Tokenizer> tokenizer_;
   // model.attn_mask_type = block_causal: the EOS that ends each packed document (nullopt: causal attention).
   std::optional<int64_t> document_eos_;
@@ -211,13 +239,19 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
       say_(main_rank_ && env.verbose),
       dims_(resolve_parallelism(config, env.world_size)),
       track_tensors_(config.metrics.tensor_memory),
-      spec_(train_spec(to_string(config.model.name))) {
+      spec_(train_spec(to_string(config.model.name))),
+      device_(training_device(config, env)),
+      device_memory_(!device_.is_cpu()),
+      device_total_bytes_(device_.is_cuda() ? cuda_support::device_total_bytes(device_.index()) : 0) {
   spec_.check_layout(config, dims_);  // fsdp-train's main checked it before the process group; tests call here
   set_threads();
   torch::manual_seed(static_cast<uint64_t>(config.debug.seed));
   if (config.debug.deterministic) at::globalContext().setDeterministicAlgorithms(true, false);
-  // Before the model exists, so that its storages are counted (tensor_memory.h).
-  if (track_tensors_ || config.profiling.enable_memory_snapshot) tensor_memory::install();
+  // Before the model exists, so that its storages are counted (tensor_memory.h); on a GPU the snapshot is the
+  // caching allocator's, recorded from here on (TorchTitan starts it before the model too).
+  if (track_tensors_ || (config.profiling.enable_memory_snapshot && device_.is_cpu())) tensor_memory::install();
+  if (config.profiling.enable_memory_snapshot && device_.is_cuda())
+    cuda_support::record_memory_history(true, kMemorySnapshotMaxEntries);
 
   // First, before anything slow: the coordinator must be reachable.
   if (config.fault_tolerance.enable) {
@@ -266,13 +300,21 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
   summary_.plan = plan_.description + "; " + plan_.activation_checkpointing;
   if (config.metrics.peak_tflops > 0) {
     summary_.peak_tflops = config.metrics.peak_tflops;
+    peak_source_ = "metrics.peak_tflops";
+  } else if (device_.is_cuda()) {
+    // TorchTitan's MFU: against the device's dense bf16 peak from its name; an unknown device as an A100.
+    const std::string name = cuda_support::device_name(device_.index());
+    const auto peak = bf16_peak_tflops(name);
+    summary_.peak_tflops = peak.value_or(312.0);
+    peak_source_ = peak ? name + " bf16 peak" : name + ": unknown device, an A100's bf16 peak assumed (set metrics.peak_tflops)";
   } else {
+    peak_source_ = "measured";
     if (env.group) env.group->barrier().wait();  // all ranks measure together: the peak under the same sharing
     summary_.peak_tflops = measure_peak_tflops();
     summary_.peak_tflops = all_reduce(env.group, {summary_.peak_tflops}, fsdp::ReduceOp::Min)[0];
   }
   metrics_ = std::make_unique<MetricsProcessor>(config, env.rank, env.verbose);
-  profiler_ = std::make_unique<StepProfiler>(config, env.rank, profiled_groups());
+  profiler_ = std::make_unique<StepProfiler>(config, env.rank, profiled_groups(), device_);
   if (main_rank_) {
     std::filesystem::create_directories(config.job.dump_folder);
     std::ofstream(std::filesystem::path(config.job.dump_folder) / "config.toml") << to_toml(config);
@@ -314,8 +356,10 @@ void Trainer::build_model() {
         logits.to(torch::kFloat), labels,
         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(-100));
   };
+  // A single process (no group, so no fully_shard to place the parameters): the whole model on the device.
+  if (!env_.group && !device_.is_cpu()) model_.module->to(device_);
   if (meta_init && plan_.stages.empty()) {
-    fsdp::materialize_module(*model_.module);
+    fsdp::materialize_module(*model_.module, device_);
     model_.init_weights(seed, fsdp::full_params_init_scope(*model_.module));
   } else if (meta_init) {
     // Pipeline stages: only this rank's stages get storage. The whole model's init runs in full order (one
@@ -324,7 +368,7 @@ void Trainer::build_model() {
     std::vector<std::function<void(torch::nn::Module&, const std::function<void()>&)>> scopes;
     std::vector<std::unordered_set<const torch::nn::Module*>> held;
     for (auto& stage : plan_.stages) {
-      fsdp::materialize_module(*stage.module);
+      fsdp::materialize_module(*stage.module, device_);
       scopes.push_back(fsdp::full_params_init_scope(*stage.module));
       held.emplace_back();
       for (const auto& m : stage.module->modules(/*include_self=*/true)) held.back().insert(m.get());
@@ -402,8 +446,10 @@ void Trainer::print_header() const {
             << "  batch     global " << dims.global_batch_size << " x " << config.training.seq_len << " tokens = local "
             << dims.local_batch_size << " x " << dims.grad_accum_steps << " accumulation x " << dims.dp_degree()
             << " ranks; " << torch::get_num_threads() << " threads per rank\n"
-            << "  peak      " << summary_.peak_tflops << " TFLOP/s per rank ("
-            << (config.metrics.peak_tflops > 0 ? "metrics.peak_tflops" : "measured") << "), "
+            << "  device    " << device_.str()
+            << (env_.group ? " (" + env_.group->backend() + ")" : std::string())
+            << (device_memory_ ? "; memory from its caching allocator" : "; memory = peak RSS") << "\n"
+            << "  peak      " << summary_.peak_tflops << " TFLOP/s per rank (" << peak_source_ << "), "
             << model_.flops_per_token / 1e6 << " MFLOP per token\n"
             << "  output    " << config.job.dump_folder << "/metrics.jsonl"
             << (tb.empty() ? std::string() : ", TensorBoard " + tb) << "\n";
@@ -429,18 +475,19 @@ double Trainer::forward_backward(std::vector<Batch>& batches, double global_toke
   double local_loss_sum = 0;
   const bool aux_on = config_.model.moe_sequence_aux_loss_coeff > 0 && !moe_blocks_.empty();
   for (auto& b : batches) {
-    auto inputs = torch::from_blob(b.inputs.data(), {b.batch, b.seq_len}, torch::kLong);
+    // The host batch onto the training device (no copy on the CPU).
+    auto inputs = torch::from_blob(b.inputs.data(), {b.batch, b.seq_len}, torch::kLong).to(device_);
     if (pipeline_) {
       // The first stage takes the tokens, the last the labels; each rank runs its part of the schedule.
       pipeline_global_tokens_ = global_tokens;
-      auto labels = torch::from_blob(b.labels.data(), {b.batch, b.seq_len}, torch::kLong);
+      auto labels = torch::from_blob(b.labels.data(), {b.batch, b.seq_len}, torch::kLong).to(device_);
       const auto result = pipeline_->step(plan_.holds_first_stage ? inputs : torch::Tensor(),
                                           plan_.holds_last_stage ? labels : torch::Tensor(),
                                           document_ids_of(inputs));
       local_loss_sum += result.loss_sum() * global_tokens;  // 0 off the last stage
       continue;
     }
-    auto labels = torch::from_blob(b.labels.data(), {b.batch * b.seq_len}, torch::kLong);
+    auto labels = torch::from_blob(b.labels.data(), {b.batch * b.seq_len}, torch::kLong).to(device_);
     auto logits = model_.forward(inputs);
     auto loss_sum = loss_sum_of_(logits.reshape({-1, logits.size(-1)}), labels);
     if (track_tensors_) tmem.forward = tensor_memory::live_bytes();
@@ -573,14 +620,15 @@ void Trainer::validate(int64_t step) {
     // pipeline_global_tokens_ = 1).
     batch_loss = [this](const torch::Tensor& x, const torch::Tensor& y) {
       pipeline_global_tokens_ = 1;
-      return pipeline_->eval(plan_.holds_first_stage ? x : torch::Tensor(), plan_.holds_last_stage ? y : torch::Tensor(),
-                             document_ids_of(x))
+      const torch::Tensor xd = x.to(device_);
+      return pipeline_->eval(plan_.holds_first_stage ? xd : torch::Tensor(),
+                             plan_.holds_last_stage ? y.to(device_) : torch::Tensor(), document_ids_of(xd))
           .loss_sum();
     };
   } else {
     batch_loss = [this](const torch::Tensor& x, const torch::Tensor& y) {
-      auto logits = model_.forward(x);
-      return loss_sum_of_(logits.reshape({-1, logits.size(-1)}), y.reshape({-1})).item<double>();
+      auto logits = model_.forward(x.to(device_));
+      return loss_sum_of_(logits.reshape({-1, logits.size(-1)}), y.to(device_).reshape({-1})).item<double>();
     };
   }
   const ValidationResult v = validator_->validate(batch_loss, env_.group, dims_.tp, dims_.tp * dims_.pp);
@@ -614,7 +662,26 @@ void Trainer::log(int64_t step, const StepResult& r, const TrainSummary::TensorM
   // Collective: every rank logs the same steps.
   m.max_loss = all_reduce(env_.group, {r.local_tokens > 0 ? r.local_loss_sum / static_cast<double>(r.local_tokens) : 0.0},
                           fsdp::ReduceOp::Max)[0];
-  m.mem_gib = static_cast<double>(peak_rss_bytes()) / (1 << 30);
+  constexpr double kGiB = 1 << 30;
+  if (const auto mem = device_memory_stats(device_)) {
+    // TorchTitan's DeviceMemoryMonitor: this window's peaks, then reset, so each line shows its own window.
+    m.device_memory = true;
+    m.mem_gib = static_cast<double>(mem->max_reserved) / kGiB;
+    m.mem_max_active_gib = static_cast<double>(mem->max_active) / kGiB;
+    m.mem_reserved_gib = static_cast<double>(mem->reserved) / kGiB;
+    m.mem_active_gib = static_cast<double>(mem->active) / kGiB;
+    if (device_total_bytes_ > 0) {
+      m.mem_max_reserved_pct = 100.0 * static_cast<double>(mem->max_reserved) / static_cast<double>(device_total_bytes_);
+      m.mem_max_active_pct = 100.0 * static_cast<double>(mem->max_active) / static_cast<double>(device_total_bytes_);
+    }
+    m.mem_alloc_retries = mem->num_alloc_retries;
+    m.mem_ooms = mem->num_ooms;
+    summary_.device_max_reserved_bytes = std::max(summary_.device_max_reserved_bytes, mem->max_reserved);
+    summary_.device_max_active_bytes = std::max(summary_.device_max_active_bytes, mem->max_active);
+    reset_device_memory_peaks(device_);
+  } else {
+    m.mem_gib = static_cast<double>(peak_rss_bytes()) / kGiB;
+  }
   m.mem_max_gib = all_reduce(env_.group, {m.mem_gib}, fsdp::ReduceOp::Max)[0];
   metrics_->log(m, model_.flops_per_token, summary_.peak_tflops);
 }
@@ -637,7 +704,14 @@ TrainSummary Trainer::train(bool compute_entropy) {
       if (step > config_.training.steps) break;
     }
     profiler_->begin_step(step);
-    const StepResult r = train_step(step, ready);
+    StepResult r;
+    try {
+      r = train_step(step, ready);
+    } catch (const c10::OutOfMemoryError&) {
+      // TorchTitan dumps the memory snapshot as it exits on an out-of-memory error: what filled the device.
+      profiler_->dump_memory_snapshot_on_oom(step);
+      throw;
+    }
     profiler_->end_step(step);
     if (!train_timeouts_set_) {
       set_train_timeouts();
@@ -660,6 +734,7 @@ TrainSummary Trainer::train(bool compute_entropy) {
   summary_.seconds = metrics_->elapsed();
   summary_.tokens_seen = state_.step * dims_.global_batch_size * S;
   summary_.dump_folder = config_.job.dump_folder;
+  summary_.device = device_.str();
   if (main_rank_) {
     const std::filesystem::path dump(config_.job.dump_folder);
     summary_.outputs.push_back({"effective config", (dump / "config.toml").string()});

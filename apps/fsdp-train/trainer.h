@@ -42,6 +42,10 @@ struct TrainSummary {
   int64_t ac_forwards = 0, ac_recomputes = 0, ac_mm_reused = 0;
   int64_t bad_records = 0;          // JSON Lines records skipped by this rank's training stream so far
   int64_t validation_bad_records = 0;
+  // On a device: where this rank trained ("cuda:0") and the highest max reserved / max active bytes of its caching
+  // allocator over the logged windows (the log line's memory figures); 0 on the CPU.
+  std::string device = "cpu";
+  int64_t device_max_reserved_bytes = 0, device_max_active_bytes = 0;
   // metrics.tensor_memory: this rank's live CPU tensor bytes of every step (empty otherwise).
   struct TensorMemory {
     int64_t start = 0;    // after zero_grad: sharded params + optimizer states (+ anything kept across steps)
@@ -55,7 +59,8 @@ struct TrainSummary {
 };
 
 // TorchTitan's env handling: init_process_group when WORLD_SIZE > 1 (RANK, MASTER_ADDR, MASTER_PORT from the
-// launcher), else a single process without collectives.
+// launcher), or when launched at all (WORLD_SIZE set) on a CUDA training.device — FSDP applies at world size 1 then
+// as under torchrun —, else a single process without collectives. The backend: Gloo on the CPU, comm.backend on CUDA.
 TrainEnv init_distributed(const JobConfig& config);
 
 TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool compute_entropy = true);

@@ -60,8 +60,9 @@ ValidationResult Validator::validate(const BatchLoss& batch_loss, const fsdp::Pr
   }
   double totals[2] = {loss_sum, valid};
   if (group) {
-    auto t = torch::tensor({loss_sum, valid}, torch::kDouble);
+    auto t = torch::tensor({loss_sum, valid}, torch::kDouble).to(group->device());  // NCCL: CUDA tensors only
     group->all_reduce(t, fsdp::ReduceOp::Sum).wait();
+    t = t.cpu();
     totals[0] = t[0].item<double>() / static_cast<double>(loss_copies);
     totals[1] = t[1].item<double>() / static_cast<double>(token_copies);
   }

@@ -145,8 +145,18 @@ TEST(Config, InvalidValuesNameTheChoices) {
                       {"training.device", "\"cpu\", \"cuda\" or \"cuda:N\"", "\"gpu\""});
   expect_config_error([] { load_config({"--training.device", "cuda:x"}); }, {"training.device", "\"cuda:x\""});
   EXPECT_EQ(load_config({"--training.device", "cuda:1"}).training.device, "cuda:1");  // the form only: no CUDA asked
+#ifdef FSDP_TRAIN_WITH_CUDA  // a CUDA build writes the caching allocator's snapshot
+  EXPECT_TRUE(load_config({"--training.device", "cuda", "--profiling.enable_memory_snapshot"}).profiling.enable_memory_snapshot);
+#else
   expect_config_error([] { load_config({"--training.device", "cuda", "--profiling.enable_memory_snapshot"}); },
-                      {"profiling.enable_memory_snapshot", "CUDA caching allocator", "\"cuda\""});
+                      {"profiling.enable_memory_snapshot", "CUDA caching allocator", "\"cuda\"", "without CUDA"});
+#endif
+  expect_config_error([] { load_config({"--comm.backend", "mpi"}); },
+                      {"comm.backend", "\"auto\", \"gloo\" or \"nccl\"", "\"mpi\""});
+  expect_config_error([] { load_config({"--comm.backend", "nccl"}); },
+                      {"comm.backend = \"nccl\" with training.device = \"cpu\"", "CUDA tensors only"});
+  EXPECT_EQ(load_config({"--comm.backend", "gloo", "--training.device", "cuda:0"}).comm.backend, "gloo");
+  EXPECT_EQ(load_config({}).comm.backend, "auto");
 }
 
 // Every string-choice key is an enum parsed where it is read. The reference: TorchTitan's spellings, listed here by
