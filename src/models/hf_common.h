@@ -99,6 +99,10 @@ struct ParsedConfig {
   std::string model_type;  // "llama", "qwen3" or "qwen3_moe"
   nn::llama::LlamaArgs args;
 };
+// RoPE fields as transformers 5 reads them (rope_parameters or rope_scaling; theta, "default" / "linear" / "llama3"
+// / "yarn" with their parameters; partial_rotary_factor refused): args.rope_theta and args.rope_scaling; reads
+// args.max_seq_len as max_position_embeddings' fallback.
+void parse_rope_config(const ConfigJson& config, nn::llama::LlamaArgs& args);
 // `default_model_type`: assumed when config.json has no model_type (empty: model_type is required).
 ParsedConfig parse_config(const ConfigJson& config, const std::string& default_model_type = "");
 
