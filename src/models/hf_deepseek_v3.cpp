@@ -300,8 +300,7 @@ SafetensorsExportResult export_deepseek_v3(ds::DeepSeekV3Impl& model, const std:
     if (!block->moe) continue;
     const auto& e = block->moe->experts;
     const std::string p = mlp_prefix(block->layer_id);
-    tensors.emplace_back(p + "experts.gate_up_proj", at::cat({e->w1.detach(), e->w3.detach()}, /*dim=*/1));
-    tensors.emplace_back(p + "experts.down_proj", e->w2.detach());
+    common::append_stacked_experts(tensors, p + "experts.", *e);
     // The load-balancing bias is the router's e_score_correction_bias (a float32 buffer there too); a model
     // without load balancing exports zeros, which is what transformers' router then adds.
     const at::Tensor bias = block->moe->expert_bias.defined()
@@ -340,42 +339,13 @@ SafetensorsImportResult import_deepseek_v3(ds::DeepSeekV3Impl& model, const std:
   };
   for (auto& block : model.blocks()) {
     if (!block->moe) continue;
-    auto& e = block->moe->experts;
     const std::string p = mlp_prefix(block->layer_id), experts = p + "experts.";
     const std::string ours = "layers." + std::to_string(block->layer_id) + ".moe.experts";
-    const int64_t E = e->w1.size(0), F = e->w1.size(1), D = e->w1.size(2);
-    at::Tensor w1, w2, w3;
-    if (files.has(experts + "gate_up_proj")) {
-      const at::Tensor gate_up = read(experts + "gate_up_proj");
-      TORCH_CHECK(gate_up.sizes() == at::IntArrayRef({E, 2 * F, D}), "import_deepseek_v3: '", experts,
-                  "gate_up_proj' has shape ", gate_up.sizes(), " but '", ours, ".w1' and '.w3' need [", E, ", ", 2 * F,
-                  ", ", D, "]");
-      TORCH_CHECK(files.has(experts + "down_proj"), "import_deepseek_v3 from ", path, ": '", experts,
-                  "down_proj' is missing next to its gate_up_proj");
-      w1 = gate_up.narrow(1, 0, F), w3 = gate_up.narrow(1, F, F), w2 = read(experts + "down_proj");
-    } else if (files.has(experts + "0.gate_proj.weight")) {
-      std::vector<at::Tensor> gates, ups, downs;
-      for (int64_t j = 0; j < E; ++j) {
-        const std::string q = experts + std::to_string(j) + ".";
-        for (const char* proj : {"gate_proj", "up_proj", "down_proj"}) {
-          TORCH_CHECK(files.has(q + proj + ".weight"), "import_deepseek_v3 from ", path, ": '", q, proj,
-                      ".weight' (expert ", j, " of ", E, " for '", ours, "') is missing");
-        }
-        gates.push_back(read(q + "gate_proj.weight"));
-        ups.push_back(read(q + "up_proj.weight"));
-        downs.push_back(read(q + "down_proj.weight"));
-      }
-      w1 = at::stack(gates), w3 = at::stack(ups), w2 = at::stack(downs);
-    } else {
+    if (!common::import_experts("import_deepseek_v3", files, experts, ours, *block->moe->experts, used, r)) {
       TORCH_CHECK(!options.strict, "import_deepseek_v3 from ", path, ": the experts of layer ", block->layer_id,
                   " are missing: neither '", experts, "gate_up_proj' nor '", experts, "0.gate_proj.weight'");
       r.missing.push_back(experts + "gate_up_proj");
       r.missing.push_back(experts + "down_proj");
-    }
-    if (w1.defined()) {
-      common::copy_checked("import_deepseek_v3", experts + "(gate)", ours + ".w1", e->w1, w1);
-      common::copy_checked("import_deepseek_v3", experts + "(up)", ours + ".w3", e->w3, w3);
-      common::copy_checked("import_deepseek_v3", experts + "down_proj", ours + ".w2", e->w2, w2);
     }
     const std::string bias_name = p + "gate.e_score_correction_bias";
     if (!files.has(bias_name)) {
