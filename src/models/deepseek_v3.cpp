@@ -49,18 +49,20 @@ llama::RopeScaling torchtitan_yarn(double mscale) {
   return s;
 }
 
-// TorchTitan's MoEArgs of the DeepSeek flavors: expert scores applied after the experts, no route norm but
-// for V3 (sigmoid, normalised, scaled), load balancing by bias (coefficient 1e-3).
+// TorchTitan's MoE of the DeepSeek flavors (torchtitan/models/deepseek_v3/flavors.py): expert scores applied
+// after the experts, sigmoid scores normalised over the chosen experts (DeepSeek-V2's 236B: softmax, not
+// normalised), load balancing by bias (coefficient 1e-3) and the sequence-wise aux loss (1e-3).
 fsdp::nn::moe::MoEOptions moe_args(int64_t experts, int64_t shared, int64_t top_k, int64_t hidden) {
   fsdp::nn::moe::MoEOptions o;
   o.hidden = hidden;
   o.num_experts = experts;
   o.num_shared_experts = shared;
   o.top_k = top_k;
-  o.score_func = "softmax";
-  o.route_norm = false;
+  o.score_func = "sigmoid";
+  o.route_norm = true;
   o.route_scale = 1.0;
   o.load_balance_coeff = 1e-3;
+  o.sequence_aux_loss_coeff = 1e-3;
   return o;
 }
 
@@ -71,46 +73,45 @@ void set_mla(DeepSeekV3Args& a, int64_t q_lora_rank, int64_t kv_lora_rank, int64
 
 }  // namespace
 
-std::vector<std::string> deepseek_v3_flavor_names() {
-  return {"cpu_tiny", "debugmodel", "debugmodel_flex_attn", "16B", "236B", "671B"};
-}
+std::vector<std::string> deepseek_v3_flavor_names() { return {"cpu_tiny", "debugmodel", "16B", "236B", "671B"}; }
 
 DeepSeekV3Args deepseek_v3_flavor(const std::string& name) {
   DeepSeekV3Args a;
   a.rope_theta = 10000.0;
-  a.norm_eps = a.latent_norm_eps = 1e-5;
-  if (name == "debugmodel" || name == "debugmodel_flex_attn") {
-    a.vocab_size = 2000, a.dim = 256, a.inter_dim = 1024, a.n_layers = 3, a.n_dense_layers = 1, a.n_heads = 16;
+  a.norm_eps = a.latent_norm_eps = 1e-6;  // every RMSNorm of TorchTitan's flavors
+  a.max_seq_len = 16384;                  // TorchTitan's max context length of every flavor
+  if (name == "debugmodel") {
+    a.vocab_size = 2048, a.dim = 256, a.inter_dim = 1024, a.n_layers = 6, a.n_dense_layers = 1, a.n_heads = 16;
     a.moe = moe_args(8, 2, 3, 256);
     set_mla(a, 0, 512, 128, 64, 128);
     a.rope_scaling = torchtitan_yarn(0.70);
-    if (name == "debugmodel_flex_attn") a.attn_mask_type = llama::AttnMaskType::BlockCausal;
   } else if (name == "cpu_tiny") {
     // Ours, for tests: every feature of the 671B on (q LoRA, expert groups, sigmoid routing normalised and
-    // scaled, a shared expert, YaRN) at sizes a CPU runs in milliseconds.
+    // scaled, a shared expert, YaRN) at sizes a CPU runs in milliseconds; no aux loss.
     a.vocab_size = 2048, a.dim = 64, a.inter_dim = 192, a.n_layers = 3, a.n_dense_layers = 1, a.n_heads = 4;
     a.moe = moe_args(8, 1, 2, 32);
-    a.moe.score_func = "sigmoid", a.moe.route_norm = true, a.moe.route_scale = 2.5;
+    a.moe.route_scale = 2.5, a.moe.sequence_aux_loss_coeff.reset();
     a.moe.num_expert_groups = 4, a.moe.num_limited_groups = 2;
     set_mla(a, 32, 32, 16, 8, 16);
     a.rope_scaling = torchtitan_yarn(1.0);
     a.rope_scaling->factor = 4.0, a.rope_scaling->original_max_position_embeddings = 64;
     a.max_seq_len = 256;
-  } else if (name == "16B") {
+  } else if (name == "16B") {  // DeepSeek-V2-Lite's shapes
     a.vocab_size = 102400, a.dim = 2048, a.inter_dim = 10944, a.n_layers = 27, a.n_dense_layers = 1, a.n_heads = 16;
     a.moe = moe_args(64, 2, 6, 1408);
     set_mla(a, 0, 512, 128, 64, 128);
     a.rope_scaling = torchtitan_yarn(0.70);
-  } else if (name == "236B") {
+  } else if (name == "236B") {  // DeepSeek-V2's
     a.vocab_size = 102400, a.dim = 5120, a.inter_dim = 12288, a.n_layers = 60, a.n_dense_layers = 1, a.n_heads = 128;
     a.moe = moe_args(160, 2, 6, 1536);
-    a.moe.num_expert_groups = 8, a.moe.num_limited_groups = 3, a.moe.route_scale = 16.0;
+    a.moe.score_func = "softmax", a.moe.route_norm = false, a.moe.route_scale = 16.0;
+    a.moe.num_expert_groups = 8, a.moe.num_limited_groups = 3;
     set_mla(a, 1536, 512, 128, 64, 128);
     a.rope_scaling = torchtitan_yarn(1.0);
   } else if (name == "671B") {
     a.vocab_size = 129280, a.dim = 7168, a.inter_dim = 18432, a.n_layers = 61, a.n_dense_layers = 3, a.n_heads = 128;
     a.moe = moe_args(256, 1, 8, 2048);
-    a.moe.score_func = "sigmoid", a.moe.route_norm = true, a.moe.route_scale = 2.5;
+    a.moe.route_scale = 2.5;
     a.moe.num_expert_groups = 8, a.moe.num_limited_groups = 4;
     set_mla(a, 1536, 512, 128, 64, 128);
     a.rope_scaling = torchtitan_yarn(1.0);

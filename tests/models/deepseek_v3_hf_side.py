@@ -6,6 +6,7 @@ export and config.json reading.
                                         DIR/hf (the in-memory state dict: stacked gate_up_proj / down_proj),
                                         DIR/ref.safetensors {tokens [2, 9] int64, logits float32}
   logits --dir MODEL --tokens IN --out OUT   logits of MODEL (e.g. our export) on IN's "tokens"
+  count --dir DIR                      transformers' parameter count of DIR/config.json (built on meta), to DIR/count
 """
 import argparse
 import os
@@ -92,6 +93,17 @@ def cmd_logits(o):
     print("logits:", type(model).__name__)
 
 
+def cmd_count(o):
+    from transformers import AutoConfig, DeepseekV3ForCausalLM
+    cfg = AutoConfig.from_pretrained(o.dir)
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    with open(os.path.join(o.dir, "count"), "w") as f:
+        f.write(str(n))
+    print("count:", n)
+
+
 def main():
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -103,8 +115,10 @@ def main():
     s.add_argument("--dir", required=True)
     s.add_argument("--tokens", required=True)
     s.add_argument("--out", required=True)
+    s = sub.add_parser("count")
+    s.add_argument("--dir", required=True)
     o = p.parse_args()
-    {"make": cmd_make, "logits": cmd_logits}[o.cmd](o)
+    {"make": cmd_make, "logits": cmd_logits, "count": cmd_count}[o.cmd](o)
 
 
 if __name__ == "__main__":

@@ -264,6 +264,21 @@ TEST(DeepSeekV3Flavors, RealFlavorsHaveThePublishedSizes) {
   EXPECT_NEAR(lite / 1e9, 15.7, 0.05);
   EXPECT_NEAR(lite_active / 1e9, 2.4, 0.1);
   built("debugmodel");
+}
+
+// TorchTitan's debugmodel and 671B as transformers builds them from our config.json: the same parameter count.
+TEST(DeepSeekV3Flavors, TransformersCountsTheFlavorsAsWeDo) {
+  if (!have_transformers()) GTEST_SKIP() << kPython << " has no transformers";
+  for (const std::string name : {"debugmodel", "671B"}) {
+    const DeepSeekV3Args a = deepseek_v3_flavor(name);
+    const fs::path dir = scratch("ds_count_" + name);
+    std::ofstream(dir / "config.json") << hf::deepseek_v3_config_json(a);
+    run_python("count --dir " + dir.string());
+    std::ifstream in(dir / "count");
+    int64_t theirs = 0;
+    in >> theirs;
+    EXPECT_EQ(num_params(a), theirs) << name;
+  }
   EXPECT_ERROR_CONTAINS(deepseek_v3_flavor("7B"), "known: cpu_tiny");
 }
 

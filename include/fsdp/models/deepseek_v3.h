@@ -80,12 +80,13 @@ struct DeepSeekV3Args {
   double softmax_scale() const;
 };
 
-// TorchTitan's flavors: "debugmodel" (3 layers, 1 dense; 8 experts, 2 shared, top 3; q_lora_rank 0),
-// "debugmodel_flex_attn" (the same, block_causal), "16B" (DeepSeek-V2-Lite shapes: 27 layers, 64 experts),
-// "236B" (DeepSeek-V2: 160 experts, 8 groups, 3 limited, route scale 16, q_lora_rank 1536) and "671B"
-// (DeepSeek-V3: 61 layers, 3 dense, 256 experts, 8 groups, 4 limited, sigmoid, route scale 2.5), all with
-// TorchTitan's YaRN (factor 40 over 4096 positions); plus "cpu_tiny" (ours: a forward in milliseconds, every
-// feature on: q LoRA, groups, shared experts, YaRN). Throws naming the known flavors.
+// TorchTitan's flavors (torchtitan/models/deepseek_v3/flavors.py; every RMSNorm eps 1e-6, YaRN factor 40 over
+// 4096 positions, sigmoid scores normalised over the top-k but for 236B, bias load balancing and the sequence
+// aux loss at 1e-3): "debugmodel" (6 layers, 1 dense; 8 experts, 2 shared, top 3; q_lora_rank 0), "16B"
+// (DeepSeek-V2-Lite's shapes: 27 layers, 64 experts), "236B" (DeepSeek-V2: 160 experts, 8 groups, 3 limited,
+// softmax, route scale 16, q_lora_rank 1536) and "671B" (DeepSeek-V3: 61 layers, 3 dense, 256 experts, 8 groups,
+// 4 limited, route scale 2.5); plus "cpu_tiny" (ours: a forward in milliseconds, every feature on: q LoRA,
+// groups, shared experts, YaRN). block_causal is attn_mask_type on any flavor. Throws naming the known flavors.
 DeepSeekV3Args deepseek_v3_flavor(const std::string& name);
 std::vector<std::string> deepseek_v3_flavor_names();
 
