@@ -147,6 +147,12 @@ int64_t count_params(const DeepSeekV3Args& a, bool active_only) {
 int64_t num_params(const DeepSeekV3Args& a) { return count_params(a, false); }
 int64_t num_active_params(const DeepSeekV3Args& a) { return count_params(a, true); }
 
+double flops_per_token(const DeepSeekV3Args& a, int64_t seq_len) {
+  const double dense = 6.0 * static_cast<double>(num_active_params(a) - a.vocab_size * a.dim);
+  const double head_dims = static_cast<double>(a.qk_head_dim() + a.v_head_dim);
+  return dense + 6.0 * static_cast<double>(a.n_layers * a.n_heads) * head_dims * static_cast<double>(seq_len);
+}
+
 // ---- multi-head latent attention ---------------------------------------------------------------------------
 
 MLAImpl::MLAImpl(const DeepSeekV3Args& a)

@@ -266,6 +266,31 @@ TEST(DeepSeekV3Flavors, RealFlavorsHaveThePublishedSizes) {
   built("debugmodel");
 }
 
+// TorchTitan's FLOP count, computed as its get_moe_model_nparams_and_flops does: from the built model's named
+// parameters (embedding, router, shared experts, routed experts scaled by top_k / E, the rest dense).
+TEST(DeepSeekV3Flavors, FlopsPerTokenFollowTorchTitansCount) {
+  for (const std::string name : {"debugmodel", "16B"}) {
+    DeepSeekV3Args a = deepseek_v3_flavor(name);
+    a.device = c10::kMeta;
+    DeepSeekV3 m(a);
+    double embedding = 0, router = 0, shared = 0, experts = 0, dense = 0;
+    for (const auto& p : m->named_parameters()) {
+      const double n = static_cast<double>(p.value().numel());
+      const std::string& k = p.key();
+      if (k.find("tok_embeddings") != std::string::npos) embedding += n;
+      else if (k.find("moe.shared_experts") != std::string::npos) shared += n;
+      else if (k.find("moe.router") != std::string::npos) router += n;
+      else if (k.find("moe.experts") != std::string::npos) experts += n;
+      else dense += n;
+    }
+    const double active = dense + router + shared + experts * a.moe.top_k / a.moe.num_experts;
+    const int64_t seq = 4096;
+    const double want = 6 * active + 6.0 * a.n_layers * a.n_heads * (a.qk_head_dim() + a.v_head_dim) * seq;
+    EXPECT_NEAR(flops_per_token(a, seq) / want, 1.0, 1e-12) << name;
+    EXPECT_GT(embedding, 0);
+  }
+}
+
 // TorchTitan's debugmodel and 671B as transformers builds them from our config.json: the same parameter count.
 TEST(DeepSeekV3Flavors, TransformersCountsTheFlavorsAsWeDo) {
   if (!have_transformers()) GTEST_SKIP() << kPython << " has no transformers";

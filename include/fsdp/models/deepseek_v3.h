@@ -94,6 +94,9 @@ std::vector<std::string> deepseek_v3_flavor_names();
 // layer's routed experts top_k / E.
 int64_t num_params(const DeepSeekV3Args& args);
 int64_t num_active_params(const DeepSeekV3Args& args);
+// TorchTitan's training FLOPs per token for DeepSeek-V3 (get_moe_model_nparams_and_flops with head_dims =
+// qk_head_dim + v_head_dim): 6 * (active params - embedding params) + 6 * n_layers * n_heads * head_dims * seq.
+double flops_per_token(const DeepSeekV3Args& args, int64_t seq_len);
 
 // Multi-head latent attention (see the top of this file).
 class MLAImpl : public torch::nn::Module {
