@@ -233,6 +233,57 @@ SafetensorsImportResult import_whole_model(const char* who, torch::nn::Module& m
   return r;
 }
 
+void append_stacked_experts(std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& prefix,
+                            const nn::moe::GroupedExpertsImpl& e) {
+  tensors.emplace_back(prefix + "gate_up_proj", at::cat({e.w1.detach(), e.w3.detach()}, /*dim=*/1));
+  tensors.emplace_back(prefix + "down_proj", e.w2.detach());
+}
+
+bool import_experts(const char* who, FileTensors& files, const std::string& prefix, const std::string& ours,
+                    nn::moe::GroupedExpertsImpl& e, std::set<std::string>& used, SafetensorsImportResult& r) {
+  auto read = [&](const std::string& name) {
+    used.insert(name);
+    at::Tensor t = files.read(name);
+    r.bytes_read += t.nbytes();
+    return t;
+  };
+  const int64_t E = e.w1.size(0), F = e.w1.size(1), D = e.w1.size(2);
+  at::Tensor w1, w2, w3;
+  if (files.has(prefix + "gate_up_proj")) {
+    TORCH_CHECK(files.has(prefix + "down_proj"), who, " from ", files.path(), ": '", prefix, "down_proj' (for '", ours,
+                ".w2') is missing next to its gate_up_proj");
+    const at::Tensor gate_up = read(prefix + "gate_up_proj");
+    TORCH_CHECK(gate_up.sizes() == at::IntArrayRef({E, 2 * F, D}), who, ": '", prefix, "gate_up_proj' has shape ",
+                gate_up.sizes(), " but the model's '", ours, ".w1' and '.w3' need [", E, ", ", 2 * F, ", ", D,
+                "] (experts, 2 x moe_intermediate_size, hidden)");
+    w1 = gate_up.narrow(1, 0, F);
+    w3 = gate_up.narrow(1, F, F);
+    w2 = read(prefix + "down_proj");
+  } else if (files.has(prefix + "0.gate_proj.weight")) {
+    std::vector<at::Tensor> gates, ups, downs;
+    for (int64_t j = 0; j < E; ++j) {
+      const std::string p = prefix + std::to_string(j) + ".";
+      for (const char* proj : {"gate_proj", "up_proj", "down_proj"}) {
+        TORCH_CHECK(files.has(p + proj + ".weight"), who, " from ", files.path(), ": '", p, proj, ".weight' (expert ",
+                    j, " of ", E, " for '", ours, "') is missing");
+      }
+      gates.push_back(read(p + "gate_proj.weight"));
+      ups.push_back(read(p + "up_proj.weight"));
+      downs.push_back(read(p + "down_proj.weight"));
+    }
+    TORCH_CHECK(!files.has(prefix + std::to_string(E) + ".gate_proj.weight"), who, " from ", files.path(),
+                ": the files hold more than the model's ", E, " experts for '", ours, "' ('", prefix, E,
+                ".gate_proj.weight')");
+    w1 = at::stack(gates), w3 = at::stack(ups), w2 = at::stack(downs);
+  } else {
+    return false;
+  }
+  copy_checked(who, prefix + "(gate)", ours + ".w1", e.w1, w1);
+  copy_checked(who, prefix + "(up)", ours + ".w3", e.w3, w3);
+  copy_checked(who, prefix + "down_proj", ours + ".w2", e.w2, w2);
+  return true;
+}
+
 void finish_whole_import(const char* who, const std::string& path, const FileTensors& files,
                          const std::set<std::string>& used, const checkpoint::detail::KeyAdapter& adapter,
                          const SafetensorsImportOptions& options, SafetensorsImportResult& r) {

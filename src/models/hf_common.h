@@ -7,6 +7,7 @@
 #include <fsdp/checkpoint/model_safetensors.h>
 
 #include <fsdp/models/llama.h>
+#include <fsdp/models/moe.h>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
@@ -99,6 +100,10 @@ struct ParsedConfig {
   std::string model_type;  // "llama", "qwen3" or "qwen3_moe"
   nn::llama::LlamaArgs args;
 };
+// RoPE fields as transformers 5 reads them (rope_parameters or rope_scaling; theta, "default" / "linear" / "llama3"
+// / "yarn" with their parameters; partial_rotary_factor refused): args.rope_theta and args.rope_scaling; reads
+// args.max_seq_len as max_position_embeddings' fallback.
+void parse_rope_config(const ConfigJson& config, nn::llama::LlamaArgs& args);
 // `default_model_type`: assumed when config.json has no model_type (empty: model_type is required).
 ParsedConfig parse_config(const ConfigJson& config, const std::string& default_model_type = "");
 
@@ -163,6 +168,18 @@ SafetensorsImportResult import_whole_model(const char* who, torch::nn::Module& m
                                            const SafetensorsImportOptions& options, const TensorMap& from_file,
                                            const std::function<bool(const std::string&)>& skip,
                                            std::set<std::string>& used);
+// One MoE layer's routed experts, ours stacked (w1 / w3 [E, F, D], w2 [E, D, F]) <-> Hugging Face's names under
+// `prefix` ("model.layers.<i>.mlp.experts."). Export: transformers 5's stacked gate_up_proj [E, 2F, D] (w1 rows
+// first) and down_proj [E, D, F], appended to `tensors`.
+void append_stacked_experts(std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& prefix,
+                            const nn::moe::GroupedExpertsImpl& experts);
+// Import: those stacked tensors, or one tensor per expert and projection ({j}.{gate,up,down}_proj.weight, what
+// save_pretrained and the hub hold), copied into `experts` (`ours`: its FQN, for errors naming both sides). False
+// when neither layout is in the files (the caller decides: an error or a missing entry). Tensors read go into
+// `used` and their bytes into r.bytes_read.
+bool import_experts(const char* who, FileTensors& files, const std::string& prefix, const std::string& ours,
+                    nn::moe::GroupedExpertsImpl& experts, std::set<std::string>& used, SafetensorsImportResult& r);
+
 // After import_whole_model and any tensors read apart: file tensors neither `used` nor ignorable go to
 // r.unexpected, an error naming them on a strict load (as import_safetensors on any number of ranks).
 void finish_whole_import(const char* who, const std::string& path, const FileTensors& files,

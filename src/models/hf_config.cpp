@@ -269,6 +269,8 @@ void parse_rope(const ConfigJson& c, llama::LlamaArgs& a) {
 
 }  // namespace
 
+void parse_rope_config(const ConfigJson& c, llama::LlamaArgs& args) { parse_rope(c, args); }
+
 ParsedConfig parse_config(const ConfigJson& c, const std::string& default_model_type) {
   ParsedConfig p;
   p.model_type = default_model_type.empty() ? c.get_string("model_type")
@@ -276,7 +278,8 @@ ParsedConfig parse_config(const ConfigJson& c, const std::string& default_model_
   const bool is_llama = p.model_type == "llama", is_moe = p.model_type == "qwen3_moe";
   if (!is_llama && p.model_type != "qwen3" && !is_moe) {
     c.fail("field 'model_type' = " + excerpt(nlohmann::json(p.model_type)) +
-           " is not supported (supported: \"llama\", \"qwen3\", \"qwen3_moe\")");
+           " is not supported (supported: \"llama\", \"qwen3\", \"qwen3_moe\"; a \"deepseek_v3\" config.json is "
+           "read by fsdp::checkpoint::hf::read_deepseek_v3_config)");
   }
   llama::LlamaArgs& a = p.args;
   a = llama::LlamaArgs{};

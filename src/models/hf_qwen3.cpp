@@ -121,9 +121,7 @@ SafetensorsExportResult export_qwen3(llama::TransformerImpl& model, const std::s
     TORCH_CHECK(e->w1.size(0) == E && e->w2.size(0) == E && e->w3.size(0) == E, "export_qwen3: layer ",
                 block->layer_id, " holds ", e->w1.size(0), " of its ", E, " experts (split by expert parallelism?); ",
                 "the Hugging Face export needs every expert in this process");
-    const std::string prefix = layer_prefix(block->layer_id);
-    tensors.emplace_back(prefix + "gate_up_proj", at::cat({e->w1.detach(), e->w3.detach()}, /*dim=*/1));
-    tensors.emplace_back(prefix + "down_proj", e->w2.detach());
+    common::append_stacked_experts(tensors, layer_prefix(block->layer_id), *e);
   }
   return common::write_whole_model(dir, std::move(tensors), options, config);
 }
@@ -151,58 +149,15 @@ SafetensorsImportResult import_qwen3(llama::TransformerImpl& model, const std::s
   SafetensorsImportResult r =
       common::import_whole_model("import_qwen3", model, files, adapter, options, nullptr, is_expert_key, used);
   // Per MoE layer: transformers 5's stacked gate_up_proj / down_proj, or one tensor per expert and projection.
-  c10::NoGradGuard no_grad;
-  auto read = [&](const std::string& name) {
-    used.insert(name);
-    at::Tensor t = files.read(name);
-    r.bytes_read += t.nbytes();
-    return t;
-  };
   for (auto& block : model.blocks()) {
     if (!block->moe) continue;
-    auto& e = block->moe->experts;
     const std::string prefix = layer_prefix(block->layer_id);
     const std::string ours = "layers." + std::to_string(block->layer_id) + ".moe.experts";
-    const int64_t E = e->w1.size(0), F = e->w1.size(1), D = e->w1.size(2);
-    at::Tensor w1, w2, w3;
-    if (files.has(prefix + "gate_up_proj")) {
-      TORCH_CHECK(files.has(prefix + "down_proj"), "import_qwen3 from ", path, ": '", prefix,
-                  "down_proj' (for '", ours, ".w2') is missing next to its gate_up_proj");
-      const at::Tensor gate_up = read(prefix + "gate_up_proj");
-      TORCH_CHECK(gate_up.sizes() == at::IntArrayRef({E, 2 * F, D}), "import_qwen3: '", prefix,
-                  "gate_up_proj' has shape ", gate_up.sizes(), " but the model's '", ours, ".w1' and '.w3' need [",
-                  E, ", ", 2 * F, ", ", D, "] (experts, 2 x moe_intermediate_size, hidden)");
-      w1 = gate_up.narrow(1, 0, F);
-      w3 = gate_up.narrow(1, F, F);
-      w2 = read(prefix + "down_proj");
-    } else if (files.has(prefix + "0.gate_proj.weight")) {
-      std::vector<at::Tensor> gates, ups, downs;
-      for (int64_t j = 0; j < E; ++j) {
-        const std::string p = prefix + std::to_string(j) + ".";
-        for (const char* proj : {"gate_proj", "up_proj", "down_proj"}) {
-          TORCH_CHECK(files.has(p + proj + ".weight"), "import_qwen3 from ", path, ": '", p, proj,
-                      ".weight' (expert ", j, " of ", E, " for '", ours, "') is missing");
-        }
-        gates.push_back(read(p + "gate_proj.weight"));
-        ups.push_back(read(p + "up_proj.weight"));
-        downs.push_back(read(p + "down_proj.weight"));
-      }
-      if (files.has(prefix + std::to_string(E) + ".gate_proj.weight")) {
-        TORCH_CHECK(false, "import_qwen3 from ", path, ": the files hold more than the model's ", E, " experts in ",
-                    "layer ", block->layer_id, " ('", prefix, E, ".gate_proj.weight')");
-      }
-      w1 = at::stack(gates), w3 = at::stack(ups), w2 = at::stack(downs);
-    } else {
-      TORCH_CHECK(!options.strict, "import_qwen3 from ", path, ": the experts of layer ", block->layer_id, " ('",
-                  ours, "') are missing: neither '", prefix, "gate_up_proj' nor '", prefix,
-                  "0.gate_proj.weight' is in the files");
-      r.missing.push_back(prefix + "gate_up_proj");
-      r.missing.push_back(prefix + "down_proj");
-      continue;
-    }
-    common::copy_checked("import_qwen3", prefix + "(gate)", ours + ".w1", e->w1, w1);
-    common::copy_checked("import_qwen3", prefix + "(up)", ours + ".w3", e->w3, w3);
-    common::copy_checked("import_qwen3", prefix + "down_proj", ours + ".w2", e->w2, w2);
+    if (common::import_experts("import_qwen3", files, prefix, ours, *block->moe->experts, used, r)) continue;
+    TORCH_CHECK(!options.strict, "import_qwen3 from ", path, ": the experts of layer ", block->layer_id, " ('", ours,
+                "') are missing: neither '", prefix, "gate_up_proj' nor '", prefix, "0.gate_proj.weight' is in the files");
+    r.missing.push_back(prefix + "gate_up_proj");
+    r.missing.push_back(prefix + "down_proj");
   }
   common::finish_whole_import("import_qwen3", path, files, used, adapter, options, r);
   return r;

@@ -2,6 +2,8 @@
 #include <fsdp/models/llama.h>
 #include <fsdp/nn/module_call.h>
 
+#include "models/model_init.h"
+
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
@@ -248,7 +250,7 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 // PyTorch switched to rejection sampling (torch 2.13's _no_grad_trunc_normal_ redraws normals outside [a, b], or
 // accepts uniform proposals by the density for narrow cuts). Same distribution, different numbers: our init
 // matches TorchTitan's in law, not bit for bit, for the same seed.
-static void trunc_normal_(at::Tensor& param, double std, double a, double b, at::Generator& gen) {
+void detail::trunc_normal_(at::Tensor& param, double std, double a, double b, at::Generator& gen) {
   auto norm_cdf = [](double v) { return (1.0 + std::erf(v / std::sqrt(2.0))) / 2.0; };
   const double lo = norm_cdf(a / std), hi = norm_cdf(b / std);
   auto t = at::empty(param.sizes(), at::TensorOptions().dtype(at::kFloat));
@@ -258,7 +260,7 @@ static void trunc_normal_(at::Tensor& param, double std, double a, double b, at:
   param.copy_(t);
 }
 
-static void normal_(at::Tensor& param, double std, at::Generator& gen) {
+void detail::normal_(at::Tensor& param, double std, at::Generator& gen) {
   auto t = at::empty(param.sizes(), at::TensorOptions().dtype(at::kFloat));
   t.normal_(0.0, std, gen);
   torch::NoGradGuard no_grad;
@@ -372,8 +374,8 @@ at::Tensor AttentionImpl::forward_cached(const at::Tensor& x, const at::Tensor& 
 }
 
 void AttentionImpl::init_weights(double init_std, at::Generator& gen) {
-  for (auto* l : {&wq, &wk, &wv}) trunc_normal_((*l)->weight(), 0.02, -2.0, 2.0, gen);
-  trunc_normal_(wo->weight(), init_std, -2.0, 2.0, gen);
+  for (auto* l : {&wq, &wk, &wv}) detail::trunc_normal_((*l)->weight(), 0.02, -2.0, 2.0, gen);
+  detail::trunc_normal_(wo->weight(), init_std, -2.0, 2.0, gen);
   if (q_norm) {
     q_norm->reset_parameters();
     k_norm->reset_parameters();
@@ -391,18 +393,17 @@ at::Tensor FeedForwardImpl::forward(const at::Tensor& x) {
 }
 
 void FeedForwardImpl::init_weights(double init_std, at::Generator& gen) {
-  trunc_normal_(w1->weight(), 0.02, -2.0, 2.0, gen);
-  trunc_normal_(w2->weight(), init_std, -2.0, 2.0, gen);
-  trunc_normal_(w3->weight(), init_std, -2.0, 2.0, gen);
+  detail::trunc_normal_(w1->weight(), 0.02, -2.0, 2.0, gen);
+  detail::trunc_normal_(w2->weight(), init_std, -2.0, 2.0, gen);
+  detail::trunc_normal_(w3->weight(), init_std, -2.0, 2.0, gen);
 }
 
-namespace {
 // MoE blocks create their parameters as CPU float32; moves them to the model's device and dtype (buffers keep
 // their float32: the load-balancing bias accumulates small steps). Nothing of a fresh block is in an autograd
 // graph yet, so for the meta device (which set_data refuses from CPU) the tensors' metadata and storage are
 // swapped in place, as set_data does after its type check; at::empty's CPU pages were never touched, so a
 // meta build of a large MoE costs no memory.
-void place(torch::nn::Module& m, c10::Device device, c10::ScalarType dtype) {
+void detail::place(torch::nn::Module& m, c10::Device device, c10::ScalarType dtype) {
   auto move = [&](at::Tensor t, std::optional<c10::ScalarType> to_dtype) {
     const c10::ScalarType d = to_dtype.value_or(t.scalar_type());
     if (t.device() == device && t.scalar_type() == d) return;
@@ -416,14 +417,13 @@ void place(torch::nn::Module& m, c10::Device device, c10::ScalarType dtype) {
   for (auto& p : m.parameters(/*recurse=*/true)) move(p, dtype);
   for (auto& b : m.buffers(/*recurse=*/true)) move(b, std::nullopt);
 }
-}  // namespace
 
 TransformerBlockImpl::TransformerBlockImpl(int64_t id, const LlamaArgs& a) : layer_id(id) {
   auto opts = at::TensorOptions().device(a.device).dtype(a.dtype);
   attention = register_module("attention", Attention(a));
   if (a.is_moe_layer(id)) {
     moe = register_module("moe", fsdp::nn::moe::MoE(a.moe_options()));
-    place(*moe, a.device, a.dtype);
+    detail::place(*moe, a.device, a.dtype);
   } else {
     feed_forward = register_module("feed_forward", FeedForward(a.dim, a.ffn_hidden_dim(), opts));
   }
@@ -538,12 +538,12 @@ void TransformerImpl::init_weights(uint64_t seed) {
 void TransformerImpl::init_weights(uint64_t seed, const InitScope& scope) {
   // One generator drawn in a fixed order: the same numbers whatever the scope does around each part.
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  scope(*tok_embeddings, [&] { normal_(tok_embeddings->weight(), 1.0, gen); });
+  scope(*tok_embeddings, [&] { detail::normal_(tok_embeddings->weight(), 1.0, gen); });
   for (auto& block : blocks_) scope(*block, [&] { block->init_weights(gen); });
   scope(*norm, [&] { norm->reset_parameters(); });
   if (!args_.tie_embeddings) {
     const double std = std::pow(static_cast<double>(args_.dim), -0.5);
-    scope(*output, [&] { trunc_normal_(output->weight(), std, -3 * std, 3 * std, gen); });
+    scope(*output, [&] { detail::trunc_normal_(output->weight(), std, -3 * std, 3 * std, gen); });
   }
 }
 
