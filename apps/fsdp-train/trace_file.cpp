@@ -1,5 +1,8 @@
 #include "trace_file.h"
 
+#include <unistd.h>
+
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -40,7 +43,9 @@ TraceFile read_trace_file(const std::string& path, const std::string& who) {
 }
 
 void write_file_whole(const std::string& path, const std::string& text, const std::string& who) {
-  const std::string tmp = path + ".tmp";
+  // A temporary of this process's own (ranks tracing into one folder never take each other's). fsdp_train_core has
+  // no libfsdp: fsdp::util::AtomicFile is the library's writer.
+  const std::string tmp = path + ".tmp" + std::to_string(::getpid());
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     out << text;

@@ -9,10 +9,9 @@
 // recorded). Run by scripts/gpu-check.sh on a lent GPU machine; skipped without CUDA.
 #include "device/cuda_trainer_util.h"
 
-#include "parallelize.h"
+#include "model_spec.h"
 #include "tokenizer.h"
 
-#include <fsdp/models/llama.h>
 
 #include <nlohmann/json.hpp>
 
@@ -72,9 +71,11 @@ TEST(TrainerOnCudaWorld1, Bf16StepsMemoryTraceAndSnapshot) {
               static_cast<long long>(got.device_max_active_bytes));
 
   // Memory: the fp32 sharded parameters (world 1: whole) and AdamW's exp_avg / exp_avg_sq were all live at once.
-  auto args = fsdp_train::model_args(job);
-  args.vocab_size = fsdp_train::make_tokenizer(job.model.tokenizer_path)->vocab_size();
-  const int64_t n_params = fsdp::nn::llama::num_params(args);
+  fsdp_train::ModelShape shape;  // the model's parameter count through the model seam (built on meta: no storage)
+  shape.vocab_size = fsdp_train::make_tokenizer(job.model.tokenizer_path)->vocab_size();
+  shape.max_seq_len = job.training.seq_len;
+  shape.device = c10::kMeta;
+  const int64_t n_params = fsdp_train::train_spec(fsdp_train::to_string(job.model.name)).build(job, shape).num_params;
   EXPECT_GE(got.device_max_active_bytes, 12 * n_params);
   EXPECT_GE(got.device_max_reserved_bytes, got.device_max_active_bytes);
   const auto records = jsonl(got.dump_folder + "/metrics.jsonl");
