@@ -36,6 +36,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <thread>
 #include <unordered_set>
@@ -116,7 +117,16 @@ static void check_launch_matches(const JobConfig& config, const torch::nn::Modul
 }
 
 void check_model_layout(const JobConfig& config, int64_t world_size) {
-  train_spec(to_string(config.model.name)).check_layout(config, resolve_parallelism(config, world_size));
+  // Only the family's own rules here. A layout that does not resolve on this rank's WORLD_SIZE is left to the
+  // Trainer, after init_distributed: a rank launched with another world size than its peers must be named by the
+  // launch check ("world size differs across ranks"), not refused with a batch-divisibility error of its own.
+  std::optional<ParallelDims> dims;
+  try {
+    dims = resolve_parallelism(config, world_size);
+  } catch (const ConfigError&) {
+    return;
+  }
+  train_spec(to_string(config.model.name)).check_layout(config, *dims);
 }
 
 TrainEnv init_distributed(const JobConfig& config) {
