@@ -1,9 +1,8 @@
 // See metrics.h.
 #include "metrics.h"
+#include "trace_file.h"
 
 #include <nlohmann/json.hpp>
-
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -115,20 +114,12 @@ void JsonlWriter::keep_before(int64_t step) {
         kept += line + "\n";
     }
   }
-  // A temporary name of this process's own: processes that share a dump folder (several ranks' single-process
-  // runs in a test, a misconfigured launch) must not take each other's file. Failing to rewrite only loses the
-  // trimming (the records are appended as they come), never the run.
-  const std::string tmp = path_ + ".tmp" + std::to_string(::getpid());
+  // write_file_whole: a temporary of this process's own (processes that share a dump folder — several ranks'
+  // single-process runs in a test, a misconfigured launch — never take each other's file). Failing to rewrite only
+  // loses the trimming (the records are appended as they come), never the run.
   try {
-    {
-      std::ofstream out(tmp, std::ios::trunc);
-      out << kept;
-      if (!out.flush()) throw std::runtime_error("cannot write '" + tmp + "'");
-    }
-    std::filesystem::rename(tmp, path_);
+    write_file_whole(path_, kept, "metrics");
   } catch (const std::exception& e) {
-    std::error_code ignored;
-    std::filesystem::remove(tmp, ignored);
     std::fprintf(stderr, "fsdp-train: metrics: %s keeps its earlier records as they are (%s)\n", path_.c_str(), e.what());
   }
   out_.open(path_, std::ios::app);

@@ -46,15 +46,22 @@ void write_file_whole(const std::string& path, const std::string& text, const st
   // A temporary of this process's own (ranks tracing into one folder never take each other's). fsdp_train_core has
   // no libfsdp: fsdp::util::AtomicFile is the library's writer.
   const std::string tmp = path + ".tmp" + std::to_string(::getpid());
+  std::error_code ec;
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     out << text;
     out.close();
-    if (!out) throw std::runtime_error(who + ": cannot write '" + tmp + "'");
+    if (!out) {
+      std::filesystem::remove(tmp, ec);
+      throw std::runtime_error(who + ": cannot write '" + tmp + "'");
+    }
   }
-  std::error_code ec;
   std::filesystem::rename(tmp, path, ec);
-  if (ec) throw std::runtime_error(who + ": cannot rename '" + tmp + "' to '" + path + "': " + ec.message());
+  if (ec) {
+    const std::string reason = ec.message();
+    std::filesystem::remove(tmp, ec);  // no temporary left behind
+    throw std::runtime_error(who + ": cannot rename '" + tmp + "' to '" + path + "': " + reason);
+  }
 }
 
 }  // namespace fsdp_train

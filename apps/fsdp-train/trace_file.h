@@ -22,8 +22,8 @@ std::string json_error_reason(const std::string& what);
 // Throws std::runtime_error naming `who` and the file, with line:column for JSON syntax errors.
 TraceFile read_trace_file(const std::string& path, const std::string& who);
 
-// Writes `text` to `path` through `path`.tmp and a rename, so a reader never sees half a file; throws
-// std::runtime_error naming `who` and the file.
+// Writes `text` to `path` through a temporary of this process's own (`path`.tmp<pid>) and a rename, so a reader
+// never sees half a file; throws std::runtime_error naming `who` and the file, leaving no temporary behind.
 void write_file_whole(const std::string& path, const std::string& text, const std::string& who);
 
 }  // namespace fsdp_train
