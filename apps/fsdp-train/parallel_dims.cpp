@@ -73,11 +73,17 @@ ParallelDims resolve_parallelism(const JobConfig& c, int64_t world_size) {
   }
   d.ep = c.parallelism.expert_parallel_degree;
   if (d.ep > 1) {
-    check(d.dp_shard % d.ep == 0, "parallelism.expert_parallel_degree (" + std::to_string(d.ep) +
-                                      ") must divide the data-parallel shard degree (" + std::to_string(d.dp_shard) +
-                                      "): expert parallelism borrows its ranks from FSDP's shard dim");
-    check(d.tp == 1 && d.pp == 1, "parallelism.expert_parallel_degree > 1 with tensor or pipeline parallelism is "
-                                  "not supported yet (expert parallelism composes with FSDP and HSDP)");
+    // TorchTitan's ParallelDims: ep | dp_shard x tp, the experts' FSDP mesh (efsdp) is what is left.
+    const int64_t borrowable = d.dp_shard * d.tp;
+    check(borrowable % d.ep == 0,
+          "parallelism.expert_parallel_degree (" + std::to_string(d.ep) + ") must divide the data-parallel shard degree" +
+              (d.tp > 1 ? " x tensor_parallel_degree (" + std::to_string(d.dp_shard) + " x " + std::to_string(d.tp) +
+                              " = " + std::to_string(borrowable) + "): expert parallelism borrows its ranks from "
+                              "FSDP's shard dim and the TP ranks"
+                        : " (" + std::to_string(d.dp_shard) + "): expert parallelism borrows its ranks from FSDP's "
+                              "shard dim"));
+    check(d.pp == 1, "parallelism.expert_parallel_degree > 1 with pipeline parallelism is not supported yet "
+                     "(expert parallelism composes with FSDP, HSDP and tensor parallelism)");
   }
   if (d.pp > 1) {
     const int64_t n = c.parallelism.num_pp_microbatches;

@@ -18,7 +18,10 @@ struct ParallelDims {
   int64_t tp = 1;  // tensor-parallel degree (innermost mesh dim: ranks r*tp .. r*tp+tp-1 share a data shard)
   int64_t pp = 1;  // pipeline degree (outermost mesh dim: the pp ranks of a data-parallel rank read the same samples)
   int64_t pp_microbatches = 1;
-  int64_t ep = 1;  // expert-parallel degree (inside dp_shard: ranks r*ep .. r*ep+ep-1 of a shard group split the experts)
+  // expert-parallel degree, borrowed from dp_shard x tp (TorchTitan): ranks r*ep .. r*ep+ep-1 of the flattened
+  // dp_shard x tp ranks split the experts; efsdp() = dp_shard x tp / ep shard each expert (FSDP).
+  int64_t ep = 1;
+  int64_t efsdp() const { return dp_shard * tp / ep; }
   int64_t dp_degree() const { return dp_replicate * dp_shard; }
   // The data-parallel rank of a world rank (mesh [pp, dp_replicate, dp_shard, tp]).
   int64_t dp_rank_of(int64_t rank) const { return (rank % (dp_degree() * tp)) / tp; }

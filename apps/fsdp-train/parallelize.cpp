@@ -44,7 +44,7 @@ bool plan_needs_full_init(const ParallelDims& dims, bool has_group) {
   return !has_group || plain_data_parallel(dims) || dims.tp > 1 || dims.ep > 1;
 }
 
-ParallelMeshes build_meshes(const ParallelDims& dims, const std::string& device_type) {
+ParallelMeshes build_meshes(const ParallelDims& dims, const std::string& device_type, bool moe) {
   // TorchTitan's order: pp, dp_replicate, dp_shard, tp (pp outermost; TP innermost: contiguous ranks).
   std::vector<int64_t> shape;
   std::vector<std::string> names;
@@ -61,18 +61,25 @@ ParallelMeshes build_meshes(const ParallelDims& dims, const std::string& device_
   const bool only_dp = dims.pp == 1 && dims.tp == 1;  // the world mesh is the data-parallel mesh itself
   m.dp = only_dp ? m.world : dims.dp_replicate > 1 ? m.world.slice({"dp_replicate", "dp_shard"}) : m.world["dp_shard"];
   if (dims.tp > 1) m.tp = m.world["tp"];
-  if (dims.ep > 1) {
-    // Expert parallelism borrows ep of the dp_shard ranks: [dp_replicate,] efsdp, ep (a second mesh over the same
-    // ranks, TorchTitan's sparse mesh).
-    std::vector<int64_t> sparse_shape{dims.dp_shard / dims.ep, dims.ep};
-    std::vector<std::string> sparse_names{"efsdp", "ep"};
+  if (dims.ep > 1 || (moe && dims.tp > 1)) {
+    // TorchTitan's sparse mesh over the same ranks: [dp_replicate,] efsdp, ep with efsdp x ep = dp_shard x tp
+    // (expert parallelism borrows its ranks from FSDP's shard dim and TP; the experts' FSDP takes the rest). With
+    // TP each TP rank routes its own tokens, so the routed experts' FSDP spans the TP ranks even without EP.
+    std::vector<int64_t> sparse_shape{dims.efsdp()};
+    std::vector<std::string> sparse_names{"efsdp"};
+    if (dims.ep > 1) {
+      sparse_shape.push_back(dims.ep);
+      sparse_names.emplace_back("ep");
+    }
     if (dims.dp_replicate > 1) {
       sparse_shape.insert(sparse_shape.begin(), dims.dp_replicate);
       sparse_names.insert(sparse_names.begin(), "dp_replicate");
     }
     const fsdp::DeviceMesh sparse = fsdp::init_device_mesh(device_type, sparse_shape, sparse_names);
-    m.ep = sparse["ep"];
-    m.expert_dp = dims.dp_replicate > 1 ? sparse.slice({"dp_replicate", "efsdp"}) : sparse["efsdp"];
+    if (dims.ep > 1) m.ep = sparse["ep"];
+    m.expert_dp = dims.dp_replicate > 1 ? sparse.slice({"dp_replicate", "efsdp"})
+                  : sparse_names.size() == 1 ? sparse
+                                             : sparse["efsdp"];
   }
   return m;
 }

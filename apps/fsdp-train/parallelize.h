@@ -71,10 +71,12 @@ struct ParallelMeshes {
   fsdp::DeviceMesh dp;        // the data-parallel dims: dp_shard, or (dp_replicate, dp_shard)
   fsdp::DeviceMesh tp;        // valid when dims.tp > 1
   fsdp::DeviceMesh ep;        // valid when dims.ep > 1: the expert-parallel dim ...
-  fsdp::DeviceMesh expert_dp; // ... and the experts' data-parallel mesh: efsdp, or (dp_replicate, efsdp)
+  fsdp::DeviceMesh expert_dp; // ... and the experts' data-parallel mesh: efsdp, or (dp_replicate, efsdp); also
+                              // valid for an MoE model under TP without EP (efsdp = dp_shard x tp)
 };
-// Collective over the world (every rank, same order). `device_type`: "cpu" or "cuda".
-ParallelMeshes build_meshes(const ParallelDims& dims, const std::string& device_type);
+// Collective over the world (every rank, same order). `device_type`: "cpu" or "cuda". `moe`: the model has MoE
+// layers (their routed experts get their own mesh under EP or TP).
+ParallelMeshes build_meshes(const ParallelDims& dims, const std::string& device_type, bool moe = false);
 
 // ---- pipeline split -----------------------------------------------------------------------------------------
 

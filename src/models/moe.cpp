@@ -44,6 +44,24 @@ void trunc_normal(at::Tensor& t, double std, at::Generator& gen) {
   t.copy_(v);
 }
 
+// The shared experts: one SwiGLU on every token, w2(silu(w1 x) * w3 x), Linear layers without bias. A module with
+// its own forward, called through fsdp::nn::call with the block's input in its original shape [..., S, D], so that
+// a tensor-parallel plan can treat it as a dense feed-forward (w1/w3 colwise, w2 rowwise) and gather its
+// sequence-sharded input.
+class SharedExpertsImpl : public torch::nn::Module {
+ public:
+  SharedExpertsImpl(int64_t dim, int64_t hidden) : torch::nn::Module("SharedExperts") {
+    w1 = register_module("w1", torch::nn::Linear(torch::nn::LinearOptions(dim, hidden).bias(false)));
+    w2 = register_module("w2", torch::nn::Linear(torch::nn::LinearOptions(hidden, dim).bias(false)));
+    w3 = register_module("w3", torch::nn::Linear(torch::nn::LinearOptions(dim, hidden).bias(false)));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    // Through call(): the plan's hooks sit on the projections.
+    return fsdp::nn::call(w2, at::silu(fsdp::nn::call(w1, x)) * fsdp::nn::call(w3, x));
+  }
+  torch::nn::Linear w1{nullptr}, w2{nullptr}, w3{nullptr};
+};
+
 }  // namespace
 
 TokenChoiceRouterImpl::TokenChoiceRouterImpl(const MoEOptions& options) : options_(options) {
@@ -115,12 +133,8 @@ MoEImpl::MoEImpl(const MoEOptions& options) : options_(options) {
   router = register_module("router", TokenChoiceRouter(options_));
   experts = register_module("experts", GroupedExperts(options_));
   if (options_.num_shared_experts > 0) {
-    const int64_t Fs = options_.hidden * options_.num_shared_experts;
-    auto shared = std::make_shared<torch::nn::Module>("SharedExperts");
-    shared->register_module("w1", torch::nn::Linear(torch::nn::LinearOptions(options_.dim, Fs).bias(false)));
-    shared->register_module("w2", torch::nn::Linear(torch::nn::LinearOptions(Fs, options_.dim).bias(false)));
-    shared->register_module("w3", torch::nn::Linear(torch::nn::LinearOptions(options_.dim, Fs).bias(false)));
-    shared_experts = register_module("shared_experts", shared);
+    shared_experts = register_module(
+        "shared_experts", std::make_shared<SharedExpertsImpl>(options_.dim, options_.hidden * options_.num_shared_experts));
   }
   if (options_.load_balance_coeff) expert_bias = register_buffer("expert_bias", at::zeros({options_.num_experts}));
   tokens_per_expert_ = at::zeros({options_.num_experts});
@@ -163,11 +177,10 @@ at::Tensor MoEImpl::forward(const at::Tensor& input) {
   out = (out.to(at::kFloat) * w).to(x.scalar_type());
   at::Tensor combined = at::zeros({T, options_.dim}, x.options()).index_add(0, token_of_slot, out);
   if (shared_experts) {
-    auto lin = [&](const char* name) { return shared_experts->named_children()[name]->as<torch::nn::Linear>(); };
-    auto* w1 = lin("w1");
-    auto* w2 = lin("w2");
-    auto* w3 = lin("w3");
-    combined = combined + w2->forward(at::silu(w1->forward(x)) * w3->forward(x));
+    // The block's input as it came ([B, S, D]: under tensor parallelism this rank's slice of the sequence, which
+    // the shared experts' plan gathers and scatters back).
+    auto& shared = static_cast<SharedExpertsImpl&>(*shared_experts);
+    combined = combined + fsdp::nn::call(shared, input).reshape({T, options_.dim});
   }
   return combined.reshape(input.sizes());
 }

@@ -128,10 +128,13 @@ TEST(ModelSpec, ForwardAndCachedForwardEqualTheLibraryModel) {
 // process group exists in this test.
 TEST(ModelSpec, LayoutCheckRefusesBeforeAnyProcessGroup) {
   ASSERT_FALSE(fsdp::is_initialized());
-  const auto moe_tp = config_error_of(
-      [] { check_model_layout(job("qwen3", "cpu_tiny_moe", {"--parallelism.tensor_parallel_degree", "2"}), 2); });
-  EXPECT_NE(moe_tp.find("qwen3 cpu_tiny_moe"), std::string::npos) << moe_tp;
-  EXPECT_NE(moe_tp.find("tensor parallelism"), std::string::npos) << moe_tp;
+  const auto moe_tp_aux = config_error_of([] {
+    check_model_layout(job("qwen3", "cpu_tiny_moe", {"--parallelism.tensor_parallel_degree", "2",
+                                                     "--model.moe_sequence_aux_loss_coeff", "1e-4"}),
+                       2);
+  });
+  EXPECT_NE(moe_tp_aux.find("qwen3 cpu_tiny_moe"), std::string::npos) << moe_tp_aux;
+  EXPECT_NE(moe_tp_aux.find("tensor_parallel_degree > 1"), std::string::npos) << moe_tp_aux;
   const auto moe_pp = config_error_of([] {
     check_model_layout(job("qwen3", "cpu_tiny_moe", {"--parallelism.pipeline_parallel_degree", "2"}), 2);
   });
@@ -152,6 +155,17 @@ TEST(ModelSpec, LayoutCheckRefusesBeforeAnyProcessGroup) {
             "");
   EXPECT_EQ(config_error_of([] {
               check_model_layout(job("llama3", "cpu_tiny", {"--parallelism.tensor_parallel_degree", "2"}), 2);
+            }),
+            "");
+  // MoE under TP, and EP borrowing its ranks from dp_shard x tp (issue 37).
+  EXPECT_EQ(config_error_of([] {
+              check_model_layout(job("qwen3", "cpu_tiny_moe", {"--parallelism.tensor_parallel_degree", "2"}), 2);
+            }),
+            "");
+  EXPECT_EQ(config_error_of([] {
+              check_model_layout(job("qwen3", "cpu_tiny_moe", {"--parallelism.tensor_parallel_degree", "2",
+                                                               "--parallelism.expert_parallel_degree", "4"}),
+                                 4);
             }),
             "");
   EXPECT_FALSE(fsdp::is_initialized());

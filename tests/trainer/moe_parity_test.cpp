@@ -4,7 +4,7 @@
 // tokens each layer's busiest and idlest expert received, summed over the ranks) exactly, which also shows that
 // the load-balancing bias, which steers the routing, was updated identically (its L1 norm is compared too).
 // Layouts: ep 2 on 2 ranks; ep 2 and ep 4 on 4 ranks (dp_shard 4: the experts' FSDP over the 2 or 1 ranks left);
-// HSDP 2 x 2 with ep 2. Routing: Qwen3's (softmax, top-k renormalised, no shared expert) and DeepSeek-V3's
+// HSDP 2 x 2 with ep 2; MoE under TP: tp 2 (2 ranks), tp 2 x dp_shard 2, tp 2 x ep 2 and tp 2 x ep 4 (4 ranks). Routing: Qwen3's (softmax, top-k renormalised, no shared expert) and DeepSeek-V3's
 // (sigmoid, one shared expert, route scale 2.5, group-limited: 4 groups, the best 2 per token). The batches (one sample of 16 tokens per rank and step) leave
 // some experts without tokens on some ranks (checked, so the zero-token path is exercised).
 #include "config.h"
@@ -51,7 +51,8 @@ JobConfig base(const std::string& name, Routing routing) {
   return c;
 }
 
-void expect_parity(const std::string& name, Routing routing, int64_t ep, int64_t replicate = 1, double aux_coeff = 0) {
+void expect_parity(const std::string& name, Routing routing, int64_t ep, int64_t replicate = 1, double aux_coeff = 0,
+                   int64_t tp = 1) {
   auto world = fsdp::world();
   TrainEnv single;
   single.verbose = false;
@@ -62,7 +63,19 @@ void expect_parity(const std::string& name, Routing routing, int64_t ep, int64_t
   config.model.moe_sequence_aux_loss_coeff = aux_coeff;
   config.parallelism.data_parallel_replicate_degree = replicate;
   config.parallelism.expert_parallel_degree = ep;
+  config.parallelism.tensor_parallel_degree = tp;
   const TrainSummary got = run_training(config, test::world_env(), false);
+  if (tp > 1) {
+    EXPECT_NE(got.plan.find("TP " + std::to_string(tp) + " (sequence parallel"), std::string::npos) << got.plan;
+    // The routed experts' FSDP spans the TP ranks (each TP rank routes its own slice of the sequence).
+    const int64_t efsdp = fsdp::world()->size() / replicate / ep;
+    EXPECT_NE(got.plan.find("experts' FSDP over"), std::string::npos) << got.plan;
+    if (ep == 1 && replicate == 1) {
+      EXPECT_NE(got.plan.find("experts' FSDP over DeviceMesh(cpu, shape [" + std::to_string(efsdp) + "]"),
+                std::string::npos)
+          << got.plan;
+    }
+  }
   if (ep > 1) EXPECT_NE(got.plan.find("EP " + std::to_string(ep) + " ("), std::string::npos) << got.plan;
   else EXPECT_EQ(got.plan.find("EP "), std::string::npos) << got.plan;
   EXPECT_NE(got.plan.find(replicate > 1 ? "HSDP" : "FSDP"), std::string::npos) << got.plan;
@@ -119,6 +132,24 @@ TEST(TrainerMoE, ExpertParallelUnderHsdpEqualsOneRank) {
   expect_parity("hsdp_ep2", Routing::DeepSeekV3, 2, /*replicate=*/2);
 }
 
+TEST(TrainerMoE, TensorParallelEqualsOneRank) {
+  // MoE under TP (ep 1): tp 2 on 2 ranks, tp 2 x dp_shard 2 on 4. The router and the routed experts see each TP
+  // rank's slice of the sequence (the experts sharded by FSDP over dp_shard x tp); the DeepSeek-V3 routing adds a
+  // shared expert, tensor-parallel as a dense feed-forward.
+  expect_parity("tp2", Routing::Qwen3, 1, 1, 0, /*tp=*/2);
+  expect_parity("tp2_dsv3", Routing::DeepSeekV3, 1, 1, 0, /*tp=*/2);
+}
+
+TEST(TrainerMoE, ExpertParallelWithTensorParallelEqualsOneRank) {
+  if (fsdp::world()->size() != 4) GTEST_SKIP() << "tp 2 x ep 2 needs 4 ranks";
+  // TorchTitan's layout: EP borrows its ranks from dp_shard x tp (here dp_shard 2 x tp 2 = 4): ep 2 leaves the
+  // experts' FSDP over 2 ranks, ep 4 over 1 (each rank holds 2 experts). Tokens are dispatched from each TP
+  // rank's slice of the sequence.
+  expect_parity("tp2_ep2", Routing::Qwen3, 2, 1, 0, /*tp=*/2);
+  expect_parity("tp2_ep2_dsv3", Routing::DeepSeekV3, 2, 1, 0, /*tp=*/2);
+  expect_parity("tp2_ep4", Routing::Qwen3, 4, 1, 0, /*tp=*/2);
+}
+
 TEST(TrainerMoE, SequenceBalanceLossEqualsOneRank) {
   // DeepSeek-V3's sequence-wise balance loss (alpha large enough to matter in 8 steps): every rank's share of
   // every microbatch's loss adds up to the 1-rank value, and its gradients to the same steps.
@@ -146,7 +177,14 @@ TEST(TrainerMoE, BadExpertParallelConfigurationsAreRefused) {
   expect_error([&] { run_training(dense, test::world_env(), false); }, "has no MoE layers");
   JobConfig tp = base("bad_tp", Routing::Qwen3);
   tp.parallelism.tensor_parallel_degree = 2;
-  expect_error([&] { run_training(tp, test::world_env(), false); }, "not supported yet");
+  tp.parallelism.expert_parallel_degree = 4;  // does not divide dp_shard 1 x tp 2
+  expect_error([&] { run_training(tp, test::world_env(), false); },
+               "must divide the data-parallel shard degree x tensor_parallel_degree (1 x 2 = 2)");
+  JobConfig tp_aux = base("bad_tp_aux", Routing::DeepSeekV3);
+  tp_aux.parallelism.tensor_parallel_degree = 2;
+  tp_aux.model.moe_sequence_aux_loss_coeff = 1e-4;
+  expect_error([&] { run_training(tp_aux, test::world_env(), false); },
+               "model.moe_sequence_aux_loss_coeff with parallelism.tensor_parallel_degree > 1");
   expect_error([] { load_config({"--model.moe_score_func", "relu"}); }, "model.moe_score_func");
   expect_error([] { load_config({"--model.moe_sequence_aux_loss_coeff", "1e-4", "--activation_checkpoint.mode", "full"}); },
                "not supported yet");

@@ -304,9 +304,15 @@ void check_layout(const std::string& family, const fsdp::nn::llama::LlamaArgs& a
   const bool has_moe = num_experts > 0;
   const auto& ac = config.activation_checkpoint;
   const std::string model = family + " " + config.model.flavor;
-  if (has_moe && (dims.pp > 1 || dims.tp > 1)) {
-    throw ConfigError("config error: MoE models (" + model + ") with " + (dims.pp > 1 ? "pipeline" : "tensor") +
-                      " parallelism are not supported yet; use FSDP, HSDP and parallelism.expert_parallel_degree");
+  if (has_moe && dims.pp > 1) {
+    throw ConfigError("config error: MoE models (" + model + ") with pipeline parallelism are not supported yet; "
+                      "use FSDP, HSDP, tensor parallelism and parallelism.expert_parallel_degree");
+  }
+  if (has_moe && dims.tp > 1 && config.model.moe_sequence_aux_loss_coeff > 0) {
+    // Under TP each rank routes its slice of every sequence; the per-sequence balance loss would need the
+    // whole sequence's counts and scores.
+    throw ConfigError("config error: model.moe_sequence_aux_loss_coeff with parallelism.tensor_parallel_degree > 1 "
+                      "(" + model + ") is not supported yet (each TP rank routes a slice of the sequence)");
   }
   if (has_moe && dims.world_size > 1 && (config.checkpoint.initial_load_in_hf || config.checkpoint.last_save_in_hf)) {
     throw ConfigError("config error: checkpoint.initial_load_in_hf / last_save_in_hf with an MoE model (" + model +
@@ -345,7 +351,7 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
     plan.description = "single process (no process group: run under fsdprun to apply fully_shard)";
     return plan;
   }
-  const ParallelMeshes meshes = build_meshes(dims, device);
+  const ParallelMeshes meshes = build_meshes(dims, device, has_moe);
   plan.mesh = meshes.world;
   if (plain_data_parallel(dims)) {
     // TorchTitan's DDP path, in FSDP2's style (fsdp::replicate). Full precision, as TorchTitan's DDP: the
@@ -368,15 +374,21 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
   std::string experts_description;
   if (has_moe) {
     // Where the routed experts are sharded (TorchTitan's apply_moe_ep + apply_fsdp): with expert parallelism over
-    // the data-parallel ranks left after ep; without it, over the dense mesh. Shard(1) instead of Shard(0) when
-    // the expert weights would be cut in more pieces (efsdp x ep = dp_shard) than there are experts (tt#1561:
-    // dim-0 shards would be mostly padding; the count excludes dp_replicate, tt#4767).
-    fsdp.experts_shard_dim = dims.dp_shard > num_experts ? 1 : 0;
+    // the ranks left after ep of dp_shard x tp (efsdp); without it, over the dense mesh, or under TP over
+    // dp_shard x tp (each TP rank routes its own tokens: the experts are not tensor-parallel, TorchTitan removed
+    // ETP). Shard(1) instead of Shard(0) when the expert weights would be cut in more pieces (efsdp x ep =
+    // dp_shard x tp) than there are experts (tt#1561: dim-0 shards would be mostly padding; the count excludes
+    // dp_replicate, tt#4767).
+    fsdp.experts_shard_dim = dims.dp_shard * dims.tp > num_experts ? 1 : 0;
     if (dims.ep > 1) {
       apply_ep(model, meshes.ep);
       fsdp.experts_mesh = meshes.expert_dp;
       experts_description = "EP " + std::to_string(dims.ep) + " (experts' FSDP over " + fsdp.experts_mesh.to_string() +
                             ", Shard(" + std::to_string(fsdp.experts_shard_dim) + ")) + ";
+    } else if (dims.tp > 1) {
+      fsdp.experts_mesh = meshes.expert_dp;
+      experts_description = "experts' FSDP over " + fsdp.experts_mesh.to_string() + ", Shard(" +
+                            std::to_string(fsdp.experts_shard_dim) + ") + ";
     } else if (fsdp.experts_shard_dim == 1) {
       experts_description = "experts Shard(1) + ";
     }
