@@ -587,6 +587,8 @@ Trainer::StepResult Trainer::train_step(int64_t step, bool ready) {
   pending_step_ = -1;
   // MoE: the step's expert load over the data-parallel ranks drives the load-balancing bias (TorchTitan runs
   // this as an optimizer step pre-hook; gradient accumulation has summed every microbatch's counts).
+  // plan_.dp_group is the world here: under TP each rank routes its own slice of the sequence, so the sum over
+  // dp x tp counts every token once.
   r.expert_load = update_expert_load_balance(moe_blocks_, plan_.dp_group);
   if (!r.expert_load.empty()) summary_.expert_loads.push_back(r.expert_load);
   checkpointer_->before_optimizer_step();  // an async save's background snapshot is complete

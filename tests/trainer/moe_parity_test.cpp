@@ -4,7 +4,8 @@
 // tokens each layer's busiest and idlest expert received, summed over the ranks) exactly, which also shows that
 // the load-balancing bias, which steers the routing, was updated identically (its L1 norm is compared too).
 // Layouts: ep 2 on 2 ranks; ep 2 and ep 4 on 4 ranks (dp_shard 4: the experts' FSDP over the 2 or 1 ranks left);
-// HSDP 2 x 2 with ep 2; MoE under TP: tp 2 (2 ranks), tp 2 x dp_shard 2, tp 2 x ep 2 and tp 2 x ep 4 (4 ranks). Routing: Qwen3's (softmax, top-k renormalised, no shared expert) and DeepSeek-V3's
+// HSDP 2 x 2 with ep 2; MoE under TP: tp 2 (2 ranks), tp 2 x dp_shard 2, tp 2 x ep 2, tp 2 x ep 4 and HSDP 2 x tp 2 x
+// ep 2 (4 ranks). Routing: Qwen3's (softmax, top-k renormalised, no shared expert) and DeepSeek-V3's
 // (sigmoid, one shared expert, route scale 2.5, group-limited: 4 groups, the best 2 per token). The batches (one sample of 16 tokens per rank and step) leave
 // some experts without tokens on some ranks (checked, so the zero-token path is exercised).
 #include "config.h"
@@ -148,6 +149,8 @@ TEST(TrainerMoE, ExpertParallelWithTensorParallelEqualsOneRank) {
   expect_parity("tp2_ep2", Routing::Qwen3, 2, 1, 0, /*tp=*/2);
   expect_parity("tp2_ep2_dsv3", Routing::DeepSeekV3, 2, 1, 0, /*tp=*/2);
   expect_parity("tp2_ep4", Routing::Qwen3, 4, 1, 0, /*tp=*/2);
+  // HSDP 2 x (dp_shard 1 x tp 2) with ep 2: the experts' FSDP mesh is (dp_replicate 2, efsdp 1).
+  expect_parity("hsdp_tp2_ep2", Routing::DeepSeekV3, 2, /*replicate=*/2, 0, /*tp=*/2);
 }
 
 TEST(TrainerMoE, SequenceBalanceLossEqualsOneRank) {
