@@ -141,6 +141,28 @@ TEST(TrainerMoE, TensorParallelEqualsOneRank) {
   expect_parity("tp2_dsv3", Routing::DeepSeekV3, 1, 1, 0, /*tp=*/2);
 }
 
+TEST(TrainerMoE, TensorParallelDenseQwen3EqualsOneRank) {
+  // What the MoE runs under TP also need, on Qwen3's dense flavor: the per-head q_norm / k_norm see only this TP
+  // rank's heads, so their gradients are all-reduced over TP (without it the grad norms differ from 1 rank).
+  TrainEnv single;
+  single.verbose = false;
+  JobConfig ref_config = base("tp2_dense_ref", Routing::Qwen3);
+  ref_config.model.flavor = "cpu_tiny";
+  const TrainSummary ref = run_training(ref_config, single, false);
+  JobConfig config = base("tp2_dense", Routing::Qwen3);
+  config.model.flavor = "cpu_tiny";
+  config.parallelism.tensor_parallel_degree = 2;
+  const TrainSummary got = run_training(config, test::world_env(), false);
+  EXPECT_NE(got.plan.find("TP 2 (sequence parallel"), std::string::npos) << got.plan;
+  ASSERT_EQ(ref.losses.size(), got.losses.size());
+  EXPECT_TRUE(got.expert_loads.empty()) << "a dense model";
+  for (size_t i = 0; i < ref.losses.size(); ++i) {
+    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5 * ref.losses[i]) << "step " << i + 1;
+    EXPECT_NEAR(got.grad_norms[i], ref.grad_norms[i], 1e-4 * ref.grad_norms[i]) << "step " << i + 1;
+  }
+  EXPECT_LT(got.losses.back(), got.losses.front());
+}
+
 TEST(TrainerMoE, ExpertParallelWithTensorParallelEqualsOneRank) {
   if (fsdp::world()->size() != 4) GTEST_SKIP() << "tp 2 x ep 2 needs 4 ranks";
   // TorchTitan's layout: EP borrows its ranks from dp_shard x tp (here dp_shard 2 x tp 2 = 4): ep 2 leaves the
