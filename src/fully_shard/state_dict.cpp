@@ -23,6 +23,10 @@ struct ModelIndex {
   // Buffers kept in MixedPrecisionPolicy::buffer_dtype: state dicts report them in their original dtype.
   std::unordered_map<const c10::TensorImpl*, c10::ScalarType> buffer_orig_dtype;
   DeviceMesh any_mesh;
+  // Under tensor parallelism: the [fsdp..., tp] mesh of a tensor-parallel parameter. Buffers (an MoE block's
+  // expert_bias) are replicated over it: described over any_mesh alone, the TP ranks of data-parallel
+  // coordinate 0 would each claim the whole buffer, and a checkpoint would see overlapping chunks.
+  DeviceMesh tp_mesh;
   // Tensor-parallel parameters (managed ones also carry their layout in their FSDPParam).
   std::unordered_map<const c10::TensorImpl*, TensorParallelSpec> tp_specs;
   at::Tensor unmanaged_value(const at::Tensor& t) const {
@@ -51,7 +55,10 @@ ModelIndex index_model(torch::nn::Module& root, const char* what) {
       if (g->is_unsharded() || g->unshard_in_flight()) g->reshard();
       if (!index.any_mesh.valid()) index.any_mesh = g->mesh_info().mesh;
       index.groups.push_back(g);
-      for (auto* p : g->params()) index.managed[p->param().unsafeGetTensorImpl()] = {p, &g->mesh_info()};
+      for (auto* p : g->params()) {
+        index.managed[p->param().unsafeGetTensorImpl()] = {p, &g->mesh_info()};
+        if (!index.tp_mesh.valid() && p->tensor_parallel_layout()) index.tp_mesh = p->tensor_parallel_layout()->mesh;
+      }
     }
   }
   index.tp_specs = tp::collect_specs(root);
@@ -113,7 +120,8 @@ ShardedStateDict sharded_state_dict(torch::nn::Module& root) {
         out.emplace(fqn, std::move(*tp));
         return;
       }
-      out.emplace(fqn, ShardedTensor::from_local(index.unmanaged_value(t), index.any_mesh, replicated(index.any_mesh),
+      const DeviceMesh& mesh = index.tp_mesh.valid() ? index.tp_mesh : index.any_mesh;
+      out.emplace(fqn, ShardedTensor::from_local(index.unmanaged_value(t), mesh, replicated(mesh),
                                                  t.sizes().vec()));
       return;
     }

@@ -1,7 +1,7 @@
 // Checkpoints of an MoE model across expert-parallel degrees (4 ranks, qwen3 cpu_tiny_moe, dp_shard 4): a run at
 // ep 2 stopped after step 3 (right after its checkpoint) and resumed at ep 2 equals the uninterrupted run bit for
 // bit (losses, grad norms, expert loads, final weights and load-balancing biases). The same step-3 checkpoint
-// loads at ep 4 and without expert parallelism: each trains on like the uninterrupted run (1e-6: other
+// loads at ep 4, without expert parallelism and at tp 2 x ep 2: each trains on like the uninterrupted run (1e-6: other
 // reduction orders; the expert loads, which depend on the loaded biases, exactly), and loads the weights bit
 // for bit (shown by resuming with a vanishing lr: the final save holds the loaded weights; the biases move
 // with the token counts whatever the lr, so they are shown by the expert loads instead). The stacked expert
@@ -19,6 +19,8 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <tuple>
+#include <vector>
 
 using namespace fsdp_train;
 namespace fs = std::filesystem;
@@ -27,11 +29,12 @@ namespace {
 
 std::string shared_dir(const std::string& name) { return test::shared_dir("fsdp_train_moe_resume", name); }
 
-JobConfig job(const std::string& folder, int64_t ep) {
+JobConfig job(const std::string& folder, int64_t ep, int64_t tp = 1) {
   JobConfig c = test::checkpointed_job(folder);
   c.model.name = ModelName::Qwen3;
   c.model.flavor = "cpu_tiny_moe";
   c.parallelism.expert_parallel_degree = ep;
+  c.parallelism.tensor_parallel_degree = tp;
   return c;
 }
 
@@ -69,7 +72,7 @@ TEST(TrainerMoEResume, AcrossExpertParallelDegrees) {
   // Copies for the resumes at other degrees, before the same-degree resume adds step 6 (shared_dir clears a
   // folder: named once).
   std::map<std::string, std::string> dirs;
-  for (const char* tag : {"ep4", "ep1", "ep4_lr0", "ep1_lr0"}) {
+  for (const char* tag : {"ep4", "ep1", "tp2_ep2", "ep4_lr0", "ep1_lr0", "tp2_ep2_lr0"}) {
     dirs[tag] = shared_dir(tag);
     copy_step3(dir, dirs[tag]);
   }
@@ -87,17 +90,19 @@ TEST(TrainerMoEResume, AcrossExpertParallelDegrees) {
   ASSERT_EQ(want6.size(), got6.size());
   for (const auto& [key, w] : want6) EXPECT_TRUE(torch::equal(got6.at(key), w)) << key;
 
-  for (int64_t ep : {4, 1}) {
-    const std::string tag = "ep" + std::to_string(ep);
-    const TrainSummary other = run_training(job(dirs.at(tag), ep), test::world_env(), false);
-    if (ep > 1) EXPECT_NE(other.plan.find("EP 4 ("), std::string::npos) << other.plan;
+  // ep 4, no EP, and tp 2 x ep 2 (dp_shard 2: EP borrowing the TP ranks, the experts' FSDP over 2 ranks).
+  for (const auto& [tag, ep, tp] : std::vector<std::tuple<std::string, int64_t, int64_t>>{
+           {"ep4", 4, 1}, {"ep1", 1, 1}, {"tp2_ep2", 2, 2}}) {
+    const TrainSummary other = run_training(job(dirs.at(tag), ep, tp), test::world_env(), false);
+    if (ep > 1) EXPECT_NE(other.plan.find("EP " + std::to_string(ep) + " ("), std::string::npos) << other.plan;
     else EXPECT_EQ(other.plan.find("EP "), std::string::npos) << other.plan;
+    if (tp > 1) EXPECT_NE(other.plan.find("TP 2 ("), std::string::npos) << other.plan;
     ASSERT_EQ(other.losses.size(), 3u) << tag;
     for (size_t i = 0; i < 3; ++i) {
       EXPECT_NEAR(other.losses[i], full.losses[i + 3], 1e-6 * full.losses[i + 3]) << "step " << i + 4 << " at " << tag;
       EXPECT_EQ(other.expert_loads[i].max_tokens, full.expert_loads[i + 3].max_tokens) << "step " << i + 4 << " at " << tag;
     }
-    JobConfig lr0 = job(dirs.at(tag + "_lr0"), ep);
+    JobConfig lr0 = job(dirs.at(tag + "_lr0"), ep, tp);
     lr0.optimizer.lr = 1e-30;
     run_training(lr0, test::world_env(), false);
     world->barrier().wait();
