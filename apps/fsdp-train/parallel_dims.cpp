@@ -76,8 +76,8 @@ ParallelDims resolve_parallelism(const JobConfig& c, int64_t world_size) {
     check(d.dp_shard % d.ep == 0, "parallelism.expert_parallel_degree (" + std::to_string(d.ep) +
                                       ") must divide the data-parallel shard degree (" + std::to_string(d.dp_shard) +
                                       "): expert parallelism borrows its ranks from FSDP's shard dim");
-    check(d.tp == 1 && d.pp == 1, "parallelism.expert_parallel_degree > 1 with tensor or pipeline parallelism is "
-                                  "not supported yet (expert parallelism composes with FSDP and HSDP)");
+    check(d.tp == 1, "parallelism.expert_parallel_degree > 1 with tensor parallelism is not supported yet "
+                     "(expert parallelism composes with FSDP, HSDP and pipeline parallelism)");
   }
   if (d.pp > 1) {
     const int64_t n = c.parallelism.num_pp_microbatches;

@@ -165,7 +165,7 @@ std::string write_shared_file(const std::string& path, const std::string& text) 
 // DualPipeV (overlapped forward-backward pairs, 2 stages per rank in a V) and a CSV schedule, pp 2 on 2 ranks, equal
 // the 1-rank run with accumulation (loss, grad norm, validation; 1e-5). The CSV is a V-shaped GPipe no schedule
 // name gives (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2: the placement comes from the file). Dense model
-// only: the trainer refuses MoE under PP (issue 37). A deadlocking CSV is refused before training with the cell.
+// here (MoE under PP: moe_pipeline_test.cpp). A deadlocking CSV is refused before training with the cell.
 TEST(TrainerParity, PipelineDualPipeVAndCsvScheduleMatchOneRankWithAccumulation) {
   if (fsdp::world()->size() != 2) GTEST_SKIP() << "pp 2 on 2 ranks";
   expect_pipeline_parity(2, 1, 1, {"DualPipeV"});
