@@ -1,6 +1,6 @@
 // MoE under pipeline parallelism through the trainer (qwen3 cpu_tiny_moe: 2 layers, each an MoE block of 8
-// experts, top-2), against 1 rank with gradient accumulation 4 over the same global batches (4 samples of 16
-// tokens per step): the loss and grad norm of every step (1e-5 / 1e-4 relative, as the dense pipeline and MoE
+// experts, top-2), against 1 rank with gradient accumulation over the same global batches (4 samples of 16 tokens
+// per data-parallel rank and step, in 4 microbatches): the loss and grad norm of every step (1e-5 / 1e-4 relative, as the dense pipeline and MoE
 // parity tests), the expert load of every step exactly (each layer's busiest and idlest expert, summed over the
 // ranks of the layer's stage: every rank reports every layer, also those its stages do not hold) and the L1 norm
 // of the load-balancing bias (updated per stage from its ranks' counts, so the routing of later steps follows it).
@@ -28,12 +28,13 @@ namespace {
 
 enum class Routing { Qwen3, DeepSeekV3 };
 
-constexpr int64_t kGlobalBatch = 4;
+// 4 samples per data-parallel rank (pp 2 on the world): 4 microbatches of 1, as many as DualPipeV's 4 stages need.
+int64_t global_batch() { return 2 * fsdp::world()->size(); }
 
 JobConfig base(const std::string& name, Routing routing, double aux_coeff) {
   JobConfig c = load_config({"--model.name", "qwen3", "--model.flavor", "cpu_tiny_moe", "--training.seq_len", "16",
                              "--training.local_batch_size", "1", "--training.global_batch_size",
-                             std::to_string(kGlobalBatch), "--training.steps", "8", "--lr_scheduler.warmup_steps", "2",
+                             std::to_string(global_batch()), "--training.steps", "8", "--lr_scheduler.warmup_steps", "2",
                              "--metrics.peak_tflops", "1"});
   if (routing == Routing::DeepSeekV3) {
     c.model.moe_score_func = MoeScoreFunc::Sigmoid;
@@ -68,7 +69,7 @@ void expect_pipeline_parity(const std::string& name, Routing routing, int64_t pp
     SCOPED_TRACE(name + " " + schedule + ": pp " + std::to_string(pp) + " x dp " + std::to_string(dp) + ", ep " +
                  std::to_string(ep));
     JobConfig config = base(name + "_" + schedule, routing, aux_coeff);
-    config.training.local_batch_size = kGlobalBatch / dp;  // one pipeline step per optimizer step
+    config.training.local_batch_size = global_batch() / dp;  // one pipeline step per optimizer step
     config.parallelism.pipeline_parallel_degree = pp;
     config.parallelism.pipeline_parallel_schedule = parse_choice<PipelineSchedule>(schedule).value();
     config.parallelism.pipeline_parallel_microbatch_size = 1;
