@@ -49,9 +49,9 @@ ExpertLoad update_expert_load_balance(const std::vector<fsdp::nn::moe::MoEImpl*>
                                       const fsdp::ProcessGroupPtr& pp_group);
 
 // Pipeline parallelism and DeepSeek-V3's sequence balance loss: the stage's output, carrying the balance loss of
-// `layers`' last (this microbatch's) training forward into its backward (gradient 1 x `share`; TorchTitan adds
-// it inside the layer through a custom autograd op, so that it reaches backward without going through the
-// pipeline's outputs or the last stage's loss). `share`: the microbatch's share of the global batch (its
+// `layers`' last (this microbatch's) training forward into its backward (gradient 1 x `share`): an identity
+// autograd op, as MoE trainers attach it (TorchTitan among them), so that it reaches backward without going
+// through the pipeline's outputs or the last stage's loss, which live on another rank. `share`: the microbatch's share of the global batch (its
 // sequences / global_batch_size), so that the microbatches of every rank add up to the batch's mean, as without
 // PP. The attached value is added (detached) to `sum` for the step's metric. `output` itself when no layer has
 // a balance loss or gradients are off (validation).
