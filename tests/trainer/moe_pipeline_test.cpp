@@ -23,7 +23,6 @@
 
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 
 using namespace fsdp_train;
 
@@ -109,15 +108,6 @@ void expect_pipeline_parity(const std::string& name, Routing routing, int64_t pp
 
 }  // namespace
 
-// Writes `text` to `path` from every rank: a private temporary then a rename, so that no rank reads a half-written
-// file (every rank names the same file: the launch check compares configurations).
-std::string write_shared_file(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp" + std::to_string(fsdp::world()->rank());
-  std::ofstream(tmp, std::ios::binary) << text;
-  std::filesystem::rename(tmp, path);
-  return path;
-}
-
 TEST(TrainerMoEPipeline, PipelineEqualsOneRank) {
   const int64_t n = fsdp::world()->size();
   if (n == 2) {
@@ -126,7 +116,7 @@ TEST(TrainerMoEPipeline, PipelineEqualsOneRank) {
     // and a CSV schedule: a V-shaped GPipe no name gives (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2).
     const std::string dir = ::testing::TempDir() + "/fsdp_train_moe_pp_csv";
     std::filesystem::create_directories(dir);
-    const std::string v_gpipe = write_shared_file(
+    const std::string v_gpipe = test::write_shared_file(
         dir + "/v_gpipe.csv",
         "0F0,0F1,0F2,0F3,3F0,3F1,3F2,3F3,3B0,3B1,3B2,3B3,0B0,0B1,0B2,0B3\n"
         "1F0,2F0,1F1,2F1,1F2,2F2,1F3,2F3,2B0,1B0,2B1,1B1,2B2,1B2,2B3,1B3\n");
