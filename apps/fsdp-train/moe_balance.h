@@ -6,6 +6,7 @@
 
 #include <fsdp/process_group.h>
 
+#include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
 #include <cstdint>
@@ -35,5 +36,26 @@ struct ExpertLoad {
 // (a no-op for layers without load balancing) and zeroes the counts. Collective over `dp_group`.
 ExpertLoad update_expert_load_balance(const std::vector<fsdp::nn::moe::MoEImpl*>& layers,
                                       const fsdp::ProcessGroupPtr& dp_group);
+
+// The same under pipeline parallelism, where each stage's MoE layers live only on that stage's ranks: `layers` is
+// every MoE layer of the whole model, `held[l]` whether this rank holds layer l (its stages). The held layers'
+// counts are summed over `stage_dp_groups` (the mesh dims of this stage's data-parallel ranks, experts' ranks
+// included: each dim's group in turn), their bias updated from that sum; the other layers' figures then come from
+// their holders over `pp_group` (sum: each layer has one holder there), so that every rank reports every layer.
+// The layers this rank does not hold are not touched (they may still be on `meta`). Collective over the groups.
+ExpertLoad update_expert_load_balance(const std::vector<fsdp::nn::moe::MoEImpl*>& layers,
+                                      const std::vector<bool>& held,
+                                      const std::vector<fsdp::ProcessGroupPtr>& stage_dp_groups,
+                                      const fsdp::ProcessGroupPtr& pp_group);
+
+// Pipeline parallelism and DeepSeek-V3's sequence balance loss: the stage's output, carrying the balance loss of
+// `layers`' last (this microbatch's) training forward into its backward (gradient 1 x `share`): an identity
+// autograd op, as MoE trainers attach it (TorchTitan among them), so that it reaches backward without going
+// through the pipeline's outputs or the last stage's loss, which live on another rank. `share`: the microbatch's share of the global batch (its
+// sequences / global_batch_size), so that the microbatches of every rank add up to the batch's mean, as without
+// PP. The attached value is added (detached) to `sum` for the step's metric. `output` itself when no layer has
+// a balance loss or gradients are off (validation).
+at::Tensor attach_sequence_aux_loss(const at::Tensor& output, const std::vector<fsdp::nn::moe::MoEImpl*>& layers,
+                                    double share, at::Tensor& sum);
 
 }  // namespace fsdp_train

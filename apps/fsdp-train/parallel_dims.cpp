@@ -82,8 +82,6 @@ ParallelDims resolve_parallelism(const JobConfig& c, int64_t world_size) {
                               "FSDP's shard dim and the TP ranks"
                         : " (" + std::to_string(d.dp_shard) + "): expert parallelism borrows its ranks from FSDP's "
                               "shard dim"));
-    check(d.pp == 1, "parallelism.expert_parallel_degree > 1 with pipeline parallelism is not supported yet "
-                     "(expert parallelism composes with FSDP, HSDP and tensor parallelism)");
   }
   if (d.pp > 1) {
     const int64_t n = c.parallelism.num_pp_microbatches;

@@ -75,6 +75,10 @@ ParallelMeshes build_meshes(const ParallelDims& dims, const std::string& device_
       sparse_shape.insert(sparse_shape.begin(), dims.dp_replicate);
       sparse_names.insert(sparse_names.begin(), "dp_replicate");
     }
+    if (dims.pp > 1) {  // inside each pipeline stage's ranks (pp outermost, as in the world mesh)
+      sparse_shape.insert(sparse_shape.begin(), dims.pp);
+      sparse_names.insert(sparse_names.begin(), "pp");
+    }
     const fsdp::DeviceMesh sparse = fsdp::init_device_mesh(device_type, sparse_shape, sparse_names);
     if (dims.ep > 1) m.ep = sparse["ep"];
     m.expert_dp = dims.dp_replicate > 1 ? sparse.slice({"dp_replicate", "efsdp"})

@@ -52,6 +52,11 @@ struct ParallelPlan {
   int num_stages = 1;
   fsdp::ProcessGroupPtr pp_group;
   bool holds_first_stage = true, holds_last_stage = true;
+  // MoE under PP: the groups of this stage's data-parallel mesh dims (the expert loads are summed over them, not
+  // the world: each stage's MoE layers live on its ranks only), and the sequence balance loss the stages attached
+  // to this step's backward so far (summed, detached; undefined when none; the trainer reads and clears it).
+  std::vector<fsdp::ProcessGroupPtr> stage_dp_groups;
+  std::shared_ptr<at::Tensor> stage_aux_loss;
 };
 
 // The device of the mesh (training.device); a ConfigError when it is not available in this process.

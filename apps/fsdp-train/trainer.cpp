@@ -220,6 +220,7 @@ class Trainer {
   TrainModel model_;
   ParallelPlan plan_;
   std::vector<fsdp::nn::moe::MoEImpl*> moe_blocks_;
+  std::vector<bool> moe_held_;  // under PP: whether this rank's stages hold moe_blocks_[l]
   // The summed token loss of flattened logits (training and validation alike): with loss parallel the logits are
   // sharded over the vocabulary and the cross entropy reduces over the TP group.
   std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss_sum_of_;
@@ -359,6 +360,12 @@ void Trainer::build_model() {
 
   plan_ = spec_.parallelize(model_, config, dims_, env_.group);
   moe_blocks_ = moe_layers(*model_.module);
+  moe_held_.assign(moe_blocks_.size(), plan_.stages.empty());
+  for (auto& stage : plan_.stages) {
+    for (auto* moe : moe_layers(*stage.module)) {
+      for (size_t l = 0; l < moe_blocks_.size(); ++l) moe_held_[l] = moe_held_[l] || moe_blocks_[l] == moe;
+    }
+  }
   loss_sum_of_ = [this](const torch::Tensor& logits, const torch::Tensor& labels) {
     if (plan_.loss_parallel)
       return fsdp::loss_parallel_cross_entropy(logits, labels, plan_.tp_mesh, -100, fsdp::LossReduction::Sum);
@@ -565,6 +572,11 @@ Trainer::StepResult Trainer::train_step(int64_t step, bool ready) {
   }
   double aux_sum = 0;
   r.local_loss_sum = forward_backward(batches, global_tokens, tmem, aux_sum);
+  if (plan_.stage_aux_loss && plan_.stage_aux_loss->defined()) {
+    // Under PP the stages attached their layers' balance loss to each microbatch's backward (parallelize).
+    aux_sum += plan_.stage_aux_loss->item<double>();
+    *plan_.stage_aux_loss = torch::Tensor();
+  }
   if (config_.model.moe_sequence_aux_loss_coeff > 0 && !moe_blocks_.empty()) {
     // The TP ranks of a data-parallel rank compute the same balance loss: count it once.
     r.aux_loss = all_reduce(env_.group, {aux_sum})[0] / static_cast<double>(dims_.tp);
@@ -587,9 +599,11 @@ Trainer::StepResult Trainer::train_step(int64_t step, bool ready) {
   pending_step_ = -1;
   // MoE: the step's expert load over the data-parallel ranks drives the load-balancing bias (TorchTitan runs
   // this as an optimizer step pre-hook; gradient accumulation has summed every microbatch's counts).
-  // plan_.dp_group is the world here: under TP each rank routes its own slice of the sequence, so the sum over
-  // dp x tp counts every token once.
-  r.expert_load = update_expert_load_balance(moe_blocks_, plan_.dp_group);
+  // Without PP over plan_.dp_group, the world here: under TP each rank routes its own slice of the sequence, so
+  // the sum over dp x tp counts every token once. Under PP over each stage's data-parallel ranks (its MoE layers
+  // live there only), shared over the stages.
+  r.expert_load = pipeline_ ? update_expert_load_balance(moe_blocks_, moe_held_, plan_.stage_dp_groups, plan_.pp_group)
+                            : update_expert_load_balance(moe_blocks_, plan_.dp_group);
   if (!r.expert_load.empty()) summary_.expert_loads.push_back(r.expert_load);
   checkpointer_->before_optimizer_step();  // an async save's background snapshot is complete
   optimizer_->step();

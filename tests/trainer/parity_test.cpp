@@ -153,31 +153,22 @@ TEST(TrainerParity, PipelineMatchesOneRankWithAccumulation) {
   }
 }
 
-// Writes `text` to `path` from every rank: a private temporary then a rename, so that no rank reads a half-written
-// file (every rank must name the same file: the launch check compares configurations).
-std::string write_shared_file(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp" + std::to_string(fsdp::world()->rank());
-  std::ofstream(tmp, std::ios::binary) << text;
-  std::filesystem::rename(tmp, path);
-  return path;
-}
-
 // DualPipeV (overlapped forward-backward pairs, 2 stages per rank in a V) and a CSV schedule, pp 2 on 2 ranks, equal
 // the 1-rank run with accumulation (loss, grad norm, validation; 1e-5). The CSV is a V-shaped GPipe no schedule
 // name gives (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2: the placement comes from the file). Dense model
-// only: the trainer refuses MoE under PP (issue 37). A deadlocking CSV is refused before training with the cell.
+// here (MoE under PP: moe_pipeline_test.cpp). A deadlocking CSV is refused before training with the cell.
 TEST(TrainerParity, PipelineDualPipeVAndCsvScheduleMatchOneRankWithAccumulation) {
   if (fsdp::world()->size() != 2) GTEST_SKIP() << "pp 2 on 2 ranks";
   expect_pipeline_parity(2, 1, 1, {"DualPipeV"});
   const std::string dir = ::testing::TempDir() + "/fsdp_train_parity_csv";
   std::filesystem::create_directories(dir);
-  const std::string v_gpipe = write_shared_file(
+  const std::string v_gpipe = test::write_shared_file(
       dir + "/v_gpipe.csv",
       "0F0,0F1,0F2,0F3,3F0,3F1,3F2,3F3,3B0,3B1,3B2,3B3,0B0,0B1,0B2,0B3\r\n"
       "1F0,2F0,1F1,2F1,1F2,2F2,1F3,2F3,2B0,1B0,2B1,1B1,2B2,1B2,2B3,1B3\r\n");
   expect_pipeline_parity(2, 1, 1, {"csv"}, "cpu_tiny", v_gpipe);
 
-  const std::string deadlock = write_shared_file(
+  const std::string deadlock = test::write_shared_file(
       dir + "/deadlock.csv",
       "0F0,0F1,0F2,0F3,3F0,3F1,3F2,3F3,3B0,3B1,3B2,3B3,0B0,0B1,0B2,0B3\n"
       "1F0,2F0,1F1,2F1,1F2,2F2,2B0,1F3,2F3,1B0,2B1,1B1,2B2,1B2,2B3,1B3\n");

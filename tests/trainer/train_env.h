@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <string>
 
@@ -60,6 +61,15 @@ inline std::map<std::string, at::Tensor> model_tensors(const std::string& dir) {
     out[t.name] = fsdp::checkpoint::read_tensor(dir, t.name);
   }
   return out;
+}
+
+// Writes `text` to `path` from every rank: a private temporary then a rename, so that no rank reads a half-written
+// file (every rank must name the same file: the launch check compares configurations).
+inline std::string write_shared_file(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp" + std::to_string(fsdp::world()->rank());
+  std::ofstream(tmp, std::ios::binary) << text;
+  std::filesystem::rename(tmp, path);
+  return path;
 }
 
 }  // namespace fsdp_train::test

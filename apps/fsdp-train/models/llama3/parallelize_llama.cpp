@@ -1,6 +1,8 @@
 // See parallelize_llama.h.
 #include "parallelize_llama.h"
 
+#include "moe_balance.h"
+
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/expert_parallel.h>
 #include <fsdp/nn/module_call.h>
@@ -244,6 +246,23 @@ void set_sum_gradients(ParallelPlan& plan) {
   plan.fsdp = true;
 }
 
+// MoE under PP (TorchTitan: apply_moe_ep and apply_fsdp inside each stage's model part): the routed experts'
+// placement in every stage as without PP (EP over ep of the stage's dp_shard ranks, their FSDP over what is left),
+// the groups the stage's expert loads are summed over, and the balance-loss accumulator. Returns the plan's
+// description of the experts ("" for a dense model).
+std::string pipeline_moe_setup(ParallelPlan& plan, FsdpOptions& fsdp, fsdp::nn::llama::Transformer& model,
+                               const JobConfig& config, const ParallelDims& dims, const ParallelMeshes& meshes) {
+  const int64_t num_experts = num_experts_of(model);
+  if (num_experts == 0) return "";
+  for (int64_t d = 0; d < meshes.dp.ndim(); ++d) plan.stage_dp_groups.push_back(meshes.dp.group(d));
+  if (config.model.moe_sequence_aux_loss_coeff > 0) plan.stage_aux_loss = std::make_shared<at::Tensor>();
+  fsdp.experts_shard_dim = dims.dp_shard > num_experts ? 1 : 0;  // as without PP (tt#1561)
+  if (dims.ep == 1) return fsdp.experts_shard_dim == 1 ? "experts Shard(1) + " : "";
+  fsdp.experts_mesh = meshes.expert_dp;
+  return "EP " + std::to_string(dims.ep) + " (experts' FSDP over " + fsdp.experts_mesh.to_string() + ", Shard(" +
+         std::to_string(fsdp.experts_shard_dim) + ")) + ";
+}
+
 ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, const JobConfig& config,
                                         const ParallelDims& dims, const fsdp::ProcessGroupPtr& group) {
   ParallelPlan plan;
@@ -264,20 +283,35 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
   const int64_t num_stages = split.num_stages;
   plan.num_stages = static_cast<int>(num_stages);
   plan.stage_indices = split.schedule.stages_of_rank(plan.pp_group->rank());
-  const FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/true);
+  FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/true);
+  const std::string experts_description = pipeline_moe_setup(plan, fsdp, model, config, dims, meshes);
   std::string layers;
   for (int s : plan.stage_indices) {
     const auto [begin, end] = split.layers[static_cast<size_t>(s)];
     fsdp::nn::llama::LlamaStage stage(*model, begin, end, s == 0, s == num_stages - 1);
     if (dims.tp > 1) apply_tp(stage, model->args(), plan.tp_mesh, plan.loss_parallel);
+    std::vector<fsdp::nn::moe::MoEImpl*> stage_moes;
+    for (auto& block : stage->blocks()) {
+      if (auto* moe = moe_of(*block)) stage_moes.push_back(moe);
+    }
+    if (dims.ep > 1) {
+      for (auto* moe : stage_moes) fsdp::apply_expert_parallel(moe->experts.ptr(), meshes.ep);
+    }
     for (auto& m : apply_fsdp(stage, fsdp)) plan.fsdp_modules.push_back(m);
     layers += (layers.empty() ? "" : ", ") + std::string("stage ") + std::to_string(s) + " = layers " +
               std::to_string(begin) + ".." + std::to_string(end - 1) + (s == 0 ? " + tok_embeddings" : "") +
               (s == num_stages - 1 ? " + norm, output" : "");
     // block_causal: every stage gets its microbatch's document ids alongside (the pipeline's context).
-    plan.stages.push_back({stage.ptr(), [stage](const at::Tensor& x, const at::Tensor& ids) {
-                             if (!ids.defined()) return fsdp::nn::call(stage, x);
-                             return fsdp::nn::call(stage, x, std::optional<at::Tensor>(ids));
+    // The sequence balance loss (model.moe_sequence_aux_loss_coeff) of the stage's MoE layers joins the stage's
+    // backward per microbatch (moe_balance.h); x's rows are the microbatch's sequences.
+    const double batch = static_cast<double>(dims.global_batch_size);
+    plan.stages.push_back({stage.ptr(), [stage, stage_moes, batch, aux = plan.stage_aux_loss](
+                                            const at::Tensor& x, const at::Tensor& ids) {
+                             at::Tensor out = ids.defined() ? fsdp::nn::call(stage, x, std::optional<at::Tensor>(ids))
+                                                            : fsdp::nn::call(stage, x);
+                             if (!aux || stage_moes.empty()) return out;
+                             return attach_sequence_aux_loss(out, stage_moes, static_cast<double>(x.size(0)) / batch,
+                                                             *aux);
                            }});
   }
   plan.holds_first_stage = plan.stage_indices.front() == 0;
@@ -290,7 +324,8 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
   plan.description = "PP " + std::to_string(dims.pp) + " (" + schedule_text + ", " +
                      std::to_string(num_stages) + " stages, " + std::to_string(dims.pp_microbatches) +
                      " microbatches; this rank: " + layers + ") + " + (dims.tp > 1 ? "TP " + std::to_string(dims.tp) +
-                     " (sequence parallel) + " : std::string()) + (dims.dp_replicate > 1 ? "HSDP" : "FSDP") +
+                     " (sequence parallel) + " : std::string()) + experts_description +
+                     (dims.dp_replicate > 1 ? "HSDP" : "FSDP") +
                      " mesh " + plan.mesh.to_string() + ", reshard_after_forward " +
                      (always ? "always" : "false (PP)");
   return plan;
@@ -304,9 +339,10 @@ void check_layout(const std::string& family, const fsdp::nn::llama::LlamaArgs& a
   const bool has_moe = num_experts > 0;
   const auto& ac = config.activation_checkpoint;
   const std::string model = family + " " + config.model.flavor;
-  if (has_moe && dims.pp > 1) {
-    throw ConfigError("config error: MoE models (" + model + ") with pipeline parallelism are not supported yet; "
-                      "use FSDP, HSDP, tensor parallelism and parallelism.expert_parallel_degree");
+  if (has_moe && dims.pp > 1 && dims.tp > 1) {
+    // Each alone works; together the stage's expert-load sum would have to span the stage's dp x tp ranks.
+    throw ConfigError("config error: MoE models (" + model + ") with pipeline and tensor parallelism together are "
+                      "not supported yet; use either with FSDP, HSDP and parallelism.expert_parallel_degree");
   }
   if (has_moe && dims.tp > 1 && config.model.moe_sequence_aux_loss_coeff > 0) {
     // Under TP each rank routes its slice of every sequence; the per-sequence balance loss would need the
