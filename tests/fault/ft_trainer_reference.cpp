@@ -5,7 +5,8 @@
 //     ranks' samples), whether or not r takes part in step t — an absent group's batch is skipped, nobody reads it;
 //   * the gradient of step t is the mean over the step's members of each member's mean-token-loss gradient, and
 //     the logged loss the mean of their losses;
-//   * then clipping (training.max_norm over the whole gradient) and the optimizer step, as fsdp-train.
+//   * then clipping (training.max_norm over the whole gradient), for MoE models the load-balancing bias update on the
+//     expert counts of the members' batches, and the optimizer step, as fsdp-train.
 // The model, tokenizer, data stream, schedule and optimizer come from fsdp-train's own building blocks (each checked
 // against PyTorch elsewhere); what is under test — sharding, the quorum, the cross-group average, the commit vote
 // and healing — is not here.
@@ -15,6 +16,7 @@
 #include "config.h"
 #include "data.h"
 #include "lr_schedule.h"
+#include "moe_balance.h"
 #include "parallel_dims.h"
 #include "models/llama3/parallelize_llama.h"
 #include "tokenizer.h"
@@ -40,10 +42,11 @@ int main(int argc, char** argv) {
   try {
     const JobConfig config = load_config(std::vector<std::string>(argv + 4, argv + argc));
     TORCH_CHECK(config.fault_tolerance.enable, "the run's arguments must enable [fault_tolerance]");
-    // The group's size in ranks: the world of each replica job, taken from its data_parallel_shard_degree.
-    const int64_t ranks = config.parallelism.data_parallel_shard_degree;
-    TORCH_CHECK(ranks >= 1, "pass --parallelism.data_parallel_shard_degree (the ranks of one replica group)");
-    const ParallelDims dims = resolve_parallelism(config, ranks);
+    // The group's size in ranks: the world of each replica job, data_parallel_shard_degree x tensor_parallel_degree
+    // (a replica group may be FSDP x TP); its data share is that of its data-parallel ranks.
+    const int64_t dp_shard = config.parallelism.data_parallel_shard_degree;
+    TORCH_CHECK(dp_shard >= 1, "pass --parallelism.data_parallel_shard_degree (the data-parallel ranks of one group)");
+    const ParallelDims dims = resolve_parallelism(config, dp_shard * config.parallelism.tensor_parallel_degree);
     const int64_t groups = dims.ft_groups, A = dims.grad_accum_steps;
 
     std::vector<std::vector<int>> members;
@@ -71,13 +74,14 @@ int main(int argc, char** argv) {
     fsdp::nn::llama::Transformer model(args);
     model->init_weights(static_cast<uint64_t>(config.debug.seed));
 
-    // Group g's share of every global batch: its ranks' samples, in their order (data ranks g*ranks .. +ranks-1).
+    // Group g's share of every global batch: its data-parallel ranks' samples, in their order (data ranks
+    // g*dp .. g*dp+dp-1).
     std::vector<std::unique_ptr<DataLoader>> loaders;
     const TextOptions text{config.training.dataset_text_field, config.training.bad_records == BadRecords::Skip, false};
     for (int64_t g = 0; g < groups; ++g)
       loaders.push_back(std::make_unique<DataLoader>(
           files, tokenizer, args.vocab_size,
-          LoaderOptions{config.training.seq_len, dims.local_batch_size * ranks, A, g, groups}, text));
+          LoaderOptions{config.training.seq_len, dims.local_batch_size * dims.dp_degree(), A, g, groups}, text));
 
     const auto& o = config.optimizer;
     auto params = model->parameters();
@@ -117,6 +121,8 @@ int main(int argc, char** argv) {
         }
       }
       torch::nn::utils::clip_grad_norm_(params, config.training.max_norm);
+      // MoE: the load-balancing bias moves on the expert counts of every member's batch (a no-op for dense models).
+      update_expert_load_balance(moe_layers(*model), nullptr);
       optimizer.step();
       char line[64];
       std::snprintf(line, sizeof line, "%lld %.17g\n", static_cast<long long>(step), loss);

@@ -44,6 +44,11 @@ ap.add_argument("--no-fallback-trial", action="store_true")
 ap.add_argument("--steps", type=int, default=120)
 ap.add_argument("--seed", type=int, default=None)
 ap.add_argument("--name", default="ft_trainer_test")
+# Another layout inside each replica group (e.g. tensor parallelism): fsdp-train arguments appended to the run's (and
+# the reference's), and a regular expression replica 0's log must match (the layout really ran).
+ap.add_argument("--extra", action="append", default=[], help="fsdp-train arguments appended, e.g. "
+                "'--parallelism.tensor_parallel_degree 2'")
+ap.add_argument("--expect-log", action="append", default=[], help="a regex replica 0's log must match")
 a = fu.parse_args(ap)
 seed = a.seed if a.seed is not None else random.randrange(1 << 30)
 rng = random.Random(seed)
@@ -57,6 +62,7 @@ TRAIN = ["--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--training.l
          "--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
          "--fault_tolerance.process_group_timeout_ms", str(PG_TIMEOUT_MS),
          "--fault_tolerance.join_timeout_ms", str(JOIN_MS),
+         ] + [arg for extra in a.extra for arg in extra.split()] + [
          # Only the last step is saved: the checkpoint the two groups are compared by. A restarted group finds none.
          "--checkpoint.enable", "--checkpoint.interval", str(10 * STEPS)]
 STEP_RX = re.compile(r"^\[rank 0\] step:\s+(\d+)\s")
@@ -137,6 +143,10 @@ def trial(n, stop, stop_rank=None):
             fu.wait_until(jobs, lambda: j.proc.poll() is not None, 240)
     finally:
         save_logs(work, r0, r1, light)
+
+    for rx in a.expect_log:
+        hit = r0.grep(rx)
+        fu.check(bool(hit), f"{tag}: replica 0's log shows the layout ({rx!r}): {hit[0][:200] if hit else None}")
 
     # ---- replica 0 never stopped -------------------------------------------------------------------------------
     fu.check(r0.proc.returncode == 0 and not r0.grep(r"restarting"), f"{tag}: replica 0 ran through without a restart "
