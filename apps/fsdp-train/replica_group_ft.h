@@ -49,6 +49,9 @@ class FaultTolerance {
   // Without fully_shard: the parameters' gradients averaged over the quorum (one flat all-reduce).
   void average_gradients(const std::vector<at::Tensor>& params);
   double average(double value);  // e.g. the step's loss, over the quorum's groups
+  // Integer-valued counts (e.g. an MoE layer's tokens per expert) summed over the quorum's groups, in place: each
+  // group then holds the counts of the whole quorum's batch. Before commit, like every quorum transfer.
+  void sum_counts(at::Tensor& counts);
   bool commit(bool local_ok, int64_t step);  // the vote; prints why a step was discarded
   const std::vector<int>& members() const;  // the current quorum's replica ids
   // What this group loaded at start-up: the step of the checkpoint it read, or -1 for none. The healing line says it

@@ -191,6 +191,10 @@ class Trainer {
   double forward_backward(std::vector<Batch>& batches, double global_tokens, TrainSummary::TensorMemory& tmem,
                           double& aux_sum);
   double clip_gradients();
+  // [fault_tolerance] with MoE: the layouts whose expert-bias update and gradients are averaged over the quorum (a
+  // ConfigError for the others), and the step's expert counts summed over the quorum's groups before the vote.
+  void check_moe_fault_tolerance() const;
+  void sum_expert_counts_over_quorum();
   void validate(int64_t step);
   void log(int64_t step, const StepResult& r, const TrainSummary::TensorMemory& tmem);
   void set_train_timeouts();
@@ -300,9 +304,7 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
   build_model();
   build_optimizer();
   if (ft_) {
-    TORCH_CHECK(moe_blocks_.empty(), "fault_tolerance.enable with an MoE model (", to_string(config.model.name), " ",
-                config.model.flavor, ") is not supported yet: the expert load-balancing update is not averaged over "
-                "the replica groups");
+    if (!moe_blocks_.empty()) check_moe_fault_tolerance();
     if (plan_.fsdp) ft_->attach(plan_.fsdp_modules);
   }
 
@@ -520,6 +522,38 @@ double Trainer::forward_backward(std::vector<Batch>& batches, double global_toke
   return local_loss_sum;
 }
 
+void Trainer::check_moe_fault_tolerance() const {
+  const auto& config = config_;
+  const std::string model = std::string(to_string(config.model.name)) + " " + config.model.flavor;
+  if (config.model.moe_sequence_aux_loss_coeff > 0) {
+    throw ConfigError("config error: fault_tolerance.enable with model.moe_sequence_aux_loss_coeff > 0 (" + model +
+                      ") is not supported yet: the sequence aux loss is weighted by the whole global batch, not by "
+                      "the replica group's share of it");
+  }
+  const int64_t experts = moe_blocks_.front()->options().num_experts;
+  if (dims_.dp_shard > experts) {
+    // The experts then shard on dim 1, in a parameter group of their own: FSDP's all-reduce hook (the cross-group
+    // average) takes a module with one parameter group.
+    throw ConfigError("config error: fault_tolerance.enable with an MoE model (" + model + ") whose " +
+                      std::to_string(experts) + " experts are fewer than parallelism.data_parallel_shard_degree = " +
+                      std::to_string(dims_.dp_shard) + " is not supported yet (the experts would shard on dim 1, "
+                      "which the cross-group gradient average does not reach)");
+  }
+}
+
+void Trainer::sum_expert_counts_over_quorum() {
+  if (moe_blocks_.empty()) return;
+  // Each layer's local counts summed over the same-coordinates ranks of the quorum's groups; the data-parallel sum
+  // after the vote (update_expert_load_balance) then covers every rank of every member: the bias moves on the
+  // whole quorum's batch, the same in every group (what one process training on that batch computes).
+  std::vector<at::Tensor> rows;
+  for (auto* moe : moe_blocks_) rows.push_back(moe->tokens_per_expert().to(at::kCPU, at::kDouble));
+  at::Tensor counts = at::stack(rows);
+  ft_->sum_counts(counts);
+  for (size_t l = 0; l < moe_blocks_.size(); ++l)
+    moe_blocks_[l]->tokens_per_expert().copy_(counts[static_cast<int64_t>(l)]);
+}
+
 double Trainer::clip_gradients() {
   if (pipeline_) {
     // Over every stage of every pp rank (TorchTitan's clip_grad_norm_ with pp_mesh).
@@ -578,10 +612,13 @@ Trainer::StepResult Trainer::train_step(int64_t step, bool ready) {
     // vote, so that a failure here discards the step too.
     if (!plan_.fsdp) ft_->average_gradients(params_);
     r.loss = ft_->average(global_loss());
+    sum_expert_counts_over_quorum();
   }
   r.grad_norm = clip_gradients();
   if (ft_ && !(r.committed = ft_->commit(ready, step))) {
     optimizer_->zero_grad();  // the step is dropped: no update, its gradients gone
+    // Its expert counts too: the retry counts its batches again.
+    for (auto* moe : moe_blocks_) moe->tokens_per_expert().zero_();
     return r;
   }
   pending_step_ = -1;

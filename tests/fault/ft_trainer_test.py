@@ -49,6 +49,10 @@ ap.add_argument("--name", default="ft_trainer_test")
 ap.add_argument("--extra", action="append", default=[], help="fsdp-train arguments appended, e.g. "
                 "'--parallelism.tensor_parallel_degree 2'")
 ap.add_argument("--expect-log", action="append", default=[], help="a regex replica 0's log must match")
+# An MoE model: the tokens one expert receives on average from one group's batch (its samples x seq_len x top-k /
+# experts, counted by hand). Each step's logged mean must be that times the step's members: the load-balancing bias
+# moves on the counts of the whole quorum's batch, summed across the groups.
+ap.add_argument("--expert-tokens-per-group", type=float, default=None)
 a = fu.parse_args(ap)
 seed = a.seed if a.seed is not None else random.randrange(1 << 30)
 rng = random.Random(seed)
@@ -182,6 +186,12 @@ def trial(n, stop, stop_rank=None):
     else:
         fu.check(members.count("0,1") >= 3, f"{tag}: steps ran with both groups ({members.count('0,1')})")
         fu.observed(f"{tag}: replica 0 trained {solo_steps} step(s) alone while replica 1 restarted")
+    if a.expert_tokens_per_group is not None:
+        wrong = [(m["step"], m.get("expert_tokens_mean"), mem) for m, mem in zip(m0, members)
+                 if m.get("expert_tokens_mean") != a.expert_tokens_per_group * len(mem.split(","))]
+        fu.check(not wrong, f"{tag}: every step's mean expert load is {a.expert_tokens_per_group:g} tokens x its "
+                 f"members (the counts summed over the quorum)" + (f"; first mismatch (step, mean, members) {wrong[0]}"
+                                                                   if wrong else ""))
     mem_file, ref_file = os.path.join(work, "membership.txt"), os.path.join(work, "reference.txt")
     with open(mem_file, "w") as f:
         for s, m in zip(steps0, members):

@@ -314,11 +314,14 @@ TEST(Config, FaultToleranceKeysAndTheDataShareOfAReplicaGroup) {
                                         "--parallelism.data_parallel_replicate_degree", "2"}); },
                       {"the replica groups are the replicate dimension"});
   expect_config_error([] { load_config({"--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
-                                        "--parallelism.pipeline_parallel_degree", "2"}); },
-                      {"fault_tolerance.enable with pipeline or expert parallelism is not supported yet"});
-  // A replica group may be FSDP x TP (tests/fault: fault_ft_trainer_tp_test trains and heals it).
+                                        "--parallelism.expert_parallel_degree", "2"}); },
+                      {"fault_tolerance.enable with expert parallelism is not supported yet"});
+  // A replica group may be FSDP x TP x PP (tests/fault: fault_ft_trainer_tp_test and fault_ft_trainer_pp_test train
+  // and heal them).
   EXPECT_NO_THROW(load_config({"--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
                                "--parallelism.tensor_parallel_degree", "2"}));
+  EXPECT_NO_THROW(load_config({"--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
+                               "--parallelism.pipeline_parallel_degree", "2"}));
   // Disabled, the keys are not checked (as TorchTitan: group_size 0 is its default).
   EXPECT_NO_THROW(load_config({"--fault_tolerance.replica_id", "7"}));
 
