@@ -951,11 +951,8 @@ void validate(const JobConfig& c) {
     check(c.parallelism.data_parallel_replicate_degree == 1,
           "fault_tolerance.enable with parallelism.data_parallel_replicate_degree > 1: the replica groups are the "
           "replicate dimension (each group shards with FSDP inside); set data_parallel_replicate_degree = 1");
-    // A replica group may be FSDP x TP x PP (torchft replicates whole groups: the cross-group average and healing
-    // pair the ranks of the same coordinates); expert parallelism inside a group is not proven yet.
-    check(c.parallelism.expert_parallel_degree == 1,
-          "fault_tolerance.enable with expert parallelism is not supported yet (a replica group may be FSDP, with "
-          "tensor and pipeline parallelism or not)");
+    // Any other layout inside a replica group (FSDP, TP, PP, EP) is fine: torchft replicates whole groups, the
+    // cross-group average and healing pair the ranks of the same coordinates.
   }
   check(c.training.seq_len % c.parallelism.tensor_parallel_degree == 0,
         "training.seq_len (" + std::to_string(c.training.seq_len) + ") must be divisible by "

@@ -195,6 +195,9 @@ class Trainer {
   // ConfigError for the others), and the step's expert counts summed over the quorum's groups before the vote.
   void check_moe_fault_tolerance() const;
   void sum_expert_counts_over_quorum();
+  // [fault_tolerance] under fully_shard: the cross-group average as each module's all-reduce hook, but for the
+  // blocks that hold an MoE layer (averaged after backward: ft_after_backward_params_).
+  void attach_fault_tolerance();
   void validate(int64_t step);
   void log(int64_t step, const StepResult& r, const TrainSummary::TensorMemory& tmem);
   void set_train_timeouts();
@@ -241,6 +244,7 @@ class Trainer {
   int64_t first_step_ = 1;
   bool train_timeouts_set_ = false;
   std::unique_ptr<FaultTolerance> ft_;  // [fault_tolerance]
+  std::vector<torch::Tensor> ft_after_backward_params_;  // their gradients averaged over the quorum after backward
   // The batches of a step not yet committed: a step the quorum discards is retried on the same data.
   int64_t pending_step_ = -1;
   std::vector<Batch> pending_batches_;
@@ -305,7 +309,7 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
   build_optimizer();
   if (ft_) {
     if (!moe_blocks_.empty()) check_moe_fault_tolerance();
-    if (plan_.fsdp) ft_->attach(plan_.fsdp_modules);
+    if (plan_.fsdp) attach_fault_tolerance();
   }
 
   // ---- metrics ----
@@ -530,15 +534,26 @@ void Trainer::check_moe_fault_tolerance() const {
                       ") is not supported yet: the sequence aux loss is weighted by the whole global batch, not by "
                       "the replica group's share of it");
   }
-  const int64_t experts = moe_blocks_.front()->options().num_experts;
-  if (dims_.dp_shard > experts) {
-    // The experts then shard on dim 1, in a parameter group of their own: FSDP's all-reduce hook (the cross-group
-    // average) takes a module with one parameter group.
-    throw ConfigError("config error: fault_tolerance.enable with an MoE model (" + model + ") whose " +
-                      std::to_string(experts) + " experts are fewer than parallelism.data_parallel_shard_degree = " +
-                      std::to_string(dims_.dp_shard) + " is not supported yet (the experts would shard on dim 1, "
-                      "which the cross-group gradient average does not reach)");
+}
+
+void Trainer::attach_fault_tolerance() {
+  // FSDP's all-reduce hook takes a module with one parameter group. A block whose routed experts shard apart (over
+  // the expert-parallel mesh's data ranks, or on dim 1) has two, so every block holding an MoE layer has its
+  // gradients averaged after backward instead, in one flat all-reduce of its parameters' local gradients: the
+  // average is element-wise and the same-coordinates ranks of two groups hold the same shards, so it is the same
+  // average, only not overlapped with backward. (The blocks are the modules with an MoE layer as a direct child;
+  // the root's and a stage's own parameters are outside every block.)
+  std::vector<fsdp::FSDPModule> hooked;
+  for (auto& m : plan_.fsdp_modules) {
+    bool holds_moe = false;
+    for (const auto& child : m.module().children()) holds_moe = holds_moe || child->as<fsdp::nn::moe::MoEImpl>();
+    if (!holds_moe) {
+      hooked.push_back(m);
+      continue;
+    }
+    for (const auto& p : m.module().parameters()) ft_after_backward_params_.push_back(p);
   }
+  ft_->attach(hooked);
 }
 
 void Trainer::sum_expert_counts_over_quorum() {
@@ -611,6 +626,7 @@ Trainer::StepResult Trainer::train_step(int64_t step, bool ready) {
     // The loss of this replica group's batch averaged over the quorum's groups, as their gradients are; before the
     // vote, so that a failure here discards the step too.
     if (!plan_.fsdp) ft_->average_gradients(params_);
+    if (!ft_after_backward_params_.empty()) ft_->average_gradients(ft_after_backward_params_);
     r.loss = ft_->average(global_loss());
     sum_expert_counts_over_quorum();
   }
