@@ -22,7 +22,11 @@ Checked in every trial:
     groups (model and optimizer state, step, schedule) are bit-identical (fsdp-ckpt diff --atol 0; only the data
     loader positions differ, being each group's own share);
   * the stopped rank's group is dropped within the timeout (replica 0's first solo step).
-Also printed: the recovery time, from the kill to replica 1's first step back in the quorum."""
+Also printed: the recovery time, from the kill to replica 1's first step back in the quorum.
+
+--extra runs another layout inside each group (TP, PP, EP, an MoE model; docs/reliability.md, "Layouts inside a
+replica group"), passed to fsdp-train and the reference alike; --expect-log proves from replica 0's log that the layout
+ran; --expert-tokens-per-group checks each step's mean expert load against a hand count times the step's members."""
 import json
 import os
 import random
