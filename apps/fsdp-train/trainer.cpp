@@ -191,9 +191,7 @@ class Trainer {
   double forward_backward(std::vector<Batch>& batches, double global_tokens, TrainSummary::TensorMemory& tmem,
                           double& aux_sum);
   double clip_gradients();
-  // [fault_tolerance] with MoE: the layouts whose expert-bias update and gradients are averaged over the quorum (a
-  // ConfigError for the others), and the step's expert counts summed over the quorum's groups before the vote.
-  void check_moe_fault_tolerance() const;
+  // [fault_tolerance] with MoE: the step's expert counts summed over the quorum's groups before the vote.
   void sum_expert_counts_over_quorum();
   // [fault_tolerance] under fully_shard: the cross-group average as each module's all-reduce hook, but for the
   // blocks that hold an MoE layer (averaged after backward: ft_after_backward_params_).
@@ -308,7 +306,6 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
   build_model();
   build_optimizer();
   if (ft_) {
-    if (!moe_blocks_.empty()) check_moe_fault_tolerance();
     if (plan_.fsdp) attach_fault_tolerance();
   }
 
@@ -516,7 +513,9 @@ double Trainer::forward_backward(std::vector<Batch>& batches, double global_toke
       torch::Tensor aux = torch::zeros({}, loss.options());
       for (auto* moe : moe_blocks_)
         if (moe->aux_loss().defined()) aux = aux + moe->aux_loss().to(loss.dtype());
-      aux = aux * (static_cast<double>(b.batch) / static_cast<double>(dims_.global_batch_size));
+      // [fault_tolerance]: the share of this replica group's batch (the quorum's average of the gradients makes it
+      // the mean over every member's sequences).
+      aux = aux * (static_cast<double>(b.batch) / static_cast<double>(dims_.global_batch_size / dims_.ft_groups));
       aux_sum += aux.item<double>();
       loss = loss + aux;
     }
@@ -524,16 +523,6 @@ double Trainer::forward_backward(std::vector<Batch>& batches, double global_toke
     local_loss_sum += loss_sum.item<double>();
   }
   return local_loss_sum;
-}
-
-void Trainer::check_moe_fault_tolerance() const {
-  const auto& config = config_;
-  const std::string model = std::string(to_string(config.model.name)) + " " + config.model.flavor;
-  if (config.model.moe_sequence_aux_loss_coeff > 0) {
-    throw ConfigError("config error: fault_tolerance.enable with model.moe_sequence_aux_loss_coeff > 0 (" + model +
-                      ") is not supported yet: the sequence aux loss is weighted by the whole global batch, not by "
-                      "the replica group's share of it");
-  }
 }
 
 void Trainer::attach_fault_tolerance() {
@@ -628,13 +617,15 @@ Trainer::StepResult Trainer::train_step(int64_t step, bool ready) {
     if (!plan_.fsdp) ft_->average_gradients(params_);
     if (!ft_after_backward_params_.empty()) ft_->average_gradients(ft_after_backward_params_);
     r.loss = ft_->average(global_loss());
+    if (r.aux_loss >= 0) summary_.aux_losses.back() = r.aux_loss = ft_->average(r.aux_loss);
     sum_expert_counts_over_quorum();
   }
   r.grad_norm = clip_gradients();
   if (ft_ && !(r.committed = ft_->commit(ready, step))) {
     optimizer_->zero_grad();  // the step is dropped: no update, its gradients gone
-    // Its expert counts too: the retry counts its batches again.
+    // Its expert counts and balance loss too: the retry counts its batches again.
     for (auto* moe : moe_blocks_) moe->tokens_per_expert().zero_();
+    if (r.aux_loss >= 0) summary_.aux_losses.pop_back();
     return r;
   }
   pending_step_ = -1;

@@ -3,8 +3,9 @@
 // fault_tolerance.group_size replica groups must compute under its documented data rule (docs/reliability.md):
 //   * replica group r's batch of step t is its share of global batch t (data rank r of group_size, the union of its
 //     ranks' samples), whether or not r takes part in step t — an absent group's batch is skipped, nobody reads it;
-//   * the gradient of step t is the mean over the step's members of each member's mean-token-loss gradient, and
-//     the logged loss the mean of their losses;
+//   * the gradient of step t is the mean over the step's members of each member's mean-token-loss gradient (plus,
+//     for an MoE model with the sequence aux loss, its mean over the member's sequences), and the logged loss the
+//     mean of their losses;
 //   * then clipping (training.max_norm over the whole gradient), for MoE models the load-balancing bias update on the
 //     expert counts of the members' batches, and the optimizer step, as fsdp-train.
 // The model, tokenizer, data stream, schedule and optimizer come from fsdp-train's own building blocks (each checked
@@ -22,6 +23,7 @@
 #include "tokenizer.h"
 
 #include <fsdp/models/llama.h>
+#include <fsdp/models/moe.h>
 #include <fsdp/nn/module_call.h>
 
 #include <torch/torch.h>
@@ -94,6 +96,8 @@ int main(int argc, char** argv) {
     const LRSchedule schedule =
         LRSchedule::build(config.training.steps, s.warmup_steps, decay_ratio, s.decay_type, s.min_lr_factor);
 
+    const auto moe_blocks = moe_layers(*model);
+    const double group_batch = static_cast<double>(dims.global_batch_size / groups);
     std::ofstream out(argv[2]);
     for (size_t i = 0; i < members.size(); ++i) {
       const int64_t step = static_cast<int64_t>(i) + 1;
@@ -118,13 +122,20 @@ int main(int argc, char** argv) {
           auto sum = torch::nn::functional::cross_entropy(
               logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), labels,
               torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(-100));
-          (sum / static_cast<double>(tokens) / n).backward();
+          torch::Tensor step_loss = sum / static_cast<double>(tokens) / n;
+          // The MoE sequence balance loss (model.moe_sequence_aux_loss_coeff): each layer's mean over the
+          // microbatch's sequences, weighted by its share of the group's batch, averaged over the members like the
+          // rest: the mean over every member's sequences.
+          for (auto* moe : moe_blocks)
+            if (moe->aux_loss().defined())
+              step_loss = step_loss + moe->aux_loss() * (static_cast<double>(b.batch) / group_batch / n);
+          step_loss.backward();
           loss += sum.item<double>() / static_cast<double>(tokens) / n;
         }
       }
       torch::nn::utils::clip_grad_norm_(params, config.training.max_norm);
       // MoE: the load-balancing bias moves on the expert counts of every member's batch (a no-op for dense models).
-      update_expert_load_balance(moe_layers(*model), nullptr);
+      update_expert_load_balance(moe_blocks, nullptr);
       optimizer.step();
       char line[64];
       std::snprintf(line, sizeof line, "%lld %.17g\n", static_cast<long long>(step), loss);
