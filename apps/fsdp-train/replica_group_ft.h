@@ -46,7 +46,8 @@ class FaultTolerance {
   // Joins the quorum for the step after state.step; heals (state.step, the model, the optimizer and the loader
   // move to the sender's step) or serves peers. Returns false when a transfer failed (vote false on this step).
   bool begin_step(TrainState& state);
-  // Without fully_shard: the parameters' gradients averaged over the quorum (one flat all-reduce).
+  // The parameters' gradients averaged over the quorum in one flat all-reduce: without fully_shard, and for the
+  // modules whose gradients the all-reduce hook cannot take (several parameter groups, e.g. an MoE block under EP).
   void average_gradients(const std::vector<at::Tensor>& params);
   double average(double value);  // e.g. the step's loss, over the quorum's groups
   // Integer-valued counts (e.g. an MoE layer's tokens per expert) summed over the quorum's groups, in place: each
