@@ -951,10 +951,8 @@ void validate(const JobConfig& c) {
     check(c.parallelism.data_parallel_replicate_degree == 1,
           "fault_tolerance.enable with parallelism.data_parallel_replicate_degree > 1: the replica groups are the "
           "replicate dimension (each group shards with FSDP inside); set data_parallel_replicate_degree = 1");
-    check(c.parallelism.pipeline_parallel_degree == 1 && c.parallelism.tensor_parallel_degree == 1 &&
-              c.parallelism.expert_parallel_degree == 1,
-          "fault_tolerance.enable with pipeline, tensor or expert parallelism is not supported yet (replica groups "
-          "of FSDP only)");
+    // Any other layout inside a replica group (FSDP, TP, PP, EP) is fine: torchft replicates whole groups, the
+    // cross-group average and healing pair the ranks of the same coordinates.
   }
   check(c.training.seq_len % c.parallelism.tensor_parallel_degree == 0,
         "training.seq_len (" + std::to_string(c.training.seq_len) + ") must be divisible by "

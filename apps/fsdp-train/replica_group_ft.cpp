@@ -164,6 +164,15 @@ double FaultTolerance::average(double value) {
   return t.item<double>();
 }
 
+void FaultTolerance::sum_counts(at::Tensor& counts) {
+  // The Manager averages; counts times the number of members, rounded back to the integers they are (fp64: exact
+  // for any count a step can reach).
+  at::Tensor t = counts.to(at::kCPU, at::kDouble);
+  impl_->manager.allreduce_average(t);
+  t = (t * static_cast<double>(impl_->members.size())).round_();
+  counts.copy_(t.to(counts.device(), counts.scalar_type()));
+}
+
 bool FaultTolerance::commit(bool local_ok, int64_t step) {
   Impl& m = *impl_;
   const bool ok = m.manager.should_commit(local_ok);

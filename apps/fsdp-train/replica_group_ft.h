@@ -46,9 +46,13 @@ class FaultTolerance {
   // Joins the quorum for the step after state.step; heals (state.step, the model, the optimizer and the loader
   // move to the sender's step) or serves peers. Returns false when a transfer failed (vote false on this step).
   bool begin_step(TrainState& state);
-  // Without fully_shard: the parameters' gradients averaged over the quorum (one flat all-reduce).
+  // The parameters' gradients averaged over the quorum in one flat all-reduce: without fully_shard, and for the
+  // modules whose gradients the all-reduce hook cannot take (several parameter groups, e.g. an MoE block under EP).
   void average_gradients(const std::vector<at::Tensor>& params);
   double average(double value);  // e.g. the step's loss, over the quorum's groups
+  // Integer-valued counts (e.g. an MoE layer's tokens per expert) summed over the quorum's groups, in place: each
+  // group then holds the counts of the whole quorum's batch. Before commit, like every quorum transfer.
+  void sum_counts(at::Tensor& counts);
   bool commit(bool local_ok, int64_t step);  // the vote; prints why a step was discarded
   const std::vector<int>& members() const;  // the current quorum's replica ids
   // What this group loaded at start-up: the step of the checkpoint it read, or -1 for none. The healing line says it

@@ -191,6 +191,11 @@ class Trainer {
   double forward_backward(std::vector<Batch>& batches, double global_tokens, TrainSummary::TensorMemory& tmem,
                           double& aux_sum);
   double clip_gradients();
+  // [fault_tolerance] with MoE: the step's expert counts summed over the quorum's groups before the vote.
+  void sum_expert_counts_over_quorum();
+  // [fault_tolerance] under fully_shard: the cross-group average as each module's all-reduce hook, but for the
+  // blocks that hold an MoE layer (averaged after backward: ft_after_backward_params_).
+  void attach_fault_tolerance();
   void validate(int64_t step);
   void log(int64_t step, const StepResult& r, const TrainSummary::TensorMemory& tmem);
   void set_train_timeouts();
@@ -238,6 +243,7 @@ class Trainer {
   int64_t first_step_ = 1;
   bool train_timeouts_set_ = false;
   std::unique_ptr<FaultTolerance> ft_;  // [fault_tolerance]
+  std::vector<torch::Tensor> ft_after_backward_params_;  // their gradients averaged over the quorum after backward
   // The batches of a step not yet committed: a step the quorum discards is retried on the same data.
   int64_t pending_step_ = -1;
   std::vector<Batch> pending_batches_;
@@ -301,10 +307,7 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
   build_model();
   build_optimizer();
   if (ft_) {
-    TORCH_CHECK(moe_blocks_.empty(), "fault_tolerance.enable with an MoE model (", to_string(config.model.name), " ",
-                config.model.flavor, ") is not supported yet: the expert load-balancing update is not averaged over "
-                "the replica groups");
-    if (plan_.fsdp) ft_->attach(plan_.fsdp_modules);
+    if (plan_.fsdp) attach_fault_tolerance();
   }
 
   // ---- metrics ----
@@ -517,7 +520,9 @@ double Trainer::forward_backward(std::vector<Batch>& batches, double global_toke
       torch::Tensor aux = torch::zeros({}, loss.options());
       for (auto* moe : moe_blocks_)
         if (moe->aux_loss().defined()) aux = aux + moe->aux_loss().to(loss.dtype());
-      aux = aux * (static_cast<double>(b.batch) / static_cast<double>(dims_.global_batch_size));
+      // [fault_tolerance]: the share of this replica group's batch (the quorum's average of the gradients makes it
+      // the mean over every member's sequences).
+      aux = aux * (static_cast<double>(b.batch) / static_cast<double>(dims_.global_batch_size / dims_.ft_groups));
       aux_sum += aux.item<double>();
       loss = loss + aux;
     }
@@ -525,6 +530,39 @@ double Trainer::forward_backward(std::vector<Batch>& batches, double global_toke
     local_loss_sum += loss_sum.item<double>();
   }
   return local_loss_sum;
+}
+
+void Trainer::attach_fault_tolerance() {
+  // FSDP's all-reduce hook takes a module with one parameter group. A block whose routed experts shard apart (over
+  // the expert-parallel mesh's data ranks, or on dim 1) has two, so every block holding an MoE layer has its
+  // gradients averaged after backward instead, in one flat all-reduce of its parameters' local gradients: the
+  // average is element-wise and the same-coordinates ranks of two groups hold the same shards, so it is the same
+  // average, only not overlapped with backward. (The blocks are the modules with an MoE layer as a direct child;
+  // the root's and a stage's own parameters are outside every block.)
+  std::vector<fsdp::FSDPModule> hooked;
+  for (auto& m : plan_.fsdp_modules) {
+    bool holds_moe = false;
+    for (const auto& child : m.module().children()) holds_moe = holds_moe || child->as<fsdp::nn::moe::MoEImpl>();
+    if (!holds_moe) {
+      hooked.push_back(m);
+      continue;
+    }
+    for (const auto& p : m.module().parameters()) ft_after_backward_params_.push_back(p);
+  }
+  ft_->attach(hooked);
+}
+
+void Trainer::sum_expert_counts_over_quorum() {
+  if (moe_blocks_.empty()) return;
+  // Each layer's local counts summed over the same-coordinates ranks of the quorum's groups; the data-parallel sum
+  // after the vote (update_expert_load_balance) then covers every rank of every member: the bias moves on the
+  // whole quorum's batch, the same in every group (what one process training on that batch computes).
+  std::vector<at::Tensor> rows;
+  for (auto* moe : moe_blocks_) rows.push_back(moe->tokens_per_expert().to(at::kCPU, at::kDouble));
+  at::Tensor counts = at::stack(rows);
+  ft_->sum_counts(counts);
+  for (size_t l = 0; l < moe_blocks_.size(); ++l)
+    moe_blocks_[l]->tokens_per_expert().copy_(counts[static_cast<int64_t>(l)]);
 }
 
 double Trainer::clip_gradients() {
@@ -589,11 +627,17 @@ Trainer::StepResult Trainer::train_step(int64_t step, bool ready) {
     // The loss of this replica group's batch averaged over the quorum's groups, as their gradients are; before the
     // vote, so that a failure here discards the step too.
     if (!plan_.fsdp) ft_->average_gradients(params_);
+    if (!ft_after_backward_params_.empty()) ft_->average_gradients(ft_after_backward_params_);
     r.loss = ft_->average(global_loss());
+    if (r.aux_loss >= 0) summary_.aux_losses.back() = r.aux_loss = ft_->average(r.aux_loss);
+    sum_expert_counts_over_quorum();
   }
   r.grad_norm = clip_gradients();
   if (ft_ && !(r.committed = ft_->commit(ready, step))) {
     optimizer_->zero_grad();  // the step is dropped: no update, its gradients gone
+    // Its expert counts and balance loss too: the retry counts its batches again.
+    for (auto* moe : moe_blocks_) moe->tokens_per_expert().zero_();
+    if (r.aux_loss >= 0) summary_.aux_losses.pop_back();
     return r;
   }
   pending_step_ = -1;

@@ -3,9 +3,11 @@
 // fault_tolerance.group_size replica groups must compute under its documented data rule (docs/reliability.md):
 //   * replica group r's batch of step t is its share of global batch t (data rank r of group_size, the union of its
 //     ranks' samples), whether or not r takes part in step t — an absent group's batch is skipped, nobody reads it;
-//   * the gradient of step t is the mean over the step's members of each member's mean-token-loss gradient, and
-//     the logged loss the mean of their losses;
-//   * then clipping (training.max_norm over the whole gradient) and the optimizer step, as fsdp-train.
+//   * the gradient of step t is the mean over the step's members of each member's mean-token-loss gradient (plus,
+//     for an MoE model with the sequence aux loss, its mean over the member's sequences), and the logged loss the
+//     mean of their losses;
+//   * then clipping (training.max_norm over the whole gradient), for MoE models the load-balancing bias update on the
+//     expert counts of the members' batches, and the optimizer step, as fsdp-train.
 // The model, tokenizer, data stream, schedule and optimizer come from fsdp-train's own building blocks (each checked
 // against PyTorch elsewhere); what is under test — sharding, the quorum, the cross-group average, the commit vote
 // and healing — is not here.
@@ -15,11 +17,13 @@
 #include "config.h"
 #include "data.h"
 #include "lr_schedule.h"
+#include "moe_balance.h"
 #include "parallel_dims.h"
 #include "models/llama3/parallelize_llama.h"
 #include "tokenizer.h"
 
 #include <fsdp/models/llama.h>
+#include <fsdp/models/moe.h>
 #include <fsdp/nn/module_call.h>
 
 #include <torch/torch.h>
@@ -40,10 +44,13 @@ int main(int argc, char** argv) {
   try {
     const JobConfig config = load_config(std::vector<std::string>(argv + 4, argv + argc));
     TORCH_CHECK(config.fault_tolerance.enable, "the run's arguments must enable [fault_tolerance]");
-    // The group's size in ranks: the world of each replica job, taken from its data_parallel_shard_degree.
-    const int64_t ranks = config.parallelism.data_parallel_shard_degree;
-    TORCH_CHECK(ranks >= 1, "pass --parallelism.data_parallel_shard_degree (the ranks of one replica group)");
-    const ParallelDims dims = resolve_parallelism(config, ranks);
+    // The group's size in ranks: the world of each replica job, data_parallel_shard_degree x tensor_parallel_degree
+    // x pipeline_parallel_degree (a replica group may be any of these layouts); its data share is that of its
+    // data-parallel ranks.
+    const int64_t dp_shard = config.parallelism.data_parallel_shard_degree;
+    TORCH_CHECK(dp_shard >= 1, "pass --parallelism.data_parallel_shard_degree (the data-parallel ranks of one group)");
+    const ParallelDims dims = resolve_parallelism(config, dp_shard * config.parallelism.tensor_parallel_degree *
+                                                              config.parallelism.pipeline_parallel_degree);
     const int64_t groups = dims.ft_groups, A = dims.grad_accum_steps;
 
     std::vector<std::vector<int>> members;
@@ -71,13 +78,14 @@ int main(int argc, char** argv) {
     fsdp::nn::llama::Transformer model(args);
     model->init_weights(static_cast<uint64_t>(config.debug.seed));
 
-    // Group g's share of every global batch: its ranks' samples, in their order (data ranks g*ranks .. +ranks-1).
+    // Group g's share of every global batch: its data-parallel ranks' samples, in their order (data ranks
+    // g*dp .. g*dp+dp-1).
     std::vector<std::unique_ptr<DataLoader>> loaders;
     const TextOptions text{config.training.dataset_text_field, config.training.bad_records == BadRecords::Skip, false};
     for (int64_t g = 0; g < groups; ++g)
       loaders.push_back(std::make_unique<DataLoader>(
           files, tokenizer, args.vocab_size,
-          LoaderOptions{config.training.seq_len, dims.local_batch_size * ranks, A, g, groups}, text));
+          LoaderOptions{config.training.seq_len, dims.local_batch_size * dims.dp_degree(), A, g, groups}, text));
 
     const auto& o = config.optimizer;
     auto params = model->parameters();
@@ -88,6 +96,8 @@ int main(int argc, char** argv) {
     const LRSchedule schedule =
         LRSchedule::build(config.training.steps, s.warmup_steps, decay_ratio, s.decay_type, s.min_lr_factor);
 
+    const auto moe_blocks = moe_layers(*model);
+    const double group_batch = static_cast<double>(dims.global_batch_size / groups);
     std::ofstream out(argv[2]);
     for (size_t i = 0; i < members.size(); ++i) {
       const int64_t step = static_cast<int64_t>(i) + 1;
@@ -112,11 +122,20 @@ int main(int argc, char** argv) {
           auto sum = torch::nn::functional::cross_entropy(
               logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), labels,
               torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(-100));
-          (sum / static_cast<double>(tokens) / n).backward();
+          torch::Tensor step_loss = sum / static_cast<double>(tokens) / n;
+          // The MoE sequence balance loss (model.moe_sequence_aux_loss_coeff): each layer's mean over the
+          // microbatch's sequences, weighted by its share of the group's batch, averaged over the members like the
+          // rest: the mean over every member's sequences.
+          for (auto* moe : moe_blocks)
+            if (moe->aux_loss().defined())
+              step_loss = step_loss + moe->aux_loss() * (static_cast<double>(b.batch) / group_batch / n);
+          step_loss.backward();
           loss += sum.item<double>() / static_cast<double>(tokens) / n;
         }
       }
       torch::nn::utils::clip_grad_norm_(params, config.training.max_norm);
+      // MoE: the load-balancing bias moves on the expert counts of every member's batch (a no-op for dense models).
+      update_expert_load_balance(moe_blocks, nullptr);
       optimizer.step();
       char line[64];
       std::snprintf(line, sizeof line, "%lld %.17g\n", static_cast<long long>(step), loss);

@@ -22,7 +22,11 @@ Checked in every trial:
     groups (model and optimizer state, step, schedule) are bit-identical (fsdp-ckpt diff --atol 0; only the data
     loader positions differ, being each group's own share);
   * the stopped rank's group is dropped within the timeout (replica 0's first solo step).
-Also printed: the recovery time, from the kill to replica 1's first step back in the quorum."""
+Also printed: the recovery time, from the kill to replica 1's first step back in the quorum.
+
+--extra runs another layout inside each group (TP, PP, EP, an MoE model; docs/reliability.md, "Layouts inside a
+replica group"), passed to fsdp-train and the reference alike; --expect-log proves from replica 0's log that the layout
+ran; --expert-tokens-per-group checks each step's mean expert load against a hand count times the step's members."""
 import json
 import os
 import random
@@ -44,6 +48,15 @@ ap.add_argument("--no-fallback-trial", action="store_true")
 ap.add_argument("--steps", type=int, default=120)
 ap.add_argument("--seed", type=int, default=None)
 ap.add_argument("--name", default="ft_trainer_test")
+# Another layout inside each replica group (e.g. tensor parallelism): fsdp-train arguments appended to the run's (and
+# the reference's), and a regular expression replica 0's log must match (the layout really ran).
+ap.add_argument("--extra", action="append", default=[], help="fsdp-train arguments appended, e.g. "
+                "'--parallelism.tensor_parallel_degree 2'")
+ap.add_argument("--expect-log", action="append", default=[], help="a regex replica 0's log must match")
+# An MoE model: the tokens one expert receives on average from one group's batch (its samples x seq_len x top-k /
+# experts, counted by hand). Each step's logged mean must be that times the step's members: the load-balancing bias
+# moves on the counts of the whole quorum's batch, summed across the groups.
+ap.add_argument("--expert-tokens-per-group", type=float, default=None)
 a = fu.parse_args(ap)
 seed = a.seed if a.seed is not None else random.randrange(1 << 30)
 rng = random.Random(seed)
@@ -57,6 +70,7 @@ TRAIN = ["--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--training.l
          "--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
          "--fault_tolerance.process_group_timeout_ms", str(PG_TIMEOUT_MS),
          "--fault_tolerance.join_timeout_ms", str(JOIN_MS),
+         ] + [arg for extra in a.extra for arg in extra.split()] + [
          # Only the last step is saved: the checkpoint the two groups are compared by. A restarted group finds none.
          "--checkpoint.enable", "--checkpoint.interval", str(10 * STEPS)]
 STEP_RX = re.compile(r"^\[rank 0\] step:\s+(\d+)\s")
@@ -138,6 +152,10 @@ def trial(n, stop, stop_rank=None):
     finally:
         save_logs(work, r0, r1, light)
 
+    for rx in a.expect_log:
+        hit = r0.grep(rx)
+        fu.check(bool(hit), f"{tag}: replica 0's log shows the layout ({rx!r}): {hit[0][:200] if hit else None}")
+
     # ---- replica 0 never stopped -------------------------------------------------------------------------------
     fu.check(r0.proc.returncode == 0 and not r0.grep(r"restarting"), f"{tag}: replica 0 ran through without a restart "
              f"(exit {r0.proc.returncode})")
@@ -172,6 +190,12 @@ def trial(n, stop, stop_rank=None):
     else:
         fu.check(members.count("0,1") >= 3, f"{tag}: steps ran with both groups ({members.count('0,1')})")
         fu.observed(f"{tag}: replica 0 trained {solo_steps} step(s) alone while replica 1 restarted")
+    if a.expert_tokens_per_group is not None:
+        wrong = [(m["step"], m.get("expert_tokens_mean"), mem) for m, mem in zip(m0, members)
+                 if m.get("expert_tokens_mean") != a.expert_tokens_per_group * len(mem.split(","))]
+        fu.check(not wrong, f"{tag}: every step's mean expert load is {a.expert_tokens_per_group:g} tokens x its "
+                 f"members (the counts summed over the quorum)" + (f"; first mismatch (step, mean, members) {wrong[0]}"
+                                                                   if wrong else ""))
     mem_file, ref_file = os.path.join(work, "membership.txt"), os.path.join(work, "reference.txt")
     with open(mem_file, "w") as f:
         for s, m in zip(steps0, members):

@@ -313,9 +313,11 @@ TEST(Config, FaultToleranceKeysAndTheDataShareOfAReplicaGroup) {
   expect_config_error([] { load_config({"--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
                                         "--parallelism.data_parallel_replicate_degree", "2"}); },
                       {"the replica groups are the replicate dimension"});
-  expect_config_error([] { load_config({"--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
-                                        "--parallelism.tensor_parallel_degree", "2"}); },
-                      {"pipeline, tensor or expert parallelism is not supported yet"});
+  // A replica group may be FSDP x TP, PP or EP (tests/fault: fault_ft_trainer_tp_test, _pp_test and _ep_test train
+  // and heal them).
+  for (const char* key : {"--parallelism.tensor_parallel_degree", "--parallelism.pipeline_parallel_degree",
+                          "--parallelism.expert_parallel_degree"})
+    EXPECT_NO_THROW(load_config({"--fault_tolerance.enable", "--fault_tolerance.group_size", "2", key, "2"})) << key;
   // Disabled, the keys are not checked (as TorchTitan: group_size 0 is its default).
   EXPECT_NO_THROW(load_config({"--fault_tolerance.replica_id", "7"}));
 
