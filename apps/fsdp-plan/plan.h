@@ -1,15 +1,19 @@
 #pragma once
 // fsdp-plan: per-rank memory and communication of FSDP (fully_shard per transformer block + root) training
-// of a Llama 3 or Qwen3 (dense or MoE) model, from the model args alone (no allocation; any size, 405B and
-// 235B-A22B included). The formulas are documented in docs/planner.md and mirror what our fully_shard,
-// src/models/llama.cpp, src/models/moe.cpp and src/expert_parallel actually allocate and send; tests/plan/ checks
-// them against hand counts and measured peaks of small models.
+// of a model fsdp-train registers (Llama 3, Qwen3 dense and MoE), without allocating (any size, 405B and
+// 235B-A22B included). The parameters' shards are the trainer's own: the model is built on meta through
+// fsdp-train's model seam and parallelized by its family's parallelize step under a fake process group, once per
+// rank planned (plan_model.cpp); activations, buffers and collective bytes follow from those shards by the
+// formulas of docs/planner.md, which mirror what fully_shard, src/models and src/expert_parallel allocate and
+// send. tests/plan/ checks them against hand counts, the trainer's real shards and measured peaks and bytes.
 
 #include <fsdp/models/llama.h>
 
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -29,9 +33,16 @@ struct LossPath {
 };
 
 struct PlanConfig {
+  // The model: fsdp-train's model.name and model.flavor, built through its model seam (apps/fsdp-train/
+  // model_spec.h) on meta and parallelized as the trainer does, which gives every parameter shard the plan
+  // counts; `args` (the flavor's, with vocab_size = the tokenizer's) give the activation model and must
+  // describe the same model (the plan checks the parameter count).
   nn::llama::LlamaArgs args;
-  std::string model = "llama3";  // printed only: "llama3" | "qwen3" (the args say everything else)
+  std::string model = "llama3";  // a registered family: fsdp-train's model.name
   std::string flavor;
+  // A model of the family built otherwise (e.g. args no flavor has), on `meta`: replaces the family's build;
+  // the family's parallelize still runs on it. Empty: the seam's build of model / flavor.
+  std::function<std::shared_ptr<torch::nn::Module>()> build_model;
   int64_t replicate = 1;  // HSDP replicate degree (mesh dim 0)
   int64_t shard = 1;      // FSDP shard degree (mesh dim 1)
   // Tensor parallel degree (innermost mesh dim): TorchTitan's Llama plan with sequence parallel (fsdp-train's
@@ -212,6 +223,7 @@ struct PipelinePlan {
 struct Plan {
   PlanConfig config;
   int64_t num_params = 0;
+  std::string parallelize;        // what the trainer's parallelize step did (its ParallelPlan::description)
   std::vector<GroupPlan> groups;  // blocks 0..n-1, then "root"
   MemoryPlan memory;
   CommPlan comm;

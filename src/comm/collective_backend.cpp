@@ -66,6 +66,25 @@ class LocalCollectives final : public CollectiveBackend {
   }
 };
 
+// A fake group's (fsdp/fake_process_group.h): no peers; every collective completes at once and leaves its outputs
+// as they are (they may be meta tensors). Point-to-point too: there is no one to wait for.
+class FakeCollectives final : public CollectiveBackend {
+ public:
+  Work all_gather_into_tensor(ProcessGroup::Impl&, at::Tensor, at::Tensor) override { return Work(); }
+  Work reduce_scatter_tensor(ProcessGroup::Impl&, at::Tensor, at::Tensor, ReduceOp) override { return Work(); }
+  Work all_reduce(ProcessGroup::Impl&, at::Tensor, ReduceOp) override { return Work(); }
+  Work broadcast(ProcessGroup::Impl&, at::Tensor, int) override { return Work(); }
+  Work all_to_all(ProcessGroup::Impl&, at::Tensor, at::Tensor) override { return Work(); }
+  Work all_to_all_uneven(ProcessGroup::Impl&, at::Tensor, at::Tensor, std::vector<int64_t>,
+                         std::vector<int64_t>) override {
+    return Work();
+  }
+  Work barrier(ProcessGroup::Impl&) override { return Work(); }
+  Work send(ProcessGroup::Impl&, at::Tensor, int, int) override { return Work(); }
+  Work recv(ProcessGroup::Impl&, at::Tensor, int, int) override { return Work(); }
+  void set_timeout(std::chrono::milliseconds) override {}
+};
+
 // c10d's own collective for every call.
 class C10dCollectives : public CollectiveBackend {
  public:
@@ -304,6 +323,7 @@ class GlooNativeCollectives final : public C10dCollectives {
 std::unique_ptr<CollectiveBackend> make_collective_backend(c10::intrusive_ptr<c10d::Backend> communicator,
                                                            const std::string& kind, c10::Device device,
                                                            bool native_on_gloo_cpu) {
+  if (kind == "fake") return std::make_unique<FakeCollectives>();
   if (!communicator) return std::make_unique<LocalCollectives>();
   if (kind == "nccl") {
     return std::make_unique<C10dCollectives>(

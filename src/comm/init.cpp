@@ -4,6 +4,7 @@
 // process-wide, like torch.distributed's default group). Everything else hangs off ProcessGroup objects.
 
 #include "comm/launch_check.h"
+#include <fsdp/fake_process_group.h>
 #include <fsdp/launch_check.h>
 #include "comm/process_group_impl.h"
 #include "comm/store_group.h"
@@ -149,6 +150,11 @@ ProcessGroupPtr build_group(const GroupSetup& r, const std::string& prefix, cons
   impl->device = r.device;
   impl->timeout = r.timeout;
   c10::intrusive_ptr<c10d::Backend> communicator;  // none for a size-1 group: its collectives are local
+  if (r.backend == "fake") {
+    // No peers, no store (FakeWorld): collectives that complete at once, whatever the size.
+    impl->collectives = comm::make_collective_backend(nullptr, "fake", r.device, false);
+    return std::make_shared<ProcessGroup>(std::move(impl));
+  }
   if (impl->size > 1) {
     auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, r.store);
     if (r.name_missing_ranks) impl->store = store;  // comm::missing_ranks asks it after a failure
@@ -344,6 +350,54 @@ ProcessGroupPtr comm::group_over_store(const StoreGroupSpec& spec) {
   // Outside the registry lock: connecting waits for the other members (up to the timeout), and the world's own
   // group creation must not wait behind it.
   return build_group(setup, spec.prefix, spec.name, members, spec.rank);
+}
+
+// What a FakeWorld sets aside: the registry as it was (a real world, or none).
+struct FakeWorld::SetAside {
+  c10::intrusive_ptr<c10d::Store> store;
+  ProcessGroupPtr world;
+  std::string backend;
+  c10::Device device{c10::kCPU};
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  int64_t groups_created = 0;
+  comm::StoreView launch;
+  std::string run_id;
+  int64_t checks_done = 0;
+};
+
+FakeWorld::FakeWorld(int rank, int world_size, c10::Device device) {
+  TORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "fsdp: FakeWorld: rank ", rank,
+              " is outside a world of size ", world_size);
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  TORCH_CHECK(r.backend != "fake" || !r.world, "fsdp: FakeWorld inside another FakeWorld (one at a time)");
+  set_aside_ = std::make_unique<SetAside>(
+      SetAside{r.store, r.world, r.backend, r.device, r.timeout, r.groups_created, r.launch, r.run_id, r.checks_done});
+  r.store.reset();
+  r.backend = "fake";
+  r.device = device;
+  r.groups_created = 0;
+  r.launch = {};
+  r.checks_done = 0;
+  std::vector<int> all(world_size);
+  for (int i = 0; i < world_size; ++i) all[i] = i;
+  r.world = make_group(r, "fsdp/world", "world", all, rank);
+  world_ = r.world;
+}
+
+FakeWorld::~FakeWorld() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  SetAside& s = *set_aside_;
+  r.store = std::move(s.store);
+  r.world = std::move(s.world);
+  r.backend = std::move(s.backend);
+  r.device = s.device;
+  r.timeout = s.timeout;
+  r.groups_created = s.groups_created;
+  r.launch = std::move(s.launch);
+  r.run_id = std::move(s.run_id);
+  r.checks_done = s.checks_done;
 }
 
 void destroy_process_group() {

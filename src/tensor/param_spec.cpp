@@ -69,9 +69,12 @@ void shard_parameter(torch::nn::Module& owner, const std::string& name, const De
   spec.placements = {p};
   if (p.is_shard()) {
     c10::NoGradGuard no_grad;
-    TORCH_CHECK(!param->is_meta(), "fsdp::parallelize_module: ", owner.name(), ".", name, " is on the meta device; "
-                "tensor parallel needs the full values to keep this rank's piece (initialize before, or use "
-                "fsdp::full_params_init_scope after fully_shard)");
+    // On meta there are no values to keep: the piece would later be initialized on its own, unlike the whole
+    // model's init. Refused, except on a fake mesh (fsdp/fake_process_group.h), which only plans shapes: nothing
+    // ever gives those parameters values.
+    TORCH_CHECK(!param->is_meta() || mesh.group(0)->backend() == "fake", "fsdp::parallelize_module: ", owner.name(),
+                ".", name, " is on the meta device; tensor parallel needs the full values to keep this rank's piece "
+                "(initialize before, or use fsdp::full_params_init_scope after fully_shard)");
     const auto [off, len] = shard_offset_and_size(param->size(p.dim), mesh.size(0), mesh.local_rank(0));
     // A copy, not a view: the full tensor is released.
     param->set_data(param->narrow(p.dim, off, len).clone(at::MemoryFormat::Contiguous));

@@ -74,6 +74,7 @@ void check(int64_t ep) {
 
   PlanConfig c;
   c.model = "qwen3";
+  c.flavor = "cpu_tiny_moe";
   c.args = args;
   c.shard = world->size();
   c.ep = ep;

@@ -59,10 +59,11 @@ int64_t measured_saved(llama::LlamaArgs args, int64_t layer, c10::ScalarType dty
   return saved;
 }
 
-Plan plan_of(const llama::LlamaArgs& args, c10::ScalarType dtype) {
+Plan plan_of(const std::string& flavor, c10::ScalarType dtype) {
   PlanConfig c;
   c.model = "qwen3";
-  c.args = args;
+  c.flavor = flavor;  // built through the trainer's model seam
+  c.args = llama::qwen3_flavor(flavor);
   c.compute_dtype = dtype;
   c.param_dtype = dtype;
   c.reduce_dtype = dtype;
@@ -84,7 +85,7 @@ TEST(PlanMoEMemory, MoEBlockSavedActivations) {
   for (c10::ScalarType dtype : {c10::kFloat}) {
     const llama::LlamaArgs args = llama::qwen3_flavor("cpu_small_moe");
     ASSERT_TRUE(args.is_moe_layer(0));
-    const Plan p = plan_of(args, dtype);
+    const Plan p = plan_of("cpu_small_moe", dtype);
     ASSERT_GT(p.memory.act_per_moe_layer, 0);
     const int64_t measured = measured_saved(args, 0, dtype);
     // The planner leaves out the main norms' float32 rsqrt (4 bytes per token and norm) and the experts' int32
@@ -99,7 +100,7 @@ TEST(PlanMoEMemory, QkNormDenseBlockSavedActivations) {
     const llama::LlamaArgs args = llama::qwen3_flavor("cpu_small");
     ASSERT_TRUE(args.qk_norm);
     ASSERT_FALSE(args.moe.has_value());
-    const Plan p = plan_of(args, dtype);
+    const Plan p = plan_of("cpu_small", dtype);
     expect_close(p.memory.act_per_dense_layer, measured_saved(args, 0, dtype), 0.01,
                  std::string("qwen3 cpu_small block (QK-norm), ") + c10::toString(dtype));
   }

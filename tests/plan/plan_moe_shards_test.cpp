@@ -60,7 +60,17 @@ void check(const llama::LlamaArgs& args, int64_t ep) {
   SCOPED_TRACE("experts " + std::to_string(args.moe_options().num_experts) + ", ep " + std::to_string(ep));
   PlanConfig c;
   c.model = "qwen3";
+  c.flavor = "cpu_tiny_moe";
   c.args = args;
+  // The planner builds cpu_tiny_moe through the trainer's model seam; a changed expert count is a model of the
+  // family built otherwise (the family's parallelize still runs on it).
+  if (args.moe_options().num_experts != llama::qwen3_flavor("cpu_tiny_moe").moe_options().num_experts) {
+    c.build_model = [args]() {
+      llama::LlamaArgs meta = args;
+      meta.device = c10::Device(c10::kMeta);
+      return std::static_pointer_cast<torch::nn::Module>(llama::Transformer(meta).ptr());
+    };
+  }
   c.shard = world;
   c.ep = ep;
   const Plan p = make_plan(c);

@@ -1,35 +1,48 @@
-// fsdp-plan's per-rank parameter shards against fsdp-train's real parallelization, reached through the model seam
-// (apps/fsdp-train/model_spec.h: the family's build, init_weights and parallelize, as the trainer calls them) on
-// 2 CPU ranks, for a data-parallel, a tensor-parallel and an expert-parallel layout:
-//   dp2  llama3 cpu_tiny, FSDP over 2 ranks
-//   tp2  llama3 cpu_tiny, TorchTitan's TP plan over 2 ranks (FSDP over 1)
-//   ep2  qwen3 cpu_tiny_moe, FSDP over 2 ranks with the routed experts split over ep 2 (efsdp 1)
-// For every FSDP unit (each block and the root) the elements rank 0 holds equal the plan's GroupPlan::shard_numel
-// (rank 0's pieces are the largest: the padded sizes the plan counts); other ranks hold at most that. The units
-// and their parameter counts must match one to one, so a layout the planner models differently fails here.
+// fsdp-plan against fsdp-train's real parallelization, reached through the model seam (apps/fsdp-train/
+// model_spec.h: the family's build, init_weights and parallelize, as the trainer calls them), on 2 or 4 CPU ranks.
+// The planner builds the same model on meta and parallelizes it under a fake world of each rank it plans; the
+// trainer here builds it with values on real process groups. For each layout:
+//   shards  for every FSDP unit (each block and the root; under PP each stage's) the elements rank 0 holds equal
+//           the plan's GroupPlan::shard_numel (rank 0's pieces are the largest: the padded sizes the plan counts),
+//           other ranks hold at most that; the units match one to one, the routed experts apart
+//   bytes   (data-parallel layouts) one forward + backward of the real model: the bytes and calls its FSDP groups
+//           count (fsdp/comm_stats.h) equal the plan's all-gather / reduce-scatter / all-reduce figures
+// Layouts: 2 ranks: dp2, ddp (replicate 2), tp2, pp2, ep2 and MoE without EP (qwen3 cpu_tiny_moe);
+//          4 ranks: HSDP 2 x 2, dp2 x tp2, pp2 x dp2, ep2 with the experts' FSDP over 2, MoE over 4 (Shard(0)).
 #include "config.h"
 #include "model_spec.h"
 #include "parallel_dims.h"
 #include "plan.h"
 
+#include <fsdp/comm_stats.h>
+#include <fsdp/fully_shard_layout.h>
 #include <fsdp/models/qwen3.h>
 #include <fsdp/process_group.h>
 
 #include "comm/dist_env.h"
 
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kVocab = 258;  // the byte-level tokenizer's, as the trainer builds the model
+constexpr int64_t kSeq = 16;
 
 struct Layout {
   std::string name, flavor;
-  int64_t tp = 1, ep = 1;
+  int64_t replicate = 1, tp = 1, ep = 1, pp = 1;
+  int64_t shard() const { return fsdp::world()->size() / (replicate * tp * pp); }
+  std::string text() const {
+    return name + " " + flavor + " replicate " + std::to_string(replicate) + " shard " + std::to_string(shard()) +
+           " tp " + std::to_string(tp) + " ep " + std::to_string(ep) + " pp " + std::to_string(pp);
+  }
 };
 
 // The FSDP unit a parameter belongs to: "layers.<i>" for a block's, "root" for the rest (the plan's names).
@@ -38,58 +51,158 @@ std::string unit_of(const std::string& fqn) {
   return fqn.substr(0, fqn.find('.', 7));
 }
 
-std::map<std::string, int64_t> shard_for_real(const Layout& l) {
-  auto world = fsdp::world();
-  const fsdp_train::JobConfig config = fsdp_train::load_config(
-      {"--model.name", l.name, "--model.flavor", l.flavor, "--training.seq_len", "16", "--training.local_batch_size",
-       "1", "--training.global_batch_size", std::to_string(world->size() / l.tp),
+struct Held {
+  std::map<std::string, int64_t> units, experts;  // elements this rank holds per unit (experts: the routed ones)
+  fsdp::CommStats fsdp_bytes;                     // the data-parallel groups' counters over one step
+  bool stepped = false;
+};
+
+fsdp::CommStats operator+(fsdp::CommStats a, const fsdp::CommStats& b) {
+  a.all_gather_calls += b.all_gather_calls;
+  a.reduce_scatter_calls += b.reduce_scatter_calls;
+  a.all_reduce_calls += b.all_reduce_calls;
+  a.bytes_sent += b.bytes_sent;
+  return a;
+}
+
+fsdp_train::JobConfig job_config(const Layout& l) {
+  return fsdp_train::load_config(
+      {"--model.name", l.name, "--model.flavor", l.flavor, "--training.seq_len", std::to_string(kSeq),
+       "--training.local_batch_size", "2", "--validation.local_batch_size", "2", "--training.global_batch_size",
+       std::to_string(2 * l.replicate * l.shard()), "--training.mixed_precision_param", "float32",
+       "--parallelism.data_parallel_replicate_degree", std::to_string(l.replicate),
        "--parallelism.tensor_parallel_degree", std::to_string(l.tp), "--parallelism.expert_parallel_degree",
-       std::to_string(l.ep)});
+       std::to_string(l.ep), "--parallelism.pipeline_parallel_degree", std::to_string(l.pp),
+       "--parallelism.num_pp_microbatches", "2"});
+}
+
+Held shard_for_real(const Layout& l) {
+  auto world = fsdp::world();
+  const fsdp_train::JobConfig config = job_config(l);
   const fsdp_train::ParallelDims dims = fsdp_train::resolve_parallelism(config, world->size());
   const fsdp_train::TrainSpec& spec = fsdp_train::train_spec(l.name);
   spec.check_layout(config, dims);
   fsdp_train::ModelShape shape;
   shape.vocab_size = kVocab;
-  shape.max_seq_len = 16;
+  shape.max_seq_len = kSeq;
   fsdp_train::TrainModel model = spec.build(config, shape);
   model.init_weights(0, {});  // TP and EP layouts need the whole model first (plan_needs_full_init)
   const fsdp_train::ParallelPlan plan = spec.parallelize(model, config, dims, world);
   EXPECT_TRUE(plan.fsdp) << plan.description;
-  std::map<std::string, int64_t> held;
-  for (const auto& item : model.module->named_parameters()) held[unit_of(item.key())] += item.value().numel();
+  Held held;
+  for (const auto& item : model.module->named_parameters()) {
+    held.units[unit_of(item.key())] += item.value().numel();
+    if (item.key().find(".moe.experts.") != std::string::npos) held.experts[unit_of(item.key())] += item.value().numel();
+  }
+  if (l.pp > 1) {
+    // Under PP the whole model's modules stay on every rank; only this rank's stages were sharded: keep those.
+    std::map<std::string, int64_t> mine;
+    for (const auto& stage : plan.stages) {
+      for (const auto& item : stage.module->named_parameters()) mine[unit_of(item.key())] += item.value().numel();
+    }
+    held.units = mine;
+    return held;
+  }
+  if (l.tp > 1 || l.replicate * l.shard() == 1) return held;
+  // One step of the real model: forward (the root's and every block's all-gather), backward (re-gathers, the
+  // reduce-scatters and HSDP's / DDP's all-reduces), counted on the data-parallel groups FSDP uses.
+  std::vector<fsdp::ProcessGroupPtr> groups;
+  // Every FSDP parameter group's mesh (the experts' efsdp mesh with EP too). Groups of one rank take a local path
+  // that counts calls but sends nothing; the plan counts calls that communicate.
+  std::set<const fsdp::ProcessGroup*> seen;
+  for (const fsdp::FSDPModule& unit : plan.fsdp_modules) {
+    for (const fsdp::ParamGroupLayout& layout : fsdp::param_group_layouts(unit)) {
+      for (int64_t d = 0; d < layout.mesh.ndim(); ++d) {
+        const fsdp::ProcessGroupPtr g = layout.mesh.group(d);
+        if (g->size() > 1 && seen.insert(g.get()).second) groups.push_back(g);
+      }
+    }
+  }
+  for (const auto& g : groups) fsdp::reset_comm_stats(*g);
+  at::Generator gen = at::detail::createCPUGenerator(7 + world->rank());
+  const at::Tensor tokens = at::randint(kVocab, {2, kSeq}, gen, at::TensorOptions().dtype(at::kLong));
+  model.forward(tokens).sum().backward();
+  for (const auto& g : groups) held.fsdp_bytes = held.fsdp_bytes + fsdp::comm_stats(*g);
+  held.stepped = true;
   return held;
 }
 
-void check(const Layout& l) {
-  const int64_t world = fsdp::world()->size();
-  ASSERT_EQ(world, 2) << "written for 2 ranks";
-  SCOPED_TRACE(l.name + " " + l.flavor + " tp " + std::to_string(l.tp) + " ep " + std::to_string(l.ep));
+fsdp::plan::Plan plan_of(const Layout& l) {
   fsdp::plan::PlanConfig c;
   c.model = l.name;
   c.flavor = l.flavor;
   c.args = fsdp::nn::llama::model_flavor(l.name, l.flavor);
   c.args.vocab_size = kVocab;
+  c.replicate = l.replicate;
+  c.shard = l.shard();
   c.tp = l.tp;
-  c.shard = world / l.tp;
   c.ep = l.ep;
-  c.seq_len = 16;
-  const fsdp::plan::Plan p = fsdp::plan::make_plan(c);
-  const std::map<std::string, int64_t> held = shard_for_real(l);
-  ASSERT_EQ(held.size(), p.groups.size());
-  int64_t total = 0;
-  for (const auto& g : p.groups) {
-    ASSERT_TRUE(held.count(g.name)) << g.name << " is planned but fsdp-train has no such unit";
-    if (fsdp::world()->rank() == 0) EXPECT_EQ(held.at(g.name), g.shard_numel) << g.name;
-    else EXPECT_LE(held.at(g.name), g.shard_numel) << g.name;
-    total += held.at(g.name);
-  }
-  // Not vacuous: the layout actually split the model (each rank holds less than the whole).
-  EXPECT_LT(total, p.num_params);
-  EXPECT_GT(total, 0);
+  c.pp = l.pp;
+  c.seq_len = kSeq;
+  c.local_batch = 2;
+  c.keep_last_block_unsharded = true;  // fsdp-train's default reshard policy
+  if (l.pp > 1) c.microbatches = 2;
+  return fsdp::plan::make_plan(c);
 }
+
+void check(const Layout& l) {
+  SCOPED_TRACE(l.text());
+  const fsdp::plan::Plan p = plan_of(l);
+  const Held held = shard_for_real(l);
+  const bool rank0 = fsdp::world()->rank() == 0;
+  std::vector<fsdp::plan::GroupPlan> units = p.groups;
+  if (l.pp > 1) {
+    // This rank's stages only (pp rank = rank / (world / pp): the pp dim is outermost).
+    units.clear();
+    const int pp_rank = fsdp::world()->rank() / (fsdp::world()->size() / static_cast<int>(l.pp));
+    for (const auto& st : p.pipeline.stages) {
+      if (st.rank != pp_rank) continue;
+      units.insert(units.end(), st.groups.begin(), st.groups.end());
+    }
+  }
+  ASSERT_EQ(held.units.size(), units.size());
+  int64_t total = 0;
+  for (const auto& g : units) {
+    ASSERT_TRUE(held.units.count(g.name)) << g.name << " is planned but fsdp-train has no such unit";
+    // Under PP each stage's first data-parallel rank holds the padded sizes the plan counts.
+    const bool largest = l.pp > 1 ? fsdp::world()->rank() % (fsdp::world()->size() / l.pp) == 0 : rank0;
+    if (largest) EXPECT_EQ(held.units.at(g.name), g.shard_numel) << g.name;
+    else EXPECT_LE(held.units.at(g.name), g.shard_numel) << g.name;
+    if (largest && g.expert_shard > 0) EXPECT_EQ(held.experts.at(g.name), g.expert_shard_numel) << g.name;
+    total += held.units.at(g.name);
+  }
+  // Not vacuous: the layout actually split the model (each rank holds less than the whole), or, replicated
+  // (DDP), every rank holds all of it.
+  if (l.shard() * l.tp * l.pp * l.ep > 1) EXPECT_LT(total, p.num_params);
+  else EXPECT_EQ(total, p.num_params);
+  EXPECT_GT(total, 0);
+  if (!held.stepped) return;
+  // The bytes: every rank sends the same (padded shards, equal slots), so every rank checks.
+  const auto& cm = p.comm;
+  EXPECT_GT(held.fsdp_bytes.bytes_sent, 0);
+  EXPECT_EQ(held.fsdp_bytes.bytes_sent, cm.total_bytes)
+      << "all-gather " << cm.all_gather_bytes << " + reduce-scatter " << cm.reduce_scatter_bytes << " + all-reduce "
+      << cm.all_reduce_bytes;
+  EXPECT_EQ(held.fsdp_bytes.all_gather_calls, cm.all_gather_calls);
+  EXPECT_EQ(held.fsdp_bytes.reduce_scatter_calls, cm.reduce_scatter_calls);
+  EXPECT_EQ(held.fsdp_bytes.all_reduce_calls, cm.all_reduce_calls);
+}
+
+bool two() { return fsdp::world()->size() == 2; }
+bool four() { return fsdp::world()->size() == 4; }
 
 }  // namespace
 
-TEST(PlanShardsVsTrainer, DataParallel2) { check({"llama3", "cpu_tiny"}); }
-TEST(PlanShardsVsTrainer, TensorParallel2) { check({"llama3", "cpu_tiny", /*tp=*/2}); }
-TEST(PlanShardsVsTrainer, ExpertParallel2) { check({"qwen3", "cpu_tiny_moe", /*tp=*/1, /*ep=*/2}); }
+TEST(PlanShardsVsTrainer, DataParallel) { check({"llama3", "cpu_tiny"}); }
+TEST(PlanShardsVsTrainer, ReplicateOnly) {
+  if (!two()) GTEST_SKIP() << "2 ranks";
+  check({"llama3", "cpu_tiny", /*replicate=*/2});
+}
+TEST(PlanShardsVsTrainer, Hsdp) {
+  if (!four()) GTEST_SKIP() << "4 ranks";
+  check({"llama3", "cpu_tiny", /*replicate=*/2});
+}
+TEST(PlanShardsVsTrainer, TensorParallel) { check({"llama3", "cpu_tiny", 1, /*tp=*/2}); }
+TEST(PlanShardsVsTrainer, Pipeline) { check({"llama3", "cpu_tiny", 1, 1, 1, /*pp=*/2}); }
+TEST(PlanShardsVsTrainer, ExpertParallel) { check({"qwen3", "cpu_tiny_moe", 1, 1, /*ep=*/2}); }
+TEST(PlanShardsVsTrainer, MoEWithoutExpertParallel) { check({"qwen3", "cpu_tiny_moe"}); }

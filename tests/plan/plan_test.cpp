@@ -604,6 +604,11 @@ TEST(PlanMoE, DenseQwen3CountsQkNorm) {
   no_qk.args.qk_norm = false;
   no_qk.args.rope_layout = llama::RopeLayout::Interleaved;
   no_qk.flavor.clear();
+  no_qk.build_model = [args = no_qk.args]() {  // no flavor has these args: built here, parallelized by the family
+    llama::LlamaArgs meta = args;
+    meta.device = c10::Device(c10::kMeta);
+    return std::static_pointer_cast<torch::nn::Module>(llama::Transformer(meta).ptr());
+  };
   EXPECT_EQ(p.memory.act_per_dense_layer - make_plan(no_qk).memory.act_per_dense_layer,
             16 * ((4 + 4) * (128 + 64) + 4 * (4 + 2)));
 }

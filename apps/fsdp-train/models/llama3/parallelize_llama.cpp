@@ -303,8 +303,9 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
               (s == num_stages - 1 ? " + norm, output" : "");
     // block_causal: every stage gets its microbatch's document ids alongside (the pipeline's context).
     // The sequence balance loss (model.moe_sequence_aux_loss_coeff) of the stage's MoE layers joins the stage's
-    // backward per microbatch (moe_balance.h); x's rows are the microbatch's sequences.
-    const double batch = static_cast<double>(dims.global_batch_size);
+    // backward per microbatch (moe_balance.h); x's rows are the microbatch's sequences, weighted by this replica
+    // group's batch ([fault_tolerance]: the quorum's gradient average makes it the share of the global batch).
+    const double batch = static_cast<double>(dims.global_batch_size / dims.ft_groups);
     plan.stages.push_back({stage.ptr(), [stage, stage_moes, batch, aux = plan.stage_aux_loss](
                                             const at::Tensor& x, const at::Tensor& ids) {
                              at::Tensor out = ids.defined() ? fsdp::nn::call(stage, x, std::optional<at::Tensor>(ids))

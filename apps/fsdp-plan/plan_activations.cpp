@@ -1,0 +1,104 @@
+// What autograd saves per block and for the loss (docs/planner.md, "Activations"): the planner's activation model,
+// per token of the batch, from the model args (the parameters' shapes come from the seam: plan_model.cpp).
+#include "plan_internal.h"
+
+#include <fsdp/models/moe.h>
+
+#include <algorithm>
+
+namespace fsdp::plan::detail {
+namespace {
+
+// What an MoE feed-forward (src/models/moe.cpp; with ep > 1 src/expert_parallel) saves for backward, per token,
+// under uniform routing (each ep rank receives, and its experts compute, T k rows in all). k = top_k, E experts,
+// F = expert hidden, Fs = shared experts' hidden, e = compute dtype bytes. docs/planner.md lists the tensors.
+int64_t moe_saved_per_token(const PlanConfig& c) {
+  const nn::moe::MoEOptions o = c.args.moe_options();
+  const int64_t e = bytes_of(c.compute_dtype), k = o.top_k, E = o.num_experts, F = o.hidden, D = c.args.dim,
+                Fs = o.hidden * o.num_shared_experts;
+  return 4 * E                            // router scores (softmax / sigmoid output, float32)
+         + 8 * k                          // chosen expert ids (gather's index)
+         + (o.route_norm ? 4 * k + 4 : 0)  // chosen scores and their sum (the normalising division)
+         + 8 * k + 8 * k                  // slot -> token index (index_select, index_add), expert order (weights')
+         + 4 * k                          // each slot's weight (float32) for the weight multiply
+         + k * D * e                      // the experts' input rows (grouped GEMM's saved input)
+         + 4 * k * F * e                  // SwiGLU of the rows: w1 out, silu out, w3 out, product
+         + 4 * k * D                      // expert outputs in float32, the weight multiply's other operand
+         + k * D * e                      // the weighted outputs (index_add's source: its backward expands to it)
+         + (c.ep > 1 ? 16 * k : 0)        // EP: the regrouping permutation and its inverse (index_select's indices)
+         + 4 * Fs * e;                    // shared experts' SwiGLU (their input is the norm's saved output)
+}
+
+}  // namespace
+
+ActivationModel activation_model(const PlanConfig& c, int64_t T) {
+  const auto& a = c.args;
+  const int64_t e = bytes_of(c.compute_dtype), TP = c.tp;
+  ActivationModel out;
+  // With TP, heads and the FFN hidden dim are split (per token of the whole sequence, which the colwise layers
+  // see gathered); norms run on this rank's 1/tp of the tokens (sequence parallel).
+  const int64_t D = a.dim, hq = a.n_heads * a.head_dim() / TP, hkv = a.kv_heads() * a.head_dim() / TP,
+                F = ceil_div(a.ffn_hidden_dim(), TP), heads = a.n_heads / TP;
+  const bool gqa = a.n_heads != a.kv_heads();
+  // QK-norm (Qwen3): q_norm / k_norm over head_dim save their float32 input (wq / wk out, which RoPE alone would
+  // not keep), the normalized tensor (compute dtype) and one float32 rsqrt per head row; their output goes to
+  // RoPE, whose roped result SDPA saves (counted in attn).
+  const int64_t qk = a.qk_norm ? (4 + e) * (hq + hkv) + 4 * (heads + a.kv_heads() / TP) : 0;
+  // RMSNorm: float32 input (the input itself in fp32, an upcast copy otherwise), normalized (compute dtype)
+  // saved for the weight multiply, output saved by the next linear(s). Under TP (sequence parallel) the norm
+  // runs on T/tp tokens and its output is not saved: it is all-gathered (whose backward needs nothing) and the
+  // colwise linears save the gathered [T, D] copy instead.
+  const int64_t norm = TP > 1 ? (4 * D + e * D) / TP + e * D : 4 * D + 2 * e * D;
+  // Attention: q (roped), k and v as SDPA sees them (repeated to n_heads under GQA), SDPA output (= wo
+  // input), log-sum-exp (fp32 per head).
+  const int64_t attn = e * (hq + 2 * (gqa ? hq : hkv) + hq) + 4 * heads;
+  // SwiGLU: w1 out (silu input), silu out, w3 out, product (w2 input).
+  const int64_t ffn = 4 * e * F;
+  const int64_t full_per_token = 2 * norm + attn + qk + ffn;
+  const int64_t moe_per_token = a.moe ? 2 * norm + attn + qk + moe_saved_per_token(c) : 0;
+  // Gradients in flight through a block's backward: the incoming and outgoing residual gradients and the SwiGLU
+  // intermediates' (dense); an MoE block's over its T k rows (3 F of SwiGLU, the rows' D, the float32 outputs'
+  // 4 D) and the shared experts'. Rough (docs/planner.md).
+  const int64_t dense_workspace = T * e * (2 * D / TP + 3 * F);
+  int64_t moe_workspace = 0;
+  if (a.moe) {
+    const nn::moe::MoEOptions o = a.moe_options();
+    moe_workspace = T * (e * 2 * D + o.top_k * (e * (3 * o.hidden + D) + 4 * D) + 3 * e * o.hidden * o.num_shared_experts);
+  }
+  for (int64_t l = 0; l < a.n_layers; ++l) {
+    out.layer_full.push_back(T * (is_moe(a, l) ? moe_per_token : full_per_token));
+    out.layer_workspace.push_back(is_moe(a, l) ? moe_workspace : dense_workspace);
+    (is_moe(a, l) ? out.moe_per_layer : out.dense_per_layer) = out.layer_full.back();
+  }
+  out.full_per_layer = a.n_layers > 0 ? out.layer_full.front() : T * full_per_token;
+  out.checkpointed_per_layer = T * e * D / TP;  // the block input only (sequence-sharded under TP)
+  // Op-level SAC: the block input and a copy of every other matmul output (wq, wv, w1, w2); TorchTitan's policy
+  // also keeps the SDPA output and log-sum-exp. Under TP the rowwise w2's matmul output is the full-sequence
+  // partial sum [T, D], saved before its reduce-scatter.
+  const int64_t op_sac_per_token =
+      e * (D / TP + hq + hkv + F + D) + (c.op_sac_saves_attention ? e * hq + 4 * heads : 0);
+  out.layer_saved = out.layer_full;
+  out.recomputed.assign(a.n_layers, false);
+  for (int64_t l = 0; l < a.n_layers; ++l) {
+    if (c.ac == ACMode::Full ||
+        (c.ac == ACMode::Selective && c.selective == SelectiveKind::Layer &&
+         (l + 1) % std::max<int64_t>(c.selective_every, 1) == 0)) {  // TorchTitan: every N-th block
+      out.layer_saved[l] = out.checkpointed_per_layer;
+      out.recomputed[l] = true;
+    } else if (c.ac == ACMode::Selective && c.selective == SelectiveKind::Op) {  // the saved op outputs, the rest recomputed
+      out.layer_saved[l] = T * op_sac_per_token;
+      out.recomputed[l] = true;
+    }
+  }
+  out.final_norm = T * norm;
+  // Logits per rank: vocabulary-sharded under loss parallel, gathered otherwise.
+  const int64_t V = TP > 1 && c.loss_parallel ? ceil_div(a.vocab_size, TP) : a.vocab_size;
+  out.logits = T * V * e;
+  out.lsm = T * V * 4;  // log-softmax output (float32 when upcast; = compute dtype otherwise)
+  out.lsm_bytes = c.loss.upcast_logits ? out.lsm : T * V * e;
+  out.loss_forward = out.logits + out.lsm_bytes + (c.loss.upcast_logits ? out.lsm : 0);
+  out.grad_workspace = a.n_layers > 0 ? out.layer_workspace.front() : dense_workspace;
+  return out;
+}
+
+}  // namespace fsdp::plan::detail

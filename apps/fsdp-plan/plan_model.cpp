@@ -1,0 +1,203 @@
+// The model as the trainer makes it, read back (plan_internal.h, layout_from_seam): fsdp-train's model seam builds
+// the family's model on meta (TrainSpec::build: no storage, any size), its parallelize step (TorchTitan's order:
+// pipeline split, TP, EP, AC, fully_shard per block and root) runs under a fsdp::FakeWorld of the planned rank,
+// and each FSDP unit's parameter groups (fsdp/fully_shard_layout.h) give the shards this rank holds: the shapes,
+// TP splits, expert placements and shard dims are the trainer's own, never re-derived here.
+#include "plan_internal.h"
+
+#include "config.h"
+#include "model_spec.h"
+#include "parallel_dims.h"
+#include "parallelize.h"
+
+#include <fsdp/fake_process_group.h>
+#include <fsdp/fully_shard_layout.h>
+#include <fsdp/pipeline/schedule.h>
+
+#include <c10/util/Exception.h>
+
+#include <map>
+#include <numeric>
+
+namespace fsdp::plan::detail {
+namespace {
+
+std::string flavor_text(const PlanConfig& c) { return c.flavor.empty() ? std::string("(custom)") : c.flavor; }
+
+// The trainer's job config of the plan: the same keys fsdp-train would be given for this layout. Dtypes the
+// trainer does not take (fp16) leave its default: the planner sizes the bytes itself from the shards' elements.
+fsdp_train::JobConfig job_config(const PlanConfig& c) {
+  const int64_t dp = c.replicate * c.shard;
+  std::vector<std::string> args = {
+      "--model.name", c.model,
+      "--training.seq_len", std::to_string(c.seq_len),
+      "--training.local_batch_size", std::to_string(c.local_batch),
+      "--training.global_batch_size", std::to_string(c.local_batch * dp),
+      "--validation.local_batch_size", std::to_string(c.local_batch),
+      "--validation.seq_len", std::to_string(c.seq_len),
+      "--parallelism.data_parallel_replicate_degree", std::to_string(c.replicate),
+      "--parallelism.data_parallel_shard_degree", std::to_string(c.shard),
+      "--parallelism.tensor_parallel_degree", std::to_string(c.tp),
+      "--parallelism.expert_parallel_degree", std::to_string(c.ep),
+      "--parallelism.disable_loss_parallel", c.loss_parallel ? "false" : "true",
+      "--parallelism.pipeline_parallel_degree", std::to_string(c.pp)};
+  if (!c.flavor.empty()) args.insert(args.end(), {"--model.flavor", c.flavor});
+  if (c.compute_dtype == c10::kBFloat16) args.insert(args.end(), {"--training.mixed_precision_param", "bfloat16"});
+  if (c.compute_dtype == c10::kFloat) args.insert(args.end(), {"--training.mixed_precision_param", "float32"});
+  if (c.pp > 1) {
+    args.insert(args.end(), {"--parallelism.pipeline_parallel_schedule",
+                             pipeline::schedule_name(pipeline::parse_schedule_name(c.schedule)),
+                             "--parallelism.num_pp_microbatches", std::to_string(c.microbatches),
+                             "--parallelism.pipeline_parallel_first_stage_less_layers",
+                             std::to_string(c.first_stage_less_layers),
+                             "--parallelism.pipeline_parallel_last_stage_less_layers",
+                             std::to_string(c.last_stage_less_layers)});
+    if (c.layers_per_stage) {
+      args.insert(args.end(), {"--parallelism.pipeline_parallel_layers_per_stage", std::to_string(*c.layers_per_stage)});
+    }
+  }
+  if (c.ac != ACMode::None) {
+    args.insert(args.end(), {"--activation_checkpoint.mode", c.ac == ACMode::Full ? "full" : "selective"});
+    if (c.ac == ACMode::Selective) {
+      args.insert(args.end(), {"--activation_checkpoint.selective_ac_option",
+                               c.selective == SelectiveKind::Op ? "op" : std::to_string(c.selective_every)});
+    }
+  }
+  return fsdp_train::load_config(args);
+}
+
+// One FSDP unit's shards on this rank as the planner counts them: every parameter group of the unit (the call's
+// mesh first; a second mesh is the routed experts' own, with expert parallelism), each parameter's padded rows in
+// the compute dtype, 16-byte aligned as fully_shard packs its all-gather slot.
+GroupPlan group_of(const std::string& name, const std::vector<ParamGroupLayout>& layouts, const PlanConfig& c) {
+  const int64_t e = bytes_of(c.compute_dtype);
+  GroupPlan g;
+  g.name = name;
+  for (size_t k = 0; k < layouts.size(); ++k) {
+    const ParamGroupLayout& layout = layouts[k];
+    const bool own_mesh = k > 0;
+    for (const ShardedParamLayout& p : layout.params) {
+      const int64_t numel = std::accumulate(p.unsharded_sizes.begin(), p.unsharded_sizes.end(), int64_t{1},
+                                            std::multiplies<int64_t>());
+      const int64_t all_gather = align16(p.padded_shard_numel * e);
+      g.local_numel += numel;
+      g.shard_numel += p.padded_shard_numel;
+      g.all_gather_bytes += all_gather;
+      // The routed experts: the group on their own mesh, or (ep = 1) the MoE block's experts module.
+      if (!own_mesh && p.fqn.find("moe.experts.") == std::string::npos) continue;
+      g.expert_numel += numel;
+      g.expert_shard_numel += p.padded_shard_numel;
+      g.expert_all_gather_bytes += all_gather;
+      g.expert_shard = layout.shard_size;
+      g.expert_shard_dim = p.shard_dim;
+      g.expert_group = own_mesh;
+    }
+  }
+  // The whole model's count: the other ep ranks hold the other experts, as many as this one.
+  g.numel = g.local_numel + g.expert_numel * (c.ep - 1);
+  return g;
+}
+
+struct RankUnits {
+  std::vector<GroupPlan> groups;              // in the trainer's order
+  std::vector<int> stages;                    // PP: the stages the rank holds ...
+  std::vector<std::vector<GroupPlan>> per_stage;  // ... and their units
+  int64_t num_params = 0;
+  std::string description;
+};
+
+// Builds and parallelizes the model as world rank `rank` of `world` would, and reads its units back.
+RankUnits units_of_rank(const PlanConfig& c, const fsdp_train::JobConfig& config, const fsdp_train::ParallelDims& dims,
+                        const fsdp_train::TrainSpec& spec, int rank, int world) {
+  FakeWorld fake(rank, world);
+  fsdp_train::ModelShape shape;
+  shape.vocab_size = c.args.vocab_size;  // the tokenizer's (fsdp-train: the model's vocabulary follows it)
+  shape.max_seq_len = c.seq_len;
+  shape.device = c10::Device(c10::kMeta);
+  fsdp_train::TrainModel model;
+  if (c.build_model) {
+    model.module = c.build_model();
+  } else {
+    model = spec.build(config, shape);
+  }
+  RankUnits out;
+  for (const auto& p : model.module->parameters()) out.num_params += p.numel();
+  fsdp_train::ParallelPlan plan = spec.parallelize(model, config, dims, fake.group());
+  TORCH_CHECK(plan.fsdp, "fsdp-plan internal: the trainer's parallelize applied no fully_shard (", plan.description,
+              ")");
+  out.description = plan.description;
+  // Unit names: the whole model's FQN of the module given to fully_shard; the root (or a pipeline stage, which is
+  // no module of the whole model) is "root".
+  std::map<const torch::nn::Module*, std::string> fqn_of;
+  for (const auto& item : model.module->named_modules()) fqn_of[item.value().get()] = item.key();
+  std::map<const torch::nn::Module*, size_t> stage_of;
+  for (size_t i = 0; i < plan.stages.size(); ++i) stage_of[plan.stages[i].module.get()] = i;
+  out.stages = plan.stage_indices;
+  out.per_stage.resize(plan.stages.size());
+  size_t stage = 0;
+  for (const FSDPModule& unit : plan.fsdp_modules) {
+    const torch::nn::Module* m = &unit.module();
+    const auto named = fqn_of.find(m);
+    const std::string name = named == fqn_of.end() || named->second.empty() ? "root" : named->second;
+    const std::vector<ParamGroupLayout> layouts = param_group_layouts(unit);
+    // A unit left without parameters (a middle pipeline stage's own, its blocks sharded apart) has no group and
+    // sends nothing.
+    if (!layouts.empty()) {
+      GroupPlan g = group_of(name, layouts, c);
+      if (!plan.stages.empty()) {
+        TORCH_CHECK(stage < plan.stages.size(), "fsdp-plan internal: FSDP unit ", name, " after the rank's last stage");
+        out.per_stage[stage].push_back(g);
+      }
+      out.groups.push_back(std::move(g));
+    }
+    if (stage_of.count(m)) stage += 1;  // a stage's own unit closes it (its blocks come first)
+  }
+  return out;
+}
+
+}  // namespace
+
+SeamLayout layout_from_seam(const PlanConfig& c, const std::vector<std::vector<std::string>>& stage_fqns) {
+  const int64_t world = c.pp * c.replicate * c.shard * c.tp;
+  TORCH_CHECK(world >= 1 && world <= (int64_t{1} << 24), "fsdp-plan: pp x replicate x shard x tp = ", world,
+              " ranks is out of range");
+  TORCH_CHECK(!c.flavor.empty() || c.build_model, "fsdp-plan: no model.flavor for ", c.model,
+              " (the model is built through the trainer's model seam: name a flavor, or give PlanConfig::build_model)");
+  SeamLayout out;
+  try {
+    fsdp_train::JobConfig config = job_config(c);
+    config.parallelism.module_fqns_per_model_part = stage_fqns;
+    const fsdp_train::ParallelDims dims = fsdp_train::resolve_parallelism(config, world);
+    const fsdp_train::TrainSpec& spec = fsdp_train::train_spec(c.model);
+    spec.check_layout(config, dims);  // what the trainer refuses, the planner refuses alike
+    if (c.pp == 1) {
+      RankUnits r = units_of_rank(c, config, dims, spec, 0, static_cast<int>(world));
+      out.groups = std::move(r.groups);
+      out.num_params = r.num_params;
+      out.description = std::move(r.description);
+      return out;
+    }
+    // Each pp rank holds its own stages: plan the first rank of each pp coordinate (mesh [pp, ...]: pp outermost).
+    const int64_t per_pp = world / c.pp;
+    for (int64_t p = 0; p < c.pp; ++p) {
+      RankUnits r = units_of_rank(c, config, dims, spec, static_cast<int>(p * per_pp), static_cast<int>(world));
+      if (p == 0) {
+        out.num_params = r.num_params;
+        out.description = r.description;
+      }
+      for (size_t i = 0; i < r.stages.size(); ++i) {
+        const size_t s = static_cast<size_t>(r.stages[i]);
+        if (out.stage_groups.size() <= s) out.stage_groups.resize(s + 1);
+        out.stage_groups[s] = std::move(r.per_stage[i]);
+      }
+    }
+  } catch (const fsdp_train::ConfigError& e) {
+    // The trainer's own words for a layout it refuses ("config error: parallelism...: ..."), from the planner.
+    std::string msg = e.what();
+    if (msg.rfind("config error: ", 0) == 0) msg = msg.substr(14);
+    TORCH_CHECK(false, "fsdp-plan: ", c.model, " ", flavor_text(c), ": the trainer refuses this layout: ", msg);
+  }
+  return out;
+}
+
+}  // namespace fsdp::plan::detail
