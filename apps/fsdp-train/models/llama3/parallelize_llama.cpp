@@ -88,7 +88,7 @@ fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config) {
   const auto& m = config.model;
   fsdp::nn::llama::LlamaArgs args;
   try {
-    args = fsdp::nn::llama::model_flavor(to_string(m.name), m.flavor);
+    args = fsdp::nn::llama::model_flavor(m.name, m.flavor);
   } catch (const c10::Error& e) {
     throw ConfigError(std::string("config error: model.flavor: ") + e.what_without_backtrace());
   }
@@ -100,7 +100,7 @@ fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config) {
                          m.moe_num_expert_groups > 0;
   if (!overrides) return args;
   if (!args.moe) {
-    throw ConfigError("config error: model.moe_* keys set, but " + std::string(to_string(m.name)) + " " + m.flavor +
+    throw ConfigError("config error: model.moe_* keys set, but " + m.name + " " + m.flavor +
                       " has no MoE layers (use a *_moe flavor)");
   }
   auto& o = *args.moe;
@@ -331,7 +331,7 @@ void check_layout(const std::string& family, const fsdp::nn::llama::LlamaArgs& a
 
 ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobConfig& config, const ParallelDims& dims,
                                const fsdp::ProcessGroupPtr& group) {
-  check_layout(to_string(config.model.name), model->args(), config, dims);
+  check_layout(config.model.name, model->args(), config, dims);
   const int64_t num_experts = num_experts_of(model);
   const bool has_moe = num_experts > 0;
   const auto& ac = config.activation_checkpoint;
