@@ -1,6 +1,8 @@
 // See parallelize_deepseek_v3.h.
 #include "parallelize_deepseek_v3.h"
 
+#include "moe_overrides.h"
+
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/expert_parallel.h>
 #include <fsdp/fully_shard.h>
@@ -108,21 +110,10 @@ ds::DeepSeekV3Args model_args(const JobConfig& config) {
   }
   args.attn_mask_type = m.attn_mask_type == AttnMaskType::BlockCausal ? fsdp::nn::llama::AttnMaskType::BlockCausal
                                                                     : fsdp::nn::llama::AttnMaskType::Causal;
-  auto& o = args.moe;
-  if (m.moe_score_func != MoeScoreFunc::FlavorDefault) o.score_func = to_string(m.moe_score_func);
-  if (m.moe_shared_experts >= 0) o.num_shared_experts = m.moe_shared_experts;
-  if (m.moe_route_norm != MoeRouteNorm::FlavorDefault) o.route_norm = m.moe_route_norm == MoeRouteNorm::On;
-  if (m.moe_route_scale != 0) o.route_scale = m.moe_route_scale;
-  if (m.moe_load_balance_coeff == 0) o.load_balance_coeff.reset();
-  else if (m.moe_load_balance_coeff > 0) o.load_balance_coeff = m.moe_load_balance_coeff;
+  apply_moe_overrides(m, args.moe);
   // The trainer adds the sequence aux loss when the key is set (> 0); the flavor's own coefficient would compute
   // a loss nothing adds.
-  if (m.moe_sequence_aux_loss_coeff > 0) o.sequence_aux_loss_coeff = m.moe_sequence_aux_loss_coeff;
-  else o.sequence_aux_loss_coeff.reset();
-  if (m.moe_num_expert_groups > 0) {
-    o.num_expert_groups = m.moe_num_expert_groups;
-    o.num_limited_groups = m.moe_num_limited_groups;
-  }
+  if (m.moe_sequence_aux_loss_coeff <= 0) args.moe.sequence_aux_loss_coeff.reset();
   return args;
 }
 

@@ -1,6 +1,8 @@
 // See parallelize_llama.h.
 #include "parallelize_llama.h"
 
+#include "moe_overrides.h"
+
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/expert_parallel.h>
 #include <fsdp/nn/module_call.h>
@@ -103,18 +105,7 @@ fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config) {
     throw ConfigError("config error: model.moe_* keys set, but " + m.name + " " + m.flavor +
                       " has no MoE layers (use a *_moe flavor)");
   }
-  auto& o = *args.moe;
-  if (m.moe_score_func != MoeScoreFunc::FlavorDefault) o.score_func = to_string(m.moe_score_func);  // libfsdp's names
-  if (m.moe_shared_experts >= 0) o.num_shared_experts = m.moe_shared_experts;
-  if (m.moe_route_norm != MoeRouteNorm::FlavorDefault) o.route_norm = m.moe_route_norm == MoeRouteNorm::On;
-  if (m.moe_route_scale != 0) o.route_scale = m.moe_route_scale;
-  if (m.moe_load_balance_coeff == 0) o.load_balance_coeff.reset();
-  else if (m.moe_load_balance_coeff > 0) o.load_balance_coeff = m.moe_load_balance_coeff;
-  if (m.moe_sequence_aux_loss_coeff > 0) o.sequence_aux_loss_coeff = m.moe_sequence_aux_loss_coeff;
-  if (m.moe_num_expert_groups > 0) {
-    o.num_expert_groups = m.moe_num_expert_groups;
-    o.num_limited_groups = m.moe_num_limited_groups;
-  }
+  apply_moe_overrides(m, *args.moe);
   return args;
 }
 
