@@ -1,6 +1,7 @@
 // DeepSeek-V3 through fsdp-train (model.name = "deepseek_v3", models/deepseek_v3/: multi-head latent attention,
 // a dense first layer, then MoE layers with a shared expert and sigmoid routing limited to 2 of 4 expert groups).
-//   2 ranks: FSDP, expert parallelism 2 and EP 2 with full activation checkpointing each equal 1 rank with
+//   2 ranks: FSDP, expert parallelism 2, EP 2 with full activation checkpointing and plain data parallelism
+//            (replicate 2: fsdp::replicate) each equal 1 rank with
 //            gradient accumulation over the same global batches: the loss and grad norm of every step (1e-5 /
 //            1e-4 relative, as the other parity tests) and the expert load of every step exactly (which also shows
 //            the load-balancing bias, which steers the routing, was updated identically).
@@ -57,17 +58,19 @@ TrainEnv single_process() {
   return env;
 }
 
-void expect_parity(const std::string& name, int64_t ep, bool full_ac = false) {
+void expect_parity(const std::string& name, int64_t ep, bool full_ac = false, int64_t replicate = 1) {
   const int64_t world = fsdp::world()->size();
   JobConfig ref_config = base(own_dir(name + "_ref"), world);
   const TrainSummary ref = run_training(ref_config, single_process(), false);
   JobConfig config = base(test::shared_dir("fsdp_train_dsv3", name), world);
   config.parallelism.expert_parallel_degree = ep;
+  config.parallelism.data_parallel_replicate_degree = replicate;
   if (full_ac) config.activation_checkpoint.mode = AcMode::Full;
   const TrainSummary got = run_training(config, test::world_env(), false);
   if (ep > 1) EXPECT_NE(got.plan.find("EP " + std::to_string(ep) + " ("), std::string::npos) << got.plan;
   else EXPECT_EQ(got.plan.find("EP "), std::string::npos) << got.plan;
-  EXPECT_NE(got.plan.find("FSDP"), std::string::npos) << got.plan;
+  // replicate = world: TorchTitan's DDP path (fsdp::replicate), else fully_shard.
+  EXPECT_NE(got.plan.find(replicate == world ? "data parallel (replicate" : "FSDP"), std::string::npos) << got.plan;
   if (full_ac) EXPECT_GT(got.ac_recomputes, 0) << "activation checkpointing recomputed nothing";
   ASSERT_EQ(ref.losses.size(), 8u);
   ASSERT_EQ(got.losses.size(), ref.losses.size());
@@ -137,6 +140,11 @@ TEST(TrainerDeepSeekV3, ExpertParallelEqualsOneRank) {
 TEST(TrainerDeepSeekV3, ExpertParallelWithFullActivationCheckpointingEqualsOneRank) {
   if (fsdp::world()->size() != 2) GTEST_SKIP() << "ep 2 on 2 ranks";
   expect_parity("ep2_ac", 2, /*full_ac=*/true);
+}
+
+TEST(TrainerDeepSeekV3, DataParallelReplicateEqualsOneRank) {
+  if (fsdp::world()->size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  expect_parity("ddp", 1, false, /*replicate=*/fsdp::world()->size());
 }
 
 TEST(TrainerDeepSeekV3, HuggingFaceSaveLoadsInTransformersAndBack) {
