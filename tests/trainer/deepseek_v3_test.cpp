@@ -1,7 +1,7 @@
 // DeepSeek-V3 through fsdp-train (model.name = "deepseek_v3", models/deepseek_v3/: multi-head latent attention,
 // a dense first layer, then MoE layers with a shared expert and sigmoid routing limited to 2 of 4 expert groups).
 //   2 ranks: FSDP, expert parallelism 2, EP 2 with full activation checkpointing and plain data parallelism
-//            (replicate 2: fsdp::replicate) each equal 1 rank with
+//            (replicate 2: fsdp::replicate) each equal 1 rank with (4 ranks: FSDP, and HSDP 2 x 2 with EP 2)
 //            gradient accumulation over the same global batches: the loss and grad norm of every step (1e-5 /
 //            1e-4 relative, as the other parity tests) and the expert load of every step exactly (which also shows
 //            the load-balancing bias, which steers the routing, was updated identically).
@@ -70,7 +70,8 @@ void expect_parity(const std::string& name, int64_t ep, bool full_ac = false, in
   if (ep > 1) EXPECT_NE(got.plan.find("EP " + std::to_string(ep) + " ("), std::string::npos) << got.plan;
   else EXPECT_EQ(got.plan.find("EP "), std::string::npos) << got.plan;
   // replicate = world: TorchTitan's DDP path (fsdp::replicate), else fully_shard.
-  EXPECT_NE(got.plan.find(replicate == world ? "data parallel (replicate" : "FSDP"), std::string::npos) << got.plan;
+  const char* wrapping = replicate == world ? "data parallel (replicate" : replicate > 1 ? "HSDP" : "FSDP";
+  EXPECT_NE(got.plan.find(wrapping), std::string::npos) << got.plan;
   if (full_ac) EXPECT_GT(got.ac_recomputes, 0) << "activation checkpointing recomputed nothing";
   ASSERT_EQ(ref.losses.size(), 8u);
   ASSERT_EQ(got.losses.size(), ref.losses.size());
@@ -145,6 +146,11 @@ TEST(TrainerDeepSeekV3, ExpertParallelWithFullActivationCheckpointingEqualsOneRa
 TEST(TrainerDeepSeekV3, DataParallelReplicateEqualsOneRank) {
   if (fsdp::world()->size() < 2) GTEST_SKIP() << "needs 2 ranks";
   expect_parity("ddp", 1, false, /*replicate=*/fsdp::world()->size());
+}
+
+TEST(TrainerDeepSeekV3, ExpertParallelUnderHsdpEqualsOneRank) {
+  if (fsdp::world()->size() != 4) GTEST_SKIP() << "HSDP 2 x 2 with ep 2 needs 4 ranks";
+  expect_parity("hsdp_ep2", 2, false, /*replicate=*/2);
 }
 
 TEST(TrainerDeepSeekV3, HuggingFaceSaveLoadsInTransformersAndBack) {
