@@ -103,7 +103,7 @@ int64_t checked_int(const std::string& text, const std::string& file, const std:
 class DistributedCheckpointer final : public Checkpointer {
  public:
   DistributedCheckpointer(const JobConfig& config, int rank, fsdp::ProcessGroupPtr group)
-      : cfg_(config.checkpoint), hf_(train_spec(to_string(config.model.name)).hf), base_lr_(config.optimizer.lr), rank_(rank), world_(group ? group->size() : 1),
+      : cfg_(config.checkpoint), hf_(train_spec(config.model.name).hf), base_lr_(config.optimizer.lr), rank_(rank), world_(group ? group->size() : 1),
         job_group_(std::move(group)) {
     folder_ = (fs::path(config.job.dump_folder) / cfg_.folder).string();
     const ckpt::AsyncMode mode = async_mode_of(cfg_.async_mode);

@@ -31,10 +31,6 @@ struct ExactNames {  // the names match exactly (case included), as TorchTitan c
   static constexpr bool case_insensitive = false;
 };
 template <>
-struct Choices<ModelName> : ExactNames {
-  static constexpr ChoiceName<ModelName> names[] = {{ModelName::Llama3, "llama3"}, {ModelName::Qwen3, "qwen3"}};
-};
-template <>
 struct Choices<MoeScoreFunc> : ExactNames {
   static constexpr ChoiceName<MoeScoreFunc> names[] = {
       {MoeScoreFunc::FlavorDefault, ""}, {MoeScoreFunc::Softmax, "softmax"}, {MoeScoreFunc::Sigmoid, "sigmoid"}};
@@ -208,7 +204,9 @@ std::vector<Field> fields(JobConfig& c) {
   return {
       {"job", "dump_folder", &c.job.dump_folder, "folder for metrics.jsonl, the effective config.toml and checkpoints"},
       {"job", "description", &c.job.description, "free text, printed at startup"},
-      {"model", "name", choice(&c.model.name), "model family: llama3 | qwen3"},
+      {"model", "name", &c.model.name,
+       "model family: a name in fsdp-train's model registry (docs/models.md lists them); an unknown name is an "
+       "error listing the registered ones"},
       {"model", "flavor", &c.model.flavor,
        "llama3: cpu_tiny, cpu_small, cpu_medium, debugmodel, 1B, 3B, 8B, 70B, 405B; qwen3: cpu_tiny, cpu_small, "
        "cpu_tiny_moe, cpu_small_moe, debugmodel, debugmodel_moe, 0.6B ... 32B, 30B-A3B, 235B-A22B"},
@@ -665,7 +663,6 @@ std::optional<E> parse_choice(std::string_view text) {
 #define FSDP_TRAIN_CHOICE_ENUM(E)                                      \
   const char* to_string(E v) { return name_of(v); }                  \
   template std::optional<E> parse_choice<E>(std::string_view text);
-FSDP_TRAIN_CHOICE_ENUM(ModelName)
 FSDP_TRAIN_CHOICE_ENUM(MoeScoreFunc)
 FSDP_TRAIN_CHOICE_ENUM(MoeRouteNorm)
 FSDP_TRAIN_CHOICE_ENUM(OptimizerName)

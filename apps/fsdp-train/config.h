@@ -30,7 +30,6 @@ inline constexpr int64_t kMaxMicroBatchTokens = int64_t(1) << 28;  // local_batc
 // The string-choice keys, parsed once where the TOML or the command line is read (a bad value is a ConfigError
 // naming the key, the value, the choices and where it was written); to_string() gives back TorchTitan's spelling,
 // the one to_toml() and the schema print.
-enum class ModelName { Llama3, Qwen3 };                       // llama3 | qwen3
 enum class MoeScoreFunc { FlavorDefault, Softmax, Sigmoid };  // "" (the flavor's) | softmax | sigmoid
 enum class MoeRouteNorm { FlavorDefault, On, Off };           // "" (the flavor's) | true | false
 enum class OptimizerName { AdamW, Adam };                     // AdamW | Adam
@@ -58,7 +57,6 @@ enum class AttnMaskType { Causal, BlockCausal };              // causal | block_
 // checkpoint.exclude_from_loading's items: optimizer | lr_scheduler | dataloader | train_state | rng.
 enum class CheckpointPart { Optimizer, LrScheduler, Dataloader, TrainState, Rng };
 
-const char* to_string(ModelName v);
 const char* to_string(MoeScoreFunc v);
 const char* to_string(MoeRouteNorm v);
 const char* to_string(OptimizerName v);
@@ -100,7 +98,10 @@ struct JobConfig {
     std::string description = "default job";
   } job;
   struct Model {
-    ModelName name = ModelName::Llama3;
+    // The model family: a name in fsdp-train's model registry (model_spec.h), not a choice fixed here, so that a
+    // new family is its folder plus its registration. The registry checks it (an unknown name is a ConfigError
+    // listing the registered ones) before anything else runs.
+    std::string name = "llama3";
     std::string flavor = "debugmodel";
     std::string tokenizer_path;  // "" = byte-level tokenizer; else a Hugging Face tokenizer.json (byte-level BPE)
     // TorchTitan's attn_mask_type: block_causal attends within the documents packing joined (split at the

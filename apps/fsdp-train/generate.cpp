@@ -64,7 +64,7 @@ GenerateResult generate(const JobConfig& config, const GenerateOptions& o) {
   // The prompt and its continuation are one document (generation stops at EOS): block_causal attention is causal.
   JobConfig causal = config;
   causal.model.attn_mask_type = AttnMaskType::Causal;
-  const TrainModel built = train_spec(to_string(config.model.name)).build(causal, shape);
+  const TrainModel built = train_spec(config.model.name).build(causal, shape);
   torch::nn::Module& model = *built.module;
   // One sequence through a small model is a chain of tiny matmuls: intra-op threads cost more than they give
   // (9x slower with 2 threads for cpu_small on a busy 2-core machine). OMP_NUM_THREADS still decides if set.
@@ -80,13 +80,13 @@ GenerateResult generate(const JobConfig& config, const GenerateOptions& o) {
         saved = reader.read(item.key());
       } catch (const std::exception& e) {
         throw std::runtime_error("generate: checkpoint '" + r.checkpoint_dir + "' has no usable '" + item.key() +
-                                 "' for " + to_string(config.model.name) + " " + config.model.flavor + " (vocab " + std::to_string(shape.vocab_size) +
+                                 "' for " + config.model.name + " " + config.model.flavor + " (vocab " + std::to_string(shape.vocab_size) +
                                  "; is --config the job that trained it?): " + e.what());
       }
       if (saved.sizes() != item.value().sizes()) {
         std::ostringstream msg;
         msg << "generate: '" << item.key() << "' in '" << r.checkpoint_dir << "' has shape " << saved.sizes()
-            << ", " << to_string(config.model.name) << " " << config.model.flavor << " with vocab " << shape.vocab_size << " expects "
+            << ", " << config.model.name << " " << config.model.flavor << " with vocab " << shape.vocab_size << " expects "
             << item.value().sizes() << " (is --config the job that trained it?)";
         throw std::runtime_error(msg.str());
       }
@@ -195,7 +195,7 @@ int generate_main(const std::vector<std::string>& args) {
   }
   const JobConfig config = load_config(config_args);
   const GenerateResult r = generate(config, o);
-  std::cerr << "generate: " << to_string(config.model.name) << " " << config.model.flavor << " from " << r.checkpoint_dir << ", "
+  std::cerr << "generate: " << config.model.name << " " << config.model.flavor << " from " << r.checkpoint_dir << ", "
             << r.new_tokens.size() << " new tokens (temperature " << o.temperature << ", top_k " << o.top_k
             << ", seed " << o.seed << (o.kv_cache ? ", KV cache" : ", no KV cache") << ")\n";
   std::cout << o.prompt << r.text << std::endl;

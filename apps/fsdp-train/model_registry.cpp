@@ -1,6 +1,7 @@
 // The model seam's registry (model_spec.h): one registration per model family, in one list.
 #include "model_spec.h"
 
+#include "models/deepseek_v3/deepseek_v3_spec.h"
 #include "models/llama3/llama3_spec.h"
 #include "models/qwen3/qwen3_spec.h"
 
@@ -11,6 +12,7 @@ const std::vector<TrainSpec>& registry() {
   static const std::vector<TrainSpec> specs = {
       llama3::train_spec(),  // models/llama3
       qwen3::train_spec(),   // models/qwen3 (Qwen3 and Qwen3-MoE)
+      deepseek_v3::train_spec(),  // models/deepseek_v3
   };
   return specs;
 }

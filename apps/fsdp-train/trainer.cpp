@@ -117,6 +117,8 @@ static void check_launch_matches(const JobConfig& config, const torch::nn::Modul
 }
 
 void check_model_layout(const JobConfig& config, int64_t world_size) {
+  // model.name first: an unknown family is one line listing the registered ones, whatever the layout.
+  const TrainSpec& spec = train_spec(config.model.name);
   // Only the family's own rules here. A layout that does not resolve on this rank's WORLD_SIZE is left to the
   // Trainer, after init_distributed: a rank launched with another world size than its peers must be named by the
   // launch check ("world size differs across ranks"), not refused with a batch-divisibility error of its own.
@@ -126,7 +128,7 @@ void check_model_layout(const JobConfig& config, int64_t world_size) {
   } catch (const ConfigError&) {
     return;
   }
-  train_spec(to_string(config.model.name)).check_layout(config, *dims);
+  spec.check_layout(config, *dims);
 }
 
 TrainEnv init_distributed(const JobConfig& config) {
@@ -256,7 +258,7 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
       say_(main_rank_ && env.verbose),
       dims_(resolve_parallelism(config, env.world_size)),
       track_tensors_(config.metrics.tensor_memory),
-      spec_(train_spec(to_string(config.model.name))),
+      spec_(train_spec(config.model.name)),
       device_(training_device(config, env)),
       device_memory_(!device_.is_cpu()),
       device_total_bytes_(device_.is_cuda() ? cuda_support::device_total_bytes(device_.index()) : 0) {
@@ -452,7 +454,7 @@ void Trainer::print_header() const {
   const auto& dims = dims_;
   const std::string tb = metrics_->tensorboard_dir();
   std::cout << "fsdp-train: " << config.job.description << "\n"
-            << "  model     " << to_string(config.model.name) << " " << config.model.flavor << ": " << model_.summary << ", " << model_.num_params << " parameters"
+            << "  model     " << config.model.name << " " << config.model.flavor << ": " << model_.summary << ", " << model_.num_params << " parameters"
             << (document_eos_ ? ", block_causal attention (documents end at EOS " + std::to_string(*document_eos_) + ")" : "")
             << "\n"
             << "  tokenizer " << tokenizer_->describe() << "\n"

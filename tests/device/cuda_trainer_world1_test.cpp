@@ -75,7 +75,7 @@ TEST(TrainerOnCudaWorld1, Bf16StepsMemoryTraceAndSnapshot) {
   shape.vocab_size = fsdp_train::make_tokenizer(job.model.tokenizer_path)->vocab_size();
   shape.max_seq_len = job.training.seq_len;
   shape.device = c10::kMeta;
-  const int64_t n_params = fsdp_train::train_spec(fsdp_train::to_string(job.model.name)).build(job, shape).num_params;
+  const int64_t n_params = fsdp_train::train_spec(job.model.name).build(job, shape).num_params;
   EXPECT_GE(got.device_max_active_bytes, 12 * n_params);
   EXPECT_GE(got.device_max_reserved_bytes, got.device_max_active_bytes);
   const auto records = jsonl(got.dump_folder + "/metrics.jsonl");

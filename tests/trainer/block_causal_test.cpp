@@ -236,7 +236,7 @@ TEST(BlockCausalTrainer, MoeExpertParallelEqualsOneRank) {
   if (fsdp::world()->size() != 2) GTEST_SKIP() << "runs on 2 ranks";
   expect_layouts_equal_one_rank(
       [](JobConfig& c) {
-        c.model.name = ModelName::Qwen3;
+        c.model.name = "qwen3";
         c.model.flavor = "cpu_tiny_moe";
       },
       {{"moe_ep2",

@@ -7,6 +7,7 @@
 #include "parallel_dims.h"
 #include "trainer.h"
 
+#include <fsdp/models/deepseek_v3.h>
 #include <fsdp/models/llama.h>
 #include <fsdp/models/qwen3.h>
 #include <fsdp/process_group.h>
@@ -14,6 +15,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -39,7 +41,7 @@ std::string config_error_of(const std::function<void()>& f) {
 }  // namespace
 
 TEST(ModelSpec, RegistryHoldsEveryFamilyWithEveryEntry) {
-  EXPECT_EQ(train_spec_names(), (std::vector<std::string>{"llama3", "qwen3"}));
+  EXPECT_EQ(train_spec_names(), (std::vector<std::string>{"llama3", "qwen3", "deepseek_v3"}));
   for (const auto& name : train_spec_names()) {
     SCOPED_TRACE(name);
     const TrainSpec& spec = train_spec(name);
@@ -51,9 +53,19 @@ TEST(ModelSpec, RegistryHoldsEveryFamilyWithEveryEntry) {
   // The model library's flavor lists, family by family.
   EXPECT_EQ(train_spec("llama3").flavors, fsdp::nn::llama::llama3_flavor_names());
   EXPECT_EQ(train_spec("qwen3").flavors, fsdp::nn::llama::qwen3_flavor_names());
+  EXPECT_EQ(train_spec("deepseek_v3").flavors, fsdp::nn::deepseek_v3::deepseek_v3_flavor_names());
+  for (const std::string flavor : {"cpu_tiny", "debugmodel", "16B", "671B"}) {  // TorchTitan's, and ours
+    const auto& f = train_spec("deepseek_v3").flavors;
+    EXPECT_NE(std::find(f.begin(), f.end(), flavor), f.end()) << flavor;
+  }
   const std::string unknown = config_error_of([] { train_spec("gpt2"); });
   EXPECT_NE(unknown.find("model.name = \"gpt2\""), std::string::npos) << unknown;
-  EXPECT_NE(unknown.find("llama3, qwen3"), std::string::npos) << unknown;
+  EXPECT_NE(unknown.find("llama3, qwen3, deepseek_v3"), std::string::npos) << unknown;
+  // fsdp-train's first check (before any layout rule or process group) is the same one line.
+  const std::string unknown_job = config_error_of([] { check_model_layout(job("gpt2", "cpu_tiny"), 1); });
+  EXPECT_NE(unknown_job.find("model.name = \"gpt2\" is not a registered model family (llama3, qwen3, deepseek_v3)"),
+            std::string::npos)
+      << unknown_job;
 }
 
 // Built on meta: no storage, the parameter count the module holds, and TorchTitan's FLOPs per token
@@ -178,5 +190,101 @@ TEST(ModelSpec, LayoutCheckRefusesBeforeAnyProcessGroup) {
                                  4);
             }),
             "");
+  EXPECT_FALSE(fsdp::is_initialized());
+}
+
+// DeepSeek-V3 through the seam, built on meta: cpu_tiny and TorchTitan's debugmodel have the library flavor's
+// layers and MoE layers, the parameter count the module holds, and TorchTitan's MoE FLOPs per token
+// (get_moe_model_nparams_and_flops: 6 x (parameters a token uses - embedding) + 6 x layers x heads x
+// (qk_head_dim + v_head_dim) x seq), counted here from the built module: each MoE layer's routed experts
+// weighted top_k / experts. (Not the 16B / 671B here: the MoE layer makes its router and shared experts on the
+// CPU before placing them on meta, gigabytes for those shapes; models_deepseek_v3_test checks their sizes.)
+TEST(ModelSpec, DeepSeekV3MetaBuildHasTheFlavorsShapesCountsAndFlops) {
+  for (const std::string flavor : {"cpu_tiny", "debugmodel"}) {
+    SCOPED_TRACE(flavor);
+    const auto args = fsdp::nn::deepseek_v3::deepseek_v3_flavor(flavor);
+    ModelShape shape;
+    shape.vocab_size = 300;
+    shape.max_seq_len = 16;
+    shape.device = c10::kMeta;
+    const TrainModel model = train_spec("deepseek_v3").build(job("deepseek_v3", flavor), shape);
+    double params = 0, active = 0, embedding = 0;
+    int64_t layers = 0, moe_layers = 0;
+    for (const auto& p : model.module->named_parameters()) {
+      EXPECT_TRUE(p.value().is_meta()) << p.key();
+      const auto n = static_cast<double>(p.value().numel());
+      params += n;
+      const bool routed = p.key().find(".moe.experts.") != std::string::npos;
+      active += routed ? n * static_cast<double>(args.moe.top_k) / static_cast<double>(args.moe.num_experts) : n;
+      if (p.key() == "tok_embeddings.weight") {
+        embedding = n;
+        EXPECT_EQ(p.value().size(0), 300);
+      }
+      if (p.key().find(".moe.router.gate.weight") != std::string::npos) ++moe_layers;
+    }
+    for (const auto& child : model.module->named_modules("", false))
+      if (child.key().rfind("layers.", 0) == 0 && child.key().find('.', 7) == std::string::npos) ++layers;
+    EXPECT_EQ(layers, args.n_layers);
+    EXPECT_EQ(moe_layers, args.n_layers - args.n_dense_layers);
+    EXPECT_EQ(static_cast<double>(model.num_params), params);
+    EXPECT_NE(model.summary.find("vocab 300"), std::string::npos) << model.summary;
+    const double flops = 6.0 * (active - embedding) +
+                         6.0 * static_cast<double>(args.n_layers * args.n_heads) *
+                             static_cast<double>(args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim) * 16;
+    EXPECT_NEAR(model.flops_per_token, flops, 1e-9 * flops);
+  }
+}
+
+// DeepSeek-V3 built on the CPU and initialised through the seam = the library model built and initialised
+// directly (the same logits); its cached forward (a re-run, no KV cache) = the full forward's positions.
+TEST(ModelSpec, DeepSeekV3ForwardEqualsTheLibraryModel) {
+  ModelShape shape;
+  shape.vocab_size = 64;
+  shape.max_seq_len = 16;
+  const TrainModel model = train_spec("deepseek_v3").build(job("deepseek_v3", "cpu_tiny"), shape);
+  model.init_weights(7, {});
+  auto args = fsdp::nn::deepseek_v3::deepseek_v3_flavor("cpu_tiny");
+  args.vocab_size = 64;
+  args.max_seq_len = 16;
+  fsdp::nn::deepseek_v3::DeepSeekV3 reference(args);
+  reference->init_weights(7);
+  torch::NoGradGuard no_grad;
+  const auto tokens = torch::randint(0, 64, {1, 9}, torch::kLong);
+  const auto logits = model.forward(tokens);
+  EXPECT_TRUE(torch::equal(logits, reference->forward(tokens)));
+  auto cached = model.cached_forward(16);
+  EXPECT_TRUE(torch::allclose(cached(tokens.slice(1, 0, 8)), logits.slice(1, 0, 8), 1e-5, 1e-5));
+  EXPECT_TRUE(torch::allclose(cached(tokens.slice(1, 8, 9)), logits.slice(1, 8, 9), 1e-5, 1e-5));
+}
+
+// DeepSeek-V3's refused layouts (one line naming the family, the flavor and the layout; no process group), and
+// the layouts it trains pass.
+TEST(ModelSpec, DeepSeekV3LayoutCheck) {
+  ASSERT_FALSE(fsdp::is_initialized());
+  const auto refused = [](std::vector<std::string> more, int64_t world) {
+    return config_error_of([&] { check_model_layout(job("deepseek_v3", "cpu_tiny", more), world); });
+  };
+  const auto tp = refused({"--parallelism.tensor_parallel_degree", "2"}, 2);
+  EXPECT_NE(tp.find("tensor_parallel_degree = 2 with deepseek_v3 cpu_tiny is not supported yet"), std::string::npos)
+      << tp;
+  const auto pp = refused({"--parallelism.pipeline_parallel_degree", "2"}, 2);
+  EXPECT_NE(pp.find("pipeline_parallel_degree = 2 with deepseek_v3 cpu_tiny is not supported yet"), std::string::npos)
+      << pp;
+  const auto ep = refused({"--parallelism.expert_parallel_degree", "3", "--training.local_batch_size", "1",
+                           "--training.global_batch_size", "3"},
+                          3);
+  EXPECT_NE(ep.find("does not divide the 8 experts of deepseek_v3 cpu_tiny"), std::string::npos) << ep;
+  const auto op = refused({"--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"}, 1);
+  EXPECT_NE(op.find("deepseek_v3 cpu_tiny"), std::string::npos) << op;
+  const auto hf = refused({"--checkpoint.last_save_in_hf"}, 2);
+  EXPECT_NE(hf.find("last_save_in_hf with deepseek_v3 cpu_tiny on several ranks"), std::string::npos) << hf;
+  const auto flavor = config_error_of([] { train_spec("deepseek_v3").check_layout(job("deepseek_v3", "tiny"), {}); });
+  EXPECT_NE(flavor.find("model.flavor"), std::string::npos) << flavor;
+  EXPECT_NE(flavor.find("cpu_tiny, debugmodel, 16B, 236B, 671B"), std::string::npos) << flavor;
+  // The control: FSDP, EP, HSDP with EP, AC and Hugging Face on 1 rank pass.
+  EXPECT_EQ(refused({"--parallelism.expert_parallel_degree", "2"}, 2), "");
+  EXPECT_EQ(refused({"--parallelism.expert_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2"}, 4),
+            "");
+  EXPECT_EQ(refused({"--activation_checkpoint.mode", "full", "--checkpoint.last_save_in_hf"}, 1), "");
   EXPECT_FALSE(fsdp::is_initialized());
 }

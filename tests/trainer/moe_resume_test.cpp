@@ -31,7 +31,7 @@ std::string shared_dir(const std::string& name) { return test::shared_dir("fsdp_
 
 JobConfig job(const std::string& folder, int64_t ep, int64_t tp = 1) {
   JobConfig c = test::checkpointed_job(folder);
-  c.model.name = ModelName::Qwen3;
+  c.model.name = "qwen3";
   c.model.flavor = "cpu_tiny_moe";
   c.parallelism.expert_parallel_degree = ep;
   c.parallelism.tensor_parallel_degree = tp;

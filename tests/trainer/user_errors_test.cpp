@@ -84,6 +84,13 @@ TEST(UserErrors, FsdpTrainConfigErrorsWriteNothing) {
     EXPECT_TRUE(empty_dir(cwd));
   }
   {
+    // model.name is checked against the model registry (not the config parser): still one line, nothing written.
+    const auto cwd = s.cwd("unknown_model");
+    const Outcome r = run_in(cwd, train + " --model.name gpt2 --job.dump_folder out");
+    expect_one_clean_line(r, 2, {"model.name = \"gpt2\" is not a registered model family (llama3, qwen3, deepseek_v3)"});
+    EXPECT_TRUE(empty_dir(cwd));
+  }
+  {
     // Before: ./metrics.jsonl in the working directory, then a filesystem error naming nothing.
     const auto cwd = s.cwd("empty_dump_folder");
     const Outcome r = run_in(cwd, train + " --job.dump_folder ''");

@@ -2,6 +2,7 @@
 #include "parallelize_llama.h"
 
 #include "moe_balance.h"
+#include "moe_overrides.h"
 
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/expert_parallel.h>
@@ -90,7 +91,7 @@ fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config) {
   const auto& m = config.model;
   fsdp::nn::llama::LlamaArgs args;
   try {
-    args = fsdp::nn::llama::model_flavor(to_string(m.name), m.flavor);
+    args = fsdp::nn::llama::model_flavor(m.name, m.flavor);
   } catch (const c10::Error& e) {
     throw ConfigError(std::string("config error: model.flavor: ") + e.what_without_backtrace());
   }
@@ -102,21 +103,10 @@ fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config) {
                          m.moe_num_expert_groups > 0;
   if (!overrides) return args;
   if (!args.moe) {
-    throw ConfigError("config error: model.moe_* keys set, but " + std::string(to_string(m.name)) + " " + m.flavor +
+    throw ConfigError("config error: model.moe_* keys set, but " + m.name + " " + m.flavor +
                       " has no MoE layers (use a *_moe flavor)");
   }
-  auto& o = *args.moe;
-  if (m.moe_score_func != MoeScoreFunc::FlavorDefault) o.score_func = to_string(m.moe_score_func);  // libfsdp's names
-  if (m.moe_shared_experts >= 0) o.num_shared_experts = m.moe_shared_experts;
-  if (m.moe_route_norm != MoeRouteNorm::FlavorDefault) o.route_norm = m.moe_route_norm == MoeRouteNorm::On;
-  if (m.moe_route_scale != 0) o.route_scale = m.moe_route_scale;
-  if (m.moe_load_balance_coeff == 0) o.load_balance_coeff.reset();
-  else if (m.moe_load_balance_coeff > 0) o.load_balance_coeff = m.moe_load_balance_coeff;
-  if (m.moe_sequence_aux_loss_coeff > 0) o.sequence_aux_loss_coeff = m.moe_sequence_aux_loss_coeff;
-  if (m.moe_num_expert_groups > 0) {
-    o.num_expert_groups = m.moe_num_expert_groups;
-    o.num_limited_groups = m.moe_num_limited_groups;
-  }
+  apply_moe_overrides(m, *args.moe);
   return args;
 }
 
@@ -374,7 +364,7 @@ void check_layout(const std::string& family, const fsdp::nn::llama::LlamaArgs& a
 
 ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobConfig& config, const ParallelDims& dims,
                                const fsdp::ProcessGroupPtr& group) {
-  check_layout(to_string(config.model.name), model->args(), config, dims);
+  check_layout(config.model.name, model->args(), config, dims);
   const int64_t num_experts = num_experts_of(model);
   const bool has_moe = num_experts > 0;
   const auto& ac = config.activation_checkpoint;

@@ -1,0 +1,123 @@
+// See deepseek_v3_spec.h.
+#include "deepseek_v3_spec.h"
+
+#include "parallelize_deepseek_v3.h"
+
+#include <fsdp/models/deepseek_v3.h>
+#include <fsdp/models/hf_deepseek_v3.h>
+#include <fsdp/nn/module_call.h>
+
+#include <ATen/ATen.h>
+
+#include <memory>
+
+namespace fsdp_train::deepseek_v3 {
+namespace {
+
+namespace ds = fsdp::nn::deepseek_v3;
+
+// The model a TrainModel of this spec holds (build_model below made it).
+ds::DeepSeekV3 model_of(const TrainModel& model) {
+  auto impl = std::dynamic_pointer_cast<ds::DeepSeekV3Impl>(model.module);
+  TORCH_CHECK(impl, "the model is not a DeepSeek-V3 model (fsdp::nn::deepseek_v3::DeepSeekV3)");
+  return ds::DeepSeekV3(impl);
+}
+
+ds::DeepSeekV3Impl& model_impl(torch::nn::Module& model, const char* what) {
+  auto* impl = dynamic_cast<ds::DeepSeekV3Impl*>(&model);
+  TORCH_CHECK(impl, what, ": the model is not a DeepSeek-V3 model (the deepseek_v3 Hugging Face adapter's model)");
+  return *impl;
+}
+
+std::string summary_of(const ds::DeepSeekV3Args& a) {
+  const auto& m = a.moe;
+  const std::string q = a.q_lora_rank ? "q_lora " + std::to_string(a.q_lora_rank) + ", " : std::string();
+  return "dim " + std::to_string(a.dim) + ", " + std::to_string(a.n_layers) + " layers (" +
+         std::to_string(a.n_dense_layers) + " dense, ffn " + std::to_string(a.inter_dim) + "), " +
+         std::to_string(a.n_heads) + " heads, MLA (" + q + "kv_lora " + std::to_string(a.kv_lora_rank) + "), " +
+         std::to_string(m.num_experts) + " experts (top-" + std::to_string(m.top_k) + ", " + m.score_func +
+         ", hidden " + std::to_string(m.hidden) +
+         (m.num_shared_experts ? ", shared " + std::to_string(m.num_shared_experts) : "") +
+         (m.num_expert_groups ? ", " + std::to_string(m.num_expert_groups) + " groups / " +
+                                    std::to_string(m.num_limited_groups)
+                              : "") +
+         "), vocab " + std::to_string(a.vocab_size);
+}
+
+TrainModel build_model(const JobConfig& config, const ModelShape& shape) {
+  ds::DeepSeekV3Args args = model_args(config);
+  args.vocab_size = shape.vocab_size;  // TorchTitan: the model's vocab follows the tokenizer
+  args.max_seq_len = shape.max_seq_len;
+  args.device = shape.device;
+  ds::DeepSeekV3 model(args);
+  TrainModel out;
+  out.module = model.ptr();
+  if (args.attn_mask_type == fsdp::nn::llama::AttnMaskType::BlockCausal) {
+    TORCH_CHECK(shape.eos_id >= 0, "block_causal attention needs the tokenizer's EOS (ModelShape::eos_id)");
+    out.document_ids = [eos = shape.eos_id](const at::Tensor& tokens) {
+      return fsdp::nn::llama::document_ids(tokens, eos);
+    };
+    out.forward = [model, ids = out.document_ids](const at::Tensor& tokens) {
+      return fsdp::nn::call(model, tokens, std::optional<at::Tensor>(ids(tokens)));
+    };
+  } else {
+    out.forward = [model](const at::Tensor& tokens) { return fsdp::nn::call(model, tokens); };
+  }
+  const std::shared_ptr<ds::DeepSeekV3Impl> impl = model.ptr();
+  out.init_weights = [impl](uint64_t seed, const InitScope& scope) {
+    if (scope) impl->init_weights(seed, scope);
+    else impl->init_weights(seed);
+  };
+  // The model has no KV cache (MLA's latent cache is not written): each call runs the whole sequence so far and
+  // returns the new positions' logits — the same numbers, quadratic in the generated length.
+  out.cached_forward = [forward = out.forward](int64_t /*capacity*/) {
+    auto seen = std::make_shared<at::Tensor>();
+    return std::function<at::Tensor(const at::Tensor&)>([forward, seen](const at::Tensor& new_tokens) {
+      *seen = seen->defined() ? at::cat({*seen, new_tokens}, 1) : new_tokens;
+      const at::Tensor logits = forward(*seen);
+      return logits.slice(1, logits.size(1) - new_tokens.size(1));
+    });
+  };
+  out.summary = summary_of(args);
+  out.num_params = ds::num_params(args);
+  out.flops_per_token = ds::flops_per_token(args, shape.max_seq_len);
+  return out;
+}
+
+}  // namespace
+
+TrainSpec train_spec() {
+  TrainSpec spec;
+  spec.name = "deepseek_v3";
+  spec.flavors = ds::deepseek_v3_flavor_names();
+  spec.build = build_model;
+  spec.check_layout = [](const JobConfig& config, const ParallelDims& dims) {
+    check_layout(model_args(config), config, dims);
+  };
+  spec.parallelize = [](TrainModel& model, const JobConfig& config, const ParallelDims& dims,
+                        const fsdp::ProcessGroupPtr& group) {
+    ds::DeepSeekV3 m = model_of(model);
+    return parallelize_deepseek_v3(m, config, dims, group);
+  };
+  // Refused by check_layout before any of these could run; here for callers that ask the seam directly (the
+  // planner): the same one-line errors.
+  spec.split_pipeline = [](const TrainModel&, const PipelineSplitOptions& options) -> PipelineSplit {
+    throw ConfigError("config error: parallelism.pipeline_parallel_degree = " + std::to_string(options.pp) +
+                      " with deepseek_v3 is not supported yet (no pipeline split for DeepSeek-V3 blocks)");
+  };
+  spec.tp_plan = [](const TrainModel&, int64_t tp_degree, bool) -> fsdp::ParallelizePlan {
+    throw ConfigError("config error: parallelism.tensor_parallel_degree = " + std::to_string(tp_degree) +
+                      " with deepseek_v3 is not supported yet (no tensor-parallel plan for multi-head latent "
+                      "attention)");
+  };
+  spec.hf.import_weights = [](torch::nn::Module& model, const std::string& dir) {
+    return fsdp::checkpoint::hf::import_deepseek_v3(model_impl(model, "checkpoint.initial_load_in_hf"), dir, {});
+  };
+  spec.hf.export_weights = [](torch::nn::Module& model, const std::string& dir,
+                              const fsdp::checkpoint::SafetensorsExportOptions& options) {
+    return fsdp::checkpoint::hf::export_deepseek_v3(model_impl(model, "checkpoint.last_save_in_hf"), dir, options);
+  };
+  return spec;
+}
+
+}  // namespace fsdp_train::deepseek_v3

@@ -1,0 +1,40 @@
+#pragma once
+// DeepSeek-V3's parallelize step (torchtitan/models/deepseek_v3/infra/parallelize.py), reached through the model
+// seam (model_spec.h). TorchTitan's order, one apply_* per parallelism:
+//   apply_ac    [activation_checkpoint] on every block: full, every k-th block (op-level SAC is refused: it would
+//               count the experts' tokens twice, as for every MoE model)
+//   apply_ep    expert_parallel_degree > 1: each MoE block's routed experts split over "ep", borrowed from the
+//               data-parallel shard dim (the experts' FSDP over what is left, [dp_replicate,] efsdp)
+//   apply_fsdp  fully_shard on every block, then on the root (FSDP or HSDP; per-block reshard as TorchTitan), the
+//               routed experts on their own mesh and shard dim; or fsdp::replicate (TorchTitan's DDP path) with
+//               dp_shard 1
+// Refused with a ConfigError naming the family, the flavor and the layout (check_layout): tensor parallelism (no
+// TP plan for multi-head latent attention yet) and pipeline parallelism (the pipeline stage of this library is
+// the Llama decoder's), Hugging Face load/save on several ranks (the adapter needs the whole model).
+
+#include "config.h"
+#include "parallel_dims.h"
+#include "parallelize.h"
+
+#include <fsdp/models/deepseek_v3.h>
+#include <fsdp/process_group.h>
+
+#include <string>
+
+namespace fsdp_train::deepseek_v3 {
+
+// model.flavor with the [model] attn_mask_type and moe_* overrides applied; a ConfigError for an unknown flavor.
+// moe_sequence_aux_loss_coeff = 0 turns the flavor's sequence aux loss off (the key's "0 = off": the trainer
+// adds the loss only when the key is set).
+fsdp::nn::deepseek_v3::DeepSeekV3Args model_args(const JobConfig& config);
+
+// The layouts the family trains (no collectives): a ConfigError naming deepseek_v3, the flavor and the refused
+// layout.
+void check_layout(const fsdp::nn::deepseek_v3::DeepSeekV3Args& args, const JobConfig& config,
+                  const ParallelDims& dims);
+
+// check_layout first; `group`: the world group, or null for one process (then only AC).
+ParallelPlan parallelize_deepseek_v3(fsdp::nn::deepseek_v3::DeepSeekV3& model, const JobConfig& config,
+                                     const ParallelDims& dims, const fsdp::ProcessGroupPtr& group);
+
+}  // namespace fsdp_train::deepseek_v3

@@ -1,0 +1,17 @@
+#pragma once
+// The [model] moe_* keys over a flavor's MoE layer options, for every family with MoE layers (the MoE layer,
+// fsdp/models/moe.h, is shared: model_spec.h).
+
+#include "config.h"
+
+namespace fsdp::nn::moe {
+struct MoEOptions;
+}
+
+namespace fsdp_train {
+
+// A key at its "the flavor's" value keeps the flavor's. moe_sequence_aux_loss_coeff > 0 sets the sequence aux
+// loss; 0 leaves the flavor's coefficient to the family.
+void apply_moe_overrides(const JobConfig::Model& model, fsdp::nn::moe::MoEOptions& options);
+
+}  // namespace fsdp_train

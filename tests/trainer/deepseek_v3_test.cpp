@@ -1,0 +1,219 @@
+// DeepSeek-V3 through fsdp-train (model.name = "deepseek_v3", models/deepseek_v3/: multi-head latent attention,
+// a dense first layer, then MoE layers with a shared expert and sigmoid routing limited to 2 of 4 expert groups).
+//   2 ranks: FSDP, expert parallelism 2, EP 2 with full activation checkpointing and plain data parallelism
+//            (replicate 2: fsdp::replicate) each equal 1 rank with (4 ranks: FSDP, and HSDP 2 x 2 with EP 2)
+//            gradient accumulation over the same global batches: the loss and grad norm of every step (1e-5 /
+//            1e-4 relative, as the other parity tests) and the expert load of every step exactly (which also shows
+//            the load-balancing bias, which steers the routing, was updated identically).
+//   1 rank:  the trainer's Hugging Face last save loads in transformers' DeepseekV3ForCausalLM with logits equal
+//            (1e-5) to the library model holding the same run's libfsdp model-only save (the other format, read
+//            tensor by tensor here: no adapter in the reference path); and a job started from that export
+//            (initial_load_in_hf) trains exactly as one started from the libfsdp save.
+#include "config.h"
+#include "train_env.h"
+#include "trainer.h"
+
+#include <fsdp/checkpoint/safetensors.h>
+#include <fsdp/models/deepseek_v3.h>
+#include <fsdp/process_group.h>
+
+#include "comm/dist_env.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+using namespace fsdp_train;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kPython = FSDP_TEST_PYTHON;
+const std::string kHfSide = std::string(FSDP_SOURCE_DIR) + "/tests/models/deepseek_v3_hf_side.py";
+
+JobConfig base(const std::string& folder, int64_t global_batch, int64_t steps = 8) {
+  JobConfig c = load_config({"--model.name", "deepseek_v3", "--model.flavor", "cpu_tiny", "--training.seq_len", "16",
+                             "--training.local_batch_size", "1", "--training.global_batch_size",
+                             std::to_string(global_batch), "--training.steps", std::to_string(steps),
+                             "--lr_scheduler.warmup_steps", "2", "--metrics.peak_tflops", "1"});
+  c.job.dump_folder = folder;
+  return c;
+}
+
+// A folder of this rank's own (the 1-rank references every rank runs), emptied.
+std::string own_dir(const std::string& name) {
+  const std::string d = ::testing::TempDir() + "/fsdp_train_dsv3_" + name + "_" + std::to_string(::getppid()) +
+                        "_rank" + std::to_string(fsdp::world()->rank());
+  fs::remove_all(d);
+  return d;
+}
+
+TrainEnv single_process() {
+  TrainEnv env;
+  env.verbose = false;
+  return env;
+}
+
+void expect_parity(const std::string& name, int64_t ep, bool full_ac = false, int64_t replicate = 1) {
+  const int64_t world = fsdp::world()->size();
+  JobConfig ref_config = base(own_dir(name + "_ref"), world);
+  const TrainSummary ref = run_training(ref_config, single_process(), false);
+  JobConfig config = base(test::shared_dir("fsdp_train_dsv3", name), world);
+  config.parallelism.expert_parallel_degree = ep;
+  config.parallelism.data_parallel_replicate_degree = replicate;
+  if (full_ac) config.activation_checkpoint.mode = AcMode::Full;
+  const TrainSummary got = run_training(config, test::world_env(), false);
+  if (ep > 1) EXPECT_NE(got.plan.find("EP " + std::to_string(ep) + " ("), std::string::npos) << got.plan;
+  else EXPECT_EQ(got.plan.find("EP "), std::string::npos) << got.plan;
+  // replicate = world: TorchTitan's DDP path (fsdp::replicate), else fully_shard.
+  const char* wrapping = replicate == world ? "data parallel (replicate" : replicate > 1 ? "HSDP" : "FSDP";
+  EXPECT_NE(got.plan.find(wrapping), std::string::npos) << got.plan;
+  if (full_ac) EXPECT_GT(got.ac_recomputes, 0) << "activation checkpointing recomputed nothing";
+  ASSERT_EQ(ref.losses.size(), 8u);
+  ASSERT_EQ(got.losses.size(), ref.losses.size());
+  ASSERT_EQ(ref.expert_loads.size(), ref.losses.size()) << "one expert-load record per step";
+  ASSERT_EQ(got.expert_loads.size(), ref.expert_loads.size());
+  for (size_t i = 0; i < ref.losses.size(); ++i) {
+    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5 * ref.losses[i]) << "step " << i + 1;
+    EXPECT_NEAR(got.grad_norms[i], ref.grad_norms[i], 1e-4 * ref.grad_norms[i]) << "step " << i + 1;
+    const ExpertLoad &r = ref.expert_loads[i], &g = got.expert_loads[i];
+    ASSERT_EQ(r.min_tokens.size(), 2u) << "cpu_tiny: 1 dense layer, then 2 MoE layers";
+    EXPECT_EQ(g.min_tokens, r.min_tokens) << "step " << i + 1;
+    EXPECT_EQ(g.max_tokens, r.max_tokens) << "step " << i + 1;
+    EXPECT_NEAR(g.bias_l1, r.bias_l1, 1e-9) << "step " << i + 1;
+  }
+  // The reference moved: it learned, and the load-balancing bias left zero.
+  EXPECT_LT(ref.losses.back(), ref.losses.front());
+  EXPECT_GT(ref.expert_loads.back().bias_l1, 0.0);
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream f(p);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+// The weights of a libfsdp model-only save, put into the library's DeepSeek-V3 by name (every parameter and
+// buffer of the model found in the save).
+fsdp::nn::deepseek_v3::DeepSeekV3 library_model_from(const std::string& checkpoint_dir) {
+  const auto tensors = test::model_tensors(checkpoint_dir);
+  auto args = fsdp::nn::deepseek_v3::deepseek_v3_flavor("cpu_tiny");
+  args.vocab_size = tensors.at("tok_embeddings.weight").size(0);  // the tokenizer's (byte-level: 258)
+  args.max_seq_len = 16;
+  args.moe.sequence_aux_loss_coeff.reset();
+  fsdp::nn::deepseek_v3::DeepSeekV3 model(args);
+  torch::NoGradGuard no_grad;
+  int64_t copied = 0;
+  for (auto& p : model->named_parameters()) {
+    const auto it = tensors.find(p.key());
+    EXPECT_NE(it, tensors.end()) << p.key() << " not in " << checkpoint_dir;
+    if (it == tensors.end()) continue;
+    p.value().copy_(it->second);
+    ++copied;
+  }
+  for (auto& b : model->named_buffers()) {
+    const auto it = tensors.find(b.key());
+    if (it == tensors.end()) continue;
+    b.value().copy_(it->second);
+    ++copied;
+  }
+  EXPECT_GT(copied, static_cast<int64_t>(model->parameters().size())) << "the expert_bias buffers too";
+  return model;
+}
+
+}  // namespace
+
+TEST(TrainerDeepSeekV3, FullyShardEqualsOneRank) {
+  if (fsdp::world()->size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  expect_parity("fsdp", 1);
+}
+
+TEST(TrainerDeepSeekV3, ExpertParallelEqualsOneRank) {
+  if (fsdp::world()->size() != 2) GTEST_SKIP() << "ep 2 on 2 ranks";
+  expect_parity("ep2", 2);
+}
+
+TEST(TrainerDeepSeekV3, ExpertParallelWithFullActivationCheckpointingEqualsOneRank) {
+  if (fsdp::world()->size() != 2) GTEST_SKIP() << "ep 2 on 2 ranks";
+  expect_parity("ep2_ac", 2, /*full_ac=*/true);
+}
+
+TEST(TrainerDeepSeekV3, DataParallelReplicateEqualsOneRank) {
+  if (fsdp::world()->size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  expect_parity("ddp", 1, false, /*replicate=*/fsdp::world()->size());
+}
+
+TEST(TrainerDeepSeekV3, ExpertParallelUnderHsdpEqualsOneRank) {
+  if (fsdp::world()->size() != 4) GTEST_SKIP() << "HSDP 2 x 2 with ep 2 needs 4 ranks";
+  expect_parity("hsdp_ep2", 2, false, /*replicate=*/2);
+}
+
+TEST(TrainerDeepSeekV3, HuggingFaceSaveLoadsInTransformersAndBack) {
+  if (fsdp::world()->size() != 1) GTEST_SKIP() << "Hugging Face load/save of deepseek_v3 runs on 1 rank";
+  if (std::system((kPython + " -c 'import transformers' > /dev/null 2>&1").c_str()) != 0)
+    GTEST_SKIP() << "no transformers in the venv";
+  const auto saving = [](const std::string& name, bool hf) {
+    JobConfig c = base(own_dir(name), 2, 4);
+    c.checkpoint.enable = true;
+    c.checkpoint.interval = 4;
+    c.checkpoint.last_save_in_hf = hf;
+    return run_training(c, single_process(), false);
+  };
+  const TrainSummary ours = saving("save_ours", false);
+  const TrainSummary exported = saving("save_hf", true);
+  ASSERT_EQ(exported.losses, ours.losses) << "the two runs are the same run";
+  const std::string libfsdp_save = ours.dump_folder + "/checkpoint/step-4";
+  const std::string hf_save = exported.dump_folder + "/checkpoint/step-4";
+  ASSERT_TRUE(fs::exists(hf_save + "/config.json")) << hf_save;
+  ASSERT_TRUE(fs::exists(hf_save + "/model.safetensors") || fs::exists(hf_save + "/model.safetensors.index.json"));
+  EXPECT_NE(slurp(hf_save + "/config.json").find("\"deepseek_v3\""), std::string::npos);
+
+  // Our logits: the library model with the libfsdp save's tensors. Theirs: transformers on the export.
+  auto model = library_model_from(libfsdp_save);
+  const auto tokens = torch::randint(0, model->args().vocab_size, {2, 12}, torch::TensorOptions().dtype(torch::kLong));
+  torch::Tensor logits;
+  {
+    torch::NoGradGuard no_grad;
+    model->eval();
+    logits = model->forward(tokens);
+  }
+  const std::string io = own_dir("logits");
+  fs::create_directories(io);
+  fsdp::checkpoint::safetensors::save_file(io + "/tokens.safetensors", {{"tokens", tokens}});
+  const std::string cmd = "OMP_NUM_THREADS=1 " + kPython + " " + kHfSide + " logits --dir " + hf_save + " --tokens " +
+                          io + "/tokens.safetensors --out " + io + "/hf_logits.safetensors > " + io + "/hf.log 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd << "\n" << slurp(io + "/hf.log");
+  EXPECT_NE(slurp(io + "/hf.log").find("DeepseekV3ForCausalLM"), std::string::npos) << slurp(io + "/hf.log");
+  const auto hf_logits = fsdp::checkpoint::safetensors::load_file(io + "/hf_logits.safetensors").at("logits");
+  ASSERT_EQ(hf_logits.sizes(), logits.sizes());
+  const double diff = (hf_logits - logits).abs().max().item<double>();
+  EXPECT_LE(diff, 1e-5) << "max |transformers - ours| on the trained weights";
+  // Not vacuous: the trained weights are not a fresh init's (their logits differ by far more than the tolerance).
+  {
+    fsdp::nn::deepseek_v3::DeepSeekV3 fresh(model->args());
+    fresh->init_weights(0);
+    torch::NoGradGuard no_grad;
+    EXPECT_GT((fresh->forward(tokens) - logits).abs().max().item<double>(), 1e-2);
+  }
+
+  // The other way: a job started from the export equals one started from the libfsdp save, bit for bit, and
+  // both start below a fresh run (the trained weights were loaded).
+  const auto start_from = [](const std::string& name, const std::string& from, bool hf) {
+    JobConfig c = base(own_dir(name), 2, 3);
+    c.checkpoint.enable = true;
+    c.checkpoint.initial_load_path = from;
+    c.checkpoint.initial_load_model_only = true;
+    c.checkpoint.initial_load_in_hf = hf;
+    return run_training(c, single_process(), false);
+  };
+  const TrainSummary from_hf = start_from("from_hf", hf_save, true);
+  const TrainSummary from_ours = start_from("from_ours", libfsdp_save, false);
+  ASSERT_EQ(from_hf.losses.size(), 3u);
+  EXPECT_EQ(from_hf.losses, from_ours.losses);
+  EXPECT_LT(from_hf.losses.front(), ours.losses.front());
+}
