@@ -833,9 +833,6 @@ void validate(const JobConfig& c) {
                                               std::to_string(c.model.moe_shared_experts));
   check(c.model.moe_sequence_aux_loss_coeff >= 0, "model.moe_sequence_aux_loss_coeff: expected >= 0, got " +
                                                       std::to_string(c.model.moe_sequence_aux_loss_coeff));
-  check(c.model.moe_sequence_aux_loss_coeff == 0 || c.activation_checkpoint.mode == AcMode::None,
-        "model.moe_sequence_aux_loss_coeff with activation checkpointing is not supported yet (the loss is taken "
-        "from the forward, which AC runs without gradients)");
   check(c.parallelism.expert_parallel_degree >= 1,
         "parallelism.expert_parallel_degree: expected >= 1, got " + std::to_string(c.parallelism.expert_parallel_degree));
   check(!c.training.dataset_text_field.empty(), "training.dataset_text_field: expected a field name, got \"\"");

@@ -302,7 +302,6 @@ void check_layout(const std::string& family, const fsdp::nn::llama::LlamaArgs& a
                   const ParallelDims& dims) {
   const int64_t num_experts = args.moe ? args.moe->num_experts : 0;
   const bool has_moe = num_experts > 0;
-  const auto& ac = config.activation_checkpoint;
   const std::string model = family + " " + config.model.flavor;
   if (has_moe && (dims.pp > 1 || dims.tp > 1)) {
     throw ConfigError("config error: MoE models (" + model + ") with " + (dims.pp > 1 ? "pipeline" : "tensor") +
@@ -312,12 +311,6 @@ void check_layout(const std::string& family, const fsdp::nn::llama::LlamaArgs& a
     throw ConfigError("config error: checkpoint.initial_load_in_hf / last_save_in_hf with an MoE model (" + model +
                       ") on several ranks is not supported yet (the Qwen3-MoE adapter needs the whole model); "
                       "convert on 1 rank");
-  }
-  if (has_moe && ac.mode == AcMode::Selective && ac.selective_ac_option.kind == SelectiveAcOption::Kind::Op) {
-    // Op-level SAC runs the forward twice with gradients on: the experts' token counts (load balancing) would
-    // double. Full and layer-selective AC count once (their first pass runs without gradients).
-    throw ConfigError("config error: activation_checkpoint.selective_ac_option = \"op\" with an MoE model (" + model +
-                      ") is not supported yet; use mode = \"full\" or a layer-selective option");
   }
   if (dims.ep > 1 && !has_moe) {
     throw ConfigError("config error: parallelism.expert_parallel_degree = " + std::to_string(dims.ep) + " but " +
