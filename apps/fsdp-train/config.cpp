@@ -926,10 +926,6 @@ void validate(const JobConfig& c) {
   check(c.parallelism.pipeline_parallel_first_stage_less_layers >= 0 &&
             c.parallelism.pipeline_parallel_last_stage_less_layers >= 0,
         "parallelism.pipeline_parallel_first/last_stage_less_layers: expected >= 0");
-  check(c.parallelism.pipeline_parallel_degree == 1 || (!c.checkpoint.initial_load_in_hf && !c.checkpoint.last_save_in_hf),
-        "checkpoint.initial_load_in_hf / last_save_in_hf with parallelism.pipeline_parallel_degree > 1: the Hugging "
-        "Face adapter needs the whole model on every rank; not supported under pipeline parallelism yet (save in "
-        "libfsdp or dcp format and convert with fsdp-ckpt)");
   check(c.parallelism.tensor_parallel_degree >= 1,
         "parallelism.tensor_parallel_degree: expected >= 1, got " + std::to_string(c.parallelism.tensor_parallel_degree));
   if (c.fault_tolerance.enable) {

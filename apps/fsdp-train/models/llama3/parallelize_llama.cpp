@@ -307,11 +307,6 @@ void check_layout(const std::string& family, const fsdp::nn::llama::LlamaArgs& a
     throw ConfigError("config error: MoE models (" + model + ") with " + (dims.pp > 1 ? "pipeline" : "tensor") +
                       " parallelism are not supported yet; use FSDP, HSDP and parallelism.expert_parallel_degree");
   }
-  if (has_moe && dims.world_size > 1 && (config.checkpoint.initial_load_in_hf || config.checkpoint.last_save_in_hf)) {
-    throw ConfigError("config error: checkpoint.initial_load_in_hf / last_save_in_hf with an MoE model (" + model +
-                      ") on several ranks is not supported yet (the Qwen3-MoE adapter needs the whole model); "
-                      "convert on 1 rank");
-  }
   if (dims.ep > 1 && !has_moe) {
     throw ConfigError("config error: parallelism.expert_parallel_degree = " + std::to_string(dims.ep) + " but " +
                       model + " has no MoE layers (use a *_moe flavor)");
