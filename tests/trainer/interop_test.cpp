@@ -311,3 +311,18 @@ TEST(TrainerInteropSharded, HuggingFaceSaveAndLoadUnderPipelineParallelism) {
                             {"--parallelism.pipeline_parallel_degree", "2"},
                             "LlamaForCausalLM", "PP 2");
 }
+
+TEST(TrainerInteropSharded, HuggingFaceSaveAndLoadOfPipelinedMoE) {
+  // Qwen3-MoE in 2 pipeline stages (issue 37's acceptance case). The save/load path is the same as for the dense
+  // model above (any family, the experts as slices); MoE under PP itself comes with its own change: until the
+  // layout check lets it through, this case is skipped (reported as skipped, not passed).
+  const std::vector<std::string> model = {"--model.name", "qwen3", "--model.flavor", "cpu_tiny_moe",
+                                          "--model.moe_load_balance_coeff", "0"};
+  const std::vector<std::string> layout = {"--parallelism.pipeline_parallel_degree", "2"};
+  try {
+    check_model_layout(sharded_job(::testing::TempDir(), model, layout), fsdp::world()->size());
+  } catch (const ConfigError& e) {
+    GTEST_SKIP() << "MoE under pipeline parallelism is refused on this build: " << e.what();
+  }
+  expect_hf_export_and_load("pp2_moe", "qwen3", model, layout, "Qwen3MoeForCausalLM", "PP 2");
+}
