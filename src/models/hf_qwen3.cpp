@@ -68,7 +68,8 @@ std::string layer_prefix(int64_t i) { return "model.layers." + std::to_string(i)
 
 // A sharded model's routed experts as slices of transformers 5's stacked tensors: w1 and w3 are rows [0, F) and
 // [F, 2F) of gate_up_proj [E, 2F, D] (dim 1), w2 is all of down_proj [E, D, F]. Gathered (export) or read
-// (import) one key at a time, so no rank ever holds more than one of a layer's expert tensors whole.
+// (import) one key at a time: the writer holds at most one layer's w1 and w3 (and their concatenation) whole,
+// and an importing rank reads only its own experts' rows.
 std::function<std::optional<detail::FileSlice>(const std::string&)> expert_slices(const llama::LlamaArgs& args) {
   const int64_t F = args.moe ? args.moe_options().hidden : 0;
   return [F](const std::string& key) -> std::optional<detail::FileSlice> {
