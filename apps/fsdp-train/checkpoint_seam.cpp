@@ -329,11 +329,20 @@ class DistributedCheckpointer final : public Checkpointer {
     std::fflush(stdout);
   }
 
+  // Under pipeline parallelism: the stages this rank trains (the whole model holds the others on `meta`); empty
+  // when the model is the one part.
+  static std::vector<torch::nn::Module*> stage_parts(const TrainState& s) {
+    if (s.parts.size() == 1 && s.parts.front() == s.model) return {};
+    return s.parts;
+  }
+
   // initial_load_in_hf: Hugging Face weights (model only) through the family's adapter (model_spec.h), each rank
-  // reading only its rows.
+  // reading only its rows (under PP: of its stages).
   bool load_hf(TrainState& s, const std::string& dir) {
     const auto t0 = Clock::now();
-    const auto r = hf_.import_weights(*s.model, dir);
+    ckpt::SafetensorsImportOptions io;
+    io.parts = stage_parts(s);
+    const auto r = hf_.import_weights(*s.model, dir, io);
     if (rank_ == 0) {
       std::printf("checkpoint: loaded Hugging Face weights %s (model only) in %.3f s (%.1f MB read by rank 0)\n",
                   dir.c_str(), seconds_since(t0), r.bytes_read / 1e6);
@@ -343,11 +352,12 @@ class DistributedCheckpointer final : public Checkpointer {
   }
 
   // last_save_in_hf: the final model as Hugging Face safetensors (+ index, config.json) in step-N, through the
-  // family's adapter.
+  // family's adapter: one tensor gathered at a time (under PP by its stage's ranks, sent to rank 0).
   void save_hf(TrainState& s, const std::string& dir, std::optional<at::ScalarType> cast) {
     const auto t0 = Clock::now();
     ckpt::SafetensorsExportOptions eo;
     eo.dtype = cast;
+    eo.parts = stage_parts(s);
     const auto r = hf_.export_weights(*s.model, dir, eo);
     if (rank_ == 0) {
       std::printf("checkpoint: last step Hugging Face save of %s done in %.3f s (%.1f MB, %zu files)\n", dir.c_str(),

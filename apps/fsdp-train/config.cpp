@@ -830,9 +830,6 @@ void validate(const JobConfig& c) {
                                               std::to_string(c.model.moe_shared_experts));
   check(c.model.moe_sequence_aux_loss_coeff >= 0, "model.moe_sequence_aux_loss_coeff: expected >= 0, got " +
                                                       std::to_string(c.model.moe_sequence_aux_loss_coeff));
-  check(c.model.moe_sequence_aux_loss_coeff == 0 || c.activation_checkpoint.mode == AcMode::None,
-        "model.moe_sequence_aux_loss_coeff with activation checkpointing is not supported yet (the loss is taken "
-        "from the forward, which AC runs without gradients)");
   check(c.parallelism.expert_parallel_degree >= 1,
         "parallelism.expert_parallel_degree: expected >= 1, got " + std::to_string(c.parallelism.expert_parallel_degree));
   check(!c.training.dataset_text_field.empty(), "training.dataset_text_field: expected a field name, got \"\"");
@@ -926,10 +923,6 @@ void validate(const JobConfig& c) {
   check(c.parallelism.pipeline_parallel_first_stage_less_layers >= 0 &&
             c.parallelism.pipeline_parallel_last_stage_less_layers >= 0,
         "parallelism.pipeline_parallel_first/last_stage_less_layers: expected >= 0");
-  check(c.parallelism.pipeline_parallel_degree == 1 || (!c.checkpoint.initial_load_in_hf && !c.checkpoint.last_save_in_hf),
-        "checkpoint.initial_load_in_hf / last_save_in_hf with parallelism.pipeline_parallel_degree > 1: the Hugging "
-        "Face adapter needs the whole model on every rank; not supported under pipeline parallelism yet (save in "
-        "libfsdp or dcp format and convert with fsdp-ckpt)");
   check(c.parallelism.tensor_parallel_degree >= 1,
         "parallelism.tensor_parallel_degree: expected >= 1, got " + std::to_string(c.parallelism.tensor_parallel_degree));
   if (c.fault_tolerance.enable) {

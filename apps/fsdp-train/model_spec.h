@@ -61,7 +61,8 @@ struct TrainModel {
 // A family's Hugging Face adapter: the model's weights from / to a Hugging Face checkpoint directory
 // (safetensors + index + config.json), each rank reading or writing its own shards.
 struct HfAdapter {
-  std::function<fsdp::checkpoint::SafetensorsImportResult(torch::nn::Module& model, const std::string& dir)>
+  std::function<fsdp::checkpoint::SafetensorsImportResult(torch::nn::Module& model, const std::string& dir,
+                                                          const fsdp::checkpoint::SafetensorsImportOptions& options)>
       import_weights;
   std::function<fsdp::checkpoint::SafetensorsExportResult(torch::nn::Module& model, const std::string& dir,
                                                           const fsdp::checkpoint::SafetensorsExportOptions& options)>

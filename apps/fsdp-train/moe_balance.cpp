@@ -4,7 +4,6 @@
 #include <fsdp/models/moe.h>
 
 #include <ATen/ATen.h>
-#include <torch/autograd.h>
 
 #include <limits>
 
@@ -28,18 +27,6 @@ at::Tensor all_reduced(const at::Tensor& t, const fsdp::ProcessGroupPtr& group, 
   group->all_reduce(on_device, op).wait();
   return on_device.cpu();
 }
-
-// The identity on the stage's output whose backward also gives the attached balance loss its gradient (1): the
-// loss joins the stage's backward without changing what flows between stages.
-struct AttachAuxLoss : torch::autograd::Function<AttachAuxLoss> {
-  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& output, const at::Tensor& aux) {
-    return output;
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
-                                                 torch::autograd::variable_list grads) {
-    return {grads[0], at::ones({}, grads[0].options().dtype(at::kFloat))};
-  }
-};
 
 }  // namespace
 
@@ -103,23 +90,19 @@ ExpertLoad update_expert_load_balance(const std::vector<fsdp::nn::moe::MoEImpl*>
   return load;
 }
 
-at::Tensor attach_sequence_aux_loss(const at::Tensor& output, const std::vector<fsdp::nn::moe::MoEImpl*>& layers,
-                                    double share, at::Tensor& sum) {
-  if (!at::GradMode::is_enabled()) return output;
+void record_sequence_aux_loss(const std::vector<fsdp::nn::moe::MoEImpl*>& layers, double share, at::Tensor& sum) {
+  if (!at::GradMode::is_enabled()) return;  // validation
+  at::NoGradGuard no_grad;
   at::Tensor aux;
   for (auto* moe : layers) {
     const at::Tensor& a = moe->aux_loss();
     if (!a.defined()) continue;
-    aux = aux.defined() ? aux + a.to(at::kFloat) : a.to(at::kFloat);
+    const at::Tensor value = a.detach().to(at::kDouble);
+    aux = aux.defined() ? aux + value : value;
   }
-  if (!aux.defined()) return output;
-  aux = aux * share;
-  {
-    at::NoGradGuard no_grad;
-    const at::Tensor value = aux.detach().to(at::kDouble);  // on the device: read once per step
-    sum = sum.defined() ? sum + value : value;
-  }
-  return AttachAuxLoss::apply(output, aux);
+  if (!aux.defined()) return;
+  aux = aux * share;  // on the device: read once per step
+  sum = sum.defined() ? sum + aux : aux;
 }
 
 }  // namespace fsdp_train

@@ -48,14 +48,13 @@ ExpertLoad update_expert_load_balance(const std::vector<fsdp::nn::moe::MoEImpl*>
                                       const std::vector<fsdp::ProcessGroupPtr>& stage_dp_groups,
                                       const fsdp::ProcessGroupPtr& pp_group);
 
-// Pipeline parallelism and DeepSeek-V3's sequence balance loss: the stage's output, carrying the balance loss of
-// `layers`' last (this microbatch's) training forward into its backward (gradient 1 x `share`): an identity
-// autograd op, as MoE trainers attach it (TorchTitan among them), so that it reaches backward without going
-// through the pipeline's outputs or the last stage's loss, which live on another rank. `share`: the microbatch's share of the global batch (its
+// Pipeline parallelism and DeepSeek-V3's sequence balance loss, the metric: adds (detached) `layers`' balance
+// losses of their last (this microbatch's) training forward, times `share`, to `sum`. The gradient needs nothing
+// here: each MoE layer ties its loss to its own output (MoEImpl::set_aux_loss_grad_scale, TorchTitan's autograd
+// function), so it reaches backward through the stage's graph (also under activation checkpointing, from the
+// recomputation) without going through the pipeline's outputs. `share`: the microbatch's share of the batch (its
 // sequences / global_batch_size), so that the microbatches of every rank add up to the batch's mean, as without
-// PP. The attached value is added (detached) to `sum` for the step's metric. `output` itself when no layer has
-// a balance loss or gradients are off (validation).
-at::Tensor attach_sequence_aux_loss(const at::Tensor& output, const std::vector<fsdp::nn::moe::MoEImpl*>& layers,
-                                    double share, at::Tensor& sum);
+// PP. Nothing when gradients are off (validation).
+void record_sequence_aux_loss(const std::vector<fsdp::nn::moe::MoEImpl*>& layers, double share, at::Tensor& sum);
 
 }  // namespace fsdp_train

@@ -510,23 +510,28 @@ double Trainer::forward_backward(std::vector<Batch>& batches, double global_toke
       continue;
     }
     auto labels = torch::from_blob(b.labels.data(), {b.batch * b.seq_len}, torch::kLong).to(device_);
+    // Each MoE layer's balance loss is the mean over this microbatch's sequences: weighted by the microbatch's
+    // share of the global batch, the sum over microbatches and ranks is the mean over every sequence of the
+    // step (what one process computes on the whole batch). The layers tie it to their output (TorchTitan's
+    // autograd function), so its gradient comes from the graph the backward runs, also under activation
+    // checkpointing, where the first pass has no graph and the recomputation must not add it twice.
+    // [fault_tolerance]: the share of this replica group's batch (the quorum's average of the gradients makes it
+    // the mean over every member's sequences).
+    const double aux_weight =
+        static_cast<double>(b.batch) / static_cast<double>(dims_.global_batch_size / dims_.ft_groups);
+    if (aux_on)
+      for (auto* moe : moe_blocks_) moe->set_aux_loss_grad_scale(aux_weight);
     auto logits = model_.forward(inputs);
     auto loss_sum = loss_sum_of_(logits.reshape({-1, logits.size(-1)}), labels);
     if (track_tensors_) tmem.forward = tensor_memory::live_bytes();
     // Divided by the global count: summed over micro-batches and ranks, this is the full-batch gradient.
     torch::Tensor loss = loss_sum / global_tokens;
     if (aux_on) {
-      // Each MoE layer's balance loss is the mean over this microbatch's sequences: weighted by the microbatch's
-      // share of the global batch, the sum over microbatches and ranks is the mean over every sequence of the
-      // step (what one process computes on the whole batch).
-      torch::Tensor aux = torch::zeros({}, loss.options());
+      // The value only (its gradient flows through the layers' outputs, above).
+      double aux = 0;
       for (auto* moe : moe_blocks_)
-        if (moe->aux_loss().defined()) aux = aux + moe->aux_loss().to(loss.dtype());
-      // [fault_tolerance]: the share of this replica group's batch (the quorum's average of the gradients makes it
-      // the mean over every member's sequences).
-      aux = aux * (static_cast<double>(b.batch) / static_cast<double>(dims_.global_batch_size / dims_.ft_groups));
-      aux_sum += aux.item<double>();
-      loss = loss + aux;
+        if (moe->aux_loss().defined()) aux += moe->aux_loss().detach().to(torch::kDouble).item<double>();
+      aux_sum += aux * aux_weight;
     }
     loss.backward();
     local_loss_sum += loss_sum.item<double>();

@@ -36,6 +36,13 @@ void checkpoint_module(const torch::nn::ModuleHolder<Impl>& module, const Checkp
 }
 bool is_checkpointed(const torch::nn::Module& module);
 
+// Which pass of a checkpointed region the calling thread is running: a module whose forward has side effects
+// that must happen once per step (an MoE block counting the tokens each expert received) asks this. Forward:
+// the region's first pass (Full: without gradients; SelectiveOp: with gradients, its graph dropped). Recompute:
+// the pass its backward runs (with gradients) — the same forward a second time. None: outside any region.
+enum class CheckpointPass { None, Forward, Recompute };
+CheckpointPass current_checkpoint_pass();
+
 // Layer SAC (TorchTitan's selective_ac_option = "k"): full checkpointing of every k-th module, counted from 1
 // (k = 2 checkpoints blocks 1, 3, 5, ...; k = 0 or 1 every block). Returns how many modules were checkpointed.
 size_t checkpoint_every_kth(const std::vector<std::shared_ptr<torch::nn::Module>>& modules, int64_t k,

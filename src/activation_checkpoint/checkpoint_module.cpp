@@ -44,6 +44,20 @@ namespace fsdp {
 namespace {
 constexpr const char* kWrapperTag = "fsdp::checkpoint";
 
+thread_local CheckpointPass tls_pass = CheckpointPass::None;
+
+// Sets the calling thread's pass for one scope (nested regions restore the outer one).
+class PassScope {
+ public:
+  explicit PassScope(CheckpointPass pass) : saved_(tls_pass) { tls_pass = pass; }
+  ~PassScope() { tls_pass = saved_; }
+  PassScope(const PassScope&) = delete;
+  PassScope& operator=(const PassScope&) = delete;
+
+ private:
+  CheckpointPass saved_;
+};
+
 bool is_differentiable(const at::Tensor& t) {
   return t.defined() && (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()));
 }
@@ -93,6 +107,7 @@ struct CheckpointNode : torch::autograd::Node {
       detail::RngFork fork(rng, device);
       at::AutoGradMode grad_on(true);
       detail::SelectiveOpScope scope(matmuls.get(), detail::SelectiveOpMode::Replay);
+      PassScope pass(CheckpointPass::Recompute);
       outs = forward(detached);
       scope.check_complete();
     }
@@ -202,10 +217,12 @@ nn::TensorList checkpoint_forward(torch::nn::Module& module, const nn::TensorLis
       if (node->input_requires_grad[i]) detached[i].requires_grad_(true);
     }
     detail::SelectiveOpScope scope(node->matmuls.get(), detail::SelectiveOpMode::Record);
+    PassScope pass(CheckpointPass::Forward);
     outputs = forward(detached);
   } else {
     at::NoGradGuard no_grad;
     detail::SelectiveOpScope hide(nullptr, detail::SelectiveOpMode::Record);  // not counted by an enclosing op SAC
+    PassScope pass(CheckpointPass::Forward);
     outputs = forward(inputs);
   }
   ++counters->forwards;
@@ -248,6 +265,8 @@ void checkpoint_module(const std::shared_ptr<torch::nn::Module>& module, const C
 }
 
 bool is_checkpointed(const torch::nn::Module& module) { return nn::has_forward_wrapper(module, kWrapperTag); }
+
+CheckpointPass current_checkpoint_pass() { return tls_pass; }
 
 size_t checkpoint_every_kth(const std::vector<std::shared_ptr<torch::nn::Module>>& modules, int64_t k,
                             const CheckpointOptions& options) {

@@ -7,6 +7,11 @@
 //
 // Import reads, on every rank, only the dim-0 rows its own pieces cover (Reader::read_rows: positioned reads
 // of those bytes), and loads them through load_sharded_state_dict like any sharded state.
+//
+// Under pipeline parallelism (options.parts: the stages this rank trains) export has each key gathered by the
+// ranks of its stage and sent by the lowest of them to rank 0 (one tensor in flight at a time); import reads
+// and loads only the stages' own pieces. A file tensor may be made of several model keys (KeyAdapter::file_slice:
+// Hugging Face's stacked gate_up_proj = our experts' w1 and w3), gathered one key at a time.
 #include <fsdp/checkpoint/model_safetensors.h>
 #include <fsdp/util/timer.h>
 
@@ -25,6 +30,7 @@
 #include <filesystem>
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <set>
 
 namespace fsdp::checkpoint {
@@ -84,15 +90,18 @@ namespace {
 // narrowed along the other dims when the piece does not span them (a Shard on another dim).
 // `file_rows` (when not empty) gives the file row of each of the piece's rows: they are read as runs of
 // consecutive file rows (still only the piece's own rows) and put in the piece's order.
+// `slice` (when set): the model tensor is that slice of the file tensor (FileSlice), so the piece's coordinates
+// are shifted by its offset along its dim.
 at::Tensor read_piece(const st::Reader& reader, const std::string& name, const ShardedTensor& t, int64_t& bytes,
-                      const std::vector<int64_t>& file_rows) {
+                      const std::vector<int64_t>& file_rows, const std::optional<FileSlice>& slice = std::nullopt) {
   const at::Tensor& local = t.local();
   if (t.dim() == 0) {
     at::Tensor whole = reader.read(name);
     bytes += whole.nbytes();
     return whole;
   }
-  const std::vector<int64_t> offset = t.local_offset();
+  std::vector<int64_t> offset = t.local_offset();
+  if (slice) offset[static_cast<size_t>(slice->dim)] += slice->offset;
   at::Tensor rows;
   if (file_rows.empty()) {
     rows = reader.read_rows(name, offset[0], local.size(0));
@@ -116,7 +125,7 @@ at::Tensor read_piece(const st::Reader& reader, const std::string& name, const S
   }
   bytes += rows.nbytes();
   for (int64_t d = 1; d < t.dim(); ++d) {
-    if (local.size(d) != t.sizes()[d]) rows = rows.narrow(d, offset[d], local.size(d));
+    if (local.size(d) != rows.size(d)) rows = rows.narrow(d, offset[d], local.size(d));
   }
   return rows.contiguous();
 }
@@ -135,37 +144,171 @@ SafetensorsImportResult import_safetensors(torch::nn::Module& root, const std::s
 
 namespace detail {
 
+namespace {
+
+// One tensor of the files: the model keys it is made of (one, or the slices of a file tensor in offset order).
+struct FileEntry {
+  st::TensorSpec spec;
+  std::vector<size_t> parts;  // indices into the state's keys
+  int64_t dim = 0;            // the slices' dimension (several parts)
+};
+
+// The file tensors of `keys` (state order), each built from its slices or its one key; every rank computes the
+// same list from the same keys.
+std::vector<FileEntry> plan_entries(const std::vector<std::string>& keys, const std::vector<const ShardedTensor*>& tensors,
+                                    const SafetensorsExportOptions& options, const KeyAdapter& adapter) {
+  std::vector<FileEntry> entries;
+  std::map<std::string, size_t> entry_of;  // file name -> entries index
+  std::vector<std::vector<std::pair<int64_t, size_t>>> slices;  // per entry: (offset, key index)
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const ShardedTensor& t = *tensors[i];
+    std::optional<FileSlice> slice = adapter.file_slice ? adapter.file_slice(keys[i]) : std::nullopt;
+    std::optional<std::string> file_name =
+        slice ? std::optional<std::string>(slice->file_name)
+              : (adapter.file_name ? adapter.file_name(keys[i]) : std::optional<std::string>(keys[i]));
+    if (!file_name) continue;
+    c10::ScalarType dtype = t.dtype();
+    if (options.dtype && at::isFloatingType(dtype)) dtype = *options.dtype;
+    auto [it, fresh] = entry_of.emplace(*file_name, entries.size());
+    if (fresh) {
+      entries.push_back({{*file_name, dtype, t.sizes()}, {}, slice ? slice->dim : 0});
+      slices.emplace_back();
+    }
+    FileEntry& e = entries[it->second];
+    TORCH_CHECK(fresh || slice, "export_safetensors: '", keys[i], "' and another key both map to '", *file_name, "'");
+    if (slice) {
+      TORCH_CHECK(slice->dim >= 0 && slice->dim < t.dim() && slice->dim == e.dim, "export_safetensors: '", keys[i],
+                  "': slice of '", *file_name, "' along dim ", slice->dim, " (the file tensor's slices use dim ", e.dim,
+                  ", the key has ", t.dim(), " dims)");
+      slices[it->second].emplace_back(slice->offset, i);
+    } else {
+      e.parts.push_back(i);
+    }
+  }
+  for (size_t k = 0; k < entries.size(); ++k) {
+    if (slices[k].empty()) continue;
+    FileEntry& e = entries[k];
+    std::sort(slices[k].begin(), slices[k].end());
+    int64_t extent = 0;
+    for (const auto& [offset, i] : slices[k]) {
+      const std::vector<int64_t>& sizes = tensors[i]->sizes();
+      TORCH_CHECK(offset == extent, "export_safetensors: '", keys[i], "' is the slice at ", offset, " of '",
+                  e.spec.name, "' along dim ", e.dim, ", but the slices before it end at ", extent);
+      for (int64_t d = 0; d < static_cast<int64_t>(sizes.size()); ++d) {
+        TORCH_CHECK(d == e.dim || sizes[d] == e.spec.shape[d], "export_safetensors: '", keys[i], "' (", c10::IntArrayRef(sizes),
+                    ") does not fit next to the other slices of '", e.spec.name, "' (", c10::IntArrayRef(e.spec.shape), ")");
+      }
+      extent += sizes[e.dim];
+      e.parts.push_back(i);
+    }
+    e.spec.shape[e.dim] = extent;
+  }
+  return entries;
+}
+
+// The root's state with the parts' entries in place of the root's (pipeline parallelism: the stages this rank
+// trains; the root's other entries only name the keys and shapes). `held[key]`: this rank holds the tensor.
+ShardedStateDict state_with_parts(torch::nn::Module& root, const std::vector<torch::nn::Module*>& parts,
+                                  std::map<std::string, bool>& held) {
+  ShardedStateDict state = sharded_state_dict(root);
+  for (const auto& [name, t] : state) held[name] = parts.empty();
+  for (torch::nn::Module* part : parts) {
+    TORCH_CHECK(part, "export_safetensors / import_safetensors: null part");
+    for (auto& [name, t] : sharded_state_dict(*part)) {
+      TORCH_CHECK(state.count(name), "export_safetensors / import_safetensors: the part's key '", name,
+                  "' is not a key of the whole model (a stage must keep the whole model's FQNs)");
+      state.insert_or_assign(name, t);
+      held[name] = true;
+    }
+  }
+  return state;
+}
+
+}  // namespace
+
 SafetensorsExportResult export_safetensors(torch::nn::Module& root, const std::string& dir,
                                            const SafetensorsExportOptions& options, const KeyAdapter& adapter) {
   const auto start = Clock::now();
   const ProcessGroupPtr group = resolve_group(nullptr);
   const bool writer = !group || group->rank() == 0;
-  const ShardedStateDict state = sharded_state_dict(root);
+  std::map<std::string, bool> held_by_name;
+  const ShardedStateDict state = state_with_parts(root, options.parts, held_by_name);
 
   std::vector<const ShardedTensor*> tensors;
   std::vector<std::string> keys;
-  std::vector<st::TensorSpec> specs;
+  std::vector<bool> held;
   for (const auto& [name, t] : state) {
-    std::optional<std::string> file_name = adapter.file_name ? adapter.file_name(name) : std::optional<std::string>(name);
-    if (!file_name) continue;
-    c10::ScalarType dtype = t.dtype();
-    if (options.dtype && at::isFloatingType(dtype)) dtype = *options.dtype;
-    specs.push_back({*file_name, dtype, t.sizes()});
     tensors.push_back(&t);
     keys.push_back(name);
+    held.push_back(held_by_name.at(name));
   }
+  const std::vector<FileEntry> entries = plan_entries(keys, tensors, options, adapter);
+  std::vector<st::TensorSpec> specs;
+  for (const auto& e : entries) specs.push_back(e.spec);
   const std::vector<st::FilePlan> files = st::plan_files(specs, options.max_file_bytes);
   std::map<std::string, std::string> metadata = options.metadata;
   metadata.emplace("format", "pt");
+
+  // Under pipeline parallelism each rank holds only its stages' tensors: every key is gathered by the ranks
+  // holding it (over its own mesh) and sent by the lowest of them to the writer. Whether this is such a model is
+  // agreed over the group, and so is each key's sender.
+  std::vector<int64_t> sender(keys.size(), 0);
+  bool owned_by_stages = false;
+  if (group && group->size() > 1) {
+    at::Tensor flag = at::full({1}, options.parts.empty() ? 0 : 1,
+                               at::TensorOptions().dtype(at::kLong).device(group->device()));
+    group->all_reduce(flag, ReduceOp::Max).wait();
+    owned_by_stages = flag.item<int64_t>() != 0;
+    TORCH_CHECK(!owned_by_stages || !options.parts.empty(), "export_safetensors: other ranks export pipeline ",
+                "stages (SafetensorsExportOptions::parts), this rank gave none");
+    if (owned_by_stages && !keys.empty()) {
+      std::vector<int64_t> mine(keys.size(), group->size());
+      for (size_t i = 0; i < keys.size(); ++i)
+        if (held[i]) mine[i] = group->rank();
+      at::Tensor owners = at::tensor(mine, at::kLong).to(group->device());
+      group->all_reduce(owners, ReduceOp::Min).wait();
+      owners = owners.cpu();
+      for (size_t i = 0; i < keys.size(); ++i) {
+        sender[i] = owners[static_cast<int64_t>(i)].item<int64_t>();
+        TORCH_CHECK(sender[i] < group->size(), "export_safetensors: no rank's stages hold '", keys[i], "'");
+      }
+    }
+  }
+  // Key i's full tensor on the writer (undefined elsewhere); collective for the ranks holding it.
+  auto full_of = [&](size_t i) -> at::Tensor {
+    if (!owned_by_stages) return tensors[i]->full_tensor();
+    at::Tensor full;
+    if (held[i]) full = tensors[i]->full_tensor();
+    const int tag = static_cast<int>(i);
+    if (sender[i] == group->rank() && !writer) {
+      group->send(full.contiguous(), 0, tag).wait();
+      return {};
+    }
+    if (writer && sender[i] != group->rank()) {
+      full = at::empty(tensors[i]->sizes(),
+                       at::TensorOptions().dtype(tensors[i]->dtype()).device(group->device()));
+      group->recv(full, static_cast<int>(sender[i]), tag).wait();
+    }
+    return writer ? full : at::Tensor();
+  };
 
   // The next tensor to gather; every rank gathers them all, in order, exactly once.
   size_t next = 0;
   auto gather = [&](size_t k) {
     TORCH_CHECK(k == next, "export_safetensors: internal error: tensor ", k, " gathered out of order");
     ++next;
-    at::Tensor full = tensors[k]->full_tensor();
-    if (adapter.to_file) full = adapter.to_file(keys[k], full);
-    if (full.scalar_type() != specs[k].dtype) full = full.to(specs[k].dtype);
+    const FileEntry& e = entries[k];
+    at::Tensor full;
+    if (e.parts.size() == 1) {
+      full = full_of(e.parts[0]);
+      if (full.defined() && adapter.to_file) full = adapter.to_file(keys[e.parts[0]], full);
+    } else {
+      // One slice gathered at a time; the writer joins them (what the file tensor holds).
+      std::vector<at::Tensor> pieces;
+      for (size_t i : e.parts) pieces.push_back(full_of(i));
+      if (pieces.front().defined()) full = at::cat(pieces, e.dim);
+    }
+    if (full.defined() && full.scalar_type() != e.spec.dtype) full = full.to(e.spec.dtype);
     return full;
   };
 
@@ -205,7 +348,7 @@ SafetensorsExportResult export_safetensors(torch::nn::Module& root, const std::s
       error = error_text(e);
     }
   }
-  while (next < tensors.size()) gather(next);  // other ranks: every gather; rank 0: the rest after a failure
+  while (next < entries.size()) gather(next);  // other ranks: every gather; rank 0: the rest after a failure
   error = broadcast_string(group, error);
   TORCH_CHECK(error.empty(), "export_safetensors to ", dir, " failed on rank 0: ", error);
   if (!writer) {
@@ -223,11 +366,17 @@ SafetensorsImportResult import_safetensors(torch::nn::Module& root, const std::s
   std::string error;
   try {
     const std::map<std::string, std::string> where = resolve_files(path);
-    const ShardedStateDict current = sharded_state_dict(root);
+    std::map<std::string, bool> held;
+    const ShardedStateDict current = state_with_parts(root, options.parts, held);
     std::map<std::string, std::string> file_name;  // model key -> file tensor
+    std::map<std::string, FileSlice> slice_of;     // model key -> its slice of file_name[key] (FileSlice keys)
     std::set<std::string> wanted;
     for (const auto& [name, t] : current) {
-      std::optional<std::string> f = adapter.file_name ? adapter.file_name(name) : std::optional<std::string>(name);
+      std::optional<FileSlice> slice = adapter.file_slice ? adapter.file_slice(name) : std::nullopt;
+      if (slice) slice_of.emplace(name, *slice);
+      std::optional<std::string> f =
+          slice ? std::optional<std::string>(slice->file_name)
+                : (adapter.file_name ? adapter.file_name(name) : std::optional<std::string>(name));
       if (!f) continue;
       file_name[name] = *f;
       wanted.insert(*f);
@@ -247,6 +396,7 @@ SafetensorsImportResult import_safetensors(torch::nn::Module& root, const std::s
     for (const auto& [name, t] : current) {
       auto fn = file_name.find(name);
       auto w = fn == file_name.end() ? where.end() : where.find(fn->second);
+      if (!held.at(name)) continue;  // another pipeline stage's: read by the ranks holding it
       if (w == where.end()) {
         loaded.emplace(name, t);  // non-strict: keeps its value
         continue;
@@ -255,15 +405,37 @@ SafetensorsImportResult import_safetensors(torch::nn::Module& root, const std::s
       auto& reader = readers[w->second];
       if (!reader) reader = std::make_unique<st::Reader>(w->second);
       const st::TensorInfo& info = reader->info(fname);
-      TORCH_CHECK(info.shape == t.sizes(), "import_safetensors: '", fname, "' in ", w->second, " has shape ",
-                  c10::IntArrayRef(info.shape), " but the model's '", name, "' is ", c10::IntArrayRef(t.sizes()));
+      auto sl = slice_of.find(name);
+      const std::optional<FileSlice> slice = sl == slice_of.end() ? std::nullopt : std::optional<FileSlice>(sl->second);
+      if (slice) {
+        // The file tensor must hold the slice: the model's shape but along the slice dim, long enough.
+        bool fits = info.shape.size() == t.sizes().size() && slice->dim >= 0 && slice->dim < t.dim() && slice->offset >= 0;
+        for (size_t d = 0; fits && d < info.shape.size(); ++d) {
+          fits = static_cast<int64_t>(d) == slice->dim ? info.shape[d] >= slice->offset + t.sizes()[d]
+                                                      : info.shape[d] == t.sizes()[d];
+        }
+        TORCH_CHECK(fits, "import_safetensors: '", fname, "' in ", w->second, " has shape ", c10::IntArrayRef(info.shape),
+                    ", which does not hold the model's '", name, "' (", c10::IntArrayRef(t.sizes()), ") at offset ",
+                    slice->offset, " of dim ", slice->dim);
+      } else {
+        TORCH_CHECK(info.shape == t.sizes(), "import_safetensors: '", fname, "' in ", w->second, " has shape ",
+                    c10::IntArrayRef(info.shape), " but the model's '", name, "' is ", c10::IntArrayRef(t.sizes()));
+      }
       std::vector<int64_t> rows;
       if (adapter.file_rows && t.dim() > 0) rows = adapter.file_rows(name, t.local_offset()[0], t.local().size(0));
-      at::Tensor piece = read_piece(*reader, fname, t, result.bytes_read, rows);
+      at::Tensor piece = read_piece(*reader, fname, t, result.bytes_read, rows, slice);
       piece = piece.to(t.local().options());
       loaded.emplace(name, ShardedTensor::from_local(piece, t.mesh(), t.placements(), t.sizes()));
     }
-    load_sharded_state_dict(root, loaded);
+    if (options.parts.empty()) {
+      load_sharded_state_dict(root, loaded);
+    } else {
+      for (torch::nn::Module* part : options.parts) {  // each stage its own keys
+        ShardedStateDict mine;
+        for (const auto& [name, t] : sharded_state_dict(*part)) mine.emplace(name, loaded.at(name));
+        load_sharded_state_dict(*part, mine);
+      }
+    }
   } catch (const std::exception& e) {
     error = (group ? "rank " + std::to_string(group->rank()) + ": " : std::string()) + error_text(e);
   }

@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <optional>
@@ -15,9 +16,21 @@
 
 namespace fsdp::checkpoint::detail {
 
+// A model tensor that is one slice of a file tensor along `dim`, starting at `offset` (Hugging Face's stacked
+// MoE gate_up_proj [E, 2F, D] holds our experts.w1 at offset 0 and experts.w3 at offset F of dim 1).
+struct FileSlice {
+  std::string file_name;
+  int64_t dim = 0;
+  int64_t offset = 0;
+};
+
 struct KeyAdapter {
   // Model key -> tensor name in the files (nullopt: not exported; on import: must not be required).
   std::function<std::optional<std::string>(const std::string& key)> file_name;
+  // Model key -> the file tensor it is a slice of (asked before file_name; nullopt: file_name decides). Export
+  // gathers the keys of one file tensor one after the other and writes their concatenation, which must cover the
+  // file tensor from 0 without gaps; import reads each rank's piece of each slice (its own rows only).
+  std::function<std::optional<FileSlice>(const std::string& key)> file_slice;
   // Export: the full model tensor -> what the file holds (e.g. a row permutation). Null: unchanged.
   std::function<at::Tensor(const std::string& key, const at::Tensor& full)> to_file;
   // Import: for model rows [begin, begin + count) of `key`, the file row holding each (in model order). Null

@@ -12,7 +12,9 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <functional>
 #include <map>
+#include <optional>
 #include <set>
 
 namespace fsdp::checkpoint::hf {
@@ -64,6 +66,30 @@ bool check_config(const std::string& path, const llama::LlamaArgs& a) {
 
 std::string layer_prefix(int64_t i) { return "model.layers." + std::to_string(i) + ".mlp.experts."; }
 
+// A sharded model's routed experts as slices of transformers 5's stacked tensors: w1 and w3 are rows [0, F) and
+// [F, 2F) of gate_up_proj [E, 2F, D] (dim 1), w2 is all of down_proj [E, D, F]. Gathered (export) or read
+// (import) one key at a time: the writer holds at most one layer's w1 and w3 (and their concatenation) whole,
+// and an importing rank reads only its own experts' rows.
+std::function<std::optional<detail::FileSlice>(const std::string&)> expert_slices(const llama::LlamaArgs& args) {
+  const int64_t F = args.moe ? args.moe_options().hidden : 0;
+  return [F](const std::string& key) -> std::optional<detail::FileSlice> {
+    auto l = common::split_layer(key, "layers.");
+    if (!l) return std::nullopt;
+    const std::string prefix = "model.layers." + l->first + ".mlp.experts.";
+    if (l->second == "moe.experts.w1") return detail::FileSlice{prefix + "gate_up_proj", 1, 0};
+    if (l->second == "moe.experts.w3") return detail::FileSlice{prefix + "gate_up_proj", 1, F};
+    if (l->second == "moe.experts.w2") return detail::FileSlice{prefix + "down_proj", 0, 0};
+    return std::nullopt;
+  };
+}
+
+// The load-balancing bias: a buffer of ours that Qwen3-MoE has no tensor for (it only steers training; TorchTitan's
+// Qwen3 adapter drops it too).
+bool is_expert_bias_key(const std::string& key) {
+  auto l = common::split_layer(key, "layers.");
+  return l && l->second == "moe.expert_bias";
+}
+
 }  // namespace
 
 std::optional<std::string> qwen3_to_hf_name(const std::string& key) {
@@ -98,15 +124,15 @@ SafetensorsExportResult export_qwen3(llama::TransformerImpl& model, const std::s
   check_is_qwen3("export_qwen3", args);
   const std::string config = qwen3_config_json(args, common::dtype_name(options.dtype));
   if (common::uses_fully_shard(model)) {
-    TORCH_CHECK(!args.moe, "export_qwen3: the model is FSDP-sharded and has MoE layers; exporting sharded ",
-                "stacked experts to Hugging Face's gate_up_proj layout is not supported yet (export an unsharded ",
-                "copy, e.g. from a DCP checkpoint)");
+    // Sharded (FSDP, EP, TP, pipeline stages): gathered one tensor at a time, the experts as slices.
     detail::KeyAdapter adapter;
-    adapter.file_name = [](const std::string& key) {
+    adapter.file_name = [](const std::string& key) -> std::optional<std::string> {
+      if (is_expert_bias_key(key)) return std::nullopt;
       auto hf = qwen3_to_hf_name(key);
       TORCH_CHECK(hf, "export_qwen3: '", key, "' is not a weight the Hugging Face adapter knows");
       return hf;
     };
+    if (args.moe) adapter.file_slice = expert_slices(args);
     adapter.extra_files.emplace_back("config.json", config);
     return detail::export_safetensors(model, dir, options, adapter);
   }
@@ -140,9 +166,23 @@ SafetensorsImportResult import_qwen3(llama::TransformerImpl& model, const std::s
   detail::KeyAdapter adapter = common::import_adapter("import_qwen3", qwen3_to_hf_name, has_lm_head,
                                                       args.tie_embeddings, /*lm_head_from_embeddings=*/config_tied);
   if (common::uses_fully_shard(model)) {
-    TORCH_CHECK(!args.moe, "import_qwen3: the model is FSDP-sharded and has MoE layers; reading Hugging Face's ",
-                "stacked experts into sharded experts is not supported yet (import into the unsharded model, ",
-                "then fully_shard it)");
+    if (args.moe) {
+      // Each rank reads its own rows of the stacked experts; the per-expert layout (the hub's) is read by the
+      // one-process import below (then fully_shard), not by ranks holding pieces of the stacked tensors.
+      for (auto& block : model.blocks()) {
+        if (!block->moe) continue;
+        const std::string prefix = layer_prefix(block->layer_id);
+        TORCH_CHECK(files.has(prefix + "gate_up_proj") || !files.has(prefix + "0.gate_proj.weight"), "import_qwen3 from ",
+                    path, ": the experts of layer ", block->layer_id, " are stored one tensor per expert ('", prefix,
+                    "0.gate_proj.weight', ...); a sharded model reads transformers 5's stacked '", prefix,
+                    "gate_up_proj' / 'down_proj' (import on one process, or save the model with transformers 5)");
+      }
+      adapter.file_slice = expert_slices(args);
+      auto name = adapter.file_name;
+      adapter.file_name = [name](const std::string& key) -> std::optional<std::string> {
+        return is_expert_bias_key(key) ? std::nullopt : name(key);
+      };
+    }
     return detail::import_safetensors(model, path, options, adapter);
   }
   std::set<std::string> used;

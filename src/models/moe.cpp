@@ -1,10 +1,12 @@
 #include <fsdp/models/moe.h>
 
+#include <fsdp/activation_checkpoint.h>
 #include <fsdp/nn/module_call.h>
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/functional/activation.h>
 
 #include <cmath>
@@ -12,6 +14,25 @@
 
 namespace fsdp::nn::moe {
 namespace {
+
+// Identity on the block's output whose backward also hands `scale` to the balance loss (d(scale * aux)/d(aux)):
+// the loss's gradient enters the router through the graph the backward runs, so under activation checkpointing
+// it comes from the recomputation, once (TorchTitan's MoE layer does the same with a custom autograd function).
+struct TieAuxLoss : torch::autograd::Function<TieAuxLoss> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& out, const at::Tensor& aux,
+                            double scale) {
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["aux_dtype"] = static_cast<int64_t>(aux.scalar_type());
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["aux_dtype"].toInt());
+    at::Tensor aux_grad = at::full({}, scale, grads[0].options().dtype(dtype));
+    return {grads[0], aux_grad, at::Tensor()};
+  }
+};
 
 void check_options(const MoEOptions& o) {
   TORCH_CHECK(o.dim > 0 && o.hidden > 0, "moe: dim and hidden must be positive, got ", o.dim, " and ", o.hidden);
@@ -150,9 +171,12 @@ at::Tensor MoEImpl::forward(const at::Tensor& input) {
   const at::Tensor order = at::argsort(flat_ids, /*stable=*/true);
   const at::Tensor token_of_slot = at::floor_divide(order, k);
   const at::Tensor counts = at::bincount(flat_ids, /*weights=*/{}, /*minlength=*/E);
-  // Counted in training forwards that record a graph: full activation checkpointing runs the forward once
-  // without gradients and again (recording) in backward, and each token must count once per step.
-  if (is_training() && at::GradMode::is_enabled()) {
+  // Counted once per training forward: in a forward that records a graph or in activation checkpointing's first
+  // pass (full AC runs it without gradients, op-level SAC with them), never in the recomputation its backward
+  // runs. A no-grad forward outside checkpointing (evaluation) counts nothing.
+  const CheckpointPass pass = current_checkpoint_pass();
+  if (is_training() && pass != CheckpointPass::Recompute &&
+      (at::GradMode::is_enabled() || pass == CheckpointPass::Forward)) {
     at::NoGradGuard no_grad;
     if (tokens_per_expert_.device() != counts.device()) tokens_per_expert_ = tokens_per_expert_.to(counts.device());
     tokens_per_expert_.add_(counts.to(tokens_per_expert_.scalar_type()));
@@ -182,6 +206,8 @@ at::Tensor MoEImpl::forward(const at::Tensor& input) {
     auto& shared = static_cast<SharedExpertsImpl&>(*shared_experts);
     combined = combined + fsdp::nn::call(shared, input).reshape({T, options_.dim});
   }
+  if (aux_loss_grad_scale_ && aux_loss_.defined() && at::GradMode::is_enabled() && aux_loss_.requires_grad())
+    combined = TieAuxLoss::apply(combined, aux_loss_, *aux_loss_grad_scale_);
   return combined.reshape(input.sizes());
 }
 

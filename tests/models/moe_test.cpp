@@ -2,7 +2,9 @@
 // definition: for each token, scores = sigmoid/softmax(gate x), the top-k of scores + bias chosen, weights = the
 // chosen scores (normalised, scaled), output = sum_k weight_k * w2_e (silu(w1_e x) * w3_e x) + shared(x). No
 // grouped GEMM, no permutation, no index tricks: loops over tokens and choices.
+#include <fsdp/activation_checkpoint.h>
 #include <fsdp/models/moe.h>
+#include <fsdp/nn/module_call.h>
 
 #include "expect_error.h"
 
@@ -10,6 +12,8 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <map>
+#include <string>
 #include <numeric>
 #include <vector>
 
@@ -266,4 +270,45 @@ TEST(MoE, SequenceAuxLossEqualsItsDefinition) {
   m->eval();
   m->forward(x);
   EXPECT_FALSE(m->aux_loss().defined());
+}
+
+// Under activation checkpointing (full, op-level selective) the block counts each token once and, with
+// set_aux_loss_grad_scale(w), its output's backward adds w * d(aux)/d(params) exactly once: gradients and counts
+// equal a forward without checkpointing whose loss adds w * aux_loss() by hand (the reference). Without the tie
+// the balance loss's gradient is lost under full AC (its first pass has no graph): the reference moves with it.
+TEST(MoE, BalanceLossAndTokenCountsUnderActivationCheckpointing) {
+  MoEOptions o = base();
+  o.sequence_aux_loss_coeff = 0.5;
+  const double w = 0.75;
+  auto x = torch::randn({3, 5, o.dim}, at::make_generator<at::CPUGeneratorImpl>(7));
+  MoE ref = make(o);
+  ref->train();
+  const torch::Tensor ref_out = ref->forward(x);  // before aux_loss(), which the forward sets
+  (ref_out.pow(2).sum() + w * ref->aux_loss()).backward();
+  const auto want = grads_of(ref);
+  const torch::Tensor want_counts = ref->tokens_per_expert().clone();
+  EXPECT_EQ(want_counts.sum().item<double>(), 3.0 * 5 * o.top_k);
+  MoE no_aux = make(o);
+  no_aux->train();
+  no_aux->forward(x).pow(2).sum().backward();
+  EXPECT_GT((grads_of(no_aux)["router.gate.weight"] - want.at("router.gate.weight")).abs().max().item<double>(), 1e-4);
+
+  for (const char* policy : {"none", "full", "op"}) {
+    SCOPED_TRACE(policy);
+    MoE m = make(o);
+    m->train();
+    m->set_aux_loss_grad_scale(w);
+    const std::string p(policy);
+    if (p != "none") {
+      fsdp::checkpoint_module(m, {p == "full" ? fsdp::CheckpointPolicy::Full : fsdp::CheckpointPolicy::SelectiveOp});
+    }
+    EXPECT_EQ(fsdp::current_checkpoint_pass(), fsdp::CheckpointPass::None);
+    fsdp::nn::call(m, x).pow(2).sum().backward();
+    if (p != "none") EXPECT_EQ(fsdp::checkpoint_stats(m).recomputes, 1);
+    EXPECT_TRUE(torch::equal(m->tokens_per_expert(), want_counts)) << m->tokens_per_expert() << want_counts;
+    EXPECT_NEAR(m->aux_loss().item<double>(), ref->aux_loss().item<double>(), 1e-7);
+    for (const auto& [name, g] : grads_of(m)) {
+      EXPECT_TRUE(torch::allclose(g, want.at(name), 1e-5, 1e-6)) << name;
+    }
+  }
 }

@@ -1,13 +1,15 @@
 // Qwen3 under fully_shard (1 and 2 ranks through fsdprun): a Qwen3-MoE model built on `meta`, sharded,
 // materialized and initialized unit by unit equals the same model initialized unsharded on one process (the MoE
-// experts, router gates and QK-norms included) and computes the same logits; a sharded dense Qwen3 exports to
-// Hugging Face files that, imported into an unsharded model, give back every parameter; a sharded MoE model is
-// refused by the Hugging Face adapter with an error saying why.
+// experts, router gates and QK-norms included) and computes the same logits; a sharded dense Qwen3 and a sharded
+// Qwen3-MoE (experts gathered one tensor at a time into transformers 5's stacked gate_up_proj / down_proj) export
+// to Hugging Face files that, imported into an unsharded model (the whole-model reader) and back into a sharded
+// one (each rank its own rows of the stacked experts), give back every parameter.
 #include "fully_shard/fsdp_test_util.h"
 
 #include "expect_error.h"
 
 #include <fsdp/checkpoint/model_safetensors.h>
+#include <fsdp/checkpoint/safetensors.h>
 #include <fsdp/materialize.h>
 #include <fsdp/models/hf_qwen3.h>
 #include <fsdp/models/qwen3.h>
@@ -15,6 +17,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <string>
 
 using namespace fsdp_test;
 namespace llama = fsdp::nn::llama;
@@ -58,32 +61,44 @@ TEST(Qwen3Sharded, MetaInitOfMoeEqualsUnshardedInit) {
   EXPECT_LE(max_rel_diff(fsdp::nn::call(model, tokens), reference->forward(tokens)), 1e-5);
 }
 
-TEST(Qwen3Sharded, DenseExportImportAndMoeRefusal) {
+TEST(Qwen3Sharded, DenseAndMoeExportImport) {
   auto world = test_world();
-  const fs::path dir = fs::temp_directory_path() / ("fsdp_qwen3_sharded_" + std::to_string(::getppid()));
-  llama::Transformer model(llama::qwen3_flavor("cpu_tiny"));
-  model->init_weights(4);
-  auto units = shard(model);
-  hf::export_qwen3(*model, dir.string());
-  auto full = fsdp::full_state_dict(*model, {true, false});
-  world->barrier().wait();
-  llama::Transformer whole(llama::qwen3_flavor("cpu_tiny"));
-  hf::import_qwen3(*whole, dir.string());
-  for (const auto& item : whole->named_parameters()) {
-    EXPECT_TRUE(torch::equal(full.at(item.key()), item.value())) << item.key();
+  for (const char* flavor : {"cpu_tiny", "cpu_tiny_moe"}) {
+    SCOPED_TRACE(flavor);
+    const fs::path dir =
+        fs::temp_directory_path() / ("fsdp_qwen3_sharded_" + std::string(flavor) + "_" + std::to_string(::getppid()));
+    llama::Transformer model(llama::qwen3_flavor(flavor));
+    model->init_weights(4);
+    auto units = shard(model);
+    hf::export_qwen3(*model, dir.string());
+    auto full = fsdp::full_state_dict(*model, {true, false});
+    world->barrier().wait();
+    if (std::string(flavor) == "cpu_tiny_moe") {
+      EXPECT_TRUE(fs::exists(dir / "model.safetensors"));
+      // transformers 5's stacked layout: gate_up_proj [E, 2F, D] holds w1 then w3.
+      const auto gate_up =
+          fsdp::checkpoint::safetensors::Reader((dir / "model.safetensors").string()).read("model.layers.0.mlp.experts.gate_up_proj");
+      const at::Tensor& w1 = full.at("layers.0.moe.experts.w1");
+      EXPECT_TRUE(torch::equal(gate_up, torch::cat({w1, full.at("layers.0.moe.experts.w3")}, 1)));
+    }
+    llama::Transformer whole(llama::qwen3_flavor(flavor));
+    hf::import_qwen3(*whole, dir.string());
+    size_t compared = 0;
+    for (const auto& item : whole->named_parameters()) {
+      EXPECT_TRUE(torch::equal(full.at(item.key()), item.value())) << item.key();
+      ++compared;
+    }
+    EXPECT_GT(compared, 0u);
+    // Back into a (differently initialized) sharded model: its own rows.
+    llama::Transformer again(llama::qwen3_flavor(flavor));
+    again->init_weights(5);
+    auto units2 = shard(again);
+    hf::import_qwen3(*again, dir.string());
+    auto again_full = fsdp::full_state_dict(*again, {true, false});
+    for (const auto& item : whole->named_parameters()) {
+      EXPECT_TRUE(torch::equal(again_full.at(item.key()), full.at(item.key()))) << item.key();
+    }
+    world->barrier().wait();
+    if (world->rank() == 0) fs::remove_all(dir);
   }
-  // Back into a (differently initialized) sharded model: its own rows.
-  llama::Transformer again(llama::qwen3_flavor("cpu_tiny"));
-  again->init_weights(5);
-  auto units2 = shard(again);
-  hf::import_qwen3(*again, dir.string());
-  auto again_full = fsdp::full_state_dict(*again, {true, false});
-  for (const auto& [key, t] : full) EXPECT_TRUE(torch::equal(again_full.at(key), t)) << key;
-
-  llama::Transformer moe(llama::qwen3_flavor("cpu_tiny_moe"));
-  auto units3 = shard(moe);
-  fsdp_test::expect_error_containing<c10::Error>([&] { hf::export_qwen3(*moe, dir.string()); },
-                                                 "FSDP-sharded and has MoE layers");
-  world->barrier().wait();
-  if (world->rank() == 0) fs::remove_all(dir);
 }

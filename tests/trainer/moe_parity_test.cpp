@@ -211,6 +211,4 @@ TEST(TrainerMoE, BadExpertParallelConfigurationsAreRefused) {
   expect_error([&] { run_training(tp_aux, test::world_env(), false); },
                "model.moe_sequence_aux_loss_coeff with parallelism.tensor_parallel_degree > 1");
   expect_error([] { load_config({"--model.moe_score_func", "relu"}); }, "model.moe_score_func");
-  expect_error([] { load_config({"--model.moe_sequence_aux_loss_coeff", "1e-4", "--activation_checkpoint.mode", "full"}); },
-               "not supported yet");
 }

@@ -23,6 +23,11 @@ struct SafetensorsExportOptions {
   int64_t max_file_bytes = 5'000'000'000;       // Hugging Face's default shard size ("5GB")
   std::optional<c10::ScalarType> dtype;         // floating-point tensors are cast to it (e.g. bf16 for release)
   std::map<std::string, std::string> metadata;  // written into every file's __metadata__ (plus "format": "pt")
+  // Pipeline parallelism: the stages this rank trains (modules holding the whole model's FQNs, each given to
+  // fully_shard). Their tensors are exported in place of the root's, which (the whole model, the other ranks'
+  // stages on `meta`) only names every key and its shape; each key is gathered by its stage's ranks and sent to
+  // rank 0 by the lowest of them. Empty: the root holds everything.
+  std::vector<torch::nn::Module*> parts;
 };
 struct SafetensorsExportResult {
   std::vector<std::string> files;  // written, in order (the index json last when there is one)
@@ -40,6 +45,9 @@ struct SafetensorsImportOptions {
   // strict: every model key must be in the files and every file tensor must be a model key (each list is in
   // the error). Non-strict: model keys absent from the files keep their values; both lists are in the result.
   bool strict = true;
+  // Pipeline parallelism: the stages this rank trains (as SafetensorsExportOptions::parts); only their tensors
+  // are read (own rows) and loaded. Empty: the root holds everything.
+  std::vector<torch::nn::Module*> parts;
 };
 struct SafetensorsImportResult {
   std::vector<std::string> missing;     // model keys not in the files (non-strict)

@@ -83,9 +83,10 @@ TORCH_MODULE(GroupedExperts);
 class MoEImpl : public torch::nn::Module {
  public:
   explicit MoEImpl(const MoEOptions& options);
-  // x [..., D] -> [..., D]. In training mode, with gradients on, the tokens each expert received are added to
-  // tokens_per_expert() (not in a forward without gradients: activation checkpointing's first pass, which its
-  // recomputation repeats with gradients, would count every token twice).
+  // x [..., D] -> [..., D]. In a training forward the tokens each expert received are added to
+  // tokens_per_expert() once: in a forward with gradients, or in activation checkpointing's first pass (with or
+  // without gradients), never in its recomputation (fsdp::current_checkpoint_pass), so full, layer-selective and
+  // op-level selective AC count what a run without AC counts. An evaluation or no-grad forward counts nothing.
   at::Tensor forward(const at::Tensor& x);
   // DeepSeek-V3's bias update (TorchTitan: an optimizer step pre-hook): delta = coeff * sign(mean(c) - c),
   // centred to mean 0, added to expert_bias; the counts are then zeroed. `counts` defaults to this block's own
@@ -95,6 +96,14 @@ class MoEImpl : public torch::nn::Module {
   // The sequence-wise balance loss of the last training forward (0-dim, differentiable through the router's
   // scores; add it to the loss); undefined when off or after an evaluation forward.
   const at::Tensor& aux_loss() const { return aux_loss_; }
+  // TorchTitan's way of training with the balance loss (an autograd function in the MoE layer): with a scale set,
+  // a forward with gradients ties scale * aux_loss() to the block's output, whose backward then adds its gradient
+  // (d(scale * aux) / d(router)) as if it had been added to the loss. The caller must then not add aux_loss() to
+  // the loss itself. Needed under activation checkpointing: the gradient comes from the graph the backward really
+  // differentiates (the recomputation), once, while aux_loss() of the first pass holds the value (without a graph
+  // under full AC). nullopt (the default) = not tied; the caller adds aux_loss() to its loss.
+  void set_aux_loss_grad_scale(std::optional<double> scale) { aux_loss_grad_scale_ = scale; }
+  std::optional<double> aux_loss_grad_scale() const { return aux_loss_grad_scale_; }
   const MoEOptions& options() const { return options_; }
   // Deterministic init from a generator (TorchTitan: trunc_normal(std) on the gate and the experts).
   void init_weights(at::Generator& gen, double std = 0.02);
@@ -108,6 +117,7 @@ class MoEImpl : public torch::nn::Module {
   MoEOptions options_;
   at::Tensor tokens_per_expert_;  // [E] fp32, not part of the state dict (TorchTitan: non-persistent)
   at::Tensor aux_loss_;
+  std::optional<double> aux_loss_grad_scale_;
 };
 TORCH_MODULE(MoE);
 

@@ -11,7 +11,7 @@ Everything here is PyTorch's or transformers' own code path, the independent ref
   python torch_side.py malicious ...           writes .metadata files that run a command when pickle.load()ed
   python torch_side.py run-pickle FILE         pickle.load(FILE), as torch's FileSystemReader does (proves a payload works)
   python torch_side.py hf-make ...             a random LlamaForCausalLM, save_pretrained (sharded + index), its logits
-  python torch_side.py hf-logits ...           LlamaForCausalLM.from_pretrained(dir) logits (fp32)
+  python torch_side.py hf-logits ...           LlamaForCausalLM (--architecture) .from_pretrained(dir) logits (fp32)
 """
 import argparse
 import json
@@ -306,10 +306,11 @@ def cmd_hf_make(o):
 
 
 def cmd_hf_logits(o):
-    from transformers import LlamaForCausalLM
-    model = LlamaForCausalLM.from_pretrained(o.dir, dtype=torch.float32)
+    import transformers
+    cls = getattr(transformers, o.architecture)  # LlamaForCausalLM, Qwen3MoeForCausalLM, ...
+    model = cls.from_pretrained(o.dir, dtype=torch.float32)
     st_io.save(o.logits, {"logits": hf_logits(model, o.tokens, o.batch, o.seq)})
-    print("hf-logits: config", json.dumps(model.config.to_dict().get("rope_parameters")))
+    print("hf-logits:", type(model).__name__, "config", json.dumps(model.config.to_dict().get("rope_parameters")))
 
 
 def main():
@@ -351,6 +352,7 @@ def main():
         s.add_argument("--batch", type=int, default=2)
         s.add_argument("--seq", type=int, default=16)
         s.add_argument("--logits", required=True)
+        s.add_argument("--architecture", default="LlamaForCausalLM")  # hf-logits: the transformers class to load
     o = p.parse_args()
     {"train-save": cmd_train_save, "load-check": cmd_load_check, "malicious": cmd_malicious,
      "run-pickle": cmd_run_pickle, "dcp-fixture": cmd_dcp_fixture, "dcp-read": cmd_dcp_read,

@@ -110,8 +110,9 @@ TrainSpec train_spec() {
                       " with deepseek_v3 is not supported yet (no tensor-parallel plan for multi-head latent "
                       "attention)");
   };
-  spec.hf.import_weights = [](torch::nn::Module& model, const std::string& dir) {
-    return fsdp::checkpoint::hf::import_deepseek_v3(model_impl(model, "checkpoint.initial_load_in_hf"), dir, {});
+  spec.hf.import_weights = [](torch::nn::Module& model, const std::string& dir,
+                              const fsdp::checkpoint::SafetensorsImportOptions& options) {
+    return fsdp::checkpoint::hf::import_deepseek_v3(model_impl(model, "checkpoint.initial_load_in_hf"), dir, options);
   };
   spec.hf.export_weights = [](torch::nn::Module& model, const std::string& dir,
                               const fsdp::checkpoint::SafetensorsExportOptions& options) {

@@ -103,8 +103,9 @@ TrainSpec decoder_train_spec(std::string name, std::vector<std::string> flavors,
     return fsdp::nn::llama::tensor_parallel_plan(decoder_of(model)->args(), tp_degree, {true, loss_parallel});
   };
   // The adapters take the decoder; `what` names the config key in the error for any other module.
-  spec.hf.import_weights = [import_hf, name](torch::nn::Module& model, const std::string& dir) {
-    return import_hf(decoder_impl(model, name, "checkpoint.initial_load_in_hf"), dir, {});
+  spec.hf.import_weights = [import_hf, name](torch::nn::Module& model, const std::string& dir,
+                                             const fsdp::checkpoint::SafetensorsImportOptions& options) {
+    return import_hf(decoder_impl(model, name, "checkpoint.initial_load_in_hf"), dir, options);
   };
   spec.hf.export_weights = [export_hf, name](torch::nn::Module& model, const std::string& dir,
                                              const fsdp::checkpoint::SafetensorsExportOptions& options) {

@@ -298,11 +298,15 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
     const double batch = static_cast<double>(dims.global_batch_size / dims.ft_groups);
     plan.stages.push_back({stage.ptr(), [stage, stage_moes, batch, aux = plan.stage_aux_loss](
                                             const at::Tensor& x, const at::Tensor& ids) {
+                             // Microbatches are equal in size, so the scale a layer's recomputation (activation
+                             // checkpointing) ties its loss with is this microbatch's even if a later forward set it.
+                             const double share = static_cast<double>(x.size(0)) / batch;
+                             if (aux)
+                               for (auto* moe : stage_moes) moe->set_aux_loss_grad_scale(share);
                              at::Tensor out = ids.defined() ? fsdp::nn::call(stage, x, std::optional<at::Tensor>(ids))
                                                             : fsdp::nn::call(stage, x);
-                             if (!aux || stage_moes.empty()) return out;
-                             return attach_sequence_aux_loss(out, stage_moes, static_cast<double>(x.size(0)) / batch,
-                                                             *aux);
+                             if (aux && !stage_moes.empty()) record_sequence_aux_loss(stage_moes, share, *aux);
+                             return out;
                            }});
   }
   plan.holds_first_stage = plan.stage_indices.front() == 0;
@@ -328,7 +332,6 @@ void check_layout(const std::string& family, const fsdp::nn::llama::LlamaArgs& a
                   const ParallelDims& dims) {
   const int64_t num_experts = args.moe ? args.moe->num_experts : 0;
   const bool has_moe = num_experts > 0;
-  const auto& ac = config.activation_checkpoint;
   const std::string model = family + " " + config.model.flavor;
   if (has_moe && dims.pp > 1 && dims.tp > 1) {
     // Each alone works; together the stage's expert-load sum would have to span the stage's dp x tp ranks.
@@ -340,17 +343,6 @@ void check_layout(const std::string& family, const fsdp::nn::llama::LlamaArgs& a
     // whole sequence's counts and scores.
     throw ConfigError("config error: model.moe_sequence_aux_loss_coeff with parallelism.tensor_parallel_degree > 1 "
                       "(" + model + ") is not supported yet (each TP rank routes a slice of the sequence)");
-  }
-  if (has_moe && dims.world_size > 1 && (config.checkpoint.initial_load_in_hf || config.checkpoint.last_save_in_hf)) {
-    throw ConfigError("config error: checkpoint.initial_load_in_hf / last_save_in_hf with an MoE model (" + model +
-                      ") on several ranks is not supported yet (the Qwen3-MoE adapter needs the whole model); "
-                      "convert on 1 rank");
-  }
-  if (has_moe && ac.mode == AcMode::Selective && ac.selective_ac_option.kind == SelectiveAcOption::Kind::Op) {
-    // Op-level SAC runs the forward twice with gradients on: the experts' token counts (load balancing) would
-    // double. Full and layer-selective AC count once (their first pass runs without gradients).
-    throw ConfigError("config error: activation_checkpoint.selective_ac_option = \"op\" with an MoE model (" + model +
-                      ") is not supported yet; use mode = \"full\" or a layer-selective option");
   }
   if (dims.ep > 1 && !has_moe) {
     throw ConfigError("config error: parallelism.expert_parallel_degree = " + std::to_string(dims.ep) + " but " +

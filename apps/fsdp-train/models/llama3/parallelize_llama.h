@@ -90,8 +90,8 @@ PipelineSplit split_pipeline(const fsdp::nn::llama::LlamaArgs& args, const Pipel
 // ---- the composition ------------------------------------------------------------------------------------------
 
 // The layouts the decoder trains (no collectives; fsdp-train runs it before its process group exists): a
-// ConfigError naming `family`, the flavor and the refused layout (MoE with PP or TP, op-level SAC with MoE,
-// Hugging Face load/save of a sharded MoE model, an expert_parallel_degree the experts do not fit).
+// ConfigError naming `family`, the flavor and the refused layout (MoE with PP or TP, an expert_parallel_degree the
+// experts do not fit).
 void check_layout(const std::string& family, const fsdp::nn::llama::LlamaArgs& args, const JobConfig& config,
                   const ParallelDims& dims);
 
