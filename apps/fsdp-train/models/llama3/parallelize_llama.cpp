@@ -2,6 +2,7 @@
 #include "parallelize_llama.h"
 
 #include <fsdp/activation_checkpoint.h>
+#include <fsdp/context_parallel.h>
 #include <fsdp/expert_parallel.h>
 #include <fsdp/nn/module_call.h>
 #include <fsdp/models/moe.h>
@@ -158,6 +159,30 @@ void apply_tp(fsdp::nn::llama::LlamaStage& stage, const fsdp::nn::llama::LlamaAr
   stage->sequence_shards = tp_mesh.size();  // the plan is sequence parallel: hidden states travel split on the sequence
 }
 
+void apply_cp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
+              CpLoadBalancer load_balancer) {
+  const fsdp::ProcessGroupPtr group = cp_mesh.group(0);
+  const fsdp::ContextParallelOptions options{
+      rotate_method == CpRotateMethod::AllToAll ? fsdp::CpRotateMethod::AllToAll : fsdp::CpRotateMethod::AllGather,
+      load_balancer == CpLoadBalancer::HeadTail ? fsdp::CpLoadBalancer::HeadTail : fsdp::CpLoadBalancer::None};
+  const int64_t cp_rank = group->rank(), cp_size = group->size();
+  model->rope_positions = [cp_rank, cp_size, balancer = options.load_balancer](int64_t local_len) {
+    return fsdp::context_parallel_positions(local_len * cp_size, cp_rank, cp_size, balancer);
+  };
+  // block_causal: the mask of this rank's queries against every rank's keys (document ids of the whole rows, cut
+  // like the tokens), built once per forward; the blocks then attend over all-gathered K and V under it.
+  model->document_mask = [group, balancer = options.load_balancer](const at::Tensor& document_ids) {
+    return fsdp::context_parallel_document_mask(document_ids, group, balancer);
+  };
+  for (auto& block : model->blocks()) {
+    block->attention->kernel = [group, options](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const fsdp::nn::llama::AttentionMask& mask) {
+      if (mask) return fsdp::context_parallel_masked_attention(q, k, v, *mask, group);
+      return fsdp::ring_attention(q, k, v, group, options);
+    };
+  }
+}
+
 void apply_ep(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& ep_mesh) {
   for (auto& block : model->blocks()) {
     if (auto* moe = moe_of(*block)) fsdp::apply_expert_parallel(moe->experts.ptr(), ep_mesh);
@@ -304,6 +329,10 @@ void check_layout(const std::string& family, const fsdp::nn::llama::LlamaArgs& a
   const bool has_moe = num_experts > 0;
   const auto& ac = config.activation_checkpoint;
   const std::string model = family + " " + config.model.flavor;
+  if (dims.cp > 1 && has_moe) {
+    throw ConfigError("config error: parallelism.context_parallel_degree > 1 with an MoE model (" + model +
+                      ") is not supported yet (context parallelism runs dense models)");
+  }
   if (has_moe && (dims.pp > 1 || dims.tp > 1)) {
     throw ConfigError("config error: MoE models (" + model + ") with " + (dims.pp > 1 ? "pipeline" : "tensor") +
                       " parallelism are not supported yet; use FSDP, HSDP and parallelism.expert_parallel_degree");
@@ -363,6 +392,16 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
     apply_tp(model, plan.tp_mesh, plan.loss_parallel);
     tp_description = "TP " + std::to_string(dims.tp) + " (sequence parallel, " +
                      (plan.loss_parallel ? "loss parallel" : "logits gathered") + ") + ";
+  }
+  if (dims.cp > 1) {
+    const auto& p = config.parallelism;
+    plan.cp_mesh = meshes.cp;
+    apply_cp(model, plan.cp_mesh, p.context_parallel_rotate_method, p.context_parallel_load_balancer);
+    tp_description += "CP " + std::to_string(dims.cp) + " (ring attention, " +
+                      to_string(p.context_parallel_rotate_method) + ", " + to_string(p.context_parallel_load_balancer) +
+                      "; " + std::to_string(config.training.seq_len / dims.cp) + " of " +
+                      std::to_string(config.training.seq_len) + " tokens per rank; FSDP over dp_shard x cp = " +
+                      std::to_string(dims.dp_shard * dims.cp) + " ranks) + ";
   }
   FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/false);
   std::string experts_description;
