@@ -45,6 +45,9 @@ struct ParallelPlan {
   std::string activation_checkpointing;  // what [activation_checkpoint] applied (before fully_shard)
   fsdp::DeviceMesh tp_mesh;              // valid when tensor parallel
   fsdp::DeviceMesh cp_mesh;              // valid when context parallel (each sequence split over its ranks)
+  // The mesh FSDP shards over when it is not a sub-mesh of `mesh` (context parallel: the flattened dp_shard_cp,
+  // a second mesh over the same ranks): its groups get the train timeout and the profiler too.
+  fsdp::DeviceMesh fsdp_mesh;
   bool loss_parallel = false;            // logits are vocabulary-sharded over tp_mesh
   // Pipeline parallelism (pipeline_parallel_degree > 1): the stages this rank holds, and the pipeline group
   // (mesh dim "pp").

@@ -651,7 +651,7 @@ Trainer::StepResult Trainer::train_step(int64_t step, bool ready) {
 // The groups whose collectives a profiled step times (profiling.h): the world and every group of the meshes.
 std::vector<fsdp::ProcessGroupPtr> Trainer::profiled_groups() const {
   std::vector<fsdp::ProcessGroupPtr> groups{env_.group, plan_.dp_group, plan_.pp_group};
-  for (const fsdp::DeviceMesh* mesh : {&plan_.mesh, &plan_.tp_mesh}) {
+  for (const fsdp::DeviceMesh* mesh : {&plan_.mesh, &plan_.tp_mesh, &plan_.fsdp_mesh}) {
     if (!mesh->valid()) continue;
     for (int64_t d = 0; d < mesh->ndim(); ++d) groups.push_back(mesh->group(d));
   }
@@ -665,9 +665,11 @@ void Trainer::set_train_timeouts() {
   const std::chrono::seconds t(config_.comm.train_timeout_seconds);
   env_.group->set_timeout(t);
   if (plan_.dp_group) plan_.dp_group->set_timeout(t);
-  if (plan_.mesh.valid())
-    for (int64_t d = 0; d < plan_.mesh.ndim(); ++d)
-      if (auto g = plan_.mesh.group(d)) g->set_timeout(t);
+  for (const fsdp::DeviceMesh* mesh : {&plan_.mesh, &plan_.fsdp_mesh}) {
+    if (!mesh->valid()) continue;
+    for (int64_t d = 0; d < mesh->ndim(); ++d)
+      if (auto g = mesh->group(d)) g->set_timeout(t);
+  }
 }
 
 void Trainer::validate(int64_t step) {

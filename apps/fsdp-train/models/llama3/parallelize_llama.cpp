@@ -396,6 +396,7 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
   if (dims.cp > 1) {
     const auto& p = config.parallelism;
     plan.cp_mesh = meshes.cp;
+    plan.fsdp_mesh = meshes.dp;
     apply_cp(model, plan.cp_mesh, p.context_parallel_rotate_method, p.context_parallel_load_balancer);
     tp_description += "CP " + std::to_string(dims.cp) + " (ring attention, " +
                       to_string(p.context_parallel_rotate_method) + ", " + to_string(p.context_parallel_load_balancer) +
