@@ -101,6 +101,11 @@ void expect_cp_parity(int64_t cp, int64_t shard, CpRotateMethod rotate, CpLoadBa
   const std::string cp_plan = "CP " + std::to_string(cp) + " (ring attention, " + to_string(rotate) + ", " +
                               to_string(balancer) + "; " + std::to_string(32 / cp) + " of 32 tokens per rank";
   EXPECT_NE(got.summary.plan.find(cp_plan), std::string::npos) << got.summary.plan;
+  // FSDP shards over the flattened dp_shard x cp ranks (TorchTitan's dp_shard_cp).
+  EXPECT_NE(got.summary.plan.find("FSDP mesh DeviceMesh(cpu, shape [" + std::to_string(cp * shard) +
+                                  "], dims [dp_shard_cp]"),
+            std::string::npos)
+      << got.summary.plan;
   if (full_ac) EXPECT_GT(got.summary.ac_recomputes, 0);  // activation checkpointing recomputed the ring attention
   ASSERT_EQ(got.summary.losses.size(), static_cast<size_t>(kSteps));
   ASSERT_EQ(ref.summary.losses.size(), got.summary.losses.size());

@@ -424,7 +424,8 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
   plan.fsdp_modules = apply_fsdp(model, fsdp);
   set_sum_gradients(plan);
   plan.description = tp_description + experts_description + std::string(dims.dp_replicate > 1 ? "HSDP" : "FSDP") +
-                     " mesh " + plan.mesh.to_string() + ", reshard_after_forward " +
+                     " mesh " + (plan.fsdp_mesh.valid() ? plan.fsdp_mesh : plan.mesh).to_string() +
+                     ", reshard_after_forward " +
                      to_string(config.parallelism.fsdp_reshard_after_forward) + ", param " +
                      to_string(config.training.mixed_precision_param) + ", reduce " +
                      to_string(config.training.mixed_precision_reduce);
