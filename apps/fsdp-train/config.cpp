@@ -109,6 +109,16 @@ struct Choices<AttnMaskType> : ExactNames {
                                                        {AttnMaskType::BlockCausal, "block_causal"}};
 };
 template <>
+struct Choices<CpRotateMethod> : ExactNames {
+  static constexpr ChoiceName<CpRotateMethod> names[] = {{CpRotateMethod::AllGather, "allgather"},
+                                                         {CpRotateMethod::AllToAll, "alltoall"}};
+};
+template <>
+struct Choices<CpLoadBalancer> : ExactNames {
+  static constexpr ChoiceName<CpLoadBalancer> names[] = {{CpLoadBalancer::HeadTail, "headtail"},
+                                                         {CpLoadBalancer::None, "none"}};
+};
+template <>
 struct Choices<CheckpointPart> : ExactNames {
   static constexpr ChoiceName<CheckpointPart> names[] = {{CheckpointPart::Optimizer, "optimizer"},
                                                          {CheckpointPart::LrScheduler, "lr_scheduler"},
@@ -285,6 +295,14 @@ std::vector<Field> fields(JobConfig& c) {
       {"parallelism", "expert_parallel_degree", &c.parallelism.expert_parallel_degree,
        "MoE models: routed experts split over this many ranks of each data-parallel shard group (must divide "
        "data_parallel_shard_degree and the expert count); experts' FSDP over the shard ranks left"},
+      {"parallelism", "context_parallel_degree", &c.parallelism.context_parallel_degree,
+       "context parallelism: each sequence split over this many ranks (mesh dim cp: [pp, dp_replicate, dp_shard, "
+       "cp, tp]), attention by ring attention; FSDP shards over dp_shard x cp. seq_len must divide by 2 x degree "
+       "(headtail) or the degree (none)"},
+      {"parallelism", "context_parallel_rotate_method", choice(&c.parallelism.context_parallel_rotate_method),
+       "allgather (K and V all-gathered once per attention) | alltoall (K and V passed around the ring)"},
+      {"parallelism", "context_parallel_load_balancer", choice(&c.parallelism.context_parallel_load_balancer),
+       "headtail (rank i holds chunks i and 2cp-1-i of 2cp: even causal work) | none (cp contiguous chunks)"},
       {"parallelism", "pipeline_parallel_degree", &c.parallelism.pipeline_parallel_degree,
        "pipeline ranks (outermost mesh dim: [pp, dp_replicate, dp_shard, tp]); each holds one or more stages"},
       {"parallelism", "pipeline_parallel_schedule", choice(&c.parallelism.pipeline_parallel_schedule),
@@ -677,6 +695,8 @@ FSDP_TRAIN_CHOICE_ENUM(AsyncMode)
 FSDP_TRAIN_CHOICE_ENUM(CheckpointFormat)
 FSDP_TRAIN_CHOICE_ENUM(AcMode)
 FSDP_TRAIN_CHOICE_ENUM(AttnMaskType)
+FSDP_TRAIN_CHOICE_ENUM(CpRotateMethod)
+FSDP_TRAIN_CHOICE_ENUM(CpLoadBalancer)
 FSDP_TRAIN_CHOICE_ENUM(CheckpointPart)
 #undef FSDP_TRAIN_CHOICE_ENUM
 
@@ -825,6 +845,40 @@ std::string to_toml(const JobConfig& config_in) {
   return os.str();
 }
 
+namespace {
+
+// Context parallelism's rule for a sequence length (the library's check_context_parallel_seq_len, said in the
+// config's keys): head-tail cuts each sequence into 2 x cp chunks, none into cp.
+void check_context_parallel_seq_len(const char* key, int64_t seq_len, const JobConfig::Parallelism& p) {
+  const int64_t cp = p.context_parallel_degree;
+  const bool head_tail = p.context_parallel_load_balancer == CpLoadBalancer::HeadTail;
+  const int64_t chunks = head_tail ? 2 * cp : cp;
+  check(seq_len % chunks == 0,
+        std::string(key) + " (" + std::to_string(seq_len) + ") must be divisible by " +
+            (head_tail ? "2 x parallelism.context_parallel_degree = " : "parallelism.context_parallel_degree = ") +
+            std::to_string(chunks) +
+            (head_tail ? " (context_parallel_load_balancer = \"headtail\" cuts each sequence into 2 x cp chunks, "
+                         "rank i holding chunks i and 2cp-1-i)"
+                       : " (context_parallel_load_balancer = \"none\" cuts each sequence into cp chunks)"));
+}
+
+void check_context_parallel(const JobConfig& c) {
+  const auto& p = c.parallelism;
+  check(p.context_parallel_degree >= 1,
+        "parallelism.context_parallel_degree: expected >= 1, got " + std::to_string(p.context_parallel_degree));
+  if (p.context_parallel_degree == 1) return;
+  check_context_parallel_seq_len("training.seq_len", c.training.seq_len, p);
+  if (c.validation.enable) check_context_parallel_seq_len("validation.seq_len", c.validation.seq_len, p);
+  // With sequence parallel each cp rank's part of the sequence is split again over the tp ranks.
+  const int64_t tp = p.tensor_parallel_degree;
+  check(tp == 1 || c.training.seq_len % (p.context_parallel_degree * tp) == 0, "training.seq_len (" + std::to_string(c.training.seq_len) + ") must be divisible by "
+                 "parallelism.context_parallel_degree x tensor_parallel_degree = " +
+                     std::to_string(p.context_parallel_degree * tp) +
+                     " (each cp rank's part of the sequence is split over the tp ranks for sequence parallel)");
+}
+
+}  // namespace
+
 void validate(const JobConfig& c) {
   check(c.model.moe_shared_experts >= -1, "model.moe_shared_experts: expected >= 0 (or -1 = the flavor's), got " +
                                               std::to_string(c.model.moe_shared_experts));
@@ -944,6 +998,7 @@ void validate(const JobConfig& c) {
     // Any other layout inside a replica group (FSDP, TP, PP, EP) is fine: torchft replicates whole groups, the
     // cross-group average and healing pair the ranks of the same coordinates.
   }
+  check_context_parallel(c);
   check(c.training.seq_len % c.parallelism.tensor_parallel_degree == 0,
         "training.seq_len (" + std::to_string(c.training.seq_len) + ") must be divisible by "
         "parallelism.tensor_parallel_degree (" + std::to_string(c.parallelism.tensor_parallel_degree) +

@@ -54,6 +54,8 @@ enum class AsyncMode { Disabled, Async, AsyncWithPinnedMem }; // disabled | asyn
 enum class CheckpointFormat { Libfsdp, Dcp };                 // libfsdp | dcp
 enum class AcMode { None, Selective, Full };                  // none | selective | full
 enum class AttnMaskType { Causal, BlockCausal };              // causal | block_causal
+enum class CpRotateMethod { AllGather, AllToAll };            // allgather | alltoall
+enum class CpLoadBalancer { HeadTail, None };                 // headtail | none
 // checkpoint.exclude_from_loading's items: optimizer | lr_scheduler | dataloader | train_state | rng.
 enum class CheckpointPart { Optimizer, LrScheduler, Dataloader, TrainState, Rng };
 
@@ -71,6 +73,8 @@ const char* to_string(AsyncMode v);
 const char* to_string(CheckpointFormat v);
 const char* to_string(AcMode v);
 const char* to_string(AttnMaskType v);
+const char* to_string(CpRotateMethod v);
+const char* to_string(CpLoadBalancer v);
 const char* to_string(CheckpointPart v);
 
 // The value a string-choice key's text names (the spellings the config accepts, case rules included), or nullopt.
@@ -168,6 +172,11 @@ struct JobConfig {
     // Expert parallelism (MoE models): routed experts split over this many ranks, borrowed from the data-parallel
     // shard dim (TorchTitan: ep divides dp_shard); their FSDP shards over the dp_shard / ep ranks left.
     int64_t expert_parallel_degree = 1;
+    // Context parallelism (TorchTitan's keys): each sequence split over this many ranks (mesh dim "cp", between
+    // dp_shard and tp), attention by ring attention; FSDP shards over dp_shard x cp (docs/context_parallel.md).
+    int64_t context_parallel_degree = 1;
+    CpRotateMethod context_parallel_rotate_method = CpRotateMethod::AllGather;
+    CpLoadBalancer context_parallel_load_balancer = CpLoadBalancer::HeadTail;
     // Pipeline parallelism (TorchTitan's keys): the outermost mesh dim.
     int64_t pipeline_parallel_degree = 1;
     PipelineSchedule pipeline_parallel_schedule = PipelineSchedule::OneFOneB;

@@ -117,6 +117,9 @@ struct Batch {
   int64_t batch = 0, seq_len = 0;
   std::vector<int64_t> inputs, labels;
   std::vector<int64_t> sample_ids;  // global sample index of each row (for tests and debugging)
+  // block_causal under context parallelism: the document ids of these tokens, computed on the whole rows before
+  // they were cut into this rank's chunks (same shape as inputs); empty = derived from the inputs.
+  std::vector<int64_t> document_ids;
 };
 
 class DataLoader {

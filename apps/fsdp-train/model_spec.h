@@ -49,6 +49,9 @@ struct TrainModel {
   // block_causal attention: tokens [B, S] -> their document ids [B, S], what every pipeline stage's forward takes
   // beside its input (ModelStage). Empty under causal attention.
   std::function<at::Tensor(const at::Tensor& tokens)> document_ids;
+  // block_causal attention: tokens [B, S] with their document ids given -> logits. For tokens cut from longer
+  // rows (context parallelism), whose ids are those of the whole rows. Empty under causal attention.
+  std::function<at::Tensor(const at::Tensor& tokens, const at::Tensor& document_ids)> forward_with_document_ids;
   // TorchTitan's init_weights: the flavor's initialisation from `seed`, each part inside `scope`.
   std::function<void(uint64_t seed, const InitScope& scope)> init_weights;
   // Generation: a forward over new tokens [1, n] that keeps a KV cache of `capacity` positions between calls.

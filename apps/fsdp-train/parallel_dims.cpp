@@ -21,15 +21,22 @@ ParallelDims resolve_parallelism(const JobConfig& c, int64_t world_size) {
   d.dp_replicate = c.parallelism.data_parallel_replicate_degree;
   d.tp = c.parallelism.tensor_parallel_degree;
   d.pp = c.parallelism.pipeline_parallel_degree;
+  d.cp = c.parallelism.context_parallel_degree;
   check(world_size % d.pp == 0, "parallelism.pipeline_parallel_degree (" + std::to_string(d.pp) +
                                     ") must divide the world size (" + std::to_string(world_size) + ")");
   check((world_size / d.pp) % d.tp == 0, "parallelism.tensor_parallel_degree (" + std::to_string(d.tp) +
                                              ") must divide the world size" +
                                              (d.pp > 1 ? " / pipeline_parallel_degree (" : " (") +
                                              std::to_string(world_size / d.pp) + ")");
-  world_size /= d.tp * d.pp;  // the data-parallel ranks
+  check((world_size / d.pp / d.tp) % d.cp == 0,
+        "parallelism.context_parallel_degree (" + std::to_string(d.cp) + ") must divide the world size" +
+            (d.pp > 1 || d.tp > 1 ? " / (pipeline_parallel_degree x tensor_parallel_degree) (" : " (") +
+            std::to_string(world_size / d.pp / d.tp) + ")");
+  world_size /= d.tp * d.pp * d.cp;  // the data-parallel ranks
   const std::string W = std::to_string(world_size) +
-                        (d.tp > 1 || d.pp > 1 ? " = world / (pipeline_parallel_degree x tensor_parallel_degree)" : ""),
+                        (d.tp > 1 || d.pp > 1 || d.cp > 1
+                             ? " = world / (pipeline_parallel_degree x context_parallel_degree x tensor_parallel_degree)"
+                             : ""),
                     R = std::to_string(d.dp_replicate);
   if (c.parallelism.data_parallel_shard_degree == -1) {
     check(world_size % d.dp_replicate == 0, "parallelism.data_parallel_replicate_degree (" + R +
@@ -82,6 +89,15 @@ ParallelDims resolve_parallelism(const JobConfig& c, int64_t world_size) {
                               "FSDP's shard dim and the TP ranks"
                         : " (" + std::to_string(d.dp_shard) + "): expert parallelism borrows its ranks from FSDP's "
                               "shard dim"));
+  }
+  if (d.cp > 1) {
+    // Not composed yet: said, not run wrongly.
+    check(d.pp == 1, "parallelism.context_parallel_degree > 1 with pipeline parallelism is not supported yet "
+                     "(context parallelism composes with FSDP, HSDP, TP and activation checkpointing)");
+    check(d.ep == 1, "parallelism.context_parallel_degree > 1 with expert parallelism is not supported yet "
+                     "(context parallelism composes with FSDP, HSDP, TP and activation checkpointing)");
+    check(!c.fault_tolerance.enable, "parallelism.context_parallel_degree > 1 with fault_tolerance.enable is not "
+                                     "supported yet");
   }
   if (d.pp > 1) {
     const int64_t n = c.parallelism.num_pp_microbatches;

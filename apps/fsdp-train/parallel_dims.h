@@ -22,9 +22,14 @@ struct ParallelDims {
   // dp_shard x tp ranks split the experts; efsdp() = dp_shard x tp / ep shard each expert (FSDP).
   int64_t ep = 1;
   int64_t efsdp() const { return dp_shard * tp / ep; }
+  // context-parallel degree (mesh dim between dp_shard and tp): the cp ranks of a data-parallel rank read the same
+  // samples and each keeps its chunks of every sequence; FSDP shards over dp_shard x cp (TorchTitan's dp_shard_cp).
+  int64_t cp = 1;
   int64_t dp_degree() const { return dp_replicate * dp_shard; }
-  // The data-parallel rank of a world rank (mesh [pp, dp_replicate, dp_shard, tp]).
-  int64_t dp_rank_of(int64_t rank) const { return (rank % (dp_degree() * tp)) / tp; }
+  // The data-parallel rank of a world rank (mesh [pp, dp_replicate, dp_shard, cp, tp]).
+  int64_t dp_rank_of(int64_t rank) const { return (rank % (dp_degree() * cp * tp)) / (cp * tp); }
+  // The context-parallel rank of a world rank (its coordinate on the cp dim).
+  int64_t cp_rank_of(int64_t rank) const { return (rank / tp) % cp; }
   // [fault_tolerance]: this job is replica group ft_replica of ft_groups; every global batch is split over all of
   // them (TorchTitan's ft get_dp_info): data-parallel rank d of group g reads as data rank g x dp_degree + d of
   // ft_groups x dp_degree.

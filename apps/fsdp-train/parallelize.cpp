@@ -20,7 +20,7 @@ fsdp::pipeline::ScheduleKind schedule_kind(PipelineSchedule schedule) {
 }
 
 bool plain_data_parallel(const ParallelDims& dims) {
-  return dims.tp == 1 && dims.dp_shard == 1 && dims.dp_replicate > 1;
+  return dims.tp == 1 && dims.cp == 1 && dims.dp_shard == 1 && dims.dp_replicate > 1;
 }
 
 c10::Device mesh_device(const JobConfig& config) {
@@ -45,7 +45,7 @@ bool plan_needs_full_init(const ParallelDims& dims, bool has_group) {
 }
 
 ParallelMeshes build_meshes(const ParallelDims& dims, const std::string& device_type, bool moe) {
-  // TorchTitan's order: pp, dp_replicate, dp_shard, tp (pp outermost; TP innermost: contiguous ranks).
+  // TorchTitan's order: pp, dp_replicate, dp_shard, cp, tp (pp outermost; TP innermost: contiguous ranks).
   std::vector<int64_t> shape;
   std::vector<std::string> names;
   auto add = [&](int64_t size, const char* name) {
@@ -55,12 +55,30 @@ ParallelMeshes build_meshes(const ParallelDims& dims, const std::string& device_
   if (dims.pp > 1) add(dims.pp, "pp");
   if (dims.dp_replicate > 1) add(dims.dp_replicate, "dp_replicate");
   add(dims.dp_shard, "dp_shard");
+  if (dims.cp > 1) add(dims.cp, "cp");
   if (dims.tp > 1) add(dims.tp, "tp");
   ParallelMeshes m;
   m.world = fsdp::init_device_mesh(device_type, shape, names);
-  const bool only_dp = dims.pp == 1 && dims.tp == 1;  // the world mesh is the data-parallel mesh itself
+  const bool only_dp = dims.pp == 1 && dims.tp == 1 && dims.cp == 1;  // the world mesh is the data-parallel mesh
   m.dp = only_dp ? m.world : dims.dp_replicate > 1 ? m.world.slice({"dp_replicate", "dp_shard"}) : m.world["dp_shard"];
   if (dims.tp > 1) m.tp = m.world["tp"];
+  if (dims.cp > 1) {
+    // FSDP shards over dp_shard x cp (TorchTitan's flattened dp_shard_cp): every cp rank holds different tokens, so
+    // the gradients reduce over cp too. dp_shard and cp are neighbours in the world mesh, so the same ranks in the
+    // same row-major order with the two dims merged are that flattening (a second mesh over the same ranks).
+    m.cp = m.world["cp"];
+    std::vector<int64_t> dense_shape;
+    std::vector<std::string> dense_names;
+    for (size_t i = 0; i < names.size(); ++i) {
+      if (names[i] == "dp_shard") continue;
+      dense_shape.push_back(names[i] == "cp" ? dims.dp_shard * dims.cp : shape[i]);
+      dense_names.push_back(names[i] == "cp" ? "dp_shard_cp" : names[i]);
+    }
+    const fsdp::DeviceMesh dense = fsdp::init_device_mesh(device_type, dense_shape, dense_names);
+    m.dp = dims.dp_replicate > 1 ? dense.slice({"dp_replicate", "dp_shard_cp"}) : dense["dp_shard_cp"];
+    // fully_shard joins a TP parameter's mesh with the data-parallel one: both must be dims of one mesh.
+    if (dims.tp > 1) m.tp = dense["tp"];
+  }
   if (dims.ep > 1 || (moe && dims.tp > 1)) {
     // TorchTitan's sparse mesh over the same ranks: [dp_replicate,] efsdp, ep with efsdp x ep = dp_shard x tp
     // (expert parallelism borrows its ranks from FSDP's shard dim and TP; the experts' FSDP takes the rest). With

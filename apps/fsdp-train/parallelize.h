@@ -3,7 +3,7 @@
 // model_spec.h) gives the trainer, and the pieces every family shares: the meshes, the device, whether the model
 // is built on `meta`, the pipeline split's options and result. Nothing here knows a model class; each family's
 // apply_* steps live in its folder (models/<family>/parallelize.*).
-// Meshes are built once (build_meshes): [pp, dp_replicate, dp_shard, tp] with the dims of size 1 left out (but
+// Meshes are built once (build_meshes): [pp, dp_replicate, dp_shard, cp, tp] with the dims of size 1 left out (but
 // dp_shard, and dp_replicate on the DDP path), on the device type of training.device.
 // Gradients are summed, not averaged, across ranks (gradient divide factor 1): the loss is already divided by
 // the global token count, so the sum is the full-batch gradient.
@@ -44,6 +44,10 @@ struct ParallelPlan {
   std::string description;
   std::string activation_checkpointing;  // what [activation_checkpoint] applied (before fully_shard)
   fsdp::DeviceMesh tp_mesh;              // valid when tensor parallel
+  fsdp::DeviceMesh cp_mesh;              // valid when context parallel (each sequence split over its ranks)
+  // The mesh FSDP shards over when it is not a sub-mesh of `mesh` (context parallel: the flattened dp_shard_cp,
+  // a second mesh over the same ranks): its groups get the train timeout and the profiler too.
+  fsdp::DeviceMesh fsdp_mesh;
   bool loss_parallel = false;            // logits are vocabulary-sharded over tp_mesh
   // Pipeline parallelism (pipeline_parallel_degree > 1): the stages this rank holds, and the pipeline group
   // (mesh dim "pp").
@@ -72,8 +76,11 @@ bool plan_needs_full_init(const ParallelDims& dims, bool has_group);
 // ---- the meshes -------------------------------------------------------------------------------------------
 
 struct ParallelMeshes {
-  fsdp::DeviceMesh world;     // [pp, dp_replicate, dp_shard, tp], dims of size 1 left out (see above)
-  fsdp::DeviceMesh dp;        // the data-parallel dims: dp_shard, or (dp_replicate, dp_shard)
+  fsdp::DeviceMesh world;     // [pp, dp_replicate, dp_shard, cp, tp], dims of size 1 left out (see above)
+  // The data-parallel dims FSDP shards over: dp_shard, or (dp_replicate, dp_shard); with context parallelism
+  // dp_shard_cp (dp_shard x cp flattened, TorchTitan's) in place of dp_shard.
+  fsdp::DeviceMesh dp;
+  fsdp::DeviceMesh cp;        // valid when dims.cp > 1
   fsdp::DeviceMesh tp;        // valid when dims.tp > 1
   fsdp::DeviceMesh ep;        // valid when dims.ep > 1: the expert-parallel dim ...
   fsdp::DeviceMesh expert_dp; // ... and the experts' data-parallel mesh: efsdp, or (dp_replicate, efsdp); also

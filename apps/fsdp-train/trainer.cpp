@@ -18,6 +18,7 @@
 
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/clip_grad.h>
+#include <fsdp/context_parallel.h>
 #include <fsdp/materialize.h>
 #include <fsdp/models/moe.h>  // the MoE layer (any family): its aux loss
 #include <fsdp/tensor_parallel.h>
@@ -188,6 +189,10 @@ class Trainer {
   // `ready`: [fault_tolerance] this rank's state is good for the step (its healing, if any, succeeded).
   StepResult train_step(int64_t step, bool ready = true);
   std::vector<Batch> step_batches(int64_t step);
+  // Context parallelism: this rank's chunks of a batch's rows (tokens and labels), of a [B, S] tensor (identity
+  // at cp 1).
+  Batch context_parallel_chunks(Batch batch) const;
+  torch::Tensor context_parallel_chunks(const torch::Tensor& global) const;
   // The step's microbatches through the model (or the pipeline); returns this rank's summed token loss and
   // adds this rank's share of the MoE balance loss to `aux_sum`.
   double forward_backward(std::vector<Batch>& batches, double global_tokens, TrainSummary::TensorMemory& tmem,
@@ -364,6 +369,10 @@ void Trainer::build_model() {
   if (!meta_init) model_.init_weights(seed, {});
 
   plan_ = spec_.parallelize(model_, config, dims_, env_.group);
+  // Each cp rank is fed chunks of the sequences: a family that did not put ring attention in would train on them
+  // as if they were whole sequences.
+  TORCH_CHECK(dims_.cp == 1 || plan_.cp_mesh.valid(), "parallelism.context_parallel_degree > 1: the ",
+              config.model.name, " family does not apply context parallelism");
   moe_blocks_ = moe_layers(*model_.module);
   moe_held_.assign(moe_blocks_.size(), plan_.stages.empty());
   for (auto& stage : plan_.stages) {
@@ -462,12 +471,18 @@ void Trainer::print_header() const {
             << "  ranks     " << env_.world_size << " ("
             << (dims.pp > 1 ? "pp " + std::to_string(dims.pp) + " x " : std::string()) << "dp replicate "
             << dims.dp_replicate << " x shard " << dims.dp_shard
+            << (dims.cp > 1 ? " x cp " + std::to_string(dims.cp) : std::string())
             << (dims.tp > 1 ? " x tp " + std::to_string(dims.tp) : std::string())
             << (dims.ep > 1 ? ", experts over ep " + std::to_string(dims.ep) + " inside shard" : std::string()) << "); "
             << summary_.plan << "\n"
             << "  batch     global " << dims.global_batch_size << " x " << config.training.seq_len << " tokens = local "
             << dims.local_batch_size << " x " << dims.grad_accum_steps << " accumulation x " << dims.dp_degree()
-            << " ranks; " << torch::get_num_threads() << " threads per rank\n"
+            << " ranks; " << torch::get_num_threads() << " threads per rank"
+            << (dims.cp > 1 ? "; sequence per rank " + std::to_string(config.training.seq_len / dims.cp) + " tokens (cp " +
+                                  std::to_string(dims.cp) + ", " +
+                                  to_string(config.parallelism.context_parallel_load_balancer) + ")"
+                            : std::string())
+            << "\n"
             << "  device    " << device_.str()
             << (env_.group ? " (" + env_.group->backend() + ")" : std::string())
             << (device_memory_ ? "; memory from its caching allocator" : "; memory = peak RSS") << "\n"
@@ -521,7 +536,10 @@ double Trainer::forward_backward(std::vector<Batch>& batches, double global_toke
         static_cast<double>(b.batch) / static_cast<double>(dims_.global_batch_size / dims_.ft_groups);
     if (aux_on)
       for (auto* moe : moe_blocks_) moe->set_aux_loss_grad_scale(aux_weight);
-    auto logits = model_.forward(inputs);
+    auto logits = b.document_ids.empty()
+                      ? model_.forward(inputs)
+                      : model_.forward_with_document_ids(
+                            inputs, torch::from_blob(b.document_ids.data(), {b.batch, b.seq_len}, torch::kLong).to(device_));
     auto loss_sum = loss_sum_of_(logits.reshape({-1, logits.size(-1)}), labels);
     if (track_tensors_) tmem.forward = tensor_memory::live_bytes();
     // Divided by the global count: summed over micro-batches and ranks, this is the full-batch gradient.
@@ -583,10 +601,39 @@ double Trainer::clip_gradients() {
   return torch::nn::utils::clip_grad_norm_(params_, config_.training.max_norm);
 }
 
+torch::Tensor Trainer::context_parallel_chunks(const torch::Tensor& global) const {
+  if (dims_.cp == 1) return global;
+  const auto balancer = config_.parallelism.context_parallel_load_balancer == CpLoadBalancer::HeadTail
+                            ? fsdp::CpLoadBalancer::HeadTail
+                            : fsdp::CpLoadBalancer::None;
+  return fsdp::context_parallel_shard(global, /*seq_dim=*/1, dims_.cp_rank_of(env_.rank), dims_.cp, balancer);
+}
+
+Batch Trainer::context_parallel_chunks(Batch b) const {
+  if (dims_.cp == 1) return b;
+  // The cp ranks of a data-parallel rank read the same samples; each keeps its chunks of every row, for the
+  // tokens and the labels alike (the positions follow in the model: apply_cp).
+  auto cut = [&](std::vector<int64_t>& v) {
+    const auto t = context_parallel_chunks(torch::from_blob(v.data(), {b.batch, b.seq_len}, torch::kLong));
+    v.assign(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
+  };
+  if (model_.document_ids) {
+    // block_causal: a chunk's document ids count the EOS of the whole row before it.
+    const auto ids =
+        model_.document_ids(torch::from_blob(b.inputs.data(), {b.batch, b.seq_len}, torch::kLong)).contiguous();
+    b.document_ids.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
+    cut(b.document_ids);
+  }
+  cut(b.inputs);
+  cut(b.labels);
+  b.seq_len /= dims_.cp;
+  return b;
+}
+
 std::vector<Batch> Trainer::step_batches(int64_t step) {
   if (pending_step_ == step) return pending_batches_;  // a retried step (fault tolerance): the same data
   std::vector<Batch> batches;
-  for (int64_t m = 0; m < dims_.grad_accum_steps; ++m) batches.push_back(loader_->next());
+  for (int64_t m = 0; m < dims_.grad_accum_steps; ++m) batches.push_back(context_parallel_chunks(loader_->next()));
   if (ft_) {
     pending_step_ = step;
     pending_batches_ = batches;
@@ -671,7 +718,7 @@ Trainer::StepResult Trainer::train_step(int64_t step, bool ready) {
 // The groups whose collectives a profiled step times (profiling.h): the world and every group of the meshes.
 std::vector<fsdp::ProcessGroupPtr> Trainer::profiled_groups() const {
   std::vector<fsdp::ProcessGroupPtr> groups{env_.group, plan_.dp_group, plan_.pp_group};
-  for (const fsdp::DeviceMesh* mesh : {&plan_.mesh, &plan_.tp_mesh}) {
+  for (const fsdp::DeviceMesh* mesh : {&plan_.mesh, &plan_.tp_mesh, &plan_.fsdp_mesh}) {
     if (!mesh->valid()) continue;
     for (int64_t d = 0; d < mesh->ndim(); ++d) groups.push_back(mesh->group(d));
   }
@@ -685,9 +732,11 @@ void Trainer::set_train_timeouts() {
   const std::chrono::seconds t(config_.comm.train_timeout_seconds);
   env_.group->set_timeout(t);
   if (plan_.dp_group) plan_.dp_group->set_timeout(t);
-  if (plan_.mesh.valid())
-    for (int64_t d = 0; d < plan_.mesh.ndim(); ++d)
-      if (auto g = plan_.mesh.group(d)) g->set_timeout(t);
+  for (const fsdp::DeviceMesh* mesh : {&plan_.mesh, &plan_.fsdp_mesh}) {
+    if (!mesh->valid()) continue;
+    for (int64_t d = 0; d < mesh->ndim(); ++d)
+      if (auto g = mesh->group(d)) g->set_timeout(t);
+  }
 }
 
 void Trainer::validate(int64_t step) {
@@ -704,11 +753,19 @@ void Trainer::validate(int64_t step) {
     };
   } else {
     batch_loss = [this](const torch::Tensor& x, const torch::Tensor& y) {
-      auto logits = model_.forward(x.to(device_));
-      return loss_sum_of_(logits.reshape({-1, logits.size(-1)}), y.to(device_).reshape({-1})).item<double>();
+      // Context parallelism: each cp rank its chunks of the rows (block_causal: and of the rows' document ids);
+      // the losses add up over the cp ranks.
+      const torch::Tensor xd = context_parallel_chunks(x).to(device_);
+      auto logits = dims_.cp > 1 && model_.document_ids
+                        ? model_.forward_with_document_ids(xd, context_parallel_chunks(model_.document_ids(x)).to(device_))
+                        : model_.forward(xd);
+      return loss_sum_of_(logits.reshape({-1, logits.size(-1)}), context_parallel_chunks(y).to(device_).reshape({-1}))
+          .item<double>();
     };
   }
-  const ValidationResult v = validator_->validate(batch_loss, env_.group, dims_.tp, dims_.tp * dims_.pp);
+  // Each cp rank counts its data-parallel rank's whole batch (it is given the full rows).
+  const ValidationResult v =
+      validator_->validate(batch_loss, env_.group, dims_.tp, dims_.tp * dims_.pp * dims_.cp);
   summary_.validation_steps.push_back(step);
   summary_.validation_losses.push_back(v.loss);
   metrics_->log_validation(step, v.loss, v.perplexity, v.tokens, v.tps, v.seconds);
@@ -768,7 +825,9 @@ TrainSummary Trainer::train(bool compute_entropy) {
   // Tokens per rank (TorchTitan's tps): the tp ranks of a data-parallel rank share its tokens (each does 1/tp of
   // their FLOPs), so tokens/s per rank x world size = global tokens/s and MFU stays comparable across layouts.
   // Under PP each pp rank runs 1/pp of the layers of its data-parallel rank's tokens: count them so as well.
-  const int64_t tokens_per_step_local = dims_.local_batch_size * dims_.grad_accum_steps * S / dims_.tp / dims_.pp;
+  // Under CP each cp rank holds 1/cp of every sequence.
+  const int64_t tokens_per_step_local =
+      dims_.local_batch_size * dims_.grad_accum_steps * S / dims_.tp / dims_.pp / dims_.cp;
   metrics_->start();
   bool trained_here = false;
   for (int64_t step = state_.step + 1; step <= config_.training.steps;) {

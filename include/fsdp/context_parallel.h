@@ -55,6 +55,20 @@ struct ContextParallelOptions {
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const ProcessGroupPtr& cp_group,
                           const ContextParallelOptions& options = {}, std::optional<double> scale = std::nullopt);
 
+// Document masking (block_causal) under context parallelism: each query attends only to keys of its own document
+// at an earlier or equal global position, documents crossing chunk and rank boundaries. `document_ids` are this
+// rank's chunks of the global ids ([batch, seq_local], int64: ids computed on whole rows, then cut like the
+// tokens). context_parallel_document_mask all-gathers them over the cp group: [batch, 1, seq_local, cp *
+// seq_local] booleans, the keys in cp-rank order (rank 0's chunks, then rank 1's, ...). Collective.
+at::Tensor context_parallel_document_mask(const at::Tensor& document_ids, const ProcessGroupPtr& cp_group,
+                                          CpLoadBalancer balancer);
+// Attention of this rank's queries over every rank's keys and values under such a mask: K and V all-gathered
+// (cp-rank order, as the mask), libtorch's SDPA, and in backward dK, dV reduce-scattered back to their owners.
+// Every rank holds every rank's K and V for the call (the all-gather rotate method's memory; the ring's
+// chunk-by-chunk merge does not take masks yet). q, k, v as ring_attention's. Differentiable in q, k and v.
+at::Tensor context_parallel_masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                             const at::Tensor& mask, const ProcessGroupPtr& cp_group);
+
 // The global chunk indices cp rank `cp_rank` holds, in its local order ({i, 2cp-1-i} or {i}), and how many
 // chunks the sequence is cut into (2cp or cp).
 std::vector<int64_t> context_parallel_chunk_ids(int64_t cp_rank, int64_t cp_size, CpLoadBalancer balancer);

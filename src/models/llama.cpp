@@ -338,7 +338,9 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& rope_co
   }
   auto q = xq.transpose(1, 2), k = xk.transpose(1, 2), v = xv.transpose(1, 2);  // [B, H, S, D]
   at::Tensor out;
-  if (mask) {  // block_causal: the mask holds the causal structure too (every row sees at least its own position)
+  if (kernel) {
+    out = kernel(q, k, v, mask);
+  } else if (mask) {  // block_causal: the mask holds the causal structure too (every row sees at least its own position)
     TORCH_CHECK(mask->dim() == 4 && mask->size(2) == q.size(2) && mask->size(3) == k.size(2),
                 "llama attention: the mask ", mask->sizes(), " does not fit ", q.size(2), " queries and ", k.size(2),
                 " keys");
@@ -491,13 +493,24 @@ std::pair<at::Tensor, at::Tensor> TransformerImpl::rope_tables(int64_t seq_len, 
 
 at::Tensor TransformerImpl::forward(const at::Tensor& tokens, const std::optional<at::Tensor>& document_ids) {
   TORCH_CHECK(tokens.dim() == 2, "llama: tokens must be [batch, seq], got ", tokens.sizes());
-  const AttentionMask mask = attention_mask_for(args_, document_ids, "llama");
-  if (mask) {
+  const bool given_ids = document_ids.has_value() && document_ids->defined();
+  if (given_ids) {
     TORCH_CHECK(document_ids->sizes() == tokens.sizes(), "llama: document ids ", document_ids->sizes(),
                 " do not match the tokens ", tokens.sizes());
   }
+  const AttentionMask mask = document_mask && given_ids && args_.attn_mask_type == AttnMaskType::BlockCausal
+                                 ? AttentionMask(document_mask(*document_ids))
+                                 : attention_mask_for(args_, document_ids, "llama");
   auto h = fsdp::nn::call(tok_embeddings, tokens);
   auto [cos, sin] = rope_tables(tokens.size(1), h.device());
+  if (rope_positions) {
+    const at::Tensor positions = rope_positions(tokens.size(1)).to(h.device());
+    TORCH_CHECK(positions.dim() == 1 && positions.size(0) == tokens.size(1), "llama: rope_positions gave ",
+                positions.sizes(), " for ", tokens.size(1), " tokens");
+    std::tie(cos, sin) = rope_tables(positions.max().item<int64_t>() + 1, h.device());
+    cos = cos.index_select(0, positions);
+    sin = sin.index_select(0, positions);
+  }
   for (auto& block : blocks_) h = mask ? fsdp::nn::call(block, h, cos, sin, mask) : fsdp::nn::call(block, h, cos, sin);
   h = fsdp::nn::call(norm, h);
   if (args_.tie_embeddings) return at::linear(h, tok_embeddings->weight());

@@ -189,6 +189,8 @@ TEST(Config, ChoiceKeysAcceptTorchTitanNamesAndWriteThemBack) {
       {"parallelism.fsdp_reshard_after_forward", {"default", "always", "never"}},
       {"parallelism.pipeline_parallel_schedule",
        {"GPipe", "1F1B", "LoopedBFS", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}},
+      {"parallelism.context_parallel_rotate_method", {"allgather", "alltoall"}},
+      {"parallelism.context_parallel_load_balancer", {"headtail", "none"}},
       {"checkpoint.export_dtype", {"float32", "bfloat16", "float16"}},
       {"checkpoint.async_mode", {"disabled", "async", "async_with_pinned_mem"}},
       {"checkpoint.format", {"libfsdp", "dcp"}},
@@ -211,7 +213,7 @@ TEST(Config, ChoiceKeysAcceptTorchTitanNamesAndWriteThemBack) {
                          names.back()});
     expect_config_error([&] { load_config({"--" + key, "bogus"}); }, {key, "'bogus'", "command line --" + key});
   }
-  EXPECT_EQ(seen, 50u);  // (model.name is no choice: ModelNameIsAFreeStringWrittenBack)
+  EXPECT_EQ(seen, 54u);  // (model.name is no choice: ModelNameIsAFreeStringWrittenBack)
   // Schema types are still TOML's: a string.
   for (const auto& info : config_schema())
     if (info.key == "async_mode" || info.key == "pipeline_parallel_schedule") EXPECT_EQ(info.type, "string");

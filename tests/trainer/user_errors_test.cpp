@@ -108,6 +108,25 @@ TEST(UserErrors, FsdpTrainConfigErrorsWriteNothing) {
   }
 }
 
+// Context parallelism (issue 38): a sequence length the cp layout cannot cut is one line naming the rule, before
+// any rank is launched or anything written; so is an unknown rotate method or load balancer.
+TEST(UserErrors, FsdpTrainContextParallelSeqLenNamesTheRule) {
+  Scratch s;
+  const std::string train = FSDP_TRAIN;
+  const auto cwd = s.cwd("cp_seq_len");
+  const Outcome r = run_in(cwd, train + " --model.flavor cpu_tiny --training.seq_len 30 "
+                                        "--parallelism.context_parallel_degree 2 --job.dump_folder out");
+  expect_one_clean_line(r, 2, {"training.seq_len (30) must be divisible by 2 x parallelism.context_parallel_degree = 4",
+                               "headtail"});
+  const Outcome none = run_in(cwd, train + " --model.flavor cpu_tiny --training.seq_len 30 "
+                                           "--parallelism.context_parallel_degree 4 "
+                                           "--parallelism.context_parallel_load_balancer none --job.dump_folder out");
+  expect_one_clean_line(none, 2, {"training.seq_len (30) must be divisible by parallelism.context_parallel_degree = 4"});
+  const Outcome method = run_in(cwd, train + " --parallelism.context_parallel_rotate_method ring --job.dump_folder out");
+  expect_one_clean_line(method, 2, {"parallelism.context_parallel_rotate_method", "allgather", "alltoall"});
+  EXPECT_TRUE(empty_dir(cwd));
+}
+
 TEST(UserErrors, FsdpTrainLibraryErrorsCarryNoStackDump) {
   // A Hugging Face config.json of 100 MB (sparse): refused by the library's size check (a TORCH_CHECK whose
   // message wraps another c10::Error's) — the message used to be followed by a 12-frame C++ stack dump.

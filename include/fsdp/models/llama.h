@@ -197,6 +197,12 @@ at::Tensor block_causal_mask(const at::Tensor& document_ids);
 // The attention mask a block gets: a block_causal_mask, or nothing (causal attention).
 using AttentionMask = std::optional<at::Tensor>;
 
+// The attention over q, k, v [B, H, S, D] (grouped KV heads already repeated; possibly non-contiguous views) with
+// the forward's mask (nothing: causal) -> [B, H, S, D]. Unset: libtorch's SDPA. A parallelism that splits the
+// sequence over ranks puts its own here (context parallelism: ring attention over the cp ranks).
+using AttentionKernel = std::function<at::Tensor(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const AttentionMask& mask)>;
+
 // Grouped-query causal self-attention with rotary position embeddings.
 class AttentionImpl : public torch::nn::Module {
  public:
@@ -214,6 +220,7 @@ class AttentionImpl : public torch::nn::Module {
   RopeLayout rope_layout;
   Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
   RMSNorm q_norm{nullptr}, k_norm{nullptr};  // QK-norm (null without)
+  AttentionKernel kernel;                    // unset: SDPA (see AttentionKernel)
 
  private:
   // Projected q, k, v of x as [B, S, heads, head_dim], with QK-norm and RoPE applied to q and k. `hooked`: the
@@ -277,6 +284,12 @@ class TransformerImpl : public torch::nn::Module {
 
   const LlamaArgs& args() const { return args_; }
   std::vector<TransformerBlock>& blocks() { return blocks_; }  // typed view of `layers`
+  // The positions (int64 [S]) of the S tokens forward() is given, for RoPE; unset: 0 .. S-1. Context parallelism
+  // sets it: a rank holds chunks of each sequence, and RoPE must see their global positions.
+  std::function<at::Tensor(int64_t seq_len)> rope_positions;
+  // block_causal: the attention mask of the forward's document ids, handed to every block; unset:
+  // block_causal_mask(ids). Context parallelism sets one over the keys of every cp rank (its kernel's layout).
+  std::function<at::Tensor(const at::Tensor& document_ids)> document_mask;
 
   Embedding tok_embeddings{nullptr};
   torch::nn::ModuleList layers{nullptr};

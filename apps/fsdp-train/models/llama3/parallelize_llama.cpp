@@ -5,6 +5,7 @@
 #include "moe_overrides.h"
 
 #include <fsdp/activation_checkpoint.h>
+#include <fsdp/context_parallel.h>
 #include <fsdp/expert_parallel.h>
 #include <fsdp/nn/module_call.h>
 #include <fsdp/models/moe.h>
@@ -148,6 +149,30 @@ void apply_tp(fsdp::nn::llama::LlamaStage& stage, const fsdp::nn::llama::LlamaAr
   }
   fsdp::parallelize_module(stage, tp_mesh, kept);
   stage->sequence_shards = tp_mesh.size();  // the plan is sequence parallel: hidden states travel split on the sequence
+}
+
+void apply_cp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
+              CpLoadBalancer load_balancer) {
+  const fsdp::ProcessGroupPtr group = cp_mesh.group(0);
+  const fsdp::ContextParallelOptions options{
+      rotate_method == CpRotateMethod::AllToAll ? fsdp::CpRotateMethod::AllToAll : fsdp::CpRotateMethod::AllGather,
+      load_balancer == CpLoadBalancer::HeadTail ? fsdp::CpLoadBalancer::HeadTail : fsdp::CpLoadBalancer::None};
+  const int64_t cp_rank = group->rank(), cp_size = group->size();
+  model->rope_positions = [cp_rank, cp_size, balancer = options.load_balancer](int64_t local_len) {
+    return fsdp::context_parallel_positions(local_len * cp_size, cp_rank, cp_size, balancer);
+  };
+  // block_causal: the mask of this rank's queries against every rank's keys (document ids of the whole rows, cut
+  // like the tokens), built once per forward; the blocks then attend over all-gathered K and V under it.
+  model->document_mask = [group, balancer = options.load_balancer](const at::Tensor& document_ids) {
+    return fsdp::context_parallel_document_mask(document_ids, group, balancer);
+  };
+  for (auto& block : model->blocks()) {
+    block->attention->kernel = [group, options](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const fsdp::nn::llama::AttentionMask& mask) {
+      if (mask) return fsdp::context_parallel_masked_attention(q, k, v, *mask, group);
+      return fsdp::ring_attention(q, k, v, group, options);
+    };
+  }
 }
 
 void apply_ep(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& ep_mesh) {
@@ -333,6 +358,10 @@ void check_layout(const std::string& family, const fsdp::nn::llama::LlamaArgs& a
   const int64_t num_experts = args.moe ? args.moe->num_experts : 0;
   const bool has_moe = num_experts > 0;
   const std::string model = family + " " + config.model.flavor;
+  if (dims.cp > 1 && has_moe) {
+    throw ConfigError("config error: parallelism.context_parallel_degree > 1 with an MoE model (" + model +
+                      ") is not supported yet (context parallelism runs dense models)");
+  }
   if (has_moe && dims.pp > 1 && dims.tp > 1) {
     // Each alone works; together the stage's expert-load sum would have to span the stage's dp x tp ranks.
     throw ConfigError("config error: MoE models (" + model + ") with pipeline and tensor parallelism together are "
@@ -389,6 +418,17 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
     tp_description = "TP " + std::to_string(dims.tp) + " (sequence parallel, " +
                      (plan.loss_parallel ? "loss parallel" : "logits gathered") + ") + ";
   }
+  if (dims.cp > 1) {
+    const auto& p = config.parallelism;
+    plan.cp_mesh = meshes.cp;
+    plan.fsdp_mesh = meshes.dp;
+    apply_cp(model, plan.cp_mesh, p.context_parallel_rotate_method, p.context_parallel_load_balancer);
+    tp_description += "CP " + std::to_string(dims.cp) + " (ring attention, " +
+                      to_string(p.context_parallel_rotate_method) + ", " + to_string(p.context_parallel_load_balancer) +
+                      "; " + std::to_string(config.training.seq_len / dims.cp) + " of " +
+                      std::to_string(config.training.seq_len) + " tokens per rank; FSDP over dp_shard x cp = " +
+                      std::to_string(dims.dp_shard * dims.cp) + " ranks) + ";
+  }
   FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/false);
   std::string experts_description;
   if (has_moe) {
@@ -415,7 +455,8 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
   plan.fsdp_modules = apply_fsdp(model, fsdp);
   set_sum_gradients(plan);
   plan.description = tp_description + experts_description + std::string(dims.dp_replicate > 1 ? "HSDP" : "FSDP") +
-                     " mesh " + plan.mesh.to_string() + ", reshard_after_forward " +
+                     " mesh " + (plan.fsdp_mesh.valid() ? plan.fsdp_mesh : plan.mesh).to_string() +
+                     ", reshard_after_forward " +
                      to_string(config.parallelism.fsdp_reshard_after_forward) + ", param " +
                      to_string(config.training.mixed_precision_param) + ", reduce " +
                      to_string(config.training.mixed_precision_reduce);

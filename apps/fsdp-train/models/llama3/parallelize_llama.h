@@ -8,6 +8,8 @@
 //   apply_tp        tensor_parallel_degree > 1: TorchTitan's Llama plan (sequence parallel; loss parallel unless
 //                   disable_loss_parallel) over the innermost mesh dim "tp"; the model is initialized whole on
 //                   every rank first (no meta init)
+//   apply_cp        context_parallel_degree > 1: attention through ring attention over the mesh dim "cp", RoPE at
+//                   the global positions of this rank's chunks; FSDP then shards over dp_shard x cp
 //   apply_ep        expert_parallel_degree > 1: each MoE block's routed experts split over "ep", borrowed from
 //                   the data-parallel shard dim (mesh [dp_replicate,] efsdp, ep)
 //   apply_fsdp      fully_shard on every block, then on the root, over the data-parallel mesh: 1-D "dp_shard",
@@ -58,6 +60,13 @@ void apply_tp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& tp_me
 // stages travel split along the sequence.
 void apply_tp(fsdp::nn::llama::LlamaStage& stage, const fsdp::nn::llama::LlamaArgs& args,
               const fsdp::DeviceMesh& tp_mesh, bool loss_parallel);
+
+// Context parallelism over the 1-D `cp_mesh` (TorchTitan's apply_cp, after apply_tp): every block's attention
+// runs as the library's ring attention over the cp ranks (fsdp/context_parallel.h), and RoPE takes the global
+// positions of the chunks this rank holds. The trainer feeds each cp rank its chunks of the tokens and labels.
+// Collective-free.
+void apply_cp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
+              CpLoadBalancer load_balancer);
 
 // The routed experts of every MoE block split over the 1-D `ep_mesh` (collective-free; before fully_shard).
 void apply_ep(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& ep_mesh);

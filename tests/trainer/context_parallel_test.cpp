@@ -1,0 +1,262 @@
+// Context parallelism through the trainer (parallelism.context_parallel_degree, run under fsdprun): each sequence
+// split over the cp ranks, attention by the library's ring attention, FSDP over dp_shard x cp. The reference is the
+// 1-rank trainer (no process group, plain SDPA over whole sequences) on the same global batches with gradient
+// accumulation: the loss and grad norm of every step and the parameters after the last step (read back from the
+// last checkpoint of each run) agree to 1e-5 (relative; parameters 1e-5 absolute + relative).
+//  - np2: cp 2 with the ring (alltoall) and head-tail chunks; cp 2 with allgather and contiguous chunks.
+//  - np4: cp 4 (allgather, head-tail) with full activation checkpointing; cp 2 x dp_shard 2 (alltoall, none);
+//    cp 2 x tp 2 (alltoall, head-tail).
+// Not vacuous: the plan names CP and the per-rank sequence, the loss falls, the parameters moved from their
+// initial values, and the validation loss over held-out samples (each cp rank its chunks) agrees too.
+// A sequence length that does not divide is refused naming the rule (also tests/trainer/user_errors_test.cpp),
+// and so are the layouts not composed yet (pipeline, MoE).
+// block_causal with cp 2 (both layouts) equals the 1-rank block_causal run.
+#include "config.h"
+#include "train_env.h"
+#include "trainer.h"
+
+#include <fsdp/process_group.h>
+
+#include "comm/dist_env.h"
+#include "expect_error.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <utility>
+#include <string>
+
+using namespace fsdp_train;
+
+namespace {
+
+constexpr int64_t kSteps = 6;
+
+JobConfig base(const std::string& name, bool per_rank_folder) {
+  JobConfig c = load_config({"--model.flavor", "cpu_tiny", "--training.seq_len", "32", "--training.local_batch_size",
+                             "2", "--training.global_batch_size", "8", "--training.steps", std::to_string(kSteps),
+                             "--lr_scheduler.warmup_steps", "2", "--metrics.peak_tflops", "1"});
+  // Validation at steps 1, 3 and 6 over the same 8 held-out samples whatever the layout.
+  c.validation.enable = true;
+  c.validation.freq = 3;
+  c.validation.local_batch_size = 2;
+  c.validation.seq_len = 32;
+  // The last step's model, for the parameters (model only, fp32).
+  c.checkpoint.enable = true;
+  c.checkpoint.interval = kSteps;
+  c.checkpoint.keep_latest_k = 0;
+  c.job.dump_folder = ::testing::TempDir() + "/fsdp_train_cp_" + name;
+  if (per_rank_folder) c.job.dump_folder += "_rank" + std::to_string(fsdp::world()->rank());
+  if (per_rank_folder || fsdp::world()->rank() == 0) std::filesystem::remove_all(c.job.dump_folder);
+  fsdp::world()->barrier().wait();
+  return c;
+}
+
+struct TrainedRun {
+  TrainSummary summary;
+  std::map<std::string, at::Tensor> params;  // after the last step
+};
+
+TrainedRun train_and_read(const JobConfig& config, const TrainEnv& env) {
+  TrainedRun r;
+  r.summary = run_training(config, env, false);
+  fsdp::world()->barrier().wait();  // the last save is complete on every rank
+  r.params = test::model_tensors(config.job.dump_folder + "/checkpoint/step-" + std::to_string(kSteps));
+  return r;
+}
+
+const TrainedRun& reference() {
+  static const TrainedRun ref = [] {
+    TrainEnv single;
+    single.verbose = false;
+    JobConfig c = base("ref", /*per_rank_folder=*/true);
+    c.validation.steps = 4;  // 4 batches of 2 samples
+    return train_and_read(c, single);
+  }();
+  return ref;
+}
+
+void expect_cp_parity(int64_t cp, int64_t shard, CpRotateMethod rotate, CpLoadBalancer balancer, bool full_ac = false,
+                      int64_t tp = 1) {
+  auto world = fsdp::world();
+  if (cp * shard * tp != world->size()) GTEST_SKIP() << "needs cp x dp_shard x tp = world size " << world->size();
+  const std::string tag = "cp" + std::to_string(cp) + "_dp" + std::to_string(shard) + "_tp" + std::to_string(tp) +
+                          "_" + to_string(rotate) + "_" + to_string(balancer) + (full_ac ? "_ac" : "");
+  SCOPED_TRACE(tag);
+  const TrainedRun& ref = reference();
+  JobConfig c = base(tag, /*per_rank_folder=*/false);
+  c.parallelism.data_parallel_shard_degree = shard;
+  c.parallelism.context_parallel_degree = cp;
+  c.parallelism.tensor_parallel_degree = tp;
+  c.parallelism.context_parallel_rotate_method = rotate;
+  c.parallelism.context_parallel_load_balancer = balancer;
+  c.validation.steps = 4 / shard;  // the same 8 held-out samples over the data-parallel ranks
+  if (full_ac) c.activation_checkpoint.mode = AcMode::Full;
+  const TrainedRun got = train_and_read(c, test::world_env());
+
+  const std::string cp_plan = "CP " + std::to_string(cp) + " (ring attention, " + to_string(rotate) + ", " +
+                              to_string(balancer) + "; " + std::to_string(32 / cp) + " of 32 tokens per rank";
+  EXPECT_NE(got.summary.plan.find(cp_plan), std::string::npos) << got.summary.plan;
+  // FSDP shards over the flattened dp_shard x cp ranks (TorchTitan's dp_shard_cp).
+  EXPECT_NE(got.summary.plan.find("FSDP mesh DeviceMesh(cpu, shape [" + std::to_string(cp * shard) +
+                                  "], dims [dp_shard_cp]"),
+            std::string::npos)
+      << got.summary.plan;
+  if (full_ac) EXPECT_GT(got.summary.ac_recomputes, 0);  // activation checkpointing recomputed the ring attention
+  ASSERT_EQ(got.summary.losses.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(ref.summary.losses.size(), got.summary.losses.size());
+  for (size_t i = 0; i < ref.summary.losses.size(); ++i) {
+    EXPECT_NEAR(got.summary.losses[i], ref.summary.losses[i], 1e-5 * ref.summary.losses[i]) << "step " << i + 1;
+    EXPECT_NEAR(got.summary.grad_norms[i], ref.summary.grad_norms[i], 1e-5 * ref.summary.grad_norms[i])
+        << "step " << i + 1;
+  }
+  EXPECT_LT(ref.summary.losses.back(), ref.summary.losses.front() - 0.1);  // the reference trained
+  ASSERT_EQ(ref.summary.validation_steps, (std::vector<int64_t>{1, 3, 6}));
+  ASSERT_EQ(got.summary.validation_steps, ref.summary.validation_steps);
+  for (size_t i = 0; i < ref.summary.validation_losses.size(); ++i) {
+    EXPECT_NEAR(got.summary.validation_losses[i], ref.summary.validation_losses[i],
+                1e-5 * ref.summary.validation_losses[i])
+        << "validation " << i;
+  }
+  ASSERT_EQ(got.params.size(), ref.params.size());
+  ASSERT_FALSE(ref.params.empty());
+  for (const auto& [name, want] : ref.params) {
+    ASSERT_TRUE(got.params.count(name)) << name;
+    const at::Tensor& have = got.params.at(name);
+    ASSERT_EQ(have.sizes(), want.sizes()) << name;
+    EXPECT_TRUE(torch::allclose(have, want, 1e-5, 1e-5)) << name << ": max difference "
+                                                         << (have - want).abs().max().item<double>();
+  }
+}
+
+}  // namespace
+
+TEST(TrainerContextParallel, Cp2MatchesOneRank) {
+  if (fsdp::world()->size() != 2) GTEST_SKIP() << "2 ranks";
+  expect_cp_parity(2, 1, CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail);
+  expect_cp_parity(2, 1, CpRotateMethod::AllGather, CpLoadBalancer::None);
+}
+
+TEST(TrainerContextParallel, Cp4AndCp2TimesDp2MatchOneRank) {
+  if (fsdp::world()->size() != 4) GTEST_SKIP() << "4 ranks";
+  expect_cp_parity(4, 1, CpRotateMethod::AllGather, CpLoadBalancer::HeadTail, /*full_ac=*/true);
+  expect_cp_parity(2, 2, CpRotateMethod::AllToAll, CpLoadBalancer::None);
+}
+
+// TP 2 (sequence parallel, loss parallel) inside cp 2: ring attention over the local heads.
+TEST(TrainerContextParallel, Cp2TimesTp2MatchesOneRank) {
+  if (fsdp::world()->size() != 4) GTEST_SKIP() << "4 ranks";
+  expect_cp_parity(2, 1, CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail, /*full_ac=*/false, /*tp=*/2);
+}
+
+namespace {
+
+// A JSON Lines corpus of 300 short documents (4-14 characters), so that every packed row of 32 tokens holds
+// several and documents cross the chunk boundaries; written by rank 0 into a folder every rank names the same.
+std::string short_documents_corpus() {
+  const std::string dir = test::shared_dir("fsdp_train_cp", "docs");
+  const std::string path = dir + "/docs.jsonl";
+  if (fsdp::world()->rank() == 0) {
+    std::filesystem::create_directories(dir);
+    std::ofstream out(path);
+    uint32_t state = 17;
+    for (int i = 0; i < 300; ++i) {
+      state = state * 1103515245u + 12345u;
+      std::string text(4 + (state >> 16) % 11, ' ');
+      for (auto& ch : text) {
+        state = state * 1103515245u + 12345u;
+        ch = "abcdefgh ijklmnop"[(state >> 16) % 17];
+      }
+      out << "{\"text\": \"" << text << "\"}\n";
+    }
+  }
+  fsdp::world()->barrier().wait();
+  return path;
+}
+
+}  // namespace
+
+// model.attn_mask_type = "block_causal" under cp 2: the documents' masks follow the chunks (document ids of the
+// whole rows, cut like the tokens) and equal the 1-rank block_causal run (whose equality with the documents run
+// one by one is tests/trainer/block_causal_test.cpp's). Not vacuous: the 1-rank causal run on the same data
+// differs.
+TEST(TrainerContextParallel, BlockCausalCp2MatchesOneRank) {
+  if (fsdp::world()->size() != 2) GTEST_SKIP() << "2 ranks";
+  const std::string corpus = short_documents_corpus();
+  auto job = [&](const std::string& name, bool per_rank, const std::string& mask) {
+    JobConfig c = base(name, per_rank);
+    c.training.dataset = Dataset::Jsonl;
+    c.training.dataset_path = corpus;
+    c.validation.dataset = Dataset::Jsonl;
+    c.validation.dataset_path = corpus;
+    c.validation.steps = 4;
+    c.model.attn_mask_type = parse_choice<AttnMaskType>(mask).value();
+    return c;
+  };
+  TrainEnv single;
+  single.verbose = false;
+  const TrainedRun ref = train_and_read(job("block_causal_ref", true, "block_causal"), single);
+  const TrainedRun causal = train_and_read(job("causal_ref", true, "causal"), single);
+  EXPECT_GT(std::abs(causal.summary.losses[1] - ref.summary.losses[1]), 1e-3) << "the document mask changed nothing";
+  for (auto [rotate, balancer] : {std::pair{CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail},
+                                  std::pair{CpRotateMethod::AllGather, CpLoadBalancer::None}}) {
+    JobConfig c = job(std::string("block_causal_cp2_") + to_string(balancer), false, "block_causal");
+    c.parallelism.context_parallel_degree = 2;
+    c.parallelism.context_parallel_rotate_method = rotate;
+    c.parallelism.context_parallel_load_balancer = balancer;
+    const TrainedRun got = train_and_read(c, test::world_env());
+    SCOPED_TRACE(to_string(balancer));
+    EXPECT_NE(got.summary.plan.find("CP 2 (ring attention"), std::string::npos) << got.summary.plan;
+    ASSERT_EQ(got.summary.losses.size(), ref.summary.losses.size());
+    for (size_t i = 0; i < ref.summary.losses.size(); ++i) {
+      EXPECT_NEAR(got.summary.losses[i], ref.summary.losses[i], 1e-5 * ref.summary.losses[i]) << "step " << i + 1;
+      EXPECT_NEAR(got.summary.grad_norms[i], ref.summary.grad_norms[i], 1e-5 * ref.summary.grad_norms[i])
+          << "step " << i + 1;
+    }
+    ASSERT_EQ(got.summary.validation_losses.size(), ref.summary.validation_losses.size());
+    for (size_t i = 0; i < ref.summary.validation_losses.size(); ++i) {
+      EXPECT_NEAR(got.summary.validation_losses[i], ref.summary.validation_losses[i],
+                  1e-5 * ref.summary.validation_losses[i])
+          << "validation " << i;
+    }
+    for (const auto& [name, want] : ref.params) {
+      ASSERT_TRUE(got.params.count(name)) << name;
+      EXPECT_TRUE(torch::allclose(got.params.at(name), want, 1e-5, 1e-5)) << name;
+    }
+  }
+}
+
+TEST(TrainerContextParallel, BadLayoutsAreRefusedNamingTheRule) {
+  const int64_t n = fsdp::world()->size();
+  auto refused = [&](const std::vector<std::string>& args, const std::string& needle) {
+    std::vector<std::string> all = {"--model.flavor", "cpu_tiny", "--training.seq_len", "32",
+                                    "--parallelism.context_parallel_degree", std::to_string(n)};
+    all.insert(all.end(), args.begin(), args.end());
+    fsdp_test::expect_error_containing<ConfigError>(
+        [&] {
+          JobConfig c = load_config(all);
+          c.job.dump_folder = ::testing::TempDir() + "/fsdp_train_cp_refused";
+          run_training(c, test::world_env(), false);
+        },
+        needle);
+  };
+  const std::string cp = std::to_string(n);
+  refused({"--training.seq_len", "30"}, "training.seq_len (30) must be divisible by 2 x "
+                                        "parallelism.context_parallel_degree = " + std::to_string(2 * n));
+  refused({"--training.seq_len", std::to_string(n * 3 + 1), "--parallelism.context_parallel_load_balancer", "none"},
+          "training.seq_len (" + std::to_string(n * 3 + 1) +
+              ") must be divisible by parallelism.context_parallel_degree = " + cp +
+              " (context_parallel_load_balancer = \"none\" cuts each sequence into cp chunks)");
+  refused({"--parallelism.context_parallel_degree", "3", "--training.seq_len", "48", "--validation.seq_len", "48"},
+          "parallelism.context_parallel_degree (3) must divide the world size (" + cp + ")");
+  refused({"--model.name", "qwen3", "--model.flavor", "cpu_tiny_moe"},
+          "parallelism.context_parallel_degree > 1 with an MoE model (qwen3 cpu_tiny_moe) is not supported yet");
+  if (n == 4) {
+    refused({"--parallelism.context_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2"},
+            "parallelism.context_parallel_degree > 1 with pipeline parallelism is not supported yet");
+  }
+}
