@@ -97,7 +97,8 @@ std::vector<GroupPlan> groups_of_stages(const SeamLayout& seam) {
   return blocks;
 }
 
-// MoE and expert parallelism: what the planner models and what it refuses (as fsdp-train refuses it).
+// MoE and expert parallelism: what the planner models and what it refuses. fsdp-train trains MoE under TP, PP and
+// op-level SAC too; the planner's activation and all-to-all models do not cover those layouts yet.
 void check_moe(const PlanConfig& c) {
   const auto& a = c.args;
   TORCH_CHECK(c.ep >= 1, "fsdp-plan: ep must be >= 1, got ", c.ep);
@@ -110,8 +111,8 @@ void check_moe(const PlanConfig& c) {
     return;
   }
   TORCH_CHECK(c.tp == 1 && c.pp == 1, "fsdp-plan: ", model, " has MoE layers; MoE with ",
-              c.tp > 1 ? "tensor" : "pipeline", " parallelism is not planned (fsdp-train refuses it too): use "
-              "--shard, --replicate and --ep");
+              c.tp > 1 ? "tensor" : "pipeline", " parallelism is not planned yet (the planner's activation and all-to-all "
+              "models cover FSDP, HSDP and EP only; fsdp-train trains it): use --shard, --replicate and --ep");
   const int64_t E = a.moe_options().num_experts;
   TORCH_CHECK(c.shard % c.ep == 0, "fsdp-plan: --ep ", c.ep, " must divide --shard ", c.shard,
               " (expert-parallel groups are ep consecutive ranks of a shard group; the experts' FSDP runs over the "
@@ -119,8 +120,8 @@ void check_moe(const PlanConfig& c) {
   TORCH_CHECK(E % c.ep == 0, "fsdp-plan: --ep ", c.ep, " must divide the ", E, " experts of ", model,
               " (each ep rank holds experts / ep of them)");
   TORCH_CHECK(!(c.ac == ACMode::Selective && c.selective == SelectiveKind::Op), "fsdp-plan: op-level selective AC ",
-              "with an MoE model is not supported (fsdp-train refuses it: the second forward with gradients would "
-              "count the experts' tokens twice); use --ac full or --selective layer");
+              "with an MoE model is not planned yet (its recompute of the routed experts is not modelled); use --ac full "
+              "or --selective layer");
   TORCH_CHECK(c.block_reshard <= 1, "fsdp-plan: --reshard ", c.block_reshard, " (hpZ) with MoE layers is not "
               "modelled (the experts shard over another mesh); use true or false");
 }

@@ -129,6 +129,10 @@ void check_layout(const ds::DeepSeekV3Args& args, const JobConfig& config, const
                       model + " is not supported yet (no pipeline split for DeepSeek-V3 blocks); use FSDP, HSDP "
                       "and parallelism.expert_parallel_degree");
   }
+  if (dims.cp > 1) {
+    throw ConfigError("config error: parallelism.context_parallel_degree = " + std::to_string(dims.cp) + " with " +
+                      model + " is not supported yet (context parallelism runs dense models)");
+  }
   if (dims.world_size > 1 && (config.checkpoint.initial_load_in_hf || config.checkpoint.last_save_in_hf)) {
     throw ConfigError("config error: checkpoint.initial_load_in_hf / last_save_in_hf with " + model +
                       " on several ranks is not supported yet (the DeepSeek-V3 adapter needs the whole model); "
