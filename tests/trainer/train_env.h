@@ -72,4 +72,31 @@ inline std::string write_shared_file(const std::string& path, const std::string&
   return path;
 }
 
+// An MoE run against its 1-rank reference, step by step: loss (1e-5) and grad norm (1e-4) relative, each of the
+// `moe_layers` layers' busiest and idlest expert load exactly (the mean too when `compare_mean`: every token of the
+// batch counted once), the load-balancing bias's L1 norm (1e-9). True when some expert got no token from some rank
+// in some step (the zero-token path ran).
+inline bool expect_moe_steps_equal(const TrainSummary& ref, const TrainSummary& got, size_t moe_layers,
+                                   bool compare_mean = false) {
+  EXPECT_EQ(ref.expert_loads.size(), ref.losses.size()) << "one expert-load record per step";
+  EXPECT_EQ(got.losses.size(), ref.losses.size());
+  EXPECT_EQ(got.expert_loads.size(), ref.expert_loads.size());
+  if (got.losses.size() != ref.losses.size() || got.expert_loads.size() != ref.losses.size() ||
+      ref.expert_loads.size() != ref.losses.size())
+    return false;
+  bool some_expert_idle_on_a_rank = false;
+  for (size_t i = 0; i < ref.losses.size(); ++i) {
+    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-5 * ref.losses[i]) << "step " << i + 1;
+    EXPECT_NEAR(got.grad_norms[i], ref.grad_norms[i], 1e-4 * ref.grad_norms[i]) << "step " << i + 1;
+    const ExpertLoad &r = ref.expert_loads[i], &g = got.expert_loads[i];
+    EXPECT_EQ(r.min_tokens.size(), moe_layers) << "MoE layers";
+    EXPECT_EQ(g.min_tokens, r.min_tokens) << "step " << i + 1;
+    EXPECT_EQ(g.max_tokens, r.max_tokens) << "step " << i + 1;
+    if (compare_mean) EXPECT_EQ(g.mean_tokens, r.mean_tokens) << "step " << i + 1;
+    EXPECT_NEAR(g.bias_l1, r.bias_l1, 1e-9) << "step " << i + 1;
+    some_expert_idle_on_a_rank = some_expert_idle_on_a_rank || g.min_local_tokens == 0;
+  }
+  return some_expert_idle_on_a_rank;
+}
+
 }  // namespace fsdp_train::test
