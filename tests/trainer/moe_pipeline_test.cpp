@@ -56,9 +56,10 @@ JobConfig base(const std::string& name, Routing routing, double aux_coeff) {
   return c;
 }
 
-// pp x (world / pp) data-parallel ranks (ep of them expert parallel) under each of `schedules` equal 1 rank.
+// pp x (world / pp) data-parallel ranks (ep of them expert parallel) under each of `schedules` equal 1 rank (the
+// reference without activation checkpointing; the pipeline runs with full AC when `full_ac`).
 void expect_pipeline_parity(const std::string& name, Routing routing, int64_t pp, int64_t ep,
-                            const std::vector<std::string>& schedules, double aux_coeff = 0) {
+                            const std::vector<std::string>& schedules, double aux_coeff = 0, bool full_ac = false) {
   auto world = fsdp::world();
   const int64_t dp = world->size() / pp;
   TrainEnv single;
@@ -79,7 +80,9 @@ void expect_pipeline_parity(const std::string& name, Routing routing, int64_t pp
     else config.parallelism.pipeline_parallel_schedule = parse_choice<PipelineSchedule>(schedule).value();
     config.parallelism.pipeline_parallel_microbatch_size = 1;
     config.parallelism.expert_parallel_degree = ep;
+    if (full_ac) config.activation_checkpoint.mode = AcMode::Full;
     const TrainSummary got = run_training(config, test::world_env(), false);
+    if (full_ac) EXPECT_GT(got.ac_recomputes, 0) << "activation checkpointing recomputed nothing";
     EXPECT_NE(got.plan.find("PP " + std::to_string(pp) + " (" + (csv ? "CSV " + schedule.substr(4) : schedule)),
               std::string::npos)
         << got.plan;
@@ -131,6 +134,9 @@ TEST(TrainerMoEPipeline, SequenceBalanceLossThroughTheStagesEqualsOneRank) {
   const int64_t n = fsdp::world()->size();
   if (n != 2 && n != 4) GTEST_SKIP() << "pp 2 on 2 or 4 ranks";
   expect_pipeline_parity("pp_aux", Routing::DeepSeekV3, 2, n == 4 ? 2 : 1, {"1F1B", "DualPipeV"}, /*aux_coeff=*/0.05);
+  // With full activation checkpointing in the stages: the first pass runs without gradients, the recomputation
+  // ties each layer's loss once (with the microbatch's scale), the experts' tokens are counted once.
+  expect_pipeline_parity("pp_aux_ac", Routing::DeepSeekV3, 2, 1, {"1F1B"}, /*aux_coeff=*/0.05, /*full_ac=*/true);
   // ... and the balance loss changed the training (its gradients are not lost on the way).
   TrainEnv single;
   single.verbose = false;
