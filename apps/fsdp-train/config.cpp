@@ -995,7 +995,7 @@ void validate(const JobConfig& c) {
     check(c.parallelism.data_parallel_replicate_degree == 1,
           "fault_tolerance.enable with parallelism.data_parallel_replicate_degree > 1: the replica groups are the "
           "replicate dimension (each group shards with FSDP inside); set data_parallel_replicate_degree = 1");
-    // Any other layout inside a replica group (FSDP, TP, PP, EP) is fine: torchft replicates whole groups, the
+    // Any other layout inside a replica group (FSDP, TP, PP, EP, CP) is fine: torchft replicates whole groups, the
     // cross-group average and healing pair the ranks of the same coordinates.
   }
   check_context_parallel(c);

@@ -80,24 +80,17 @@ ParallelDims resolve_parallelism(const JobConfig& c, int64_t world_size) {
   }
   d.ep = c.parallelism.expert_parallel_degree;
   if (d.ep > 1) {
-    // TorchTitan's ParallelDims: ep | dp_shard x tp, the experts' FSDP mesh (efsdp) is what is left.
-    const int64_t borrowable = d.dp_shard * d.tp;
+    // TorchTitan's ParallelDims: ep | dp_shard x cp x tp, the experts' FSDP mesh (efsdp) is what is left.
+    const int64_t borrowable = d.dp_shard * d.cp * d.tp;
+    std::string factors = std::to_string(d.dp_shard), keys;
+    if (d.cp > 1) factors += " x " + std::to_string(d.cp), keys += " x context_parallel_degree";
+    if (d.tp > 1) factors += " x " + std::to_string(d.tp), keys += " x tensor_parallel_degree";
     check(borrowable % d.ep == 0,
           "parallelism.expert_parallel_degree (" + std::to_string(d.ep) + ") must divide the data-parallel shard degree" +
-              (d.tp > 1 ? " x tensor_parallel_degree (" + std::to_string(d.dp_shard) + " x " + std::to_string(d.tp) +
-                              " = " + std::to_string(borrowable) + "): expert parallelism borrows its ranks from "
-                              "FSDP's shard dim and the TP ranks"
-                        : " (" + std::to_string(d.dp_shard) + "): expert parallelism borrows its ranks from FSDP's "
-                              "shard dim"));
-  }
-  if (d.cp > 1) {
-    // Not composed yet: said, not run wrongly.
-    check(d.pp == 1, "parallelism.context_parallel_degree > 1 with pipeline parallelism is not supported yet "
-                     "(context parallelism composes with FSDP, HSDP, TP and activation checkpointing)");
-    check(d.ep == 1, "parallelism.context_parallel_degree > 1 with expert parallelism is not supported yet "
-                     "(context parallelism composes with FSDP, HSDP, TP and activation checkpointing)");
-    check(!c.fault_tolerance.enable, "parallelism.context_parallel_degree > 1 with fault_tolerance.enable is not "
-                                     "supported yet");
+              (keys.empty() ? " (" + factors + "): expert parallelism borrows its ranks from FSDP's shard dim"
+                            : keys + " (" + factors + " = " + std::to_string(borrowable) +
+                                  "): expert parallelism borrows its ranks from FSDP's shard dim" +
+                                  (d.cp > 1 ? ", the CP ranks" : "") + (d.tp > 1 ? " and the TP ranks" : "")));
   }
   if (d.pp > 1) {
     const int64_t n = c.parallelism.num_pp_microbatches;

@@ -18,10 +18,11 @@ struct ParallelDims {
   int64_t tp = 1;  // tensor-parallel degree (innermost mesh dim: ranks r*tp .. r*tp+tp-1 share a data shard)
   int64_t pp = 1;  // pipeline degree (outermost mesh dim: the pp ranks of a data-parallel rank read the same samples)
   int64_t pp_microbatches = 1;
-  // expert-parallel degree, borrowed from dp_shard x tp (TorchTitan): ranks r*ep .. r*ep+ep-1 of the flattened
-  // dp_shard x tp ranks split the experts; efsdp() = dp_shard x tp / ep shard each expert (FSDP).
+  // expert-parallel degree, borrowed from dp_shard x cp x tp (TorchTitan): ranks r*ep .. r*ep+ep-1 of the
+  // flattened dp_shard x cp x tp ranks split the experts; efsdp() = dp_shard x cp x tp / ep shard each expert
+  // (FSDP). Every rank of those routes its own tokens (its cp chunks, its tp slice of them).
   int64_t ep = 1;
-  int64_t efsdp() const { return dp_shard * tp / ep; }
+  int64_t efsdp() const { return dp_shard * cp * tp / ep; }
   // context-parallel degree (mesh dim between dp_shard and tp): the cp ranks of a data-parallel rank read the same
   // samples and each keeps its chunks of every sequence; FSDP shards over dp_shard x cp (TorchTitan's dp_shard_cp).
   int64_t cp = 1;

@@ -80,9 +80,10 @@ ParallelMeshes build_meshes(const ParallelDims& dims, const std::string& device_
     if (dims.tp > 1) m.tp = dense["tp"];
   }
   if (dims.ep > 1 || (moe && dims.tp > 1)) {
-    // TorchTitan's sparse mesh over the same ranks: [dp_replicate,] efsdp, ep with efsdp x ep = dp_shard x tp
-    // (expert parallelism borrows its ranks from FSDP's shard dim and TP; the experts' FSDP takes the rest). With
-    // TP each TP rank routes its own tokens, so the routed experts' FSDP spans the TP ranks even without EP.
+    // TorchTitan's sparse mesh over the same ranks: [dp_replicate,] efsdp, ep with efsdp x ep = dp_shard x cp x tp
+    // (expert parallelism borrows its ranks from FSDP's shard dim, CP and TP; the experts' FSDP takes the rest;
+    // the three are neighbours in the world mesh). With TP each TP rank routes its own tokens, so the routed
+    // experts' FSDP spans the TP ranks even without EP.
     std::vector<int64_t> sparse_shape{dims.efsdp()};
     std::vector<std::string> sparse_names{"efsdp"};
     if (dims.ep > 1) {

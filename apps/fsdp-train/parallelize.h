@@ -84,7 +84,7 @@ struct ParallelMeshes {
   fsdp::DeviceMesh tp;        // valid when dims.tp > 1
   fsdp::DeviceMesh ep;        // valid when dims.ep > 1: the expert-parallel dim ...
   fsdp::DeviceMesh expert_dp; // ... and the experts' data-parallel mesh: efsdp, or (dp_replicate, efsdp); also
-                              // valid for an MoE model under TP without EP (efsdp = dp_shard x tp)
+                              // valid for an MoE model under TP without EP (efsdp = dp_shard x cp x tp)
 };
 // Collective over the world (every rank, same order). `device_type`: "cpu" or "cuda". `moe`: the model has MoE
 // layers (their routed experts get their own mesh under EP or TP).

@@ -518,9 +518,13 @@ double Trainer::forward_backward(std::vector<Batch>& batches, double global_toke
       // The first stage takes the tokens, the last the labels; each rank runs its part of the schedule.
       pipeline_global_tokens_ = global_tokens;
       auto labels = torch::from_blob(b.labels.data(), {b.batch, b.seq_len}, torch::kLong).to(device_);
+      // Under CP the rows are this rank's chunks already, and so are their document ids (cut from the whole rows).
+      const torch::Tensor ids =
+          b.document_ids.empty()
+              ? document_ids_of(inputs)
+              : torch::from_blob(b.document_ids.data(), {b.batch, b.seq_len}, torch::kLong).to(device_);
       const auto result = pipeline_->step(plan_.holds_first_stage ? inputs : torch::Tensor(),
-                                          plan_.holds_last_stage ? labels : torch::Tensor(),
-                                          document_ids_of(inputs));
+                                          plan_.holds_last_stage ? labels : torch::Tensor(), ids);
       local_loss_sum += result.loss_sum() * global_tokens;  // 0 off the last stage
       continue;
     }
@@ -744,11 +748,14 @@ void Trainer::validate(int64_t step) {
   if (pipeline_) {
     // The forward-only schedule: the last stage's ranks get each microbatch's loss (here: the summed token loss,
     // pipeline_global_tokens_ = 1).
+    // Under CP each rank its chunks of the rows, and of their document ids.
     batch_loss = [this](const torch::Tensor& x, const torch::Tensor& y) {
       pipeline_global_tokens_ = 1;
-      const torch::Tensor xd = x.to(device_);
+      const torch::Tensor xd = context_parallel_chunks(x).to(device_);
+      const torch::Tensor ids = model_.document_ids ? context_parallel_chunks(model_.document_ids(x)).to(device_)
+                                                    : torch::Tensor();
       return pipeline_->eval(plan_.holds_first_stage ? xd : torch::Tensor(),
-                             plan_.holds_last_stage ? y.to(device_) : torch::Tensor(), document_ids_of(xd))
+                             plan_.holds_last_stage ? context_parallel_chunks(y).to(device_) : torch::Tensor(), ids)
           .loss_sum();
     };
   } else {

@@ -119,7 +119,10 @@ std::vector<std::string> LlamaStageImpl::module_fqns() const {
 }
 
 at::Tensor LlamaStageImpl::forward(const at::Tensor& x, const std::optional<at::Tensor>& document_ids) {
-  const AttentionMask mask = attention_mask_for(args_, document_ids, "llama stage");
+  const bool given_ids = document_ids.has_value() && document_ids->defined();
+  const AttentionMask mask = document_mask && given_ids && args_.attn_mask_type == AttnMaskType::BlockCausal
+                                 ? AttentionMask(document_mask(*document_ids))
+                                 : attention_mask_for(args_, document_ids, "llama stage");
   if (mask) {
     TORCH_CHECK(document_ids->size(0) == x.size(0), "llama stage: document ids for ", document_ids->size(0),
                 " sequences, the microbatch has ", x.size(0));
@@ -136,13 +139,23 @@ at::Tensor LlamaStageImpl::forward(const at::Tensor& x, const std::optional<at::
     seq_len = x.size(1) * sequence_shards;
     h = x;
   }
-  if (!rope_cos_.defined() || rope_cos_.size(0) < seq_len || rope_cos_.device() != h.device()) {
-    auto [c, s] = precompute_rope(args_.head_dim(), std::max(seq_len, args_.max_seq_len), args_.rope_theta,
+  // RoPE at positions 0 .. seq_len-1, or (context parallel) at the global positions of this rank's chunks.
+  at::Tensor positions;
+  int64_t table_len = seq_len;
+  if (rope_positions) {
+    positions = rope_positions(seq_len).to(h.device());
+    TORCH_CHECK(positions.dim() == 1 && positions.size(0) == seq_len, "llama stage: rope_positions gave ",
+                positions.sizes(), " for ", seq_len, " tokens");
+    table_len = positions.max().item<int64_t>() + 1;
+  }
+  if (!rope_cos_.defined() || rope_cos_.size(0) < table_len || rope_cos_.device() != h.device()) {
+    auto [c, s] = precompute_rope(args_.head_dim(), std::max(table_len, args_.max_seq_len), args_.rope_theta,
                                   args_.rope_scaling);
     rope_cos_ = c.to(h.device());
     rope_sin_ = s.to(h.device());
   }
-  const at::Tensor cos = rope_cos_.slice(0, 0, seq_len), sin = rope_sin_.slice(0, 0, seq_len);
+  const at::Tensor cos = positions.defined() ? rope_cos_.index_select(0, positions) : rope_cos_.slice(0, 0, seq_len);
+  const at::Tensor sin = positions.defined() ? rope_sin_.index_select(0, positions) : rope_sin_.slice(0, 0, seq_len);
   if (mask) {
     TORCH_CHECK(mask->size(2) == seq_len, "llama stage: document ids cover ", mask->size(2), " positions, the ",
                 "sequence has ", seq_len);

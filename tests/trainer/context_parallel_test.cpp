@@ -5,11 +5,11 @@
 // last checkpoint of each run) agree to 1e-5 (relative; parameters 1e-5 absolute + relative).
 //  - np2: cp 2 with the ring (alltoall) and head-tail chunks; cp 2 with allgather and contiguous chunks.
 //  - np4: cp 4 (allgather, head-tail) with full activation checkpointing; cp 2 x dp_shard 2 (alltoall, none);
-//    cp 2 x tp 2 (alltoall, head-tail).
+//    cp 2 x tp 2 (alltoall, head-tail); pp 2 x cp 2 (alltoall + head-tail, allgather + none).
 // Not vacuous: the plan names CP and the per-rank sequence, the loss falls, the parameters moved from their
 // initial values, and the validation loss over held-out samples (each cp rank its chunks) agrees too.
 // A sequence length that does not divide is refused naming the rule (also tests/trainer/user_errors_test.cpp),
-// and so are the layouts not composed yet (pipeline, MoE).
+// and so are the layouts not composed yet (MoE).
 // block_causal with cp 2 (both layouts) equals the 1-rank block_causal run.
 #include "config.h"
 #include "train_env.h"
@@ -81,17 +81,20 @@ const TrainedRun& reference() {
 }
 
 void expect_cp_parity(int64_t cp, int64_t shard, CpRotateMethod rotate, CpLoadBalancer balancer, bool full_ac = false,
-                      int64_t tp = 1) {
+                      int64_t tp = 1, int64_t pp = 1) {
   auto world = fsdp::world();
-  if (cp * shard * tp != world->size()) GTEST_SKIP() << "needs cp x dp_shard x tp = world size " << world->size();
-  const std::string tag = "cp" + std::to_string(cp) + "_dp" + std::to_string(shard) + "_tp" + std::to_string(tp) +
-                          "_" + to_string(rotate) + "_" + to_string(balancer) + (full_ac ? "_ac" : "");
+  if (pp * cp * shard * tp != world->size())
+    GTEST_SKIP() << "needs pp x cp x dp_shard x tp = world size " << world->size();
+  const std::string tag = "pp" + std::to_string(pp) + "_cp" + std::to_string(cp) + "_dp" + std::to_string(shard) +
+                          "_tp" + std::to_string(tp) + "_" + to_string(rotate) + "_" + to_string(balancer) +
+                          (full_ac ? "_ac" : "");
   SCOPED_TRACE(tag);
   const TrainedRun& ref = reference();
   JobConfig c = base(tag, /*per_rank_folder=*/false);
   c.parallelism.data_parallel_shard_degree = shard;
   c.parallelism.context_parallel_degree = cp;
   c.parallelism.tensor_parallel_degree = tp;
+  c.parallelism.pipeline_parallel_degree = pp;  // 1F1B, 2 microbatches of 1 row per local batch
   c.parallelism.context_parallel_rotate_method = rotate;
   c.parallelism.context_parallel_load_balancer = balancer;
   c.validation.steps = 4 / shard;  // the same 8 held-out samples over the data-parallel ranks
@@ -106,6 +109,7 @@ void expect_cp_parity(int64_t cp, int64_t shard, CpRotateMethod rotate, CpLoadBa
                                   "], dims [dp_shard_cp]"),
             std::string::npos)
       << got.summary.plan;
+  if (pp > 1) EXPECT_NE(got.summary.plan.find("PP " + std::to_string(pp) + " ("), std::string::npos) << got.summary.plan;
   if (full_ac) EXPECT_GT(got.summary.ac_recomputes, 0);  // activation checkpointing recomputed the ring attention
   ASSERT_EQ(got.summary.losses.size(), static_cast<size_t>(kSteps));
   ASSERT_EQ(ref.summary.losses.size(), got.summary.losses.size());
@@ -151,6 +155,73 @@ TEST(TrainerContextParallel, Cp4AndCp2TimesDp2MatchOneRank) {
 TEST(TrainerContextParallel, Cp2TimesTp2MatchesOneRank) {
   if (fsdp::world()->size() != 4) GTEST_SKIP() << "4 ranks";
   expect_cp_parity(2, 1, CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail, /*full_ac=*/false, /*tp=*/2);
+}
+
+// PP 2 x CP 2: the stages see this rank's chunks of the rows (cut before the schedule splits them into
+// microbatches), each stage's attention runs the ring over its cp ranks, and the last stage's loss adds up over
+// cp. Both rotate methods, with and without head-tail load balancing.
+TEST(TrainerContextParallel, Pp2TimesCp2MatchesOneRank) {
+  if (fsdp::world()->size() != 4) GTEST_SKIP() << "4 ranks";
+  expect_cp_parity(2, 1, CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail, /*full_ac=*/false, /*tp=*/1, /*pp=*/2);
+  expect_cp_parity(2, 1, CpRotateMethod::AllGather, CpLoadBalancer::None, /*full_ac=*/false, /*tp=*/1, /*pp=*/2);
+}
+
+namespace {
+
+// MoE under CP (qwen3 cpu_tiny_moe: 2 layers of 8 experts, top-2): every rank routes the tokens of its chunks;
+// with EP the experts are split over ranks borrowed from dp_shard x cp (TorchTitan), the tokens dispatched from
+// each rank's chunks. The reference is the 1-rank trainer on the same global batches: loss, grad norm and every
+// step's expert loads exactly (summed over dp x cp: each token counted once), and the load-balancing bias.
+void expect_moe_cp_parity(int64_t cp, int64_t ep, CpRotateMethod rotate, CpLoadBalancer balancer, int64_t pp = 1) {
+  auto world = fsdp::world();
+  const std::string tag = "moe_pp" + std::to_string(pp) + "_cp" + std::to_string(cp) + "_ep" + std::to_string(ep) +
+                          "_" + to_string(rotate) + "_" + to_string(balancer);
+  SCOPED_TRACE(tag);
+  auto job = [&](const std::string& name, bool per_rank) {
+    JobConfig c = base(name, per_rank);
+    c.model.name = "qwen3";
+    c.model.flavor = "cpu_tiny_moe";
+    c.training.seq_len = 16;
+    c.training.local_batch_size = pp > 1 ? 2 : 1;  // under PP 2 microbatches of 1 row (1F1B: one per stage)
+    c.training.global_batch_size = 4;
+    c.validation.enable = false;
+    c.checkpoint.enable = false;
+    return c;
+  };
+  TrainEnv single;
+  single.verbose = false;
+  const TrainSummary ref = run_training(job(tag + "_ref", true), single, false);
+  JobConfig c = job(tag, false);
+  c.parallelism.pipeline_parallel_degree = pp;
+  c.parallelism.context_parallel_degree = cp;
+  c.parallelism.expert_parallel_degree = ep;
+  c.parallelism.context_parallel_rotate_method = rotate;
+  c.parallelism.context_parallel_load_balancer = balancer;
+  c.parallelism.pipeline_parallel_microbatch_size = 1;
+  const TrainSummary got = run_training(c, test::world_env(), false);
+  EXPECT_NE(got.plan.find("CP " + std::to_string(cp) + " (ring attention"), std::string::npos) << got.plan;
+  if (ep > 1) EXPECT_NE(got.plan.find("EP " + std::to_string(ep) + " ("), std::string::npos) << got.plan;
+  if (pp > 1) EXPECT_NE(got.plan.find("PP " + std::to_string(pp) + " ("), std::string::npos) << got.plan;
+  test::expect_moe_steps_equal(ref, got, 2, /*compare_mean=*/true);
+  EXPECT_LT(got.losses.back(), got.losses.front());
+  EXPECT_GT(ref.expert_loads.back().bias_l1, 0.0) << "the load-balancing bias moved";
+}
+
+}  // namespace
+
+TEST(TrainerContextParallel, MoeCp2AndCp2TimesEp2MatchOneRank) {
+  if (fsdp::world()->size() != 2) GTEST_SKIP() << "2 ranks";
+  expect_moe_cp_parity(2, 1, CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail);
+  expect_moe_cp_parity(2, 2, CpRotateMethod::AllGather, CpLoadBalancer::None);
+}
+
+// 4 ranks: cp 2 x dp_shard 2 with ep 2 (efsdp 2) and ep 4 (every rank holds 2 experts); pp 2 x cp 2 x ep 2 (each
+// stage's expert loads summed over its dp_shard x cp ranks).
+TEST(TrainerContextParallel, MoeCp2TimesDp2WithEpAndPipelineMatchOneRank) {
+  if (fsdp::world()->size() != 4) GTEST_SKIP() << "4 ranks";
+  expect_moe_cp_parity(2, 2, CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail);
+  expect_moe_cp_parity(2, 4, CpRotateMethod::AllGather, CpLoadBalancer::HeadTail);
+  expect_moe_cp_parity(2, 2, CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail, /*pp=*/2);
 }
 
 namespace {
@@ -253,10 +324,12 @@ TEST(TrainerContextParallel, BadLayoutsAreRefusedNamingTheRule) {
               " (context_parallel_load_balancer = \"none\" cuts each sequence into cp chunks)");
   refused({"--parallelism.context_parallel_degree", "3", "--training.seq_len", "48", "--validation.seq_len", "48"},
           "parallelism.context_parallel_degree (3) must divide the world size (" + cp + ")");
-  refused({"--model.name", "qwen3", "--model.flavor", "cpu_tiny_moe"},
-          "parallelism.context_parallel_degree > 1 with an MoE model (qwen3 cpu_tiny_moe) is not supported yet");
-  if (n == 4) {
-    refused({"--parallelism.context_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2"},
-            "parallelism.context_parallel_degree > 1 with pipeline parallelism is not supported yet");
-  }
+  refused({"--model.name", "qwen3", "--model.flavor", "cpu_tiny_moe", "--model.moe_sequence_aux_loss_coeff", "0.01"},
+          "model.moe_sequence_aux_loss_coeff with parallelism.context_parallel_degree > 1 (qwen3 cpu_tiny_moe) is "
+          "not supported yet (each CP rank routes chunks of the sequence)");
+  refused({"--model.name", "qwen3", "--model.flavor", "cpu_tiny_moe", "--parallelism.expert_parallel_degree",
+           std::to_string(2 * n)},
+          "parallelism.expert_parallel_degree (" + std::to_string(2 * n) + ") must divide the data-parallel shard "
+          "degree x context_parallel_degree (1 x " + cp + " = " + cp + "): expert parallelism borrows its ranks from "
+          "FSDP's shard dim, the CP ranks");
 }

@@ -12,6 +12,7 @@
 #include <torch/nn/modules/container/moduledict.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,11 @@ class LlamaStageImpl : public torch::nn::Module {
   // The hidden states between stages are split along the sequence over this many ranks (sequence parallel);
   // RoPE needs the full length. Set by the tensor-parallel plan's user (1 = not split).
   int64_t sequence_shards = 1;
+  // Context parallelism, as on the whole model (TransformerImpl::rope_positions / document_mask): the global RoPE
+  // positions (int64 [S]) of the S tokens of this rank's chunks, and the attention mask of this rank's queries
+  // against every cp rank's keys from the chunks' document ids. Unset: positions 0 .. S-1, block_causal_mask(ids).
+  std::function<at::Tensor(int64_t seq_len)> rope_positions;
+  std::function<at::Tensor(const at::Tensor& document_ids)> document_mask;
 
   bool first() const { return first_; }
   bool last() const { return last_; }

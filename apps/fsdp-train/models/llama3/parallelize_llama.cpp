@@ -151,28 +151,55 @@ void apply_tp(fsdp::nn::llama::LlamaStage& stage, const fsdp::nn::llama::LlamaAr
   stage->sequence_shards = tp_mesh.size();  // the plan is sequence parallel: hidden states travel split on the sequence
 }
 
-void apply_cp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
-              CpLoadBalancer load_balancer) {
+namespace {
+
+// apply_cp's hooks: every given block's attention through ring attention over the cp group; the RoPE positions
+// and the document mask a model (or a pipeline stage) takes for this rank's chunks.
+struct CpHooks {
+  std::function<at::Tensor(int64_t)> rope_positions;
+  std::function<at::Tensor(const at::Tensor&)> document_mask;
+};
+
+CpHooks cp_attention(std::vector<fsdp::nn::llama::TransformerBlock>& blocks, const fsdp::DeviceMesh& cp_mesh,
+                     CpRotateMethod rotate_method, CpLoadBalancer load_balancer) {
   const fsdp::ProcessGroupPtr group = cp_mesh.group(0);
   const fsdp::ContextParallelOptions options{
       rotate_method == CpRotateMethod::AllToAll ? fsdp::CpRotateMethod::AllToAll : fsdp::CpRotateMethod::AllGather,
       load_balancer == CpLoadBalancer::HeadTail ? fsdp::CpLoadBalancer::HeadTail : fsdp::CpLoadBalancer::None};
   const int64_t cp_rank = group->rank(), cp_size = group->size();
-  model->rope_positions = [cp_rank, cp_size, balancer = options.load_balancer](int64_t local_len) {
+  CpHooks hooks;
+  hooks.rope_positions = [cp_rank, cp_size, balancer = options.load_balancer](int64_t local_len) {
     return fsdp::context_parallel_positions(local_len * cp_size, cp_rank, cp_size, balancer);
   };
   // block_causal: the mask of this rank's queries against every rank's keys (document ids of the whole rows, cut
   // like the tokens), built once per forward; the blocks then attend over all-gathered K and V under it.
-  model->document_mask = [group, balancer = options.load_balancer](const at::Tensor& document_ids) {
+  hooks.document_mask = [group, balancer = options.load_balancer](const at::Tensor& document_ids) {
     return fsdp::context_parallel_document_mask(document_ids, group, balancer);
   };
-  for (auto& block : model->blocks()) {
+  for (auto& block : blocks) {
     block->attention->kernel = [group, options](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 const fsdp::nn::llama::AttentionMask& mask) {
       if (mask) return fsdp::context_parallel_masked_attention(q, k, v, *mask, group);
       return fsdp::ring_attention(q, k, v, group, options);
     };
   }
+  return hooks;
+}
+
+}  // namespace
+
+void apply_cp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
+              CpLoadBalancer load_balancer) {
+  CpHooks hooks = cp_attention(model->blocks(), cp_mesh, rotate_method, load_balancer);
+  model->rope_positions = std::move(hooks.rope_positions);
+  model->document_mask = std::move(hooks.document_mask);
+}
+
+void apply_cp(fsdp::nn::llama::LlamaStage& stage, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
+              CpLoadBalancer load_balancer) {
+  CpHooks hooks = cp_attention(stage->blocks(), cp_mesh, rotate_method, load_balancer);
+  stage->rope_positions = std::move(hooks.rope_positions);
+  stage->document_mask = std::move(hooks.document_mask);
 }
 
 void apply_ep(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& ep_mesh) {
@@ -256,6 +283,16 @@ FsdpOptions fsdp_options(const JobConfig& config, const fsdp::DeviceMesh& dp_mes
   return o;
 }
 
+// The plan's words for context parallelism ("" without it).
+std::string cp_description(const JobConfig& config, const ParallelDims& dims) {
+  if (dims.cp == 1) return "";
+  const auto& p = config.parallelism;
+  return "CP " + std::to_string(dims.cp) + " (ring attention, " + to_string(p.context_parallel_rotate_method) + ", " +
+         to_string(p.context_parallel_load_balancer) + "; " + std::to_string(config.training.seq_len / dims.cp) +
+         " of " + std::to_string(config.training.seq_len) + " tokens per rank; FSDP over dp_shard x cp = " +
+         std::to_string(dims.dp_shard * dims.cp) + " ranks) + ";
+}
+
 void set_sum_gradients(ParallelPlan& plan) {
   for (auto& m : plan.fsdp_modules) m.set_gradient_divide_factor(1.0);
   plan.fsdp = true;
@@ -271,7 +308,7 @@ std::string pipeline_moe_setup(ParallelPlan& plan, FsdpOptions& fsdp, fsdp::nn::
   if (num_experts == 0) return "";
   for (int64_t d = 0; d < meshes.dp.ndim(); ++d) plan.stage_dp_groups.push_back(meshes.dp.group(d));
   if (config.model.moe_sequence_aux_loss_coeff > 0) plan.stage_aux_loss = std::make_shared<at::Tensor>();
-  fsdp.experts_shard_dim = dims.dp_shard > num_experts ? 1 : 0;  // as without PP (tt#1561)
+  fsdp.experts_shard_dim = dims.dp_shard * dims.cp > num_experts ? 1 : 0;  // as without PP (tt#1561)
   if (dims.ep == 1) return fsdp.experts_shard_dim == 1 ? "experts Shard(1) + " : "";
   fsdp.experts_mesh = meshes.expert_dp;
   return "EP " + std::to_string(dims.ep) + " (experts' FSDP over " + fsdp.experts_mesh.to_string() + ", Shard(" +
@@ -294,6 +331,12 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
     plan.loss_parallel = !config.parallelism.disable_loss_parallel;
   }
   const auto& p = config.parallelism;
+  if (dims.cp > 1) {
+    // Each stage's attention runs the ring over its cp ranks; the hidden states between stages are this rank's
+    // chunks (the trainer cuts the rows before the schedule splits them into microbatches).
+    plan.cp_mesh = meshes.cp;
+    plan.fsdp_mesh = meshes.dp;
+  }
   const PipelineSplit split = split_pipeline(model->args(), pipeline_split_options(config, dims));
   const int64_t num_stages = split.num_stages;
   plan.num_stages = static_cast<int>(num_stages);
@@ -305,6 +348,7 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
     const auto [begin, end] = split.layers[static_cast<size_t>(s)];
     fsdp::nn::llama::LlamaStage stage(*model, begin, end, s == 0, s == num_stages - 1);
     if (dims.tp > 1) apply_tp(stage, model->args(), plan.tp_mesh, plan.loss_parallel);
+    if (dims.cp > 1) apply_cp(stage, plan.cp_mesh, p.context_parallel_rotate_method, p.context_parallel_load_balancer);
     std::vector<fsdp::nn::moe::MoEImpl*> stage_moes;
     for (auto& block : stage->blocks()) {
       if (auto* moe = moe_of(*block)) stage_moes.push_back(moe);
@@ -344,9 +388,10 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
   plan.description = "PP " + std::to_string(dims.pp) + " (" + schedule_text + ", " +
                      std::to_string(num_stages) + " stages, " + std::to_string(dims.pp_microbatches) +
                      " microbatches; this rank: " + layers + ") + " + (dims.tp > 1 ? "TP " + std::to_string(dims.tp) +
-                     " (sequence parallel) + " : std::string()) + experts_description +
+                     " (sequence parallel) + " : std::string()) + cp_description(config, dims) + experts_description +
                      (dims.dp_replicate > 1 ? "HSDP" : "FSDP") +
-                     " mesh " + plan.mesh.to_string() + ", reshard_after_forward " +
+                     " mesh " + (plan.fsdp_mesh.valid() ? plan.fsdp_mesh : plan.mesh).to_string() +
+                     ", reshard_after_forward " +
                      (always ? "always" : "false (PP)");
   return plan;
 }
@@ -358,9 +403,11 @@ void check_layout(const std::string& family, const fsdp::nn::llama::LlamaArgs& a
   const int64_t num_experts = args.moe ? args.moe->num_experts : 0;
   const bool has_moe = num_experts > 0;
   const std::string model = family + " " + config.model.flavor;
-  if (dims.cp > 1 && has_moe) {
-    throw ConfigError("config error: parallelism.context_parallel_degree > 1 with an MoE model (" + model +
-                      ") is not supported yet (context parallelism runs dense models)");
+  if (has_moe && dims.cp > 1 && config.model.moe_sequence_aux_loss_coeff > 0) {
+    // As under TP: each CP rank routes its chunks of every sequence; the per-sequence balance loss would need the
+    // whole sequence's counts and scores.
+    throw ConfigError("config error: model.moe_sequence_aux_loss_coeff with parallelism.context_parallel_degree > 1 "
+                      "(" + model + ") is not supported yet (each CP rank routes chunks of the sequence)");
   }
   if (has_moe && dims.pp > 1 && dims.tp > 1) {
     // Each alone works; together the stage's expert-load sum would have to span the stage's dp x tp ranks.
@@ -423,22 +470,18 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
     plan.cp_mesh = meshes.cp;
     plan.fsdp_mesh = meshes.dp;
     apply_cp(model, plan.cp_mesh, p.context_parallel_rotate_method, p.context_parallel_load_balancer);
-    tp_description += "CP " + std::to_string(dims.cp) + " (ring attention, " +
-                      to_string(p.context_parallel_rotate_method) + ", " + to_string(p.context_parallel_load_balancer) +
-                      "; " + std::to_string(config.training.seq_len / dims.cp) + " of " +
-                      std::to_string(config.training.seq_len) + " tokens per rank; FSDP over dp_shard x cp = " +
-                      std::to_string(dims.dp_shard * dims.cp) + " ranks) + ";
+    tp_description += cp_description(config, dims);
   }
   FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/false);
   std::string experts_description;
   if (has_moe) {
     // Where the routed experts are sharded (TorchTitan's apply_moe_ep + apply_fsdp): with expert parallelism over
-    // the ranks left after ep of dp_shard x tp (efsdp); without it, over the dense mesh, or under TP over
-    // dp_shard x tp (each TP rank routes its own tokens: the experts are not tensor-parallel, TorchTitan removed
-    // ETP). Shard(1) instead of Shard(0) when the expert weights would be cut in more pieces (efsdp x ep =
-    // dp_shard x tp) than there are experts (tt#1561: dim-0 shards would be mostly padding; the count excludes
-    // dp_replicate, tt#4767).
-    fsdp.experts_shard_dim = dims.dp_shard * dims.tp > num_experts ? 1 : 0;
+    // the ranks left after ep of dp_shard x cp x tp (efsdp); without it, over the dense mesh (dp_shard_cp under
+    // CP), or under TP over dp_shard x cp x tp (each CP and TP rank routes its own tokens: the experts are not
+    // tensor-parallel, TorchTitan removed ETP). Shard(1) instead of Shard(0) when the expert weights would be cut
+    // in more pieces (efsdp x ep = dp_shard x cp x tp) than there are experts (tt#1561: dim-0 shards would be
+    // mostly padding; the count excludes dp_replicate, tt#4767).
+    fsdp.experts_shard_dim = dims.dp_shard * dims.cp * dims.tp > num_experts ? 1 : 0;
     if (dims.ep > 1) {
       apply_ep(model, meshes.ep);
       fsdp.experts_mesh = meshes.expert_dp;

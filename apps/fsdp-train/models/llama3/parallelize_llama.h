@@ -67,6 +67,10 @@ void apply_tp(fsdp::nn::llama::LlamaStage& stage, const fsdp::nn::llama::LlamaAr
 // Collective-free.
 void apply_cp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
               CpLoadBalancer load_balancer);
+// The same for one pipeline stage (its blocks; its RoPE positions and document mask): each stage's attention
+// runs the ring over the stage's cp ranks, on the chunks the previous stage passed on.
+void apply_cp(fsdp::nn::llama::LlamaStage& stage, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
+              CpLoadBalancer load_balancer);
 
 // The routed experts of every MoE block split over the 1-D `ep_mesh` (collective-free; before fully_shard).
 void apply_ep(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& ep_mesh);
