@@ -45,12 +45,13 @@ int main(int argc, char** argv) {
     const JobConfig config = load_config(std::vector<std::string>(argv + 4, argv + argc));
     TORCH_CHECK(config.fault_tolerance.enable, "the run's arguments must enable [fault_tolerance]");
     // The group's size in ranks: the world of each replica job, data_parallel_shard_degree x tensor_parallel_degree
-    // x pipeline_parallel_degree (a replica group may be any of these layouts); its data share is that of its
-    // data-parallel ranks.
+    // x pipeline_parallel_degree x context_parallel_degree (a replica group may be any of these layouts); its data
+    // share is that of its data-parallel ranks.
     const int64_t dp_shard = config.parallelism.data_parallel_shard_degree;
     TORCH_CHECK(dp_shard >= 1, "pass --parallelism.data_parallel_shard_degree (the data-parallel ranks of one group)");
-    const ParallelDims dims = resolve_parallelism(config, dp_shard * config.parallelism.tensor_parallel_degree *
-                                                              config.parallelism.pipeline_parallel_degree);
+    const ParallelDims dims = resolve_parallelism(
+        config, dp_shard * config.parallelism.tensor_parallel_degree * config.parallelism.pipeline_parallel_degree *
+                    config.parallelism.context_parallel_degree);
     const int64_t groups = dims.ft_groups, A = dims.grad_accum_steps;
 
     std::vector<std::vector<int>> members;
