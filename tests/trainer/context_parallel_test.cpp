@@ -10,7 +10,7 @@
 // initial values, and the validation loss over held-out samples (each cp rank its chunks) agrees too.
 // A sequence length that does not divide is refused naming the rule (also tests/trainer/user_errors_test.cpp),
 // and so are the layouts not composed yet (MoE).
-// block_causal with cp 2 (both layouts) equals the 1-rank block_causal run.
+// block_causal with cp 2 (both layouts; np4: under pp 2) equals the 1-rank block_causal run.
 #include "config.h"
 #include "train_env.h"
 #include "trainer.h"
@@ -255,8 +255,11 @@ std::string short_documents_corpus() {
 // whole rows, cut like the tokens) and equal the 1-rank block_causal run (whose equality with the documents run
 // one by one is tests/trainer/block_causal_test.cpp's). Not vacuous: the 1-rank causal run on the same data
 // differs.
+// At 4 ranks the same under pp 2 x cp 2: each stage builds its mask from the microbatch's chunk document ids
+// (LlamaStage::document_mask).
 TEST(TrainerContextParallel, BlockCausalCp2MatchesOneRank) {
-  if (fsdp::world()->size() != 2) GTEST_SKIP() << "2 ranks";
+  const int64_t pp = fsdp::world()->size() / 2;
+  if (pp != 1 && pp != 2) GTEST_SKIP() << "2 or 4 ranks";
   const std::string corpus = short_documents_corpus();
   auto job = [&](const std::string& name, bool per_rank, const std::string& mask) {
     JobConfig c = base(name, per_rank);
@@ -275,13 +278,16 @@ TEST(TrainerContextParallel, BlockCausalCp2MatchesOneRank) {
   EXPECT_GT(std::abs(causal.summary.losses[1] - ref.summary.losses[1]), 1e-3) << "the document mask changed nothing";
   for (auto [rotate, balancer] : {std::pair{CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail},
                                   std::pair{CpRotateMethod::AllGather, CpLoadBalancer::None}}) {
-    JobConfig c = job(std::string("block_causal_cp2_") + to_string(balancer), false, "block_causal");
+    JobConfig c = job(std::string("block_causal_pp") + std::to_string(pp) + "_cp2_" + to_string(balancer), false,
+                      "block_causal");
+    c.parallelism.pipeline_parallel_degree = pp;
     c.parallelism.context_parallel_degree = 2;
     c.parallelism.context_parallel_rotate_method = rotate;
     c.parallelism.context_parallel_load_balancer = balancer;
     const TrainedRun got = train_and_read(c, test::world_env());
     SCOPED_TRACE(to_string(balancer));
     EXPECT_NE(got.summary.plan.find("CP 2 (ring attention"), std::string::npos) << got.summary.plan;
+    if (pp > 1) EXPECT_NE(got.summary.plan.find("PP 2 ("), std::string::npos) << got.summary.plan;
     ASSERT_EQ(got.summary.losses.size(), ref.summary.losses.size());
     for (size_t i = 0; i < ref.summary.losses.size(); ++i) {
       EXPECT_NEAR(got.summary.losses[i], ref.summary.losses[i], 1e-5 * ref.summary.losses[i]) << "step " << i + 1;
