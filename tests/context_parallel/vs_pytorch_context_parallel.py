@@ -124,8 +124,7 @@ def run_pytorch(args):
             print(f"rank {rank}: context_parallel as shipped ran on the CPU", flush=True)
         except Exception as e:  # noqa: BLE001 - the point is to report it
             print(f"rank {rank}: context_parallel as shipped, on the CPU: {type(e).__name__}: {e}", flush=True)
-        dist.destroy_process_group()
-        return
+        leave(dist)
     enable_pytorch_cp_on_cpu()
     dout_local = head_tail(inputs["dout"], rank, size)
     w = {n: inputs[n].clone().requires_grad_() for n in ("wq", "wk", "wv", "wo")}
@@ -155,7 +154,16 @@ def run_pytorch(args):
         result["median_ms"] = torch.tensor([times[len(times) // 2] if times else 0.0], dtype=torch.float64)
         result["handler_calls"] = torch.tensor([HANDLER_CALLS[0] - calls_before])
         save_file(result, os.path.join(args.workdir, f"pytorch_{method}_rank{rank}.safetensors"))
-    dist.destroy_process_group()
+    leave(dist)
+
+
+def leave(dist):
+    """Every rank done, then out without the interpreter's teardown: after the failed call above, torch 2.13's
+    process-group teardown aborted one rank now and then ("terminate called without an active exception")."""
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------- the driver
