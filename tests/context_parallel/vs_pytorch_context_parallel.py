@@ -4,8 +4,8 @@
         [--nproc 2] [--seq 256] [--heads 4] [--head-dim 16] [--reps 0] [--markdown]
 
 One causal self-attention layer, y = SDPA(x Wq, x Wk, x Wv, causal) Wo, with the same weights, input x and output
-gradient dout on both sides, at cp = nproc, head-tail chunks (PyTorch's default load balancer), for both rotate
-methods:
+gradient dout on both sides, at cp = nproc, for both rotate methods, with head-tail chunks (PyTorch's default load
+balancer) and with contiguous chunks (no load balancing):
   - PyTorch: torch.distributed.tensor.experimental.context_parallel (the public API; x is its buffer) around
     F.scaled_dot_product_attention. On the CPU that API alone fails: the CPU flash op
     (aten._scaled_dot_product_flash_attention_for_cpu) has neither a DTensor sharding rule nor a CP handler, only
@@ -31,9 +31,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 METHODS = ("allgather", "alltoall")
+BALANCERS = ("headtail", "none")  # ours' names; PyTorch: load balancing on / off
 
 
-def head_tail(t, rank, size, dim=1):
+def cp_chunks(t, rank, size, balancer, dim=1):
+    """This rank's chunks of the sequence: head-tail (chunks i and 2 cp - 1 - i of 2 cp) or contiguous (chunk i)."""
+    if balancer == "none":
+        return t.chunk(size, dim=dim)[rank]
     chunks = t.chunk(2 * size, dim=dim)
     return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=dim)
 
@@ -111,6 +115,7 @@ def run_pytorch(args):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import set_rotate_method
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
 
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -126,10 +131,12 @@ def run_pytorch(args):
             print(f"rank {rank}: context_parallel as shipped, on the CPU: {type(e).__name__}: {e}", flush=True)
         leave(dist)
     enable_pytorch_cp_on_cpu()
-    dout_local = head_tail(inputs["dout"], rank, size)
     w = {n: inputs[n].clone().requires_grad_() for n in ("wq", "wk", "wv", "wo")}
-    for method in METHODS:
+    for method, balancer in ((m, b) for m in METHODS for b in BALANCERS):
         set_rotate_method(method)
+        # context_parallel picks its head-tail balancer when this is on (and the length divides by 2 cp).
+        cp_attention._cp_options.enable_load_balance = balancer == "headtail"
+        dout_local = cp_chunks(inputs["dout"], rank, size, balancer)
         times, calls_before = [], HANDLER_CALLS[0]
         for i in range(args.reps + 1):  # i = 0: the warm-up, and the results written
             for p in w.values():
@@ -153,7 +160,7 @@ def run_pytorch(args):
         times.sort()
         result["median_ms"] = torch.tensor([times[len(times) // 2] if times else 0.0], dtype=torch.float64)
         result["handler_calls"] = torch.tensor([HANDLER_CALLS[0] - calls_before])
-        save_file(result, os.path.join(args.workdir, f"pytorch_{method}_rank{rank}.safetensors"))
+        save_file(result, os.path.join(args.workdir, f"pytorch_{method}_{balancer}_rank{rank}.safetensors"))
     leave(dist)
 
 
@@ -227,36 +234,39 @@ def main():
     plain_log, _ = launch(args, me + ["--pytorch-rank", "--try-plain"], "PyTorch's context_parallel as shipped", 300)
     print("\n".join(line for line in plain_log.splitlines() if "context_parallel as shipped" in line))
     launch(args, me + ["--pytorch-rank"], "PyTorch's context_parallel", 600)
-    for method in METHODS:
-        launch(args, [args.ours, args.workdir, method, str(args.heads), str(args.reps)], f"ours ({method})", 600)
+    cases = [(m, b) for m in METHODS for b in BALANCERS]
+    for method, balancer in cases:
+        launch(args, [args.ours, args.workdir, method, balancer, str(args.heads), str(args.reps)],
+               f"ours ({method}, {balancer})", 600)
 
     rows = []
-    for method in METHODS:
+    for method, balancer in cases:
+        case = f"{method}_{balancer}"
         worst = {"ours vs PyTorch": 0.0, "ours vs unsharded": 0.0, "PyTorch vs unsharded": 0.0}
         ms = {"ours": 0.0, "pytorch": 0.0}
         for rank in range(args.nproc):
-            theirs = load_file(os.path.join(args.workdir, f"pytorch_{method}_rank{rank}.safetensors"))
-            ours = load_file(os.path.join(args.workdir, f"ours_{method}_rank{rank}.safetensors"))
+            theirs = load_file(os.path.join(args.workdir, f"pytorch_{case}_rank{rank}.safetensors"))
+            ours = load_file(os.path.join(args.workdir, f"ours_{case}_rank{rank}.safetensors"))
             if theirs["handler_calls"].item() < 2:
-                print(f"FAIL: {method} rank {rank}: PyTorch's ring handler ran {theirs['handler_calls'].item()} times")
+                print(f"FAIL: {case} rank {rank}: PyTorch's ring handler ran {theirs['handler_calls'].item()} times")
                 ok = False
             for name, want in ref.items():
-                want = head_tail(want, rank, args.nproc) if name in ("out", "dx") else want
+                want = cp_chunks(want, rank, args.nproc, balancer) if name in ("out", "dx") else want
                 for key, a, b in (("ours vs PyTorch", ours[name], theirs[name]), ("ours vs unsharded", ours[name], want),
                                   ("PyTorch vs unsharded", theirs[name], want)):
                     d = rel_diff(a, b)
                     worst[key] = max(worst[key], d)
                     if not d <= 1e-5:
-                        print(f"FAIL: {method} rank {rank} {name}: {key} differ by {d:.2e} (relative) > 1e-5")
+                        print(f"FAIL: {case} rank {rank} {name}: {key} differ by {d:.2e} (relative) > 1e-5")
                         ok = False
             for side, res in (("ours", ours), ("pytorch", theirs)):
                 ms[side] = max(ms[side], res["median_ms"].item())
-        print(f"{method}: max relative difference " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
-        rows.append((method, worst, ms))
+        print(f"{method}, {balancer}: max relative difference " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+        rows.append((f"{method}, {balancer}", worst, ms))
     if args.markdown:
         print(f"\ncp {args.nproc}, batch {args.batch} x {args.seq} tokens, {args.heads} heads x {args.head_dim}, fp32, "
               f"1 thread per rank; {args.reps} timed forward + backward passes after a warm-up, median (slowest rank)")
-        print("\n| rotate method | ours (ms) | PyTorch context_parallel (ms) | ours / PyTorch | ours vs PyTorch | "
+        print("\n| rotate method, chunks | ours (ms) | PyTorch context_parallel (ms) | ours / PyTorch | ours vs PyTorch | "
               "ours vs unsharded | PyTorch vs unsharded |")
         print("|---|---|---|---|---|---|---|")
         for method, worst, ms in rows:

@@ -1,9 +1,9 @@
 // Our side of the side-by-side with PyTorch's own context_parallel (vs_pytorch_context_parallel.py drives both):
 // one causal self-attention layer (x Wq, x Wk, x Wv, fsdp::ring_attention, Wo) over this rank's head-tail chunks
 // of the sequence, forward and backward against a given output gradient, on the inputs the driver wrote.
-//   fsdprun --nproc-per-node N vs_pytorch_ours <workdir> <allgather|alltoall> <heads> <timed repetitions>
+//   fsdprun --nproc-per-node N vs_pytorch_ours <workdir> <allgather|alltoall> <headtail|none> <heads> <timed repetitions>
 // Reads <workdir>/inputs.safetensors (x [batch, seq, dim], wq, wk, wv, wo [dim, dim] as y = x W, dout like x) and
-// writes <workdir>/ours_<method>_rank<r>.safetensors: this rank's output and dx chunks, the weight gradients summed
+// writes <workdir>/ours_<method>_<balancer>_rank<r>.safetensors: this rank's output and dx chunks, the weight gradients summed
 // over the cp ranks, and the median wall time of one forward + backward (after one untimed warm-up).
 #include <fsdp/checkpoint/safetensors.h>
 #include <fsdp/context_parallel.h>
@@ -43,15 +43,16 @@ torch::Tensor forward(const torch::Tensor& x, const Layer& w, int64_t heads, con
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 5) {
-    std::fprintf(stderr, "usage: vs_pytorch_ours <workdir> <allgather|alltoall> <heads> <timed repetitions>\n");
+  if (argc != 6) {
+    std::fprintf(stderr,
+                 "usage: vs_pytorch_ours <workdir> <allgather|alltoall> <headtail|none> <heads> <timed repetitions>\n");
     return 2;
   }
   const std::string dir = argv[1];
   fsdp::ContextParallelOptions options;
   options.rotate_method = fsdp::parse_cp_rotate_method(argv[2]);
-  options.load_balancer = fsdp::CpLoadBalancer::HeadTail;  // PyTorch's default for causal attention
-  const int64_t heads = std::stoll(argv[3]), reps = std::stoll(argv[4]);
+  options.load_balancer = fsdp::parse_cp_load_balancer(argv[3]);
+  const int64_t heads = std::stoll(argv[4]), reps = std::stoll(argv[5]);
   fsdp::InitOptions init;
   init.backend = "gloo";
   auto cp = fsdp::init_process_group(init);
@@ -93,6 +94,6 @@ int main(int argc, char** argv) {
     results.emplace_back(name, g);
   }
   results.emplace_back("median_ms", torch::tensor({ms.empty() ? 0.0 : ms[ms.size() / 2]}, torch::kDouble));
-  st::save_file(dir + "/ours_" + argv[2] + "_rank" + std::to_string(rank) + ".safetensors", results);
+  st::save_file(dir + "/ours_" + argv[2] + "_" + argv[3] + "_rank" + std::to_string(rank) + ".safetensors", results);
   return 0;
 }
