@@ -134,6 +134,9 @@ void check_model_layout(const JobConfig& config, int64_t world_size) {
   if (config.model.attn_mask_type == AttnMaskType::BlockCausal)
     document_eos(*make_tokenizer(config.model.tokenizer_path));
   if (config.fault_tolerance.enable) check_coordinator_given(config);
+  resolve_dataset_files(config.training.dataset, config.training.dataset_path);  // a missing file, named
+  if (config.validation.enable)
+    resolve_dataset_files(config.validation.dataset, config.validation.dataset_path, "validation");
   // Only the family's own rules here. A layout that does not resolve on this rank's WORLD_SIZE is left to the
   // Trainer, after init_distributed: a rank launched with another world size than its peers must be named by the
   // launch check ("world size differs across ranks"), not refused with a batch-divisibility error of its own.

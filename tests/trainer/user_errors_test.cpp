@@ -131,11 +131,11 @@ TEST(UserErrors, FsdpTrainContextParallelSeqLenNamesTheRule) {
 
 // Every rule before any process group (issue 39): a layout the model family refuses — including the pipeline
 // split (stages, schedule), which used to be cut only in parallelize, after the rendezvous — block_causal without
-// an EOS and [fault_tolerance] without a coordinator are one line, exit 2, before a process group exists.
+// an EOS, [fault_tolerance] without a coordinator and a missing data file are one line, before a process group.
 // The proof: rank 0 of a 2-rank world launched alone, with no rank 1 and nothing listening. A check after
 // init_process_group would wait there for its peer (comm.init_timeout_seconds = 30, then a rendezvous error
 // instead of the line); the unfixed binary did so in every case here but "family" (checked before it already).
-// The same configs under fsdprun on 2 ranks: both ranks print the line, fsdprun exits 2.
+// The same configs under fsdprun on 2 ranks: the ranks print the line, fsdprun exits 2.
 namespace {
 
 int free_port() {
@@ -154,6 +154,7 @@ struct RefusedLayout {
   const char* name;
   std::string args;
   std::string line;  // the one line fsdp-train prints
+  int status = 2;    // 2: a ConfigError; 1: a missing input file
 };
 
 std::vector<RefusedLayout> refused_layouts(const fs::path& root) {
@@ -189,6 +190,12 @@ std::vector<RefusedLayout> refused_layouts(const fs::path& root) {
        "no EOS token"},
       {"coordinator", " --model.flavor cpu_tiny --fault_tolerance.enable --fault_tolerance.group_size 2",
        "config error: fault_tolerance.enable needs the coordinator"},
+      {"dataset", " --model.flavor cpu_tiny --training.dataset text --training.dataset_path '" +
+                      (root / "no_such_corpus").string() + "'",
+       "training.dataset_path: '" + (root / "no_such_corpus").string() + "' does not exist", 1},
+      {"validation_dataset", " --model.flavor cpu_tiny --validation.enable --validation.dataset jsonl "
+                             "--validation.dataset_path '" + no_eos.string() + "'",
+       "validation.dataset_path: '" + no_eos.string() + "' is not a JSON Lines file", 1},
   };
 }
 
@@ -204,7 +211,7 @@ TEST(UserErrors, FsdpTrainRefusesLayoutsBeforeAnyProcessGroup) {
     const auto t0 = std::chrono::steady_clock::now();
     const Outcome r = run_in(cwd, env + FSDP_TRAIN + c.args + " --comm.init_timeout_seconds 30 --job.dump_folder out");
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    expect_one_clean_line(r, 2, {"fsdp-train: " + c.line});
+    expect_one_clean_line(r, c.status, {"fsdp-train: " + c.line});
     EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
     EXPECT_LT(seconds, 30) << "waited for a rendezvous: " << r.output;
     EXPECT_TRUE(empty_dir(cwd));
@@ -220,12 +227,10 @@ TEST(UserErrors, FsdpTrainRefusesLayoutsBeforeAnyProcessGroupUnderFsdprun) {
     const auto cwd = s.cwd(std::string("fsdprun_") + c.name);
     const Outcome r = run_in(cwd, std::string("env -u FSDP_LIGHTHOUSE ") + FSDPRUN + " --nproc-per-node 2 --timeout 100 " +
                                       FSDP_TRAIN + c.args + " --comm.init_timeout_seconds 30 --job.dump_folder out");
-    expect_one_clean_line(r, 2, {"fsdp-train: " + c.line});
-    size_t lines = 0;
-    for (size_t at = r.output.find("fsdp-train: " + c.line); at != std::string::npos;
-         at = r.output.find("fsdp-train: " + c.line, at + 1))
-      ++lines;
-    EXPECT_EQ(lines, 2u) << "each rank prints the line: " << r.output;
+    expect_one_clean_line(r, c.status, {"fsdp-train: " + c.line});
+    // Each rank that reached its check printed the line (fsdprun may stop the other first, as torchrun does).
+    EXPECT_NE(r.output.find("] fsdp-train: " + c.line), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("rendezvous"), std::string::npos) << r.output;
     EXPECT_TRUE(empty_dir(cwd));
   }
 }
