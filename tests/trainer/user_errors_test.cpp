@@ -3,6 +3,8 @@
 // the input is known good. The binaries run as a user would run them, in a scratch working directory.
 #include <gtest/gtest.h>
 
+#include "loopback_port.h"
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -138,18 +140,6 @@ TEST(UserErrors, FsdpTrainContextParallelSeqLenNamesTheRule) {
 // The same configs under fsdprun on 2 ranks: the ranks print the line, fsdprun exits 2.
 namespace {
 
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
 struct RefusedLayout {
   const char* name;
   std::string args;
@@ -207,7 +197,7 @@ TEST(UserErrors, FsdpTrainRefusesLayoutsBeforeAnyProcessGroup) {
     SCOPED_TRACE(c.name);
     const auto cwd = s.cwd(std::string("alone_") + c.name);
     const std::string env = "env -u FSDP_LIGHTHOUSE RANK=0 LOCAL_RANK=0 WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 "
-                            "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port()) + " ";
+                            "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(fsdp_test::free_loopback_port()) + " ";
     const auto t0 = std::chrono::steady_clock::now();
     const Outcome r = run_in(cwd, env + FSDP_TRAIN + c.args + " --comm.init_timeout_seconds 30 --job.dump_folder out");
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
