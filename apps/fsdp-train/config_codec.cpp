@@ -191,7 +191,7 @@ bool is_string_array(const toml::node& node) {
 
 // ---- the codecs: one per member type of JobConfig ----
 template <class T, class = void>
-struct Codec;  // a member type with no codec: codec_of<T> below does not compile
+struct Codec;  // a member type with no codec: no codec_of<T> instance, so its table row does not link
 
 template <>
 struct Codec<bool> {
