@@ -2,9 +2,9 @@
 // fsdp-train's job configuration: TorchTitan's TOML sections and key names, TorchTitan's defaults, an embedded
 // default file (configs/debug.toml compiled in), and `--section.key value` command-line overrides.
 //
-// Every key is declared once in the schema (config.cpp): its type, default, help and whether the trainer
-// implements it yet. Parsing, type checks, the unknown-key check, to_toml() and the docs' reference table all
-// come from that one list, so they cannot drift apart. No torch headers here.
+// Every key is declared once, as a row of the field table (config_fields.cpp); its member's type picks its codec
+// (config_codec.cpp). Parsing, type checks, the unknown-key check, to_toml() and the docs' reference table all come
+// from that one list, so they cannot drift apart; the rules are in config_rules.cpp. No torch headers here.
 
 #include <cstdint>
 #include <optional>

@@ -99,8 +99,8 @@ const TrainSpec& train_spec(const std::string& model_name);
 // The registered families, in registration order.
 std::vector<std::string> train_spec_names();
 
-// The layout check of config.model.name's family on `world_size` ranks (resolve_parallelism first): what
-// fsdp-train runs before init_distributed, so that a refused layout is one line and no rendezvous.
+// config.model.name's layout check on `world_size` ranks (its pipeline split too), block_causal's EOS, FT's coordinator
+// and the data files: what fsdp-train checks before init_distributed (a refused one is one line, no rendezvous).
 void check_model_layout(const JobConfig& config, int64_t world_size);
 
 }  // namespace fsdp_train

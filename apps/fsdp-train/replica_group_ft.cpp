@@ -28,10 +28,7 @@ std::string ids(const std::vector<int>& v) {
 
 fsdp::ft::ManagerOptions manager_options(const JobConfig& config) {
   const auto& f = config.fault_tolerance;
-  const char* env = std::getenv("FSDP_LIGHTHOUSE");
-  if (f.lighthouse.empty() && !(env && *env))
-    throw ConfigError("config error: fault_tolerance.enable needs the coordinator: start fsdp-lighthouse and pass the "
-                      "host:port it prints as fault_tolerance.lighthouse or in the environment variable FSDP_LIGHTHOUSE");
+  check_coordinator_given(config);
   fsdp::ft::ManagerOptions o;
   o.replica_id = static_cast<int>(f.replica_id);
   o.lighthouse = f.lighthouse;
@@ -45,6 +42,13 @@ fsdp::ft::ManagerOptions manager_options(const JobConfig& config) {
 }
 
 }  // namespace
+
+void check_coordinator_given(const JobConfig& config) {
+  const char* env = std::getenv("FSDP_LIGHTHOUSE");
+  if (config.fault_tolerance.lighthouse.empty() && !(env && *env))
+    throw ConfigError("config error: fault_tolerance.enable needs the coordinator: start fsdp-lighthouse and pass the "
+                      "host:port it prints as fault_tolerance.lighthouse or in the environment variable FSDP_LIGHTHOUSE");
+}
 
 struct FaultTolerance::Impl {
   const JobConfig& config;

@@ -33,6 +33,10 @@ class FSDPModule;
 
 namespace fsdp_train {
 
+// [fault_tolerance]: the coordinator's address is given (fault_tolerance.lighthouse, or the environment variable
+// FSDP_LIGHTHOUSE); a ConfigError saying how otherwise. fsdp-train checks it before any process group.
+void check_coordinator_given(const JobConfig& config);
+
 class FaultTolerance {
  public:
   // `replica_group`: this job's world (one replica group); `say`: this rank prints the group's FT lines.

@@ -117,9 +117,26 @@ static void check_launch_matches(const JobConfig& config, const torch::nn::Modul
   fsdp::check_same_on_all_ranks("job configuration (effective TOML, job.dump_folder excepted)", to_toml(compared));
 }
 
+// model.attn_mask_type = "block_causal": the tokenizer's EOS, where packed samples split into documents; a
+// ConfigError when the tokenizer has none.
+static int64_t document_eos(const Tokenizer& tokenizer) {
+  if (!tokenizer.eos_id()) {
+    throw ConfigError("config error: model.attn_mask_type = \"block_causal\" splits packed samples into documents "
+                      "at the tokenizer's EOS, but the tokenizer (" + tokenizer.describe() + ") has no EOS token");
+  }
+  return static_cast<int64_t>(*tokenizer.eos_id());
+}
+
 void check_model_layout(const JobConfig& config, int64_t world_size) {
   // model.name first: an unknown family is one line listing the registered ones, whatever the layout.
   const TrainSpec& spec = train_spec(config.model.name);
+  // The rules that need the run's files or environment but no world size, before any process group too.
+  if (config.model.attn_mask_type == AttnMaskType::BlockCausal)
+    document_eos(*make_tokenizer(config.model.tokenizer_path));
+  if (config.fault_tolerance.enable) check_coordinator_given(config);
+  resolve_dataset_files(config.training.dataset, config.training.dataset_path);  // a missing file, named
+  if (config.validation.enable)
+    resolve_dataset_files(config.validation.dataset, config.validation.dataset_path, "validation");
   // Only the family's own rules here. A layout that does not resolve on this rank's WORLD_SIZE is left to the
   // Trainer, after init_distributed: a rank launched with another world size than its peers must be named by the
   // launch check ("world size differs across ranks"), not refused with a batch-divisibility error of its own.
@@ -287,11 +304,7 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
   tokenizer_ = make_tokenizer(config.model.tokenizer_path);
   files_ = resolve_dataset_files(config.training.dataset, config.training.dataset_path);
   if (config.model.attn_mask_type == AttnMaskType::BlockCausal) {
-    if (!tokenizer_->eos_id()) {
-      throw ConfigError("config error: model.attn_mask_type = \"block_causal\" splits packed samples into documents "
-                        "at the tokenizer's EOS, but the tokenizer (" + tokenizer_->describe() + ") has no EOS token");
-    }
-    document_eos_ = static_cast<int64_t>(*tokenizer_->eos_id());
+    document_eos_ = document_eos(*tokenizer_);
     shape_.eos_id = *document_eos_;
   }
   shape_.vocab_size = tokenizer_->vocab_size();  // TorchTitan: the model's vocab follows the tokenizer

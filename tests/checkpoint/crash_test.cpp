@@ -7,6 +7,8 @@
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+
+#include "loopback_port.h"
 #include <torch/torch.h>
 
 #include <netinet/in.h>
@@ -25,21 +27,9 @@ namespace ckpt = fsdp::checkpoint;
 
 namespace {
 
-int free_port() {
-  int s = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(s);
-  return ntohs(a.sin_port);
-}
-
 // Starts `world` ranks of `ckpt_worker saveloop folder <world>` in a new process group; returns its id.
 pid_t start_ranks(const std::string& folder, int world) {
-  const int port = free_port();
+  const int port = fsdp_test::free_loopback_port();
   pid_t group = 0;
   for (int r = 0; r < world; ++r) {
     pid_t pid = ::fork();

@@ -30,7 +30,8 @@ foreach(source ${family_sources})
 endforeach()
 # A family is its folder plus its registration: the name of every folder under models/ appears in no trainer
 # source but the registry (model.name is a string the registry checks, not a config choice), except the names the
-# config's text has always held (TorchTitan's default model.name "llama3", and the model.flavor help's lists).
+# config's text has always held (TorchTitan's default model.name "llama3" in config.h, and the model.flavor help's
+# lists in the field table, config_fields.cpp).
 set(config_mentions llama3 qwen3)
 file(GLOB family_dirs LIST_DIRECTORIES true ${TRAIN_DIR}/models/*)
 set(families "")
@@ -45,7 +46,7 @@ foreach(dir ${family_dirs})
     if(name STREQUAL "model_registry.cpp")
       continue()
     endif()
-    if(family IN_LIST config_mentions AND name MATCHES "^config\\.(h|cpp)$")
+    if(family IN_LIST config_mentions AND name MATCHES "^config(_fields)?\\.(h|cpp)$")
       continue()
     endif()
     file(READ ${source} text)

@@ -3,6 +3,8 @@
 // the input is known good. The binaries run as a user would run them, in a scratch working directory.
 #include <gtest/gtest.h>
 
+#include "loopback_port.h"
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -13,11 +15,13 @@
 #include <cstdio>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace fs = std::filesystem;
 
@@ -126,6 +130,101 @@ TEST(UserErrors, FsdpTrainContextParallelSeqLenNamesTheRule) {
   expect_one_clean_line(method, 2, {"parallelism.context_parallel_rotate_method", "allgather", "alltoall"});
   EXPECT_TRUE(empty_dir(cwd));
 }
+
+// Every rule before any process group (issue 39): a layout the model family refuses — including the pipeline
+// split (stages, schedule), which used to be cut only in parallelize, after the rendezvous — block_causal without
+// an EOS, [fault_tolerance] without a coordinator and a missing data file are one line, before a process group.
+// The proof: rank 0 of a 2-rank world launched alone, with no rank 1 and nothing listening. A check after
+// init_process_group would wait there for its peer (comm.init_timeout_seconds = 30, then a rendezvous error
+// instead of the line); the unfixed binary did so in every case here but "family" (checked before it already).
+// The same configs under fsdprun on 2 ranks: the ranks print the line, fsdprun exits 2.
+namespace {
+
+struct RefusedLayout {
+  const char* name;
+  std::string args;
+  std::string line;  // the one line fsdp-train prints
+  int status = 2;    // 2: a ConfigError; 1: a missing input file
+};
+
+std::vector<RefusedLayout> refused_layouts(const fs::path& root) {
+  // A Hugging Face tokenizer.json with no EOS token: byte-level BPE, the 256 byte symbols (GPT-2's byte alphabet:
+  // printable Latin-1 bytes as themselves, the others as U+0100 + n in byte order), no merges, no added tokens.
+  std::string vocab;
+  for (int b = 0, shifted = 0; b < 256; ++b) {
+    const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || b >= 174;
+    char symbol[8];
+    std::snprintf(symbol, sizeof symbol, "\\u%04X", printable ? b : 256 + shifted++);
+    vocab += (b ? ", \"" : "\"") + std::string(symbol) + "\": " + std::to_string(b);
+  }
+  const fs::path no_eos = root / "no_eos_tokenizer.json";
+  std::ofstream(no_eos) << R"({"added_tokens": [], "pre_tokenizer": {"type": "ByteLevel"}, "model": {"type": "BPE", )"
+                        << R"("merges": [], "vocab": {)" << vocab << "}}}";
+  const std::string pp2 = " --model.flavor cpu_small --parallelism.pipeline_parallel_degree 2";
+  return {
+      {"fqns", pp2 + " --parallelism.module_fqns_per_model_part 'tok_embeddings,layers.0;layers.1,layers.2;layers.3,norm,output'",
+       "config error: parallelism.module_fqns_per_model_part lists 3 stages, not a multiple of "
+       "pipeline_parallel_degree = 2"},
+      {"layers_per_stage", pp2 + " --parallelism.pipeline_parallel_layers_per_stage 2",
+       "config error: parallelism.pipeline_parallel_layers_per_stage = 2 gives 3 stages for 4 layers, not a "
+       "multiple of pipeline_parallel_degree = 2"},
+      {"schedule", pp2 + " --parallelism.pipeline_parallel_schedule ZBVZeroBubble "
+                         "--parallelism.pipeline_parallel_layers_per_stage 3",
+       "config error: parallelism: ZBVZeroBubble requires exactly 2 stages per rank (the V), got 1"},
+      {"family", " --model.flavor cpu_tiny --parallelism.expert_parallel_degree 2",
+       "config error: parallelism.expert_parallel_degree = 2 but llama3 cpu_tiny has no MoE layers"},
+      {"eos", " --model.flavor cpu_tiny --model.attn_mask_type block_causal --model.tokenizer_path '" +
+                  no_eos.string() + "'",
+       "config error: model.attn_mask_type = \"block_causal\" splits packed samples into documents at the "
+       "tokenizer's EOS, but the tokenizer (BPE tokenizer.json " + no_eos.string() + " (vocab 256, 0 merges)) has "
+       "no EOS token"},
+      {"coordinator", " --model.flavor cpu_tiny --fault_tolerance.enable --fault_tolerance.group_size 2",
+       "config error: fault_tolerance.enable needs the coordinator"},
+      {"dataset", " --model.flavor cpu_tiny --training.dataset text --training.dataset_path '" +
+                      (root / "no_such_corpus").string() + "'",
+       "training.dataset_path: '" + (root / "no_such_corpus").string() + "' does not exist", 1},
+      {"validation_dataset", " --model.flavor cpu_tiny --validation.enable --validation.dataset jsonl "
+                             "--validation.dataset_path '" + no_eos.string() + "'",
+       "validation.dataset_path: '" + no_eos.string() + "' is not a JSON Lines file", 1},
+  };
+}
+
+}  // namespace
+
+TEST(UserErrors, FsdpTrainRefusesLayoutsBeforeAnyProcessGroup) {
+  Scratch s;
+  for (const auto& c : refused_layouts(s.root)) {
+    SCOPED_TRACE(c.name);
+    const auto cwd = s.cwd(std::string("alone_") + c.name);
+    const std::string env = "env -u FSDP_LIGHTHOUSE RANK=0 LOCAL_RANK=0 WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 "
+                            "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(fsdp_test::free_loopback_port()) + " ";
+    const auto t0 = std::chrono::steady_clock::now();
+    const Outcome r = run_in(cwd, env + FSDP_TRAIN + c.args + " --comm.init_timeout_seconds 30 --job.dump_folder out");
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    expect_one_clean_line(r, c.status, {"fsdp-train: " + c.line});
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+    EXPECT_LT(seconds, 30) << "waited for a rendezvous: " << r.output;
+    EXPECT_TRUE(empty_dir(cwd));
+  }
+}
+
+#ifdef FSDPRUN
+TEST(UserErrors, FsdpTrainRefusesLayoutsBeforeAnyProcessGroupUnderFsdprun) {
+  Scratch s;
+  for (const auto& c : refused_layouts(s.root)) {
+    if (std::string(c.name) != "fqns" && std::string(c.name) != "coordinator") continue;  // one of each kind
+    SCOPED_TRACE(c.name);
+    const auto cwd = s.cwd(std::string("fsdprun_") + c.name);
+    const Outcome r = run_in(cwd, std::string("env -u FSDP_LIGHTHOUSE ") + FSDPRUN + " --nproc-per-node 2 --timeout 100 " +
+                                      FSDP_TRAIN + c.args + " --comm.init_timeout_seconds 30 --job.dump_folder out");
+    expect_one_clean_line(r, c.status, {"fsdp-train: " + c.line});
+    // Each rank that reached its check printed the line (fsdprun may stop the other first, as torchrun does).
+    EXPECT_NE(r.output.find("] fsdp-train: " + c.line), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("rendezvous"), std::string::npos) << r.output;
+    EXPECT_TRUE(empty_dir(cwd));
+  }
+}
+#endif
 
 TEST(UserErrors, FsdpTrainLibraryErrorsCarryNoStackDump) {
   // A Hugging Face config.json of 100 MB (sparse): refused by the library's size check (a TORCH_CHECK whose

@@ -92,7 +92,11 @@ TrainSpec decoder_train_spec(std::string name, std::vector<std::string> flavors,
   spec.flavors = std::move(flavors);
   spec.build = build_model;
   spec.check_layout = [name](const JobConfig& config, const ParallelDims& dims) {
-    check_layout(name, model_args(config), config, dims);
+    const LlamaArgs args = model_args(config);
+    check_layout(name, args, config, dims);
+    // The pipeline split is arithmetic over the flavor's layers (and the schedule file): cut it here too, so that
+    // stages, a schedule or a file the layout cannot take are refused before any process group, not in parallelize.
+    if (dims.pp > 1) split_pipeline(args, pipeline_split_options(config, dims));
   };
   spec.parallelize = [](TrainModel& model, const JobConfig& config, const ParallelDims& dims,
                         const fsdp::ProcessGroupPtr& group) {
