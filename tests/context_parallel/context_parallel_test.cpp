@@ -401,8 +401,8 @@ TEST(ContextParallel, AttentionBytesPerRankFallAsOneOverCp) {
 // The same measurement under block_causal (documents of 100-400 tokens packed into the 2048): the masked ring
 // (alltoall), the same code with all-gathered K/V (allgather), and the path it replaced in fsdp-train, K/V
 // all-gathered and libtorch's SDPA under a [seq/cp, seq] mask (context_parallel_masked_attention). cp 1: the
-// masked ring over a one-rank group on the whole sequence. Documents make pairs of chunks empty (skipped), so
-// the ring's work and its peak are below the causal case's. The numbers are docs/context_parallel.md's table.
+// masked ring over a one-rank group on the whole sequence. Pairs of chunks in different documents are skipped;
+// masked pairs add a chunk-sized mask. The numbers are docs/context_parallel.md's table.
 TEST(ContextParallel, BlockCausalAttentionBytesPerRank) {
   auto cp = fsdp_test::test_world();
   const int64_t rank = cp->rank(), size = cp->size();

@@ -10,8 +10,10 @@
 // initial values, and the validation loss over held-out samples (each cp rank its chunks) agrees too.
 // A sequence length that does not divide is refused naming the rule (also tests/trainer/user_errors_test.cpp),
 // and so are the layouts not composed yet (pipeline, MoE).
-// block_causal with cp 2 (both layouts) equals the 1-rank block_causal run.
+// block_causal with cp 2 (both layouts) equals the 1-rank block_causal run, and the profiled step's trace shows the
+// masked ring ran (under alltoall its K/V ring steps, no K/V all-gather).
 #include "config.h"
+#include "models/llama3/parallelize_llama.h"
 #include "train_env.h"
 #include "trainer.h"
 
@@ -21,6 +23,7 @@
 #include "expect_error.h"
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -178,6 +181,34 @@ std::string short_documents_corpus() {
   return path;
 }
 
+// The profiled step of a block_causal cp run (its Chrome trace, [profiling]) shows the masked ring: every layer's
+// attention is block_causal_ring_attention, once per forward per gathered set of document ids, and K/V moved by
+// the method asked (the ring's send/recv steps under alltoall, all-gathers under allgather); the old all-gathered
+// masked SDPA never ran.
+void expect_block_causal_ring_ran(const std::string& trace_path, CpRotateMethod rotate, int64_t n_layers) {
+  std::ifstream in(trace_path);
+  ASSERT_TRUE(in) << "missing " << trace_path;
+  const auto trace = nlohmann::json::parse(in);
+  std::map<std::string, int64_t> count;
+  for (const auto& e : trace.at("traceEvents")) {
+    if (e.value("ph", "") == "X") ++count[e.value("name", "")];
+  }
+  const std::string cp = "fsdp::context_parallel::";
+  const int64_t forwards = count[cp + "allgather_document_ids"];
+  EXPECT_GE(forwards, 1);
+  EXPECT_EQ(count[cp + "block_causal_ring_attention"], forwards * n_layers);
+  EXPECT_GE(count[cp + "block_causal_ring_attention_backward"], n_layers);
+  EXPECT_EQ(count[cp + "masked_attention"], 0);
+  if (rotate == CpRotateMethod::AllToAll) {
+    EXPECT_GT(count[cp + "rotate_kv"], 0);
+    EXPECT_GT(count[cp + "rotate_dkv"], 0);
+    EXPECT_EQ(count[cp + "allgather_kv"], 0) << "the ring gathers no K/V";
+  } else {
+    EXPECT_GT(count[cp + "allgather_kv"], 0);
+    EXPECT_EQ(count[cp + "rotate_kv"], 0);
+  }
+}
+
 }  // namespace
 
 // model.attn_mask_type = "block_causal" under cp 2: the documents' masks follow the chunks (document ids of the
@@ -208,9 +239,15 @@ TEST(TrainerContextParallel, BlockCausalCp2MatchesOneRank) {
     c.parallelism.context_parallel_degree = 2;
     c.parallelism.context_parallel_rotate_method = rotate;
     c.parallelism.context_parallel_load_balancer = balancer;
+    // The last step's trace shows which attention ran.
+    c.profiling.enable_profiling = true;
+    c.profiling.profile_freq = kSteps;
     const TrainedRun got = train_and_read(c, test::world_env());
     SCOPED_TRACE(to_string(balancer));
     EXPECT_NE(got.summary.plan.find("CP 2 (ring attention"), std::string::npos) << got.summary.plan;
+    expect_block_causal_ring_ran(c.job.dump_folder + "/profile_traces/iteration_" + std::to_string(kSteps) + "/rank" +
+                                     std::to_string(fsdp::world()->rank()) + "_trace.json",
+                                 rotate, llama3::model_args(c).n_layers);
     ASSERT_EQ(got.summary.losses.size(), ref.summary.losses.size());
     for (size_t i = 0; i < ref.summary.losses.size(); ++i) {
       EXPECT_NEAR(got.summary.losses[i], ref.summary.losses[i], 1e-5 * ref.summary.losses[i]) << "step " << i + 1;
