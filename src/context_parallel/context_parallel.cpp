@@ -46,8 +46,10 @@ void merge_into(Merged& acc, const BlockResult& part) {
     return;
   }
   auto lse = at::logaddexp(acc.lse, part.lse);
-  // Under a document mask a row may have seen no key yet and none in this chunk either (both lse -inf): its
-  // weights are then exp(-inf - 0) = 0, not exp(-inf - -inf) = NaN, and it stays empty until a chunk with keys.
+  // Under a document mask a row may see no key of a chunk (lse -inf): its weight is exp(-inf - lse) = 0. Had it
+  // seen none before either (both -inf), the weights are exp(-inf - 0) = 0, not exp(-inf - -inf) = NaN. (The
+  // ring visits this rank's own chunks first, its diagonal among them, so that case is not reached today; the
+  // guard keeps the merge right in any visiting order.)
   const auto finite_lse = lse.masked_fill(lse.isneginf(), 0.0);
   acc.out.mul_((acc.lse - finite_lse).exp_().unsqueeze(-1))
       .add_(part.out * (part.lse - finite_lse).exp_().unsqueeze(-1));

@@ -154,6 +154,30 @@ TEST(BlockCausalRing, RingNoBalancing) { run_case(fsdp::CpRotateMethod::AllToAll
 TEST(BlockCausalRing, AllGatherHeadTail) { run_case(fsdp::CpRotateMethod::AllGather, fsdp::CpLoadBalancer::HeadTail); }
 TEST(BlockCausalRing, AllGatherNoBalancing) { run_case(fsdp::CpRotateMethod::AllGather, fsdp::CpLoadBalancer::None); }
 
+// As a bf16 model calls it: the chunk masks take the queries' dtype (CPU flash requires it); bf16 tolerance.
+TEST(BlockCausalRing, RingBf16) {
+  auto cp = fsdp_test::test_world();
+  const auto balancer = fsdp::CpLoadBalancer::HeadTail;
+  const Case c = make_case();
+  auto shard = [&](const torch::Tensor& t, int64_t dim) {
+    return fsdp::context_parallel_shard(t, dim, cp->rank(), cp->size(), balancer);
+  };
+  auto leaf = [&](const torch::Tensor& t) { return shard(t, 2).to(torch::kBFloat16).requires_grad_(); };
+  auto q = leaf(c.q), k = leaf(c.k), v = leaf(c.v);
+  const auto all_ids = fsdp::context_parallel_gather_document_ids(shard(c.ids, 1), cp);
+  auto out = fsdp::block_causal_ring_attention(q, k, v, all_ids, cp, {fsdp::CpRotateMethod::AllToAll, balancer});
+  ASSERT_EQ(out.scalar_type(), torch::kBFloat16);
+  (out.to(torch::kFloat) * shard(c.g, 2)).sum().backward();
+  auto close = [](const torch::Tensor& got, const torch::Tensor& want, const char* what) {
+    EXPECT_TRUE(torch::allclose(got.to(torch::kFloat), want, 3e-2, 3e-2))
+        << what << ": max diff " << (got.to(torch::kFloat) - want).abs().max().item<double>();
+  };
+  close(out, shard(c.out, 2), "output");
+  close(q.grad(), shard(c.dq, 2), "dq");
+  close(k.grad(), shard(c.dk, 2), "dk");
+  close(v.grad(), shard(c.dv, 2), "dv");
+}
+
 // The masked chunk kernel: CPU flash and the math path other devices take agree, and a query row that sees no key
 // of the chunk comes back as out 0, log-sum-exp -inf (flash alone reports 0 there), so that it merges as nothing.
 TEST(BlockCausalRing, MaskedChunkKernelRowsWithoutKeys) {
