@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -197,7 +198,8 @@ TEST(BlockCausalRing, MaskedChunkKernelRowsWithoutKeys) {
   EXPECT_TRUE(torch::allclose(math.lse.masked_select(finite), flash.lse.masked_select(finite), 1e-5, 1e-5));
 }
 
-// In libtorch's profiler the masked ring and its transfers are named ranges (as fsdp-train's [profiling] records).
+// In libtorch's profiler the masked ring and its transfers are named ranges (as fsdp-train's [profiling] records),
+// and the flash kernels ran once per chunk pair with a visible key: empty pairs were skipped.
 TEST(BlockCausalRing, RingStepsAreNamedRangesInTheProfiler) {
   namespace kineto = torch::autograd::profiler;
   using torch::profiler::impl::ActivityType;
@@ -220,7 +222,29 @@ TEST(BlockCausalRing, RingStepsAreNamedRangesInTheProfiler) {
   fsdp::flush_profiler_reports(*cp, std::chrono::seconds(10));
   auto result = kineto::disableProfiler();
   std::set<std::string> names;
-  for (const auto& e : result->events()) names.insert(e.name());
+  std::map<std::string, int64_t> calls;
+  for (const auto& e : result->events()) {
+    names.insert(e.name());
+    ++calls[e.name()];
+  }
+  // Chunk pairs where no query sees a key ran no kernel: one flash forward and one backward per pair with a
+  // visible key, counted here from the ids (head-tail: rank r holds chunks r and 2cp-1-r).
+  const int64_t n = cp->size(), r = cp->rank(), chunk = kSeq / (2 * n);
+  int64_t pairs_seen = 0, pairs_not_future = 0;
+  for (int64_t qc : {r, 2 * n - 1 - r}) {
+    for (int64_t kc = 0; kc <= qc; ++kc) {
+      ++pairs_not_future;
+      const auto qi = c.ids.slice(1, qc * chunk, (qc + 1) * chunk), ki = c.ids.slice(1, kc * chunk, (kc + 1) * chunk);
+      auto visible = qi.unsqueeze(2).eq(ki.unsqueeze(1));
+      if (kc == qc) visible.logical_and_(torch::ones({chunk, chunk}, torch::kBool).tril());
+      pairs_seen += visible.any().item<bool>() ? 1 : 0;
+    }
+  }
+  auto skipped = torch::tensor({pairs_not_future - pairs_seen}, torch::kLong);
+  cp->all_reduce(skipped).wait();
+  EXPECT_GT(skipped.item<int64_t>(), 0) << "these documents leave some pairs empty on some rank";
+  EXPECT_EQ(calls["aten::_scaled_dot_product_flash_attention_for_cpu"], pairs_seen);
+  EXPECT_EQ(calls["aten::_scaled_dot_product_flash_attention_for_cpu_backward"], pairs_seen);
   for (const char* want : {"fsdp::context_parallel::allgather_document_ids",
                            "fsdp::context_parallel::block_causal_ring_attention",
                            "fsdp::context_parallel::block_causal_ring_attention_backward",
