@@ -395,8 +395,9 @@ double checked_ring_scale(const char* who, const at::Tensor& q, const at::Tensor
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const ProcessGroupPtr& cp_group,
                           const ContextParallelOptions& options, std::optional<double> scale) {
   const double s = checked_ring_scale("fsdp::ring_attention", q, k, v, cp_group, options, scale);
-  return RingAttention::apply(q, k, v, std::optional<at::Tensor>(), cp_group, static_cast<int64_t>(options.rotate_method),
-                              static_cast<int64_t>(options.load_balancer), s);
+  return RingAttention::apply(q, k, v, std::optional<at::Tensor>(), cp_group,
+                              static_cast<int64_t>(options.rotate_method), static_cast<int64_t>(options.load_balancer),
+                              s);
 }
 
 at::Tensor context_parallel_gather_document_ids(const at::Tensor& document_ids, const ProcessGroupPtr& cp_group) {

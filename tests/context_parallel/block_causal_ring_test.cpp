@@ -179,8 +179,9 @@ TEST(BlockCausalRing, RingBf16) {
   close(v.grad(), shard(c.dv, 2), "dv");
 }
 
-// The masked chunk kernel: CPU flash and the math path other devices take agree, and a query row that sees no key
-// of the chunk comes back as out 0, log-sum-exp -inf (flash alone reports 0 there), so that it merges as nothing.
+// The masked chunk kernel: CPU flash and the math path other devices take agree (forward and backward), and a
+// query row that sees no key of the chunk comes back as out 0, log-sum-exp -inf (flash alone reports 0 there), so
+// that it merges as nothing.
 TEST(BlockCausalRing, MaskedChunkKernelRowsWithoutKeys) {
   namespace d = fsdp::detail;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
@@ -196,6 +197,19 @@ TEST(BlockCausalRing, MaskedChunkKernelRowsWithoutKeys) {
   expect_close(math.out, flash.out, "masked out");
   const auto finite = flash.lse.isfinite();
   EXPECT_TRUE(torch::allclose(math.lse.masked_select(finite), flash.lse.masked_select(finite), 1e-5, 1e-5));
+  // Backward against a global output and log-sum-exp (the masked chunk merged with a fully visible one, so every
+  // row's is finite): the masked pair's dq, dk, dv agree between the two paths.
+  auto k1 = torch::randn({2, 3, 5, 8}, gen), v1 = torch::randn({2, 3, 5, 8}, gen);
+  auto dout = torch::randn({2, 3, 5, 8}, gen);
+  const auto other = d::attend(q, k1, v1, false, 0.3);
+  const auto lse = torch::logaddexp(flash.lse, other.lse);
+  const auto out =
+      flash.out * (flash.lse - lse).exp().unsqueeze(-1) + other.out * (other.lse - lse).exp().unsqueeze(-1);
+  const auto gf = d::attend_backward(dout, q, k, v, out, lse, false, 0.3, mask);
+  const auto gm = d::attend_backward_math(dout, q, k, v, out, lse, false, 0.3, mask);
+  expect_close(gm.dq, gf.dq, "masked dq");
+  expect_close(gm.dk, gf.dk, "masked dk");
+  expect_close(gm.dv, gf.dv, "masked dv");
 }
 
 // In libtorch's profiler the masked ring and its transfers are named ranges (as fsdp-train's [profiling] records),
@@ -259,8 +273,9 @@ TEST(BlockCausalRing, BadDocumentIdsAreRefused) {
   auto cp = fsdp_test::test_world();
   auto q = torch::zeros({1, 2, 4, 4});
   const std::string shape_rule = "every cp rank's, int64 [cp " + std::to_string(cp->size());
+  const auto one_rank_ids = torch::zeros({1, 4}, torch::kLong);
   fsdp_test::expect_message_has(fsdp_test::error_of([&] {
-                                  fsdp::block_causal_ring_attention(q, q, q, torch::zeros({1, 4}, torch::kLong), cp, {});
+                                  fsdp::block_causal_ring_attention(q, q, q, one_rank_ids, cp, {});
                                 }),
                                 {shape_rule.c_str(), "context_parallel_gather_document_ids"});
 }
