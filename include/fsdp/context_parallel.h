@@ -58,14 +58,31 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 // Document masking (block_causal) under context parallelism: each query attends only to keys of its own document
 // at an earlier or equal global position, documents crossing chunk and rank boundaries. `document_ids` are this
 // rank's chunks of the global ids ([batch, seq_local], int64: ids computed on whole rows, then cut like the
-// tokens). context_parallel_document_mask all-gathers them over the cp group: [batch, 1, seq_local, cp *
-// seq_local] booleans, the keys in cp-rank order (rank 0's chunks, then rank 1's, ...). Collective.
+// tokens).
+//
+// The masked ring: context_parallel_gather_document_ids all-gathers the ids once per forward ([cp, batch,
+// seq_local], tiny; collective), and block_causal_ring_attention is ring_attention under them: per pair of a
+// query chunk and a key/value chunk the mask is causal-within-document on the two chunks' global positions;
+// pairs where no query sees a key are skipped, pairs inside one document take the unmasked kernel, and a query
+// row that sees no key of a chunk merges as nothing (log-sum-exp -inf). K and V travel by the rotate method,
+// exactly as ring_attention's (AllToAll: the ring, never more than two foreign K/V chunk sets per rank).
+// Differentiable in q, k and v.
+at::Tensor context_parallel_gather_document_ids(const at::Tensor& document_ids, const ProcessGroupPtr& cp_group);
+at::Tensor block_causal_ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const at::Tensor& all_document_ids, const ProcessGroupPtr& cp_group,
+                                       const ContextParallelOptions& options = {},
+                                       std::optional<double> scale = std::nullopt);
+
+// The same attention over all-gathered K and V under an explicit mask: context_parallel_document_mask
+// all-gathers the ids over the cp group: [batch, 1, seq_local, cp * seq_local] booleans, the keys in cp-rank
+// order (rank 0's chunks, then rank 1's, ...). Collective.
 at::Tensor context_parallel_document_mask(const at::Tensor& document_ids, const ProcessGroupPtr& cp_group,
                                           CpLoadBalancer balancer);
 // Attention of this rank's queries over every rank's keys and values under such a mask: K and V all-gathered
 // (cp-rank order, as the mask), libtorch's SDPA, and in backward dK, dV reduce-scattered back to their owners.
-// Every rank holds every rank's K and V for the call (the all-gather rotate method's memory; the ring's
-// chunk-by-chunk merge does not take masks yet). q, k, v as ring_attention's. Differentiable in q, k and v.
+// Every rank holds every rank's K and V and a [seq_local, cp * seq_local] mask for the call (more than
+// block_causal_ring_attention under either rotate method; docs/context_parallel.md measures both). Any mask of
+// that layout. q, k, v as ring_attention's. Differentiable in q, k and v.
 at::Tensor context_parallel_masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                              const at::Tensor& mask, const ProcessGroupPtr& cp_group);
 

@@ -14,6 +14,7 @@
 #include <torch/autograd.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,7 +46,13 @@ void merge_into(Merged& acc, const BlockResult& part) {
     return;
   }
   auto lse = at::logaddexp(acc.lse, part.lse);
-  acc.out.mul_((acc.lse - lse).exp_().unsqueeze(-1)).add_(part.out * (part.lse - lse).exp_().unsqueeze(-1));
+  // Under a document mask a row may see no key of a chunk (lse -inf): its weight is exp(-inf - lse) = 0. Had it
+  // seen none before either (both -inf), the weights are exp(-inf - 0) = 0, not exp(-inf - -inf) = NaN. (The
+  // ring visits this rank's own chunks first, its diagonal among them, so that case is not reached today; the
+  // guard keeps the merge right in any visiting order.)
+  const auto finite_lse = lse.masked_fill(lse.isneginf(), 0.0);
+  acc.out.mul_((acc.lse - finite_lse).exp_().unsqueeze(-1))
+      .add_(part.out * (part.lse - finite_lse).exp_().unsqueeze(-1));
   acc.lse.copy_(lse);
 }
 
@@ -53,6 +60,38 @@ void merge_into(Merged& acc, const BlockResult& part) {
 enum class Pair { Past, Diagonal, Future };
 Pair relation(int64_t q_chunk, int64_t k_chunk) {
   return q_chunk > k_chunk ? Pair::Past : q_chunk == k_chunk ? Pair::Diagonal : Pair::Future;
+}
+
+// What a query chunk attends of a key chunk: nothing (skip), all of it, the causal triangle (causal), or under
+// documents (block_causal) the keys of its own document at an earlier or equal global position (mask).
+struct PairMask {
+  bool skip = false;
+  bool causal = false;
+  at::Tensor mask;  // additive [B, 1, Lq, Lk] in the queries' dtype (0 visible, -inf hidden); undefined: none
+};
+
+// q_ids, k_ids: the two chunks' document ids [B, Lq], [B, Lk] (undefined: causal attention, no documents).
+// Chunks are whole ranges of global positions, so "earlier" inside a pair is the chunk relation, plus the
+// triangle on the diagonal. A pair no query of which sees any key is skipped (forward and backward alike); a
+// pair inside one document takes the unmasked kernel.
+PairMask pair_mask(int64_t q_chunk, int64_t k_chunk, const at::Tensor& q_ids, const at::Tensor& k_ids,
+                   at::ScalarType dtype) {
+  const Pair pair = relation(q_chunk, k_chunk);
+  if (pair == Pair::Future) return {true, false, {}};
+  const bool diagonal = pair == Pair::Diagonal;
+  if (!q_ids.defined()) return {false, diagonal, {}};
+  at::Tensor visible = q_ids.unsqueeze(2).eq(k_ids.unsqueeze(1));  // [B, Lq, Lk]: same document
+  if (visible.all().item<bool>()) return {false, diagonal, {}};
+  if (diagonal) visible.logical_and_(at::ones({q_ids.size(1), k_ids.size(1)}, visible.options()).tril());
+  if (!visible.any().item<bool>()) return {true, false, {}};
+  at::Tensor mask = at::zeros(visible.sizes(), visible.options().dtype(dtype));
+  mask.masked_fill_(visible.logical_not(), -INFINITY);
+  return {false, false, mask.unsqueeze(1)};
+}
+
+// Chunk `c` of a rank's document ids [B, L] (undefined stays undefined).
+at::Tensor ids_chunk(const at::Tensor& rank_ids, int64_t per, int64_t c) {
+  return rank_ids.defined() ? rank_ids.chunk(per, 1)[c] : at::Tensor();
 }
 
 // One rank's view of the layout: its chunk ids, and how to cut a local [B, H, L, D] tensor into its chunks.
@@ -122,13 +161,17 @@ void for_each_kv(const at::Tensor& k, const at::Tensor& v, ProcessGroup& group, 
 }
 
 struct RingAttention : torch::autograd::Function<RingAttention> {
+  // document_ids: every cp rank's document ids [cp, B, L] (block_causal), or none (causal).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
-                            const at::Tensor& v_in, const ProcessGroupPtr& group, int64_t method, int64_t balancer,
-                            double scale) {
-    RECORD_USER_SCOPE("fsdp::context_parallel::ring_attention");
+                            const at::Tensor& v_in, const std::optional<at::Tensor>& document_ids,
+                            const ProcessGroupPtr& group, int64_t method, int64_t balancer, double scale) {
+    const at::Tensor all_ids = document_ids.value_or(at::Tensor());
+    RECORD_USER_SCOPE(all_ids.defined() ? "fsdp::context_parallel::block_causal_ring_attention"
+                                        : "fsdp::context_parallel::ring_attention");
     const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
     const Layout layout{group->rank(), group->size(), static_cast<CpLoadBalancer>(balancer)};
     const auto my_ids = layout.ids_of(layout.rank);
+    const at::Tensor own_ids = all_ids.defined() ? all_ids[layout.rank] : at::Tensor();
     const auto q_chunks = split_chunks(q, layout.per_rank());
     // The merged output and log-sum-exp, written in place chunk by chunk.
     auto out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
@@ -141,11 +184,13 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
                   const auto ids = layout.ids_of(source);
                   const auto k_chunks = split_chunks(ks, layout.per_rank());
                   const auto v_chunks = split_chunks(vs, layout.per_rank());
+                  const at::Tensor source_ids = all_ids.defined() ? all_ids[source] : at::Tensor();
                   for (size_t a = 0; a < q_chunks.size(); ++a) {
                     for (size_t b = 0; b < ids.size(); ++b) {
-                      const Pair pair = relation(my_ids[a], ids[b]);
-                      if (pair == Pair::Future) continue;
-                      merge_into(acc[a], attend(q_chunks[a], k_chunks[b], v_chunks[b], pair == Pair::Diagonal, scale));
+                      const PairMask pm = pair_mask(my_ids[a], ids[b], ids_chunk(own_ids, layout.per_rank(), a),
+                                                    ids_chunk(source_ids, layout.per_rank(), b), q.scalar_type());
+                      if (pm.skip) continue;
+                      merge_into(acc[a], attend(q_chunks[a], k_chunks[b], v_chunks[b], pm.causal, scale, pm.mask));
                     }
                   }
                 });
@@ -155,12 +200,16 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     ctx->saved_data["method"] = method;
     ctx->saved_data["balancer"] = balancer;
     ctx->saved_data["scale"] = scale;
+    if (all_ids.defined()) ctx->saved_data["document_ids"] = all_ids;
     return out;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    RECORD_USER_SCOPE("fsdp::context_parallel::ring_attention_backward");
+    const auto saved_ids = ctx->saved_data.find("document_ids");
+    const at::Tensor all_ids = saved_ids != ctx->saved_data.end() ? saved_ids->second.toTensor() : at::Tensor();
+    RECORD_USER_SCOPE(all_ids.defined() ? "fsdp::context_parallel::block_causal_ring_attention_backward"
+                                        : "fsdp::context_parallel::ring_attention_backward");
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
     const auto group = detail::saved_group(ctx);
@@ -169,6 +218,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     const Layout layout{group->rank(), group->size(), static_cast<CpLoadBalancer>(ctx->saved_data["balancer"].toInt())};
     const int64_t per = layout.per_rank(), size = layout.size, rank = layout.rank;
     const auto my_ids = layout.ids_of(rank);
+    const at::Tensor own_ids = all_ids.defined() ? all_ids[rank] : at::Tensor();
     const auto dout = grads[0].to(q.scalar_type()).contiguous();
     const auto q_chunks = split_chunks(q, per), dout_chunks = split_chunks(dout, per);
     const auto out_chunks = split_chunks(out, per), lse_chunks = lse.chunk(per, 2);
@@ -180,12 +230,14 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       const auto ids = layout.ids_of(source);
       const auto k_chunks = split_chunks(ks, per), v_chunks = split_chunks(vs, per);
       const auto dk_chunks = split_chunks(dkv[0], per), dv_chunks = split_chunks(dkv[1], per);
+      const at::Tensor source_ids = all_ids.defined() ? all_ids[source] : at::Tensor();
       for (size_t a = 0; a < q_chunks.size(); ++a) {
         for (size_t b = 0; b < ids.size(); ++b) {
-          const Pair pair = relation(my_ids[a], ids[b]);
-          if (pair == Pair::Future) continue;
+          const PairMask pm = pair_mask(my_ids[a], ids[b], ids_chunk(own_ids, per, a), ids_chunk(source_ids, per, b),
+                                        q.scalar_type());
+          if (pm.skip) continue;
           auto g = attend_backward(dout_chunks[a], q_chunks[a], k_chunks[b], v_chunks[b], out_chunks[a],
-                                   lse_chunks[a], pair == Pair::Diagonal, scale);
+                                   lse_chunks[a], pm.causal, scale, pm.mask);
           dq_chunks[a].add_(g.dq);
           dk_chunks[b].add_(g.dk);
           dv_chunks[b].add_(g.dv);
@@ -232,7 +284,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       dkv_own = carried;
     }
     return {dq.to(q.scalar_type()), dkv_own[0].to(k.scalar_type()), dkv_own[1].to(v.scalar_type()), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -316,24 +368,63 @@ at::Tensor context_parallel_positions(int64_t seq_len, int64_t cp_rank, int64_t 
   return context_parallel_shard(at::arange(seq_len, at::kLong), 0, cp_rank, cp_size, balancer);
 }
 
-at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const ProcessGroupPtr& cp_group,
-                          const ContextParallelOptions& options, std::optional<double> scale) {
-  TORCH_CHECK(cp_group != nullptr, "fsdp::ring_attention: null cp group");
-  TORCH_CHECK(q.dim() == 4, "fsdp::ring_attention: q must be [batch, heads, seq_local, head_dim], got ", q.sizes());
-  TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(),
-              "fsdp::ring_attention: q, k, v must have the same shape (repeat grouped KV heads first); got q ",
-              q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+namespace {
+
+// The checks ring_attention and block_causal_ring_attention share; the scale they use.
+double checked_ring_scale(const char* who, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const ProcessGroupPtr& cp_group, const ContextParallelOptions& options,
+                          std::optional<double> scale) {
+  TORCH_CHECK(cp_group != nullptr, who, ": null cp group");
+  TORCH_CHECK(q.dim() == 4, who, ": q must be [batch, heads, seq_local, head_dim], got ", q.sizes());
+  TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(), who,
+              ": q, k, v must have the same shape (repeat grouped KV heads first); got q ", q.sizes(), ", k ",
+              k.sizes(), ", v ", v.sizes());
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
                   k.device() == q.device() && v.device() == q.device(),
-              "fsdp::ring_attention: q, k, v must share dtype and device");
+              who, ": q, k, v must share dtype and device");
   const int64_t per = options.load_balancer == CpLoadBalancer::HeadTail ? 2 : 1;
-  TORCH_CHECK(q.size(2) % per == 0, "fsdp::ring_attention: local sequence length ", q.size(2),
+  TORCH_CHECK(q.size(2) % per == 0, who, ": local sequence length ", q.size(2),
               " does not divide by 2 (head-tail load balancing: each rank holds chunks i and 2*cp-1-i)");
-  TORCH_CHECK(cp_group->size() <= 128, "fsdp::ring_attention: cp degree ", cp_group->size(),
+  TORCH_CHECK(cp_group->size() <= 128, who, ": cp degree ", cp_group->size(),
               " is above 128 (the ring's transfer tags are 0x100-0x5ff per group)");
-  const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
-  return RingAttention::apply(q, k, v, cp_group, static_cast<int64_t>(options.rotate_method),
-                              static_cast<int64_t>(options.load_balancer), s);
+  return scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
+}
+
+}  // namespace
+
+at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const ProcessGroupPtr& cp_group,
+                          const ContextParallelOptions& options, std::optional<double> scale) {
+  const double s = checked_ring_scale("fsdp::ring_attention", q, k, v, cp_group, options, scale);
+  return RingAttention::apply(q, k, v, std::optional<at::Tensor>(), cp_group,
+                              static_cast<int64_t>(options.rotate_method), static_cast<int64_t>(options.load_balancer),
+                              s);
+}
+
+at::Tensor context_parallel_gather_document_ids(const at::Tensor& document_ids, const ProcessGroupPtr& cp_group) {
+  TORCH_CHECK(cp_group != nullptr, "fsdp::context_parallel_gather_document_ids: null cp group");
+  TORCH_CHECK(document_ids.dim() == 2 && document_ids.scalar_type() == at::kLong,
+              "fsdp::context_parallel_gather_document_ids: document ids must be int64 [batch, seq_local], got ",
+              document_ids.scalar_type(), " ", document_ids.sizes());
+  RECORD_USER_SCOPE("fsdp::context_parallel::allgather_document_ids");
+  at::Tensor all = at::empty(with_leading(cp_group->size(), document_ids.sizes()), document_ids.options());
+  cp_group->all_gather_into_tensor(all, document_ids.contiguous()).wait();
+  return all;
+}
+
+at::Tensor block_causal_ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const at::Tensor& all_document_ids, const ProcessGroupPtr& cp_group,
+                                       const ContextParallelOptions& options, std::optional<double> scale) {
+  const char* who = "fsdp::block_causal_ring_attention";
+  const double s = checked_ring_scale(who, q, k, v, cp_group, options, scale);
+  TORCH_CHECK(all_document_ids.dim() == 3 && all_document_ids.scalar_type() == at::kLong &&
+                  all_document_ids.size(0) == cp_group->size() && all_document_ids.size(1) == q.size(0) &&
+                  all_document_ids.size(2) == q.size(2),
+              who, ": the document ids must be every cp rank's, int64 [cp ", cp_group->size(), ", batch ", q.size(0),
+              ", seq_local ", q.size(2), "] (context_parallel_gather_document_ids), got ",
+              all_document_ids.scalar_type(), " ", all_document_ids.sizes());
+  return RingAttention::apply(q, k, v, std::optional<at::Tensor>(all_document_ids.to(q.device())), cp_group,
+                              static_cast<int64_t>(options.rotate_method), static_cast<int64_t>(options.load_balancer),
+                              s);
 }
 
 }  // namespace fsdp

@@ -24,10 +24,12 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -306,15 +308,16 @@ struct AttentionBytes {
   int64_t saved = 0, peak = 0;
 };
 
+using Attention = std::function<torch::Tensor(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v)>;
+
 AttentionBytes attention_bytes(const torch::Tensor& q0, const torch::Tensor& k0, const torch::Tensor& v0,
-                               const torch::Tensor& g, const fsdp::ProcessGroupPtr& group,
-                               const fsdp::ContextParallelOptions& options) {
+                               const torch::Tensor& g, const Attention& attention) {
   auto q = q0.clone().requires_grad_(), k = k0.clone().requires_grad_(), v = v0.clone().requires_grad_();
   auto tracker = std::make_shared<PeakBytes>();
   AttentionBytes bytes;
   {
     c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, tracker);
-    auto out = fsdp::ring_attention(q, k, v, group, options);
+    auto out = attention(q, k, v);
     bytes.saved = tracker->current;
     out.backward(g);
   }
@@ -322,23 +325,42 @@ AttentionBytes attention_bytes(const torch::Tensor& q0, const torch::Tensor& k0,
   return bytes;
 }
 
+AttentionBytes attention_bytes(const torch::Tensor& q0, const torch::Tensor& k0, const torch::Tensor& v0,
+                               const torch::Tensor& g, const fsdp::ProcessGroupPtr& group,
+                               const fsdp::ContextParallelOptions& options) {
+  return attention_bytes(q0, k0, v0, g, [&](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+    return fsdp::ring_attention(q, k, v, group, options);
+  });
+}
+
+// One-rank groups: every rank alone with the full sequence (the cp = 1 run); collective to create.
+fsdp::ProcessGroupPtr group_of_this_rank_alone(const std::string& name) {
+  auto world = fsdp_test::test_world();
+  fsdp::ProcessGroupPtr alone;
+  for (int r = 0; r < world->size(); ++r) {
+    auto g = fsdp::new_group({r}, name + std::to_string(r));
+    if (r == world->rank()) alone = g;
+  }
+  return alone;
+}
+
+constexpr int64_t kLongSeq = 2048;
+
+// The measurements' workload: q, k, v and upstream gradient of kLongSeq tokens. Many heads, so the attention
+// kernels' fixed scratch (independent of the sequence) is small beside the activations, as it is at training
+// lengths.
+Global long_inputs(at::Generator& gen) {
+  const std::vector<int64_t> shape{1, 16, kLongSeq, 32};
+  return {torch::randn(shape, gen), torch::randn(shape, gen), torch::randn(shape, gen), torch::randn(shape, gen)};
+}
+
 TEST(ContextParallel, AttentionBytesPerRankFallAsOneOverCp) {
   auto cp = fsdp_test::test_world();
   const int64_t rank = cp->rank(), size = cp->size();
   torch::set_num_threads(1);  // allocations on this thread only
-  // One-rank groups: every rank alone with the full sequence (the cp = 1 run), collective to create.
-  fsdp::ProcessGroupPtr alone;
-  for (int r = 0; r < size; ++r) {
-    auto g = fsdp::new_group({r}, "alone" + std::to_string(r));
-    if (r == rank) alone = g;
-  }
-  constexpr int64_t kLongSeq = 2048;
+  const fsdp::ProcessGroupPtr alone = group_of_this_rank_alone("alone");
   auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
-  // Many heads, so the attention kernels' fixed scratch (independent of the sequence) is small beside the
-  // activations, as it is at training lengths.
-  const std::vector<int64_t> shape{1, 16, kLongSeq, 32};
-  auto q = torch::randn(shape, gen), k = torch::randn(shape, gen), v = torch::randn(shape, gen),
-       g = torch::randn(shape, gen);
+  const auto [q, k, v, g] = long_inputs(gen);
   auto shard = [&](const torch::Tensor& t) {
     return fsdp::context_parallel_shard(t, 2, rank, size, fsdp::CpLoadBalancer::HeadTail);
   };
@@ -374,6 +396,59 @@ TEST(ContextParallel, AttentionBytesPerRankFallAsOneOverCp) {
   EXPECT_LT(static_cast<double>(per_rank.peak) * size / whole.peak, 2.0);
   // All-gather holds every rank's K and V: its peak is above the ring's.
   EXPECT_GT(per_rank_ag.peak, per_rank.peak);
+}
+
+// The same measurement under block_causal (documents of 100-400 tokens packed into the 2048): the masked ring
+// (alltoall), the same code with all-gathered K/V (allgather), and the path it replaced in fsdp-train, K/V
+// all-gathered and libtorch's SDPA under a [seq/cp, seq] mask (context_parallel_masked_attention). cp 1: the
+// masked ring over a one-rank group on the whole sequence. Pairs of chunks in different documents are skipped;
+// masked pairs add a chunk-sized mask. The numbers are docs/context_parallel.md's table.
+TEST(ContextParallel, BlockCausalAttentionBytesPerRank) {
+  auto cp = fsdp_test::test_world();
+  const int64_t rank = cp->rank(), size = cp->size();
+  torch::set_num_threads(1);  // allocations on this thread only
+  const fsdp::ProcessGroupPtr alone = group_of_this_rank_alone("alone_docs");
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(8);
+  const auto [q, k, v, g] = long_inputs(gen);
+  auto ids = torch::zeros({1, kLongSeq}, torch::kLong);
+  for (int64_t start = 0; start < kLongSeq;) {  // the next document starts 100-400 tokens later
+    start += 100 + torch::randint(301, {1}, gen).item<int64_t>();
+    if (start < kLongSeq) ids.slice(1, start).add_(1);
+  }
+  const auto balancer = fsdp::CpLoadBalancer::HeadTail;
+  auto shard = [&](const torch::Tensor& t, int64_t dim) {
+    return fsdp::context_parallel_shard(t, dim, rank, size, balancer);
+  };
+  const auto ids_alone = fsdp::context_parallel_gather_document_ids(ids, alone);
+  const auto ids_cp = fsdp::context_parallel_gather_document_ids(shard(ids, 1), cp);
+  const auto mask_cp = fsdp::context_parallel_document_mask(shard(ids, 1), cp, balancer);
+  auto ring_over = [&](const fsdp::ProcessGroupPtr& group, const at::Tensor& all_ids, fsdp::CpRotateMethod method) {
+    return [&, group, all_ids, method](const torch::Tensor& qq, const torch::Tensor& kk, const torch::Tensor& vv) {
+      return fsdp::block_causal_ring_attention(qq, kk, vv, all_ids, group, {method, balancer});
+    };
+  };
+  const AttentionBytes whole = attention_bytes(q, k, v, g, ring_over(alone, ids_alone, fsdp::CpRotateMethod::AllToAll));
+  const auto [qs, ks, vs, gs] = std::tuple{shard(q, 2), shard(k, 2), shard(v, 2), shard(g, 2)};
+  const AttentionBytes ring = attention_bytes(qs, ks, vs, gs, ring_over(cp, ids_cp, fsdp::CpRotateMethod::AllToAll));
+  const AttentionBytes ag = attention_bytes(qs, ks, vs, gs, ring_over(cp, ids_cp, fsdp::CpRotateMethod::AllGather));
+  const AttentionBytes old_path =
+      attention_bytes(qs, ks, vs, gs, [&](const torch::Tensor& qq, const torch::Tensor& kk, const torch::Tensor& vv) {
+        return fsdp::context_parallel_masked_attention(qq, kk, vv, mask_cp, cp);
+      });
+  std::cout << "[cp memory block_causal] seq " << kLongSeq << ", " << ids[0][-1].item<int64_t>() + 1
+            << " documents, cp " << size << ", rank " << rank << ": saved cp1 " << whole.saved << " B, ring "
+            << ring.saved << " B, allgather " << ag.saved << " B, all-gathered SDPA " << old_path.saved
+            << " B (+ its mask " << mask_cp.nbytes() << " B); peak cp1 " << whole.peak << " B, ring " << ring.peak
+            << " B (x" << static_cast<double>(ring.peak) / whole.peak << "), allgather " << ag.peak << " B (x"
+            << static_cast<double>(ag.peak) / whole.peak << "), all-gathered SDPA " << old_path.peak << " B (x"
+            << static_cast<double>(old_path.peak) / whole.peak << ")\n";
+  ASSERT_GE(whole.saved, q.numel() * 4);  // not vacuous: the cp 1 run's output was counted
+  // What a layer keeps for backward is 1/cp of the whole sequence's (15%).
+  EXPECT_NEAR(static_cast<double>(ring.saved) * size / whole.saved, 1.0, 0.15);
+  // The ring holds at most two foreign K/V chunk sets, the all-gathers every rank's.
+  EXPECT_LT(static_cast<double>(ring.peak) * size / whole.peak, 2.0);
+  EXPECT_LT(ring.peak, ag.peak);
+  EXPECT_LT(ring.peak, old_path.peak);
 }
 
 }  // namespace

@@ -10,8 +10,11 @@
 // initial values, and the validation loss over held-out samples (each cp rank its chunks) agrees too.
 // A sequence length that does not divide is refused naming the rule (also tests/trainer/user_errors_test.cpp),
 // and so are the layouts not composed yet (MoE).
-// block_causal with cp 2 (both layouts; np4: under pp 2) equals the 1-rank block_causal run.
+// block_causal with cp 2 (both layouts; np2; np4: under pp 2), cp 4 with full AC and cp 2 x tp 2 (np4) equals the
+// 1-rank block_causal run, and the profiled step's trace shows the masked ring ran (under alltoall its K/V ring
+// steps, no K/V all-gather).
 #include "config.h"
+#include "models/llama3/parallelize_llama.h"
 #include "train_env.h"
 #include "trainer.h"
 
@@ -21,6 +24,7 @@
 #include "expect_error.h"
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -249,6 +253,101 @@ std::string short_documents_corpus() {
   return path;
 }
 
+// The profiled step of a block_causal cp run (its Chrome trace, [profiling]) shows the masked ring: every layer's
+// attention is block_causal_ring_attention, once per forward per gathered set of document ids (and again when
+// activation checkpointing recomputes), K/V moved by the method asked (the ring's send/recv steps under alltoall,
+// all-gathers under allgather), and the old all-gathered masked SDPA never ran.
+void expect_block_causal_ring_ran(const std::string& trace_path, CpRotateMethod rotate, int64_t n_layers,
+                                  bool recomputed) {
+  std::ifstream in(trace_path);
+  ASSERT_TRUE(in) << "missing " << trace_path;
+  const auto trace = nlohmann::json::parse(in);
+  std::map<std::string, int64_t> count;
+  for (const auto& e : trace.at("traceEvents")) {
+    if (e.value("ph", "") == "X") ++count[e.value("name", "")];
+  }
+  const std::string cp = "fsdp::context_parallel::";
+  const int64_t forwards = count[cp + "allgather_document_ids"];
+  EXPECT_GE(forwards, 1);
+  if (recomputed) {  // activation checkpointing runs each training forward's blocks again in backward
+    EXPECT_GT(count[cp + "block_causal_ring_attention"], forwards * n_layers);
+  } else {
+    EXPECT_EQ(count[cp + "block_causal_ring_attention"], forwards * n_layers);
+  }
+  EXPECT_GE(count[cp + "block_causal_ring_attention_backward"], n_layers);
+  EXPECT_EQ(count[cp + "masked_attention"], 0);
+  if (rotate == CpRotateMethod::AllToAll) {
+    EXPECT_GT(count[cp + "rotate_kv"], 0);
+    EXPECT_GT(count[cp + "rotate_dkv"], 0);
+    EXPECT_EQ(count[cp + "allgather_kv"], 0) << "the ring gathers no K/V";
+  } else {
+    EXPECT_GT(count[cp + "allgather_kv"], 0);
+    EXPECT_EQ(count[cp + "rotate_kv"], 0);
+  }
+}
+
+JobConfig block_causal_job(const std::string& corpus, const std::string& name, bool per_rank, const std::string& mask) {
+  JobConfig c = base(name, per_rank);
+  c.training.dataset = Dataset::Jsonl;
+  c.training.dataset_path = corpus;
+  c.validation.dataset = Dataset::Jsonl;
+  c.validation.dataset_path = corpus;
+  c.validation.steps = 4;
+  c.model.attn_mask_type = parse_choice<AttnMaskType>(mask).value();
+  return c;
+}
+
+// block_causal at cp x tp (the rest of the world: none) with the masked ring equals the 1-rank block_causal run
+// `ref` (loss, grad norm, validation, parameters; 1e-5), and its profiled last step shows the ring ran.
+void expect_block_causal_cp(const TrainedRun& ref, const std::string& corpus, int64_t cp, int64_t tp,
+                            CpRotateMethod rotate, CpLoadBalancer balancer, bool full_ac = false, int64_t pp = 1) {
+  const std::string tag = "block_causal_pp" + std::to_string(pp) + "_cp" + std::to_string(cp) + "_tp" +
+                          std::to_string(tp) + "_" + to_string(rotate) + "_" + to_string(balancer) +
+                          (full_ac ? "_ac" : "");
+  SCOPED_TRACE(tag);
+  JobConfig c = block_causal_job(corpus, tag, false, "block_causal");
+  c.parallelism.pipeline_parallel_degree = pp;
+  c.parallelism.context_parallel_degree = cp;
+  c.parallelism.tensor_parallel_degree = tp;
+  c.parallelism.context_parallel_rotate_method = rotate;
+  c.parallelism.context_parallel_load_balancer = balancer;
+  if (full_ac) c.activation_checkpoint.mode = AcMode::Full;
+  // The last step's trace shows which attention ran.
+  c.profiling.enable_profiling = true;
+  c.profiling.profile_freq = kSteps;
+  const TrainedRun got = train_and_read(c, test::world_env());
+  EXPECT_NE(got.summary.plan.find("CP " + std::to_string(cp) + " (ring attention"), std::string::npos)
+      << got.summary.plan;
+  if (pp > 1) EXPECT_NE(got.summary.plan.find("PP " + std::to_string(pp) + " ("), std::string::npos) << got.summary.plan;
+  if (full_ac) EXPECT_GT(got.summary.ac_recomputes, 0);
+  // Under PP a rank holds its stage's layers (the split is even here) and builds the stage's mask per microbatch.
+  expect_block_causal_ring_ran(c.job.dump_folder + "/profile_traces/iteration_" + std::to_string(kSteps) + "/rank" +
+                                   std::to_string(fsdp::world()->rank()) + "_trace.json",
+                               rotate, llama3::model_args(c).n_layers / pp, /*recomputed=*/full_ac);
+  ASSERT_EQ(got.summary.losses.size(), ref.summary.losses.size());
+  for (size_t i = 0; i < ref.summary.losses.size(); ++i) {
+    EXPECT_NEAR(got.summary.losses[i], ref.summary.losses[i], 1e-5 * ref.summary.losses[i]) << "step " << i + 1;
+    EXPECT_NEAR(got.summary.grad_norms[i], ref.summary.grad_norms[i], 1e-5 * ref.summary.grad_norms[i])
+        << "step " << i + 1;
+  }
+  ASSERT_EQ(got.summary.validation_losses.size(), ref.summary.validation_losses.size());
+  for (size_t i = 0; i < ref.summary.validation_losses.size(); ++i) {
+    EXPECT_NEAR(got.summary.validation_losses[i], ref.summary.validation_losses[i],
+                1e-5 * ref.summary.validation_losses[i])
+        << "validation " << i;
+  }
+  for (const auto& [name, want] : ref.params) {
+    ASSERT_TRUE(got.params.count(name)) << name;
+    EXPECT_TRUE(torch::allclose(got.params.at(name), want, 1e-5, 1e-5)) << name;
+  }
+}
+
+TrainedRun block_causal_reference(const std::string& corpus) {
+  TrainEnv single;
+  single.verbose = false;
+  return train_and_read(block_causal_job(corpus, "block_causal_ref", true, "block_causal"), single);
+}
+
 }  // namespace
 
 // model.attn_mask_type = "block_causal" under cp 2: the documents' masks follow the chunks (document ids of the
@@ -261,50 +360,23 @@ TEST(TrainerContextParallel, BlockCausalCp2MatchesOneRank) {
   const int64_t pp = fsdp::world()->size() / 2;
   if (pp != 1 && pp != 2) GTEST_SKIP() << "2 or 4 ranks";
   const std::string corpus = short_documents_corpus();
-  auto job = [&](const std::string& name, bool per_rank, const std::string& mask) {
-    JobConfig c = base(name, per_rank);
-    c.training.dataset = Dataset::Jsonl;
-    c.training.dataset_path = corpus;
-    c.validation.dataset = Dataset::Jsonl;
-    c.validation.dataset_path = corpus;
-    c.validation.steps = 4;
-    c.model.attn_mask_type = parse_choice<AttnMaskType>(mask).value();
-    return c;
-  };
   TrainEnv single;
   single.verbose = false;
-  const TrainedRun ref = train_and_read(job("block_causal_ref", true, "block_causal"), single);
-  const TrainedRun causal = train_and_read(job("causal_ref", true, "causal"), single);
+  const TrainedRun ref = block_causal_reference(corpus);
+  const TrainedRun causal = train_and_read(block_causal_job(corpus, "causal_ref", true, "causal"), single);
   EXPECT_GT(std::abs(causal.summary.losses[1] - ref.summary.losses[1]), 1e-3) << "the document mask changed nothing";
-  for (auto [rotate, balancer] : {std::pair{CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail},
-                                  std::pair{CpRotateMethod::AllGather, CpLoadBalancer::None}}) {
-    JobConfig c = job(std::string("block_causal_pp") + std::to_string(pp) + "_cp2_" + to_string(balancer), false,
-                      "block_causal");
-    c.parallelism.pipeline_parallel_degree = pp;
-    c.parallelism.context_parallel_degree = 2;
-    c.parallelism.context_parallel_rotate_method = rotate;
-    c.parallelism.context_parallel_load_balancer = balancer;
-    const TrainedRun got = train_and_read(c, test::world_env());
-    SCOPED_TRACE(to_string(balancer));
-    EXPECT_NE(got.summary.plan.find("CP 2 (ring attention"), std::string::npos) << got.summary.plan;
-    if (pp > 1) EXPECT_NE(got.summary.plan.find("PP 2 ("), std::string::npos) << got.summary.plan;
-    ASSERT_EQ(got.summary.losses.size(), ref.summary.losses.size());
-    for (size_t i = 0; i < ref.summary.losses.size(); ++i) {
-      EXPECT_NEAR(got.summary.losses[i], ref.summary.losses[i], 1e-5 * ref.summary.losses[i]) << "step " << i + 1;
-      EXPECT_NEAR(got.summary.grad_norms[i], ref.summary.grad_norms[i], 1e-5 * ref.summary.grad_norms[i])
-          << "step " << i + 1;
-    }
-    ASSERT_EQ(got.summary.validation_losses.size(), ref.summary.validation_losses.size());
-    for (size_t i = 0; i < ref.summary.validation_losses.size(); ++i) {
-      EXPECT_NEAR(got.summary.validation_losses[i], ref.summary.validation_losses[i],
-                  1e-5 * ref.summary.validation_losses[i])
-          << "validation " << i;
-    }
-    for (const auto& [name, want] : ref.params) {
-      ASSERT_TRUE(got.params.count(name)) << name;
-      EXPECT_TRUE(torch::allclose(got.params.at(name), want, 1e-5, 1e-5)) << name;
-    }
-  }
+  expect_block_causal_cp(ref, corpus, 2, 1, CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail, false, pp);
+  expect_block_causal_cp(ref, corpus, 2, 1, CpRotateMethod::AllGather, CpLoadBalancer::None, false, pp);
+}
+
+// The masked ring at cp 4 with full activation checkpointing (the blocks' recomputation runs it again), and
+// inside cp 2 x tp 2 (on the local heads).
+TEST(TrainerContextParallel, BlockCausalCp4AndCp2TimesTp2MatchOneRank) {
+  if (fsdp::world()->size() != 4) GTEST_SKIP() << "4 ranks";
+  const std::string corpus = short_documents_corpus();
+  const TrainedRun ref = block_causal_reference(corpus);
+  expect_block_causal_cp(ref, corpus, 4, 1, CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail, /*full_ac=*/true);
+  expect_block_causal_cp(ref, corpus, 2, 2, CpRotateMethod::AllToAll, CpLoadBalancer::None);
 }
 
 TEST(TrainerContextParallel, BadLayoutsAreRefusedNamingTheRule) {

@@ -288,7 +288,7 @@ class TransformerImpl : public torch::nn::Module {
   // sets it: a rank holds chunks of each sequence, and RoPE must see their global positions.
   std::function<at::Tensor(int64_t seq_len)> rope_positions;
   // block_causal: the attention mask of the forward's document ids, handed to every block; unset:
-  // block_causal_mask(ids). Context parallelism sets one over the keys of every cp rank (its kernel's layout).
+  // block_causal_mask(ids). A kernel that masks by itself sets what it takes (CP: every cp rank's document ids).
   std::function<at::Tensor(const at::Tensor& document_ids)> document_mask;
 
   Embedding tok_embeddings{nullptr};

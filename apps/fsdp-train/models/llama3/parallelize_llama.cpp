@@ -171,15 +171,15 @@ CpHooks cp_attention(std::vector<fsdp::nn::llama::TransformerBlock>& blocks, con
   hooks.rope_positions = [cp_rank, cp_size, balancer = options.load_balancer](int64_t local_len) {
     return fsdp::context_parallel_positions(local_len * cp_size, cp_rank, cp_size, balancer);
   };
-  // block_causal: the mask of this rank's queries against every rank's keys (document ids of the whole rows, cut
-  // like the tokens), built once per forward; the blocks then attend over all-gathered K and V under it.
-  hooks.document_mask = [group, balancer = options.load_balancer](const at::Tensor& document_ids) {
-    return fsdp::context_parallel_document_mask(document_ids, group, balancer);
+  // block_causal: every cp rank's document ids (of the whole rows, cut like the tokens), gathered once per forward
+  // and handed to every block in the mask's place; the blocks' ring then masks each chunk pair by them.
+  hooks.document_mask = [group](const at::Tensor& document_ids) {
+    return fsdp::context_parallel_gather_document_ids(document_ids, group);
   };
   for (auto& block : blocks) {
     block->attention->kernel = [group, options](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                const fsdp::nn::llama::AttentionMask& mask) {
-      if (mask) return fsdp::context_parallel_masked_attention(q, k, v, *mask, group);
+                                                const fsdp::nn::llama::AttentionMask& document_ids) {
+      if (document_ids) return fsdp::block_causal_ring_attention(q, k, v, *document_ids, group, options);
       return fsdp::ring_attention(q, k, v, group, options);
     };
   }
