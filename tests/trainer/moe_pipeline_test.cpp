@@ -164,6 +164,8 @@ TEST(TrainerMoEPipelineTensorParallel, PipelineWithTensorParallelEqualsOneRank) 
     // expert) with EP 2 borrowing the TP ranks.
     expect_pipeline_parity("pp2_tp2", Routing::Qwen3, 2, 1, {"1F1B", "Interleaved1F1B"}, 0, false, /*tp=*/2);
     expect_pipeline_parity("pp2_tp2_ep2_dsv3", Routing::DeepSeekV3, 2, 2, {"1F1B"}, 0, false, /*tp=*/2);
+    // The sequence balance loss on whole sequences (each block sums its counts over the stage's TP ranks).
+    expect_pipeline_parity("pp2_tp2_aux", Routing::DeepSeekV3, 2, 1, {"1F1B"}, /*aux_coeff=*/0.05, false, /*tp=*/2);
   } else if (n == 8) {
     // The acceptance layout: pp 2 x dp_shard 2 x tp 2 with EP 2 (efsdp 2 per stage).
     expect_pipeline_parity("pp2_dp2_tp2_ep2", Routing::Qwen3, 2, 2, {"1F1B"}, 0, false, /*tp=*/2);

@@ -99,6 +99,14 @@ std::optional<int64_t> named_layer(const std::string& pattern) {
   return std::stoll(index);
 }
 
+// The plan keeps the tokens sequence-sharded through the MoE blocks: each block's sequence balance loss sums its
+// per-sequence counts over the TP ranks (the whole sequence's, as TorchTitan computes it).
+void set_moe_sequence_parallel(std::vector<fsdp::nn::llama::TransformerBlock>& blocks, const fsdp::DeviceMesh& tp_mesh) {
+  for (auto& block : blocks) {
+    if (auto* moe = moe_of(*block)) moe->set_sequence_parallel_group(tp_mesh.group(0));
+  }
+}
+
 }  // namespace
 
 fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config) {
@@ -147,6 +155,7 @@ std::string apply_ac(fsdp::nn::llama::Transformer& model, AcMode mode, const Sel
 void apply_tp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& tp_mesh, bool loss_parallel) {
   fsdp::parallelize_module(model, tp_mesh,
                            fsdp::nn::llama::tensor_parallel_plan(model->args(), tp_mesh.size(), {true, loss_parallel}));
+  set_moe_sequence_parallel(model->blocks(), tp_mesh);
 }
 
 void apply_tp(fsdp::nn::llama::LlamaStage& stage, const fsdp::nn::llama::LlamaArgs& args,
@@ -165,6 +174,7 @@ void apply_tp(fsdp::nn::llama::LlamaStage& stage, const fsdp::nn::llama::LlamaAr
     kept.push_back(std::move(entry));
   }
   fsdp::parallelize_module(stage, tp_mesh, kept);
+  set_moe_sequence_parallel(stage->blocks(), tp_mesh);
   stage->sequence_shards = tp_mesh.size();  // the plan is sequence parallel: hidden states travel split on the sequence
 }
 
@@ -384,12 +394,6 @@ void check_layout(const std::string& family, const fsdp::nn::llama::LlamaArgs& a
   if (dims.cp > 1 && has_moe) {
     throw ConfigError("config error: parallelism.context_parallel_degree > 1 with an MoE model (" + model +
                       ") is not supported yet (context parallelism runs dense models)");
-  }
-  if (has_moe && dims.tp > 1 && config.model.moe_sequence_aux_loss_coeff > 0) {
-    // Under TP each rank routes its slice of every sequence; the per-sequence balance loss would need the
-    // whole sequence's counts and scores.
-    throw ConfigError("config error: model.moe_sequence_aux_loss_coeff with parallelism.tensor_parallel_degree > 1 "
-                      "(" + model + ") is not supported yet (each TP rank routes a slice of the sequence)");
   }
   if (dims.ep > 1 && !has_moe) {
     throw ConfigError("config error: parallelism.expert_parallel_degree = " + std::to_string(dims.ep) + " but " +
