@@ -5,7 +5,8 @@
 // the load-balancing bias, which steers the routing, was updated identically (its L1 norm is compared too).
 // Layouts: ep 2 on 2 ranks; ep 2 and ep 4 on 4 ranks (dp_shard 4: the experts' FSDP over the 2 or 1 ranks left);
 // HSDP 2 x 2 with ep 2; MoE under TP: tp 2 (2 ranks), tp 2 x dp_shard 2, tp 2 x ep 2, tp 2 x ep 4 and HSDP 2 x tp 2 x
-// ep 2 (4 ranks). Routing: Qwen3's (softmax, top-k renormalised, no shared expert) and DeepSeek-V3's
+// ep 2 (4 ranks), the sequence balance loss at tp 2 and tp 2 x ep 2. Routing: Qwen3's (softmax, top-k
+// renormalised, no shared expert) and DeepSeek-V3's
 // (sigmoid, one shared expert, route scale 2.5, group-limited: 4 groups, the best 2 per token). The batches (one sample of 16 tokens per rank and step) leave
 // some experts without tokens on some ranks (checked, so the zero-token path is exercised).
 #include "config.h"

@@ -10,7 +10,8 @@
 // so some stages hold no MoE layer); pp 2 x dp_shard 2 and pp 2 x ep 2 (ep borrowing the stage's 2 dp_shard
 // ranks) on 4 ranks. DeepSeek-V3's sequence balance loss, attached to each stage's backward per microbatch,
 // equals the 1-rank value (without that attachment the grad norms and then the expert loads differ: checked by
-// hand once, 2.3e-4 relative on step 1's grad norm).
+// hand once, 2.3e-4 relative on step 1's grad norm). With TP in the stages (trainer_moe_pipeline_tp_test): pp 2 x
+// tp 2, pp 2 x tp 2 with EP 2, pp 2 x tp 2 with the balance loss (4 ranks), pp 2 x dp_shard 2 x tp 2 with EP 2 (8).
 #include "config.h"
 #include "train_env.h"
 #include "trainer.h"
