@@ -687,8 +687,9 @@ Trainer::StepResult Trainer::train_step(int64_t step, bool ready) {
     *plan_.stage_aux_loss = torch::Tensor();
   }
   if (config_.model.moe_sequence_aux_loss_coeff > 0 && !moe_blocks_.empty()) {
-    // The TP ranks of a data-parallel rank compute the same balance loss: count it once.
-    r.aux_loss = all_reduce(env_.group, {aux_sum})[0] / static_cast<double>(dims_.tp);
+    // Under TP each rank's balance loss is its tokens' share of the whole sequences' (MoEImpl's sequence
+    // parallel group): the sum over the TP ranks is the loss.
+    r.aux_loss = all_reduce(env_.group, {aux_sum})[0];
     summary_.aux_losses.push_back(r.aux_loss);
   }
   auto global_loss = [&] {

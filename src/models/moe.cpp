@@ -188,9 +188,21 @@ at::Tensor MoEImpl::forward(const at::Tensor& input) {
     const int64_t S = input.dim() >= 3 ? input.size(-2) : T;
     const int64_t B = T / S;
     const at::Tensor chosen = at::zeros({T, E}, r.scores.options()).scatter_(1, r.expert_ids, 1.0).view({B, S, E});
-    const at::Tensor f = chosen.sum(1) * (static_cast<double>(E) / static_cast<double>(k * S));  // [B, E]
+    at::Tensor counts_per_sequence = chosen.sum(1);  // [B, E]
+    // Under sequence parallelism the whole sequence's counts and length (set_sequence_parallel_group).
+    int64_t whole_S = S;
+    if (sequence_group_ && sequence_group_->size() > 1) {
+      at::NoGradGuard no_grad;
+      at::Tensor on_group = counts_per_sequence.to(sequence_group_->device());
+      sequence_group_->all_reduce(on_group, ReduceOp::Sum).wait();
+      counts_per_sequence = on_group.to(counts_per_sequence.device());
+      whole_S = S * sequence_group_->size();
+    }
+    const at::Tensor f = counts_per_sequence * (static_cast<double>(E) / static_cast<double>(k * whole_S));  // [B, E]
     const at::Tensor normalised = r.scores / r.scores.sum(-1, /*keepdim=*/true);
-    const at::Tensor P = normalised.view({B, S, E}).mean(1);                                    // [B, E]
+    // The mean over the sequence; under sequence parallelism this rank's tokens' share of the whole sequence's.
+    const at::Tensor P = whole_S == S ? normalised.view({B, S, E}).mean(1)
+                                      : normalised.view({B, S, E}).sum(1) / static_cast<double>(whole_S);  // [B, E]
     aux_loss_ = *options_.sequence_aux_loss_coeff * (f * P).sum(-1).mean();
   }
   const at::Tensor routed = x.index_select(0, token_of_slot);

@@ -10,7 +10,8 @@
 // so some stages hold no MoE layer); pp 2 x dp_shard 2 and pp 2 x ep 2 (ep borrowing the stage's 2 dp_shard
 // ranks) on 4 ranks. DeepSeek-V3's sequence balance loss, attached to each stage's backward per microbatch,
 // equals the 1-rank value (without that attachment the grad norms and then the expert loads differ: checked by
-// hand once, 2.3e-4 relative on step 1's grad norm).
+// hand once, 2.3e-4 relative on step 1's grad norm). With TP in the stages (trainer_moe_pipeline_tp_test): pp 2 x
+// tp 2, pp 2 x tp 2 with EP 2, pp 2 x tp 2 with the balance loss (4 ranks), pp 2 x dp_shard 2 x tp 2 with EP 2 (8).
 #include "config.h"
 #include "train_env.h"
 #include "trainer.h"
@@ -31,12 +32,14 @@ namespace {
 enum class Routing { Qwen3, DeepSeekV3 };
 
 // 4 samples per data-parallel rank (pp 2 on the world): 4 microbatches of 1, as many as DualPipeV's 4 stages need.
-int64_t global_batch() { return 2 * fsdp::world()->size(); }
+// Under TP the tp ranks of a data-parallel rank share its samples.
+int64_t global_batch(int64_t tp = 1) { return 2 * fsdp::world()->size() / tp; }
 
-JobConfig base(const std::string& name, Routing routing, double aux_coeff) {
+JobConfig base(const std::string& name, Routing routing, double aux_coeff, int64_t tp = 1) {
   JobConfig c = load_config({"--model.name", "qwen3", "--model.flavor", "cpu_tiny_moe", "--training.seq_len", "16",
                              "--training.local_batch_size", "1", "--training.global_batch_size",
-                             std::to_string(global_batch()), "--training.steps", "8", "--lr_scheduler.warmup_steps", "2",
+                             std::to_string(global_batch(tp)), "--training.steps", "8", "--lr_scheduler.warmup_steps",
+                             "2",
                              "--metrics.peak_tflops", "1"});
   if (routing == Routing::DeepSeekV3) {
     c.model.moe_score_func = MoeScoreFunc::Sigmoid;
@@ -56,25 +59,27 @@ JobConfig base(const std::string& name, Routing routing, double aux_coeff) {
   return c;
 }
 
-// pp x (world / pp) data-parallel ranks (ep of them expert parallel) under each of `schedules` equal 1 rank (the
-// reference without activation checkpointing; the pipeline runs with full AC when `full_ac`).
+// pp x tp x (world / pp / tp) data-parallel ranks (ep of dp x tp expert parallel) under each of `schedules` equal
+// 1 rank (the reference without activation checkpointing; the pipeline runs with full AC when `full_ac`).
 void expect_pipeline_parity(const std::string& name, Routing routing, int64_t pp, int64_t ep,
-                            const std::vector<std::string>& schedules, double aux_coeff = 0, bool full_ac = false) {
+                            const std::vector<std::string>& schedules, double aux_coeff = 0, bool full_ac = false,
+                            int64_t tp = 1) {
   auto world = fsdp::world();
-  const int64_t dp = world->size() / pp;
+  const int64_t dp = world->size() / pp / tp;
   TrainEnv single;
   single.verbose = false;
-  const TrainSummary ref = run_training(base(name + "_ref", routing, aux_coeff), single, false);
+  const TrainSummary ref = run_training(base(name + "_ref", routing, aux_coeff, tp), single, false);
   ASSERT_EQ(ref.expert_loads.size(), ref.losses.size()) << "one expert-load record per step";
   EXPECT_GT(ref.expert_loads.back().bias_l1, 0.0) << "the load-balancing bias moved";
   EXPECT_LT(ref.losses.back(), ref.losses.front());
   for (size_t k = 0; k < schedules.size(); ++k) {
     const std::string& schedule = schedules[k];
-    SCOPED_TRACE(name + " " + schedule + ": pp " + std::to_string(pp) + " x dp " + std::to_string(dp) + ", ep " +
-                 std::to_string(ep));
-    JobConfig config = base(name + "_" + std::to_string(k), routing, aux_coeff);
-    config.training.local_batch_size = global_batch() / dp;  // one pipeline step per optimizer step
+    SCOPED_TRACE(name + " " + schedule + ": pp " + std::to_string(pp) + " x dp " + std::to_string(dp) + " x tp " +
+                 std::to_string(tp) + ", ep " + std::to_string(ep));
+    JobConfig config = base(name + "_" + std::to_string(k), routing, aux_coeff, tp);
+    config.training.local_batch_size = global_batch(tp) / dp;  // one pipeline step per optimizer step
     config.parallelism.pipeline_parallel_degree = pp;
+    config.parallelism.tensor_parallel_degree = tp;
     const bool csv = schedule.rfind("csv:", 0) == 0;  // "csv:<file>": a schedule file instead of a name
     if (csv) config.parallelism.pipeline_parallel_schedule_csv = schedule.substr(4);
     else config.parallelism.pipeline_parallel_schedule = parse_choice<PipelineSchedule>(schedule).value();
@@ -88,6 +93,9 @@ void expect_pipeline_parity(const std::string& name, Routing routing, int64_t pp
         << got.plan;
     if (ep > 1) EXPECT_NE(got.plan.find("EP " + std::to_string(ep) + " ("), std::string::npos) << got.plan;
     else EXPECT_EQ(got.plan.find("EP "), std::string::npos) << got.plan;
+    if (tp > 1) EXPECT_NE(got.plan.find("TP " + std::to_string(tp) + " (sequence parallel)"), std::string::npos)
+        << got.plan;
+    else EXPECT_EQ(got.plan.find("TP "), std::string::npos) << got.plan;
     test::expect_moe_steps_equal(ref, got, 2, /*compare_mean=*/true);  // every token of the batch, counted once
     ASSERT_EQ(got.aux_losses.size(), aux_coeff > 0 ? got.losses.size() : 0u);
     ASSERT_EQ(ref.aux_losses.size(), got.aux_losses.size());
@@ -143,4 +151,26 @@ TEST(TrainerMoEPipeline, SequenceBalanceLossThroughTheStagesEqualsOneRank) {
   const TrainSummary without = run_training(base("pp_aux_off_ref", Routing::DeepSeekV3, 0), single, false);
   const TrainSummary with = run_training(base("pp_aux_on_ref", Routing::DeepSeekV3, 0.05), single, false);
   EXPECT_GT(std::abs(with.grad_norms[0] - without.grad_norms[0]), 1e-6 * without.grad_norms[0]);
+}
+
+// MoE under pipeline and tensor parallelism together (issue 37): inside each stage the TP plan of the MoE blocks
+// (router replicated with its gradient all-reduced over TP, shared experts colwise/rowwise, tokens sequence-sharded),
+// EP borrowing its ranks from the stage's dp_shard x tp and the experts' FSDP over what is left; each stage's
+// expert loads summed over its dp x tp ranks (each TP rank routes its own slice of the sequence).
+TEST(TrainerMoEPipelineTensorParallel, PipelineWithTensorParallelEqualsOneRank) {
+  const int64_t n = fsdp::world()->size();
+  if (n == 4) {
+    // pp 2 x tp 2: one stage per rank, then Interleaved1F1B's 4 stages (embedding | layer 0 | layer 1 | norm +
+    // output: the stages keep only their own layers' TP entries); DeepSeek-V3 routing (a tensor-parallel shared
+    // expert) with EP 2 borrowing the TP ranks.
+    expect_pipeline_parity("pp2_tp2", Routing::Qwen3, 2, 1, {"1F1B", "Interleaved1F1B"}, 0, false, /*tp=*/2);
+    expect_pipeline_parity("pp2_tp2_ep2_dsv3", Routing::DeepSeekV3, 2, 2, {"1F1B"}, 0, false, /*tp=*/2);
+    // The sequence balance loss on whole sequences (each block sums its counts over the stage's TP ranks).
+    expect_pipeline_parity("pp2_tp2_aux", Routing::DeepSeekV3, 2, 1, {"1F1B"}, /*aux_coeff=*/0.05, false, /*tp=*/2);
+  } else if (n == 8) {
+    // The acceptance layout: pp 2 x dp_shard 2 x tp 2 with EP 2 (efsdp 2 per stage).
+    expect_pipeline_parity("pp2_dp2_tp2_ep2", Routing::Qwen3, 2, 2, {"1F1B"}, 0, false, /*tp=*/2);
+  } else {
+    GTEST_SKIP() << "pp 2 x tp 2 on 4 or 8 ranks";
+  }
 }

@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <filesystem>
 #include <tuple>
 #include <vector>
@@ -112,4 +113,96 @@ TEST(TrainerMoEResume, AcrossExpertParallelDegrees) {
       if (!is_bias(key)) EXPECT_TRUE(torch::equal(loaded.at(key), w)) << key << " changed in the reload at " << tag;
     }
   }
+}
+
+// Checkpoints across (pp, tp, ep) (issue 37): a run at pp 2 x tp 2 with EP 2 (4 ranks: the smallest layout having
+// all three, EP borrowing the TP ranks; 1F1B, 2 accumulation steps of 4 microbatches) stopped after its step-3
+// checkpoint. That checkpoint holds every layer once under the whole model's names (the stacked experts whole,
+// each stage's expert_bias written by one rank); it resumes at pp 1 x dp_shard 4 and on 1 rank (no process group,
+// local batch 8): each trains on like the uninterrupted pp 2 x tp 2 x ep 2 run (the parity tests' 1e-5: other
+// reduction orders; the expert loads, which follow the loaded biases, exactly) and loads the weights bit for bit
+// (the vanishing-lr resume above: the final save holds the loaded weights).
+TEST(TrainerMoEResume, PipelineTensorExpertParallelResumesOnOneRankAndAtDp4) {
+  auto world = fsdp::world();
+  if (world->size() != 4) GTEST_SKIP() << "pp 2 x tp 2 x ep 2 needs 4 ranks";
+  auto pp_tp_ep = [](const std::string& folder) {
+    JobConfig c = job(folder, /*ep=*/2, /*tp=*/2);
+    c.training.local_batch_size = 4;  // global batch 8 on 1 data-parallel rank: 2 accumulation steps
+    c.parallelism.pipeline_parallel_degree = 2;
+    c.parallelism.pipeline_parallel_schedule = PipelineSchedule::OneFOneB;
+    c.parallelism.pipeline_parallel_microbatch_size = 1;
+    return c;
+  };
+  const std::string full_dir = shared_dir("pp_tp_ep_full");
+  const TrainSummary full = run_training(pp_tp_ep(full_dir), test::world_env(), false);
+  ASSERT_EQ(full.losses.size(), 6u);
+  ASSERT_GT(std::abs(full.losses[3] - full.losses[0]), 1e-3 * full.losses[0]);  // it trains
+  for (const char* part : {"PP 2 (1F1B", "TP 2 (sequence parallel)", "EP 2 ("})
+    EXPECT_NE(full.plan.find(part), std::string::npos) << full.plan;
+
+  const std::string dir = shared_dir("pp_tp_ep_stopped");
+  const TrainSummary first = run_training(pp_tp_ep(dir), test::world_env(false, /*stop_after=*/3), false);
+  ASSERT_EQ(first.losses.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(first.losses[i], full.losses[i]) << "step " << i + 1;
+  world->barrier().wait();
+  const auto at3 = model_tensors(dir + "/checkpoint/step-3");
+  for (const char* key : {"tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.1.moe.router.gate.weight",
+                          "output.weight", "norm.weight"})
+    EXPECT_TRUE(at3.count(key)) << key;
+  ASSERT_TRUE(at3.count("layers.1.moe.experts.w1"));
+  EXPECT_EQ(at3.at("layers.1.moe.experts.w1").size(0), 8) << "the experts are saved whole";
+  for (const char* bias : {"layers.0.moe.expert_bias", "layers.1.moe.expert_bias"}) {
+    ASSERT_TRUE(at3.count(bias)) << bias;
+    EXPECT_GT(at3.at(bias).abs().sum().item<double>(), 0) << bias << ": the bias moved and was saved";
+  }
+  std::map<std::string, std::string> dirs;
+  for (const char* tag : {"pp_tp_ep_to_dp4", "pp_tp_ep_to_dp4_lr0", "pp_tp_ep_to_one", "pp_tp_ep_to_one_lr0"}) {
+    dirs[tag] = shared_dir(tag);
+    copy_step3(dir, dirs[tag]);
+  }
+  auto expect_trains_on = [&](const TrainSummary& other, const std::string& where) {
+    ASSERT_EQ(other.losses.size(), 3u) << where;
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_NEAR(other.losses[i], full.losses[i + 3], 1e-5 * full.losses[i + 3])
+          << "step " << i + 4 << " " << where;
+      EXPECT_NEAR(other.grad_norms[i], full.grad_norms[i + 3], 1e-4 * full.grad_norms[i + 3])
+          << "step " << i + 4 << " " << where;
+      EXPECT_EQ(other.expert_loads[i].max_tokens, full.expert_loads[i + 3].max_tokens)
+          << "step " << i + 4 << " " << where;
+      EXPECT_EQ(other.expert_loads[i].min_tokens, full.expert_loads[i + 3].min_tokens)
+          << "step " << i + 4 << " " << where;
+    }
+  };
+  auto expect_loaded_bit_for_bit = [&](const std::string& lr0_dir, const std::string& where) {
+    const auto loaded = model_tensors(lr0_dir + "/checkpoint/step-6");
+    ASSERT_EQ(loaded.size(), at3.size()) << where;
+    for (const auto& [key, w] : at3) {
+      if (!is_bias(key)) EXPECT_TRUE(torch::equal(loaded.at(key), w)) << key << " changed in the reload " << where;
+    }
+  };
+
+  // pp 1 x dp_shard 4 (no TP, no EP).
+  const TrainSummary at_dp4 = run_training(job(dirs.at("pp_tp_ep_to_dp4"), 1), test::world_env(), false);
+  EXPECT_EQ(at_dp4.plan.find("PP "), std::string::npos) << at_dp4.plan;
+  expect_trains_on(at_dp4, "at dp 4");
+  JobConfig dp4_lr0 = job(dirs.at("pp_tp_ep_to_dp4_lr0"), 1);
+  dp4_lr0.optimizer.lr = 1e-30;
+  run_training(dp4_lr0, test::world_env(), false);
+  world->barrier().wait();
+  expect_loaded_bit_for_bit(dirs.at("pp_tp_ep_to_dp4_lr0"), "at dp 4");
+
+  // Rank 0 alone, no process group (local batch 8: the same global batch without accumulation).
+  if (world->rank() == 0) {
+    TrainEnv single;
+    single.verbose = false;
+    JobConfig one = job(dirs.at("pp_tp_ep_to_one"), 1);
+    one.training.local_batch_size = 8;
+    expect_trains_on(run_training(one, single, false), "on 1 rank");
+    JobConfig one_lr0 = job(dirs.at("pp_tp_ep_to_one_lr0"), 1);
+    one_lr0.training.local_batch_size = 8;
+    one_lr0.optimizer.lr = 1e-30;
+    run_training(one_lr0, single, false);
+    expect_loaded_bit_for_bit(dirs.at("pp_tp_ep_to_one_lr0"), "on 1 rank");
+  }
+  world->barrier().wait();
 }

@@ -13,6 +13,8 @@
 // FQNs (TorchTitan's TOML-era names): router.gate.weight [E, D]; experts.w1 [E, F, D], experts.w2 [E, D, F],
 // experts.w3 [E, F, D]; shared_experts.w1/w2/w3.weight; buffer expert_bias [E] (when load balancing is on).
 
+#include <fsdp/process_group.h>
+
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
@@ -104,6 +106,15 @@ class MoEImpl : public torch::nn::Module {
   // under full AC). nullopt (the default) = not tied; the caller adds aux_loss() to its loss.
   void set_aux_loss_grad_scale(std::optional<double> scale) { aux_loss_grad_scale_ = scale; }
   std::optional<double> aux_loss_grad_scale() const { return aux_loss_grad_scale_; }
+  // Sequence parallelism (a tensor-parallel plan that keeps the tokens sequence-sharded through the block): the
+  // input holds this rank's slice of each sequence, the other slices are on the other ranks of `group`. The
+  // balance loss is defined on whole sequences (TorchTitan computes it there), so its per-sequence expert counts
+  // are summed over `group` (indicators: no gradient) and aux_loss() is this rank's share, its tokens' scores
+  // against the whole sequences' counts: the shares sum over `group` to the sequences' loss, and each share's
+  // gradient is that loss's for this rank's tokens. A collective over `group` in every training forward with the
+  // loss on (every rank of the group runs the block alike, as tensor parallelism needs anyway). Null (the
+  // default): the input holds whole sequences.
+  void set_sequence_parallel_group(ProcessGroupPtr group) { sequence_group_ = std::move(group); }
   const MoEOptions& options() const { return options_; }
   // Deterministic init from a generator (TorchTitan: trunc_normal(std) on the gate and the experts).
   void init_weights(at::Generator& gen, double std = 0.02);
@@ -118,6 +129,7 @@ class MoEImpl : public torch::nn::Module {
   at::Tensor tokens_per_expert_;  // [E] fp32, not part of the state dict (TorchTitan: non-persistent)
   at::Tensor aux_loss_;
   std::optional<double> aux_loss_grad_scale_;
+  ProcessGroupPtr sequence_group_;
 };
 TORCH_MODULE(MoE);
 

@@ -16,6 +16,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <unordered_set>
 
 namespace fsdp_train::llama3 {
@@ -86,6 +87,26 @@ std::vector<fsdp::FSDPModule> fully_shard_blocks_then_root(std::vector<fsdp::nn:
   return out;
 }
 
+// The layer index of a TP-plan pattern naming one layer ("layers.3.moe.router.gate" -> 3); none for a wildcard
+// ("layers.*.attention") or a root module.
+std::optional<int64_t> named_layer(const std::string& pattern) {
+  static const std::string prefix = "layers.";
+  if (pattern.rfind(prefix, 0) != 0) return std::nullopt;
+  const size_t end = pattern.find('.', prefix.size());
+  const std::string index =
+      pattern.substr(prefix.size(), end == std::string::npos ? std::string::npos : end - prefix.size());
+  if (index.empty() || index.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  return std::stoll(index);
+}
+
+// The plan keeps the tokens sequence-sharded through the MoE blocks: each block's sequence balance loss sums its
+// per-sequence counts over the TP ranks (the whole sequence's, as TorchTitan computes it).
+void set_moe_sequence_parallel(std::vector<fsdp::nn::llama::TransformerBlock>& blocks, const fsdp::DeviceMesh& tp_mesh) {
+  for (auto& block : blocks) {
+    if (auto* moe = moe_of(*block)) moe->set_sequence_parallel_group(tp_mesh.group(0));
+  }
+}
+
 }  // namespace
 
 fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config) {
@@ -134,6 +155,7 @@ std::string apply_ac(fsdp::nn::llama::Transformer& model, AcMode mode, const Sel
 void apply_tp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& tp_mesh, bool loss_parallel) {
   fsdp::parallelize_module(model, tp_mesh,
                            fsdp::nn::llama::tensor_parallel_plan(model->args(), tp_mesh.size(), {true, loss_parallel}));
+  set_moe_sequence_parallel(model->blocks(), tp_mesh);
 }
 
 void apply_tp(fsdp::nn::llama::LlamaStage& stage, const fsdp::nn::llama::LlamaArgs& args,
@@ -145,9 +167,14 @@ void apply_tp(fsdp::nn::llama::LlamaStage& stage, const fsdp::nn::llama::LlamaAr
     if (pattern == "tok_embeddings" && !stage->first()) continue;
     if ((pattern == "norm" || pattern == "output") && !stage->last()) continue;
     if (pattern.rfind("layers.", 0) == 0 && stage->begin() == stage->end()) continue;
+    // MoE models name each layer's entries (router, shared experts, a dense layer's feed-forward): the stage
+    // keeps those of its own layers (its layers keep the whole model's indices).
+    const auto layer = named_layer(pattern);
+    if (layer && (*layer < stage->begin() || *layer >= stage->end())) continue;
     kept.push_back(std::move(entry));
   }
   fsdp::parallelize_module(stage, tp_mesh, kept);
+  set_moe_sequence_parallel(stage->blocks(), tp_mesh);
   stage->sequence_shards = tp_mesh.size();  // the plan is sequence parallel: hidden states travel split on the sequence
 }
 
@@ -299,18 +326,24 @@ void set_sum_gradients(ParallelPlan& plan) {
 }
 
 // MoE under PP (TorchTitan: apply_moe_ep and apply_fsdp inside each stage's model part): the routed experts'
-// placement in every stage as without PP (EP over ep of the stage's dp_shard ranks, their FSDP over what is left),
-// the groups the stage's expert loads are summed over, and the balance-loss accumulator. Returns the plan's
-// description of the experts ("" for a dense model).
+// placement in every stage as without PP (EP over ep of the stage's dp_shard x tp ranks, their FSDP over what is
+// left), the groups the stage's expert loads are summed over (its dp x tp ranks), and the balance-loss
+// accumulator. Returns the plan's description of the experts ("" for a dense model).
 std::string pipeline_moe_setup(ParallelPlan& plan, FsdpOptions& fsdp, fsdp::nn::llama::Transformer& model,
                                const JobConfig& config, const ParallelDims& dims, const ParallelMeshes& meshes) {
   const int64_t num_experts = num_experts_of(model);
   if (num_experts == 0) return "";
   for (int64_t d = 0; d < meshes.dp.ndim(); ++d) plan.stage_dp_groups.push_back(meshes.dp.group(d));
+  // Under TP each rank of the stage routes its own slice of the sequence: the counts sum over dp x tp.
+  if (dims.tp > 1) plan.stage_dp_groups.push_back(meshes.tp.group(0));
   if (config.model.moe_sequence_aux_loss_coeff > 0) plan.stage_aux_loss = std::make_shared<at::Tensor>();
-  fsdp.experts_shard_dim = dims.dp_shard * dims.cp > num_experts ? 1 : 0;  // as without PP (tt#1561)
-  if (dims.ep == 1) return fsdp.experts_shard_dim == 1 ? "experts Shard(1) + " : "";
-  fsdp.experts_mesh = meshes.expert_dp;
+  fsdp.experts_shard_dim = dims.dp_shard * dims.cp * dims.tp > num_experts ? 1 : 0;  // as without PP (tt#1561)
+  if (dims.ep == 1 && dims.tp == 1) return fsdp.experts_shard_dim == 1 ? "experts Shard(1) + " : "";
+  fsdp.experts_mesh = meshes.expert_dp;  // efsdp: the stage's dp_shard x cp x tp ranks EP does not take
+  if (dims.ep == 1) {
+    return "experts' FSDP over " + fsdp.experts_mesh.to_string() + ", Shard(" + std::to_string(fsdp.experts_shard_dim) +
+           ") + ";
+  }
   return "EP " + std::to_string(dims.ep) + " (experts' FSDP over " + fsdp.experts_mesh.to_string() + ", Shard(" +
          std::to_string(fsdp.experts_shard_dim) + ")) + ";
 }
@@ -323,7 +356,7 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
   plan.activation_checkpointing =
       apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option);
   TORCH_CHECK(group, "pipeline parallelism needs a process group (run under fsdprun)");
-  const ParallelMeshes meshes = build_meshes(dims, device);
+  const ParallelMeshes meshes = build_meshes(dims, device, /*moe=*/num_experts_of(model) > 0);
   plan.mesh = meshes.world;
   plan.pp_group = plan.mesh.group("pp");
   if (dims.tp > 1) {
@@ -408,17 +441,6 @@ void check_layout(const std::string& family, const fsdp::nn::llama::LlamaArgs& a
     // whole sequence's counts and scores.
     throw ConfigError("config error: model.moe_sequence_aux_loss_coeff with parallelism.context_parallel_degree > 1 "
                       "(" + model + ") is not supported yet (each CP rank routes chunks of the sequence)");
-  }
-  if (has_moe && dims.pp > 1 && dims.tp > 1) {
-    // Each alone works; together the stage's expert-load sum would have to span the stage's dp x tp ranks.
-    throw ConfigError("config error: MoE models (" + model + ") with pipeline and tensor parallelism together are "
-                      "not supported yet; use either with FSDP, HSDP and parallelism.expert_parallel_degree");
-  }
-  if (has_moe && dims.tp > 1 && config.model.moe_sequence_aux_loss_coeff > 0) {
-    // Under TP each rank routes its slice of every sequence; the per-sequence balance loss would need the
-    // whole sequence's counts and scores.
-    throw ConfigError("config error: model.moe_sequence_aux_loss_coeff with parallelism.tensor_parallel_degree > 1 "
-                      "(" + model + ") is not supported yet (each TP rank routes a slice of the sequence)");
   }
   if (dims.ep > 1 && !has_moe) {
     throw ConfigError("config error: parallelism.expert_parallel_degree = " + std::to_string(dims.ep) + " but " +
