@@ -7,7 +7,7 @@
 //               data-parallel shard dim (the experts' FSDP over what is left, [dp_replicate,] efsdp)
 //   apply_fsdp  fully_shard on every block, then on the root (FSDP or HSDP; per-block reshard as TorchTitan), the
 //               routed experts on their own mesh and shard dim; or fsdp::replicate (TorchTitan's DDP path) with
-//               dp_shard 1
+//               dp_shard 1; both through the wrapping every family shares (parallelize.h)
 // Refused with a ConfigError naming the family, the flavor and the layout (check_layout): tensor parallelism (no
 // TP plan for multi-head latent attention yet) and pipeline parallelism (the pipeline stage of this library is
 // the Llama decoder's), Hugging Face load/save on several ranks (the adapter needs the whole model).
@@ -19,7 +19,9 @@
 #include <fsdp/models/deepseek_v3.h>
 #include <fsdp/process_group.h>
 
+#include <memory>
 #include <string>
+#include <vector>
 
 namespace fsdp_train::deepseek_v3 {
 
@@ -32,6 +34,11 @@ fsdp::nn::deepseek_v3::DeepSeekV3Args model_args(const JobConfig& config);
 // layout.
 void check_layout(const fsdp::nn::deepseek_v3::DeepSeekV3Args& args, const JobConfig& config,
                   const ParallelDims& dims);
+
+// The blocks as modules, and a block's routed experts (null: a dense block): what the shared FSDP / DDP wrapping
+// takes (parallelize.h: fully_shard_blocks_then_root, replicate_blocks_then_root).
+std::vector<std::shared_ptr<torch::nn::Module>> block_modules(std::vector<fsdp::nn::deepseek_v3::TransformerBlock>& blocks);
+std::shared_ptr<torch::nn::Module> experts_of_block(torch::nn::Module& block);
 
 // check_layout first; `group`: the world group, or null for one process (then only AC).
 ParallelPlan parallelize_deepseek_v3(fsdp::nn::deepseek_v3::DeepSeekV3& model, const JobConfig& config,
