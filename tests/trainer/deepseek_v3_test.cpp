@@ -5,6 +5,8 @@
 //            gradient accumulation over the same global batches: the loss and grad norm of every step (1e-5 /
 //            1e-4 relative, as the other parity tests) and the expert load of every step exactly (which also shows
 //            the load-balancing bias, which steers the routing, was updated identically).
+//   pipeline: pp 2 under 1F1B and Interleaved1F1B (2 ranks), pp 2 x ep 2 with the sequence balance loss (4 ranks),
+//            equal 1 rank the same way (the expert loads summed per stage over its ranks).
 //   1 rank:  the trainer's Hugging Face last save loads in transformers' DeepseekV3ForCausalLM with logits equal
 //            (1e-5) to the library model holding the same run's libfsdp model-only save (the other format, read
 //            tensor by tensor here: no adapter in the reference path); and a job started from that export
@@ -80,6 +82,41 @@ void expect_parity(const std::string& name, int64_t ep, bool full_ac = false, in
   EXPECT_GT(ref.expert_loads.back().bias_l1, 0.0);
 }
 
+// pp ranks x (world / pp) data-parallel ranks (ep of them expert parallel, inside each stage) under each of
+// `schedules` equal 1 rank: one pipeline step of 1-sample microbatches per optimizer step; with `aux_coeff` the
+// sequence balance loss joins each stage's backward and equals the 1-rank value.
+void expect_pipeline_parity(const std::string& name, int64_t pp, int64_t ep, const std::vector<std::string>& schedules,
+                            double aux_coeff = 0) {
+  const int64_t world = fsdp::world()->size(), dp = world / pp;
+  const int64_t global_batch = 2 * world;  // 4 microbatches per pipeline step at pp 2 x dp 1: DualPipeV's minimum
+  JobConfig ref_config = base(own_dir(name + "_ref"), global_batch);
+  ref_config.model.moe_sequence_aux_loss_coeff = aux_coeff;
+  const TrainSummary ref = run_training(ref_config, single_process(), false);
+  ASSERT_EQ(ref.losses.size(), 8u);
+  EXPECT_LT(ref.losses.back(), ref.losses.front());
+  EXPECT_GT(ref.expert_loads.back().bias_l1, 0.0) << "the load-balancing bias moved";
+  for (const std::string& schedule : schedules) {
+    SCOPED_TRACE(name + " " + schedule);
+    JobConfig config = base(test::shared_dir("fsdp_train_dsv3", name + "_" + schedule), global_batch);
+    config.model.moe_sequence_aux_loss_coeff = aux_coeff;
+    config.training.local_batch_size = global_batch / dp;
+    config.parallelism.pipeline_parallel_degree = pp;
+    config.parallelism.pipeline_parallel_schedule = parse_choice<PipelineSchedule>(schedule).value();
+    config.parallelism.pipeline_parallel_microbatch_size = 1;
+    config.parallelism.expert_parallel_degree = ep;
+    const TrainSummary got = run_training(config, test::world_env(), false);
+    EXPECT_NE(got.plan.find("PP " + std::to_string(pp) + " (" + schedule), std::string::npos) << got.plan;
+    if (ep > 1) EXPECT_NE(got.plan.find("EP " + std::to_string(ep) + " ("), std::string::npos) << got.plan;
+    test::expect_moe_steps_equal(ref, got, 2, /*compare_mean=*/true);  // every token counted once, per stage
+    ASSERT_EQ(got.aux_losses.size(), aux_coeff > 0 ? got.losses.size() : 0u);
+    ASSERT_EQ(ref.aux_losses.size(), got.aux_losses.size());
+    for (size_t i = 0; i < ref.aux_losses.size(); ++i) {
+      EXPECT_GT(ref.aux_losses[i], 0) << "step " << i + 1;
+      EXPECT_NEAR(got.aux_losses[i], ref.aux_losses[i], 1e-5 * ref.aux_losses[i]) << "balance loss, step " << i + 1;
+    }
+  }
+}
+
 std::string slurp(const fs::path& p) {
   std::ifstream f(p);
   std::stringstream s;
@@ -140,6 +177,20 @@ TEST(TrainerDeepSeekV3, DataParallelReplicateEqualsOneRank) {
 TEST(TrainerDeepSeekV3, ExpertParallelUnderHsdpEqualsOneRank) {
   if (fsdp::world()->size() != 4) GTEST_SKIP() << "HSDP 2 x 2 with ep 2 needs 4 ranks";
   expect_parity("hsdp_ep2", 2, false, /*replicate=*/2);
+}
+
+// Pipeline parallelism: one stage per rank (1F1B) and two (Interleaved1F1B: embedding + layer 0 | layer 1 |
+// layer 2 | norm + output, so the first stage holds the dense layer and the last none); on 4 ranks EP 2 inside each
+// stage (over the stage's 2 data-parallel ranks) with the sequence balance loss.
+TEST(TrainerDeepSeekV3, PipelineEqualsOneRank) {
+  const int64_t n = fsdp::world()->size();
+  if (n == 2) {
+    expect_pipeline_parity("pp2", 2, 1, {"1F1B", "Interleaved1F1B"});
+  } else if (n == 4) {
+    expect_pipeline_parity("pp2_ep2", 2, 2, {"1F1B"}, /*aux_coeff=*/1e-3);
+  } else {
+    GTEST_SKIP() << "pp 2 on 2 or 4 ranks";
+  }
 }
 
 TEST(TrainerDeepSeekV3, HuggingFaceSaveLoadsInTransformersAndBack) {

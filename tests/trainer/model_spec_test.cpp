@@ -268,9 +268,6 @@ TEST(ModelSpec, DeepSeekV3LayoutCheck) {
   const auto tp = refused({"--parallelism.tensor_parallel_degree", "2"}, 2);
   EXPECT_NE(tp.find("tensor_parallel_degree = 2 with deepseek_v3 cpu_tiny is not supported yet"), std::string::npos)
       << tp;
-  const auto pp = refused({"--parallelism.pipeline_parallel_degree", "2"}, 2);
-  EXPECT_NE(pp.find("pipeline_parallel_degree = 2 with deepseek_v3 cpu_tiny is not supported yet"), std::string::npos)
-      << pp;
   const auto ep = refused({"--parallelism.expert_parallel_degree", "3", "--training.local_batch_size", "1",
                            "--training.global_batch_size", "3"},
                           3);
@@ -282,10 +279,13 @@ TEST(ModelSpec, DeepSeekV3LayoutCheck) {
   const auto flavor = config_error_of([] { train_spec("deepseek_v3").check_layout(job("deepseek_v3", "tiny"), {}); });
   EXPECT_NE(flavor.find("model.flavor"), std::string::npos) << flavor;
   EXPECT_NE(flavor.find("cpu_tiny, debugmodel, 16B, 236B, 671B"), std::string::npos) << flavor;
-  // The control: FSDP, EP, HSDP with EP, AC and Hugging Face on 1 rank pass.
+  // The control: FSDP, EP, HSDP with EP, AC, Hugging Face on 1 rank and PP pass.
   EXPECT_EQ(refused({"--parallelism.expert_parallel_degree", "2"}, 2), "");
   EXPECT_EQ(refused({"--parallelism.expert_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2"}, 4),
             "");
   EXPECT_EQ(refused({"--activation_checkpoint.mode", "full", "--checkpoint.last_save_in_hf"}, 1), "");
+  // Pipeline parallelism, also with EP inside the stages.
+  EXPECT_EQ(refused({"--parallelism.pipeline_parallel_degree", "2"}, 2), "");
+  EXPECT_EQ(refused({"--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"}, 4), "");
   EXPECT_FALSE(fsdp::is_initialized());
 }

@@ -2,6 +2,7 @@
 #include "deepseek_v3_spec.h"
 
 #include "parallelize_deepseek_v3.h"
+#include "pipeline_deepseek_v3.h"
 
 #include <fsdp/models/deepseek_v3.h>
 #include <fsdp/models/hf_deepseek_v3.h>
@@ -99,11 +100,10 @@ TrainSpec train_spec() {
     ds::DeepSeekV3 m = model_of(model);
     return parallelize_deepseek_v3(m, config, dims, group);
   };
-  // Refused by check_layout before any of these could run; here for callers that ask the seam directly (the
-  // planner): the same one-line errors.
-  spec.split_pipeline = [](const TrainModel&, const PipelineSplitOptions& options) -> PipelineSplit {
-    throw ConfigError("config error: parallelism.pipeline_parallel_degree = " + std::to_string(options.pp) +
-                      " with deepseek_v3 is not supported yet (no pipeline split for DeepSeek-V3 blocks)");
+  // Refused by check_layout before it could run; here for callers that ask the seam directly (the planner): the
+  // same one-line error.
+  spec.split_pipeline = [](const TrainModel& model, const PipelineSplitOptions& options) {
+    return split_pipeline(model_of(model)->args(), options);
   };
   spec.tp_plan = [](const TrainModel&, int64_t tp_degree, bool) -> fsdp::ParallelizePlan {
     throw ConfigError("config error: parallelism.tensor_parallel_degree = " + std::to_string(tp_degree) +

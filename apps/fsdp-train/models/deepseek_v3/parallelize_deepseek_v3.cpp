@@ -2,6 +2,7 @@
 #include "parallelize_deepseek_v3.h"
 
 #include "moe_overrides.h"
+#include "pipeline_deepseek_v3.h"
 
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/expert_parallel.h>
@@ -75,11 +76,6 @@ void check_layout(const ds::DeepSeekV3Args& args, const JobConfig& config, const
                       model + " is not supported yet (no tensor-parallel plan for multi-head latent attention); "
                       "use FSDP, HSDP and parallelism.expert_parallel_degree");
   }
-  if (dims.pp > 1) {
-    throw ConfigError("config error: parallelism.pipeline_parallel_degree = " + std::to_string(dims.pp) + " with " +
-                      model + " is not supported yet (no pipeline split for DeepSeek-V3 blocks); use FSDP, HSDP "
-                      "and parallelism.expert_parallel_degree");
-  }
   if (dims.cp > 1) {
     throw ConfigError("config error: parallelism.context_parallel_degree = " + std::to_string(dims.cp) + " with " +
                       model + " is not supported yet (context parallelism runs dense models)");
@@ -115,6 +111,7 @@ ParallelPlan parallelize_deepseek_v3(ds::DeepSeekV3& model, const JobConfig& con
     plan.description = "single process (no process group: run under fsdprun to apply fully_shard)";
     return plan;
   }
+  if (dims.pp > 1) return parallelize_deepseek_v3_pipeline(model, config, dims, group, std::move(plan));
   const ParallelMeshes meshes = build_meshes(dims, mesh_device(config).is_cuda() ? "cuda" : "cpu");
   plan.mesh = meshes.world;
   if (plain_data_parallel(dims)) {
@@ -136,7 +133,8 @@ ParallelPlan parallelize_deepseek_v3(ds::DeepSeekV3& model, const JobConfig& con
     } else if (fsdp.experts_shard_dim == 1) {
       experts_description = "experts Shard(1) + ";
     }
-    plan.fsdp_modules = fully_shard_blocks_then_root(block_modules(model->blocks()), model.ptr(), fsdp, experts_of_block);
+    plan.fsdp_modules =
+        fully_shard_blocks_then_root(block_modules(model->blocks()), model.ptr(), fsdp, experts_of_block);
     plan.description = experts_description + std::string(dims.dp_replicate > 1 ? "HSDP" : "FSDP") + " mesh " +
                        plan.mesh.to_string() + ", reshard_after_forward " +
                        to_string(config.parallelism.fsdp_reshard_after_forward) + ", param " +

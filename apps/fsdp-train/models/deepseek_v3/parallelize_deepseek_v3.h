@@ -8,9 +8,11 @@
 //   apply_fsdp  fully_shard on every block, then on the root (FSDP or HSDP; per-block reshard as TorchTitan), the
 //               routed experts on their own mesh and shard dim; or fsdp::replicate (TorchTitan's DDP path) with
 //               dp_shard 1; both through the wrapping every family shares (parallelize.h)
+//   pipeline   pipeline_parallel_degree > 1: the stages split as Llama's (pipeline_deepseek_v3.h), EP and FSDP in
+//              each stage this rank holds
 // Refused with a ConfigError naming the family, the flavor and the layout (check_layout): tensor parallelism (no
-// TP plan for multi-head latent attention yet) and pipeline parallelism (the pipeline stage of this library is
-// the Llama decoder's), Hugging Face load/save on several ranks (the adapter needs the whole model).
+// TP plan for multi-head latent attention yet), Hugging Face load/save on several ranks (the adapter needs the
+// whole model).
 
 #include "config.h"
 #include "parallel_dims.h"
