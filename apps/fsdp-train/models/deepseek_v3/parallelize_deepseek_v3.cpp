@@ -6,7 +6,9 @@
 
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/expert_parallel.h>
+#include <fsdp/models/deepseek_v3_tp_plan.h>
 #include <fsdp/models/moe.h>
+#include <fsdp/tensor_parallel.h>
 
 #include <c10/util/Exception.h>
 
@@ -24,12 +26,22 @@ std::string family_and_flavor(const JobConfig& config) { return "deepseek_v3 " +
 std::string apply_ac(ds::DeepSeekV3& model, AcMode mode, const SelectiveAcOption& option) {
   if (mode == AcMode::None) return "no activation checkpointing";
   const std::vector<std::shared_ptr<torch::nn::Module>> blocks = block_modules(model->blocks());
-  // (op-level SAC was refused by check_layout: every DeepSeek-V3 flavor has MoE layers)
+  if (mode == AcMode::Selective && option.kind == SelectiveAcOption::Kind::Op) {
+    // The MoE layers count their tokens in the first pass only (op SAC runs both passes with gradients).
+    fsdp::checkpoint_every_kth(blocks, 1, {fsdp::CheckpointPolicy::SelectiveOp});
+    return "op-level selective activation checkpointing (every 2nd matmul kept)";
+  }
   const int64_t k = mode == AcMode::Full ? 1 : option.k;
   const size_t n = fsdp::checkpoint_every_kth(blocks, k);
   if (mode == AcMode::Full) return "full activation checkpointing (every block)";
   return "layer-selective activation checkpointing (every " + std::to_string(k <= 1 ? 1 : k) + " blocks: " +
          std::to_string(n) + " of " + std::to_string(blocks.size()) + ")";
+}
+
+// TorchTitan's DeepSeek-V3 TP plan (sequence parallel, MLA split by heads) over the 1-D `tp_mesh`; loss_parallel:
+// the output projection keeps its logits sharded over the vocabulary.
+void apply_tp(ds::DeepSeekV3& model, const fsdp::DeviceMesh& tp_mesh, bool loss_parallel) {
+  fsdp::parallelize_module(model, tp_mesh, ds::tensor_parallel_plan(model->args(), tp_mesh.size(), loss_parallel));
 }
 
 // The routed experts of every MoE block split over the 1-D `ep_mesh` (collective-free; before fully_shard).
@@ -71,10 +83,21 @@ ds::DeepSeekV3Args model_args(const JobConfig& config) {
 
 void check_layout(const ds::DeepSeekV3Args& args, const JobConfig& config, const ParallelDims& dims) {
   const std::string model = family_and_flavor(config);
-  if (dims.tp > 1) {
-    throw ConfigError("config error: parallelism.tensor_parallel_degree = " + std::to_string(dims.tp) + " with " +
-                      model + " is not supported yet (no tensor-parallel plan for multi-head latent attention); "
-                      "use FSDP, HSDP and parallelism.expert_parallel_degree");
+  if (dims.tp > 1 && args.n_heads % dims.tp != 0) {
+    throw ConfigError("config error: parallelism.tensor_parallel_degree = " + std::to_string(dims.tp) +
+                      " does not divide the " + std::to_string(args.n_heads) + " attention heads of " + model);
+  }
+  if (dims.tp > 1 && dims.pp > 1) {
+    // Each alone works; together the stage's expert-load sum would have to span the stage's dp x tp ranks.
+    throw ConfigError("config error: parallelism.tensor_parallel_degree > 1 with pipeline_parallel_degree > 1 (" +
+                      model + ", an MoE model) is not supported yet; use either with FSDP, HSDP and "
+                      "parallelism.expert_parallel_degree");
+  }
+  if (dims.tp > 1 && config.model.moe_sequence_aux_loss_coeff > 0) {
+    // Under TP each rank routes its slice of every sequence; the per-sequence balance loss would need the whole
+    // sequence's counts and scores.
+    throw ConfigError("config error: model.moe_sequence_aux_loss_coeff with parallelism.tensor_parallel_degree > 1 "
+                      "(" + model + ") is not supported yet (each TP rank routes a slice of the sequence)");
   }
   if (dims.cp > 1) {
     throw ConfigError("config error: parallelism.context_parallel_degree = " + std::to_string(dims.cp) + " with " +
@@ -86,11 +109,8 @@ void check_layout(const ds::DeepSeekV3Args& args, const JobConfig& config, const
                       "convert on 1 rank");
   }
   const auto& ac = config.activation_checkpoint;
-  if (ac.mode == AcMode::Selective && ac.selective_ac_option.kind == SelectiveAcOption::Kind::Op) {
-    throw ConfigError("config error: activation_checkpoint.selective_ac_option = \"op\" with an MoE model (" + model +
-                      ") is not supported yet; use mode = \"full\" or a layer-selective option");
-  }
-  if (ac.mode == AcMode::Selective && ac.selective_ac_option.kind != SelectiveAcOption::Kind::EveryKth) {
+  if (ac.mode == AcMode::Selective && ac.selective_ac_option.kind != SelectiveAcOption::Kind::EveryKth &&
+      ac.selective_ac_option.kind != SelectiveAcOption::Kind::Op) {
     throw ConfigError("config error: activation_checkpoint.selective_ac_option: expected \"op\" or an integer k, got \"" +
                       ac.selective_ac_option.unparsed + "\"");
   }
@@ -112,26 +132,39 @@ ParallelPlan parallelize_deepseek_v3(ds::DeepSeekV3& model, const JobConfig& con
     return plan;
   }
   if (dims.pp > 1) return parallelize_deepseek_v3_pipeline(model, config, dims, group, std::move(plan));
-  const ParallelMeshes meshes = build_meshes(dims, mesh_device(config).is_cuda() ? "cuda" : "cpu");
+  const ParallelMeshes meshes = build_meshes(dims, mesh_device(config).is_cuda() ? "cuda" : "cpu", /*moe=*/true);
   plan.mesh = meshes.world;
   if (plain_data_parallel(dims)) {
     plan.fsdp_modules = replicate_blocks_then_root(block_modules(model->blocks()), model.ptr(), plan.mesh);
     plan.description = "data parallel (replicate " + std::to_string(dims.dp_replicate) +
                        ", fsdp::replicate: gradient all-reduce per block)";
   } else {
-    // The routed experts' placement (TorchTitan's apply_moe_ep + apply_fsdp): over the data-parallel ranks left
-    // after ep; Shard(1) when the experts would be cut in more pieces than there are (tt#1561).
+    std::string tp_description;
+    if (dims.tp > 1) {
+      plan.tp_mesh = meshes.tp;
+      plan.loss_parallel = !config.parallelism.disable_loss_parallel;
+      apply_tp(model, plan.tp_mesh, plan.loss_parallel);
+      tp_description = "TP " + std::to_string(dims.tp) + " (sequence parallel, MLA heads split, " +
+                       (plan.loss_parallel ? "loss parallel" : "logits gathered") + ") + ";
+    }
+    // The routed experts' placement (TorchTitan's apply_moe_ep + apply_fsdp): over the ranks left after ep of
+    // dp_shard x tp (efsdp); under TP without EP over dp_shard x tp (each TP rank routes its own tokens; no expert
+    // tensor parallel). Shard(1) when the experts would be cut in more pieces than there are (tt#1561).
     const int64_t num_experts = model->args().moe.num_experts;
     FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/false);
-    fsdp.experts_shard_dim = dims.dp_shard > num_experts ? 1 : 0;
-    std::string experts_description;
+    fsdp.experts_shard_dim = dims.dp_shard * dims.tp > num_experts ? 1 : 0;
+    std::string experts_description = tp_description;
     if (dims.ep > 1) {
       apply_ep(model, meshes.ep);
       fsdp.experts_mesh = meshes.expert_dp;
-      experts_description = "EP " + std::to_string(dims.ep) + " (experts' FSDP over " + fsdp.experts_mesh.to_string() +
-                            ", Shard(" + std::to_string(fsdp.experts_shard_dim) + ")) + ";
+      experts_description += "EP " + std::to_string(dims.ep) + " (experts' FSDP over " + fsdp.experts_mesh.to_string() +
+                             ", Shard(" + std::to_string(fsdp.experts_shard_dim) + ")) + ";
+    } else if (dims.tp > 1) {
+      fsdp.experts_mesh = meshes.expert_dp;
+      experts_description += "experts' FSDP over " + fsdp.experts_mesh.to_string() + ", Shard(" +
+                             std::to_string(fsdp.experts_shard_dim) + ") + ";
     } else if (fsdp.experts_shard_dim == 1) {
-      experts_description = "experts Shard(1) + ";
+      experts_description += "experts Shard(1) + ";
     }
     plan.fsdp_modules =
         fully_shard_blocks_then_root(block_modules(model->blocks()), model.ptr(), fsdp, experts_of_block);
