@@ -1,7 +1,14 @@
 // See parallelize.h.
 #include "parallelize.h"
 
+#include "moe_balance.h"
+
+#include <fsdp/models/moe.h>
+#include <fsdp/replicate.h>
+
 #include <ATen/Context.h>
+
+#include <unordered_set>
 
 namespace fsdp_train {
 
@@ -105,6 +112,144 @@ ParallelMeshes build_meshes(const ParallelDims& dims, const std::string& device_
                                              : sparse["efsdp"];
   }
   return m;
+}
+
+namespace {
+c10::ScalarType dtype_of(MixedPrecision p) { return p == MixedPrecision::BFloat16 ? c10::kBFloat16 : c10::kFloat; }
+}  // namespace
+
+FsdpOptions fsdp_options(const JobConfig& config, const fsdp::DeviceMesh& dp_mesh, bool pipeline) {
+  FsdpOptions o;
+  o.mesh = dp_mesh;
+  o.param_dtype = config.training.mixed_precision_param;
+  o.reduce_dtype = config.training.mixed_precision_reduce;
+  o.cpu_offload = config.training.enable_cpu_offload;
+  o.reshard_after_forward = config.parallelism.fsdp_reshard_after_forward;
+  o.pipeline = pipeline;
+  return o;
+}
+
+std::vector<fsdp::FSDPModule> fully_shard_blocks_then_root(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
+                                                           const std::shared_ptr<torch::nn::Module>& root,
+                                                           const FsdpOptions& o,
+                                                           const ExpertsOfBlock& experts_of_block) {
+  fsdp::FullyShardOptions base;
+  base.mesh = o.mesh;
+  if (o.param_dtype != MixedPrecision::Float32 || o.reduce_dtype != MixedPrecision::Float32) {
+    base.mp_policy.param_dtype = dtype_of(o.param_dtype);
+    base.mp_policy.reduce_dtype = dtype_of(o.reduce_dtype);
+  }
+  base.offload_policy.cpu_offload = o.cpu_offload;
+  const ReshardAfterForward policy = o.reshard_after_forward;
+  const bool own_expert_placement = o.experts_mesh.valid() || o.experts_shard_dim != 0;
+  std::vector<fsdp::FSDPModule> out;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    fsdp::FullyShardOptions opts = base;
+    const std::shared_ptr<torch::nn::Module> experts =
+        own_expert_placement && experts_of_block ? experts_of_block(*blocks[i]) : nullptr;
+    if (experts) {
+      std::unordered_set<const c10::TensorImpl*> expert_params;
+      for (const auto& p : experts->parameters()) expert_params.insert(p.unsafeGetTensorImpl());
+      opts.shard_placement_fn = [expert_params, mesh = o.experts_mesh,
+                                 dim = o.experts_shard_dim](const at::Tensor& p) -> std::optional<fsdp::ShardPlacement> {
+        if (!expert_params.count(p.unsafeGetTensorImpl())) return std::nullopt;
+        return mesh.valid() ? fsdp::ShardPlacement{dim, mesh} : fsdp::ShardPlacement{dim};
+      };
+    }
+    if (o.pipeline) {
+      // Under PP TorchTitan keeps parameters across microbatches (default -> false); "always" reshards anyway.
+      opts.reshard_after_forward = policy == ReshardAfterForward::Always;
+    } else if (policy == ReshardAfterForward::Always) {
+      opts.reshard_after_forward = true;
+    } else if (policy == ReshardAfterForward::Never) {
+      opts.reshard_after_forward = false;
+    } else {
+      opts.reshard_after_forward = i + 1 < blocks.size();  // backward starts with the last block: keep it
+    }
+    out.push_back(fsdp::fully_shard(blocks[i], opts));
+  }
+  fsdp::FullyShardOptions root_opts = base;
+  if (o.pipeline) root_opts.reshard_after_forward = policy == ReshardAfterForward::Always;
+  else if (policy == ReshardAfterForward::Always) root_opts.reshard_after_forward = true;
+  // (default / never without PP: the root's option is left as is; FSDP2's root rule keeps the root unsharded.)
+  out.push_back(fsdp::fully_shard(root, root_opts));
+  return out;
+}
+
+std::vector<fsdp::FSDPModule> replicate_blocks_then_root(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
+                                                         const std::shared_ptr<torch::nn::Module>& root,
+                                                         const fsdp::DeviceMesh& mesh) {
+  // Every block, then the root (bottom-up): one gradient all-reduce per block, issued as soon as its backward is
+  // done (DDP's buckets, overlapping the rest of backward), rather than one flat all-reduce after backward.
+  fsdp::ReplicateOptions opts;
+  opts.mesh = mesh;
+  std::vector<fsdp::FSDPModule> out;
+  for (const auto& block : blocks) out.push_back(fsdp::replicate(block, opts));
+  out.push_back(fsdp::replicate(root, opts));
+  return out;
+}
+
+void set_sum_gradients(ParallelPlan& plan) {
+  for (auto& m : plan.fsdp_modules) m.set_gradient_divide_factor(1.0);
+  plan.fsdp = true;
+}
+
+std::string pipeline_moe_setup(ParallelPlan& plan, FsdpOptions& fsdp, int64_t num_experts, const JobConfig& config,
+                               const ParallelDims& dims, const ParallelMeshes& meshes) {
+  if (num_experts == 0) return "";
+  for (int64_t d = 0; d < meshes.dp.ndim(); ++d) plan.stage_dp_groups.push_back(meshes.dp.group(d));
+  // Under TP each rank of the stage routes its own slice of the sequence: the counts sum over dp x tp.
+  if (dims.tp > 1) plan.stage_dp_groups.push_back(meshes.tp.group(0));
+  if (config.model.moe_sequence_aux_loss_coeff > 0) plan.stage_aux_loss = std::make_shared<at::Tensor>();
+  fsdp.experts_shard_dim = dims.dp_shard * dims.cp * dims.tp > num_experts ? 1 : 0;  // as without PP (tt#1561)
+  if (dims.ep == 1 && dims.tp == 1) return fsdp.experts_shard_dim == 1 ? "experts Shard(1) + " : "";
+  fsdp.experts_mesh = meshes.expert_dp;  // efsdp: the stage's dp_shard x cp x tp ranks EP does not take
+  if (dims.ep == 1) {
+    return "experts' FSDP over " + fsdp.experts_mesh.to_string() + ", Shard(" + std::to_string(fsdp.experts_shard_dim) +
+           ") + ";
+  }
+  return "EP " + std::to_string(dims.ep) + " (experts' FSDP over " + fsdp.experts_mesh.to_string() + ", Shard(" +
+         std::to_string(fsdp.experts_shard_dim) + ")) + ";
+}
+
+ModelStage pipeline_stage(std::shared_ptr<torch::nn::Module> module,
+                          std::function<at::Tensor(const at::Tensor& input, const at::Tensor& document_ids)> call,
+                          const ParallelPlan& plan, const ParallelDims& dims) {
+  // The sequence balance loss (model.moe_sequence_aux_loss_coeff) of the stage's MoE layers joins the stage's
+  // backward per microbatch (moe_balance.h); x's rows are the microbatch's sequences, weighted by this replica
+  // group's batch ([fault_tolerance]: the quorum's gradient average makes it the share of the global batch).
+  const std::vector<fsdp::nn::moe::MoEImpl*> stage_moes = moe_layers(*module);
+  const double batch = static_cast<double>(dims.global_batch_size / dims.ft_groups);
+  return {module, [call = std::move(call), stage_moes, batch, aux = plan.stage_aux_loss](const at::Tensor& x,
+                                                                                          const at::Tensor& ids) {
+            // Microbatches are equal in size, so the scale a layer's recomputation (activation checkpointing) ties
+            // its loss with is this microbatch's even if a later forward set it.
+            const double share = static_cast<double>(x.size(0)) / batch;
+            if (aux)
+              for (auto* moe : stage_moes) moe->set_aux_loss_grad_scale(share);
+            at::Tensor out = call(x, ids);
+            if (aux && !stage_moes.empty()) record_sequence_aux_loss(stage_moes, share, *aux);
+            return out;
+          }};
+}
+
+std::string stage_layers_text(int s, int64_t begin, int64_t end, int num_stages) {
+  return "stage " + std::to_string(s) + " = layers " + std::to_string(begin) + ".." + std::to_string(end - 1) +
+         (s == 0 ? " + tok_embeddings" : "") + (s == num_stages - 1 ? " + norm, output" : "");
+}
+
+std::string pipeline_description(const ParallelPlan& plan, const JobConfig& config, const ParallelDims& dims,
+                                 const std::string& layers, const std::string& parts) {
+  const auto& p = config.parallelism;
+  const bool always = p.fsdp_reshard_after_forward == ReshardAfterForward::Always;
+  const std::string schedule_text = p.pipeline_parallel_schedule_csv.empty()
+                                        ? std::string(to_string(p.pipeline_parallel_schedule))
+                                        : "CSV " + p.pipeline_parallel_schedule_csv;
+  return "PP " + std::to_string(dims.pp) + " (" + schedule_text + ", " + std::to_string(plan.num_stages) +
+         " stages, " + std::to_string(dims.pp_microbatches) + " microbatches; this rank: " + layers + ") + " + parts +
+         (dims.dp_replicate > 1 ? "HSDP" : "FSDP") + " mesh " +
+         (plan.fsdp_mesh.valid() ? plan.fsdp_mesh : plan.mesh).to_string() + ", reshard_after_forward " +
+         (always ? "always" : "false (PP)");
 }
 
 PipelineSplitOptions pipeline_split_options(const JobConfig& config, const ParallelDims& dims) {

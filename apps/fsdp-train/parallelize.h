@@ -90,6 +90,66 @@ struct ParallelMeshes {
 // layers (their routed experts get their own mesh under EP or TP).
 ParallelMeshes build_meshes(const ParallelDims& dims, const std::string& device_type, bool moe = false);
 
+// ---- FSDP / DDP wrapping (every family) ---------------------------------------------------------------------
+
+struct FsdpOptions {
+  fsdp::DeviceMesh mesh;  // the data-parallel mesh (1-D = FSDP, 2-D (replicate, shard) = HSDP)
+  MixedPrecision param_dtype = MixedPrecision::Float32;
+  MixedPrecision reduce_dtype = MixedPrecision::Float32;
+  bool cpu_offload = false;
+  ReshardAfterForward reshard_after_forward = ReshardAfterForward::Default;
+  bool pipeline = false;  // under PP "default" keeps every unit unsharded across microbatches (TorchTitan)
+  // MoE blocks' routed experts: sharded on `experts_mesh` (invalid: `mesh`) along `experts_shard_dim`.
+  fsdp::DeviceMesh experts_mesh;
+  int64_t experts_shard_dim = 0;
+};
+// The [training] / [parallelism] FSDP keys of `config` over `dp_mesh` (no expert placement: the family sets it).
+FsdpOptions fsdp_options(const JobConfig& config, const fsdp::DeviceMesh& dp_mesh, bool pipeline);
+
+// A block's routed-experts module (its parameters get the experts' mesh and shard dim), or null for a dense block.
+using ExpertsOfBlock = std::function<std::shared_ptr<torch::nn::Module>(torch::nn::Module& block)>;
+
+// fully_shard on every block, then on `root` (the model or a pipeline stage): TorchTitan's per-block reshard
+// rule (every block but the last by default: backward needs it at once; under PP kept across microbatches; the
+// root kept unless "always") and, when the options place them apart, each block's routed experts on their own
+// mesh and shard dim (FSDP2's shard_placement_fn: one fully_shard per block, the experts their own parameter
+// group). Returns the FSDP modules, blocks first, the root last.
+std::vector<fsdp::FSDPModule> fully_shard_blocks_then_root(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
+                                                           const std::shared_ptr<torch::nn::Module>& root,
+                                                           const FsdpOptions& options,
+                                                           const ExpertsOfBlock& experts_of_block);
+// TorchTitan's DDP path: fsdp::replicate on every block, then `root`, over `mesh` (dp_replicate, 1): one gradient
+// all-reduce per block as its backward finishes. Full precision.
+std::vector<fsdp::FSDPModule> replicate_blocks_then_root(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
+                                                         const std::shared_ptr<torch::nn::Module>& root,
+                                                         const fsdp::DeviceMesh& mesh);
+// Gradients summed, not averaged, across ranks (the loss is already divided by the global token count); marks
+// the plan as FSDP-wrapped (clip with fsdp::clip_grad_norm_).
+void set_sum_gradients(ParallelPlan& plan);
+
+// ---- pipeline stages (every family) -------------------------------------------------------------------------
+
+// MoE under PP (TorchTitan: apply_moe_ep and apply_fsdp inside each stage's model part), before the stages are
+// sharded: the routed experts' placement in every stage as without PP (EP over ep of the stage's dp_shard x cp x tp
+// ranks, their FSDP over what is left; Shard(1) when those ranks exceed the experts), the groups the stage's expert
+// loads are summed over (plan.stage_dp_groups: its dp x cp ranks, and tp) and the balance-loss accumulator
+// (plan.stage_aux_loss). Returns the
+// plan's description of the experts ("" for a dense model: num_experts 0).
+std::string pipeline_moe_setup(ParallelPlan& plan, FsdpOptions& fsdp, int64_t num_experts, const JobConfig& config,
+                               const ParallelDims& dims, const ParallelMeshes& meshes);
+// A stage this rank holds as the trainer runs it: `call` runs `module` on (input, document ids: undefined under
+// causal attention); with the sequence balance loss on (plan.stage_aux_loss) the stage's MoE layers' loss joins
+// each microbatch's backward, weighted by the microbatch's share of this replica group's batch (moe_balance.h).
+ModelStage pipeline_stage(std::shared_ptr<torch::nn::Module> module,
+                          std::function<at::Tensor(const at::Tensor& input, const at::Tensor& document_ids)> call,
+                          const ParallelPlan& plan, const ParallelDims& dims);
+// The plan's description of a pipeline split: "PP <pp> (<schedule>, <n> stages, <m> microbatches; this rank:
+// <layers>) + <parts>" followed by the FSDP mesh and reshard policy.
+std::string pipeline_description(const ParallelPlan& plan, const JobConfig& config, const ParallelDims& dims,
+                                 const std::string& layers, const std::string& parts);
+// "stage <s> = layers <begin>..<end-1> [+ tok_embeddings] [+ norm, output]", for the description.
+std::string stage_layers_text(int s, int64_t begin, int64_t end, int num_stages);
+
 // ---- pipeline split -----------------------------------------------------------------------------------------
 
 struct PipelineSplitOptions {

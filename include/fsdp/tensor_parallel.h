@@ -53,6 +53,11 @@ namespace fsdp {
 struct ColwiseParallel {
   Placement input_layout = Replicate();
   Placement output_layout = Shard(-1);
+  // Input Replicate from a module that is not a PrepareModuleInput: whether the input gradient (each rank's covers
+  // only its output features: Partial) is all-reduced here. false leaves it Partial for a replicated producer whose
+  // parameters all-reduce their own gradients (SequenceParallel on it), as DTensor does for TorchTitan's NoParallel
+  // modules (DeepSeek-V3's wkv_a / kv_norm before wkv_b): summed once there, not here and again there.
+  bool reduce_input_grad = true;
 };
 
 // Linear: weight Shard(1) (input features split), bias Replicate; input Shard(-1). Embedding: weight Shard(0)

@@ -29,12 +29,15 @@ void apply_colwise(torch::nn::Module& module, const std::string& fqn, const Devi
 
   const ProcessGroupPtr group = mesh.group(0);
   const Placement input_layout = style.input_layout;
-  nn::register_forward_pre_hook(module, [group, input_layout, kind](torch::nn::Module&, nn::TensorList& inputs) {
+  const bool reduce_input_grad = style.reduce_input_grad;
+  nn::register_forward_pre_hook(module, [group, input_layout, kind, reduce_input_grad](torch::nn::Module&,
+                                                                                      nn::TensorList& inputs) {
     if (inputs.empty()) return;
     at::Tensor& x = inputs[0];
     if (input_layout.is_shard()) {
       x = gather_for_partial_grad(x, group, input_layout.dim);
-    } else if (kind == ModuleKind::Linear && x.requires_grad() && !produced_by_partial_grad_gather(x)) {
+    } else if (kind == ModuleKind::Linear && reduce_input_grad && x.requires_grad() &&
+               !produced_by_partial_grad_gather(x)) {
       // A local replicated input: each rank's input gradient covers only its output features (Partial).
       x = all_reduce_backward(x, group);
     }

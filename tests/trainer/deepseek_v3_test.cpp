@@ -1,10 +1,14 @@
 // DeepSeek-V3 through fsdp-train (model.name = "deepseek_v3", models/deepseek_v3/: multi-head latent attention,
 // a dense first layer, then MoE layers with a shared expert and sigmoid routing limited to 2 of 4 expert groups).
-//   2 ranks: FSDP, expert parallelism 2, EP 2 with full activation checkpointing and plain data parallelism
+//   2 ranks: FSDP, expert parallelism 2, EP 2 with full activation checkpointing or op-level SAC, and plain data
+//            parallelism
 //            (replicate 2: fsdp::replicate) each equal 1 rank with (4 ranks: FSDP, and HSDP 2 x 2 with EP 2)
 //            gradient accumulation over the same global batches: the loss and grad norm of every step (1e-5 /
 //            1e-4 relative, as the other parity tests) and the expert load of every step exactly (which also shows
 //            the load-balancing bias, which steers the routing, was updated identically).
+//   tensor parallel: tp 2 (2 ranks) and tp 2 x ep 2 (4 ranks) equal 1 rank the same way.
+//   pipeline: pp 2 under 1F1B and Interleaved1F1B (2 ranks), pp 2 x ep 2 with the sequence balance loss (4 ranks),
+//            equal 1 rank the same way (the expert loads summed per stage over its ranks).
 //   1 rank:  the trainer's Hugging Face last save loads in transformers' DeepseekV3ForCausalLM with logits equal
 //            (1e-5) to the library model holding the same run's libfsdp model-only save (the other format, read
 //            tensor by tensor here: no adapter in the reference path); and a job started from that export
@@ -58,14 +62,20 @@ TrainEnv single_process() {
   return env;
 }
 
-void expect_parity(const std::string& name, int64_t ep, bool full_ac = false, int64_t replicate = 1) {
+void expect_parity(const std::string& name, int64_t ep, bool full_ac = false, int64_t replicate = 1, int64_t tp = 1,
+                   bool op_sac = false) {
   const int64_t world = fsdp::world()->size();
   JobConfig ref_config = base(own_dir(name + "_ref"), world);
   const TrainSummary ref = run_training(ref_config, single_process(), false);
   JobConfig config = base(test::shared_dir("fsdp_train_dsv3", name), world);
   config.parallelism.expert_parallel_degree = ep;
   config.parallelism.data_parallel_replicate_degree = replicate;
+  config.parallelism.tensor_parallel_degree = tp;
   if (full_ac) config.activation_checkpoint.mode = AcMode::Full;
+  if (op_sac) {
+    config.activation_checkpoint.mode = AcMode::Selective;
+    config.activation_checkpoint.selective_ac_option = SelectiveAcOption::op();
+  }
   const TrainSummary got = run_training(config, test::world_env(), false);
   if (ep > 1) EXPECT_NE(got.plan.find("EP " + std::to_string(ep) + " ("), std::string::npos) << got.plan;
   else EXPECT_EQ(got.plan.find("EP "), std::string::npos) << got.plan;
@@ -73,11 +83,48 @@ void expect_parity(const std::string& name, int64_t ep, bool full_ac = false, in
   const char* wrapping = replicate == world ? "data parallel (replicate" : replicate > 1 ? "HSDP" : "FSDP";
   EXPECT_NE(got.plan.find(wrapping), std::string::npos) << got.plan;
   if (full_ac) EXPECT_GT(got.ac_recomputes, 0) << "activation checkpointing recomputed nothing";
+  if (op_sac) EXPECT_GT(got.ac_mm_reused, 0) << "op-level SAC kept no matmul";
+  if (tp > 1) EXPECT_NE(got.plan.find("TP " + std::to_string(tp) + " (sequence parallel, MLA heads split"), std::string::npos) << got.plan;
   ASSERT_EQ(ref.losses.size(), 8u);
   test::expect_moe_steps_equal(ref, got, 2);  // cpu_tiny: 1 dense layer, then 2 MoE layers
   // The reference moved: it learned, and the load-balancing bias left zero.
   EXPECT_LT(ref.losses.back(), ref.losses.front());
   EXPECT_GT(ref.expert_loads.back().bias_l1, 0.0);
+}
+
+// pp ranks x (world / pp) data-parallel ranks (ep of them expert parallel, inside each stage) under each of
+// `schedules` equal 1 rank: one pipeline step of 1-sample microbatches per optimizer step; with `aux_coeff` the
+// sequence balance loss joins each stage's backward and equals the 1-rank value.
+void expect_pipeline_parity(const std::string& name, int64_t pp, int64_t ep, const std::vector<std::string>& schedules,
+                            double aux_coeff = 0) {
+  const int64_t world = fsdp::world()->size(), dp = world / pp;
+  const int64_t global_batch = 2 * world;  // 4 microbatches per pipeline step at pp 2 x dp 1: DualPipeV's minimum
+  JobConfig ref_config = base(own_dir(name + "_ref"), global_batch);
+  ref_config.model.moe_sequence_aux_loss_coeff = aux_coeff;
+  const TrainSummary ref = run_training(ref_config, single_process(), false);
+  ASSERT_EQ(ref.losses.size(), 8u);
+  EXPECT_LT(ref.losses.back(), ref.losses.front());
+  EXPECT_GT(ref.expert_loads.back().bias_l1, 0.0) << "the load-balancing bias moved";
+  for (const std::string& schedule : schedules) {
+    SCOPED_TRACE(name + " " + schedule);
+    JobConfig config = base(test::shared_dir("fsdp_train_dsv3", name + "_" + schedule), global_batch);
+    config.model.moe_sequence_aux_loss_coeff = aux_coeff;
+    config.training.local_batch_size = global_batch / dp;
+    config.parallelism.pipeline_parallel_degree = pp;
+    config.parallelism.pipeline_parallel_schedule = parse_choice<PipelineSchedule>(schedule).value();
+    config.parallelism.pipeline_parallel_microbatch_size = 1;
+    config.parallelism.expert_parallel_degree = ep;
+    const TrainSummary got = run_training(config, test::world_env(), false);
+    EXPECT_NE(got.plan.find("PP " + std::to_string(pp) + " (" + schedule), std::string::npos) << got.plan;
+    if (ep > 1) EXPECT_NE(got.plan.find("EP " + std::to_string(ep) + " ("), std::string::npos) << got.plan;
+    test::expect_moe_steps_equal(ref, got, 2, /*compare_mean=*/true);  // every token counted once, per stage
+    ASSERT_EQ(got.aux_losses.size(), aux_coeff > 0 ? got.losses.size() : 0u);
+    ASSERT_EQ(ref.aux_losses.size(), got.aux_losses.size());
+    for (size_t i = 0; i < ref.aux_losses.size(); ++i) {
+      EXPECT_GT(ref.aux_losses[i], 0) << "step " << i + 1;
+      EXPECT_NEAR(got.aux_losses[i], ref.aux_losses[i], 1e-5 * ref.aux_losses[i]) << "balance loss, step " << i + 1;
+    }
+  }
 }
 
 std::string slurp(const fs::path& p) {
@@ -132,6 +179,12 @@ TEST(TrainerDeepSeekV3, ExpertParallelWithFullActivationCheckpointingEqualsOneRa
   expect_parity("ep2_ac", 2, /*full_ac=*/true);
 }
 
+// Op-level selective AC: both passes run with gradients, and the MoE layers still count each token once.
+TEST(TrainerDeepSeekV3, ExpertParallelWithOpLevelSacEqualsOneRank) {
+  if (fsdp::world()->size() != 2) GTEST_SKIP() << "ep 2 on 2 ranks";
+  expect_parity("ep2_opsac", 2, false, 1, 1, /*op_sac=*/true);
+}
+
 TEST(TrainerDeepSeekV3, DataParallelReplicateEqualsOneRank) {
   if (fsdp::world()->size() < 2) GTEST_SKIP() << "needs 2 ranks";
   expect_parity("ddp", 1, false, /*replicate=*/fsdp::world()->size());
@@ -140,6 +193,30 @@ TEST(TrainerDeepSeekV3, DataParallelReplicateEqualsOneRank) {
 TEST(TrainerDeepSeekV3, ExpertParallelUnderHsdpEqualsOneRank) {
   if (fsdp::world()->size() != 4) GTEST_SKIP() << "HSDP 2 x 2 with ep 2 needs 4 ranks";
   expect_parity("hsdp_ep2", 2, false, /*replicate=*/2);
+}
+
+// Tensor parallelism (TorchTitan's MLA plan: wq_a / q_norm / wkv_a / kv_norm replicated with their gradients
+// all-reduced over TP, wq_b / wkv_b colwise by heads, wo rowwise; the router replicated, the shared expert col/row):
+// tp 2 on 2 ranks; tp 2 x dp_shard 2 with EP 2 borrowed from dp_shard x tp on 4.
+TEST(TrainerDeepSeekV3, TensorParallelEqualsOneRank) {
+  const int64_t n = fsdp::world()->size();
+  if (n == 2) expect_parity("tp2", 1, false, 1, /*tp=*/2);
+  else if (n == 4) expect_parity("tp2_ep2", 2, false, 1, /*tp=*/2);
+  else GTEST_SKIP() << "tp 2 on 2 ranks, tp 2 x ep 2 on 4";
+}
+
+// Pipeline parallelism: one stage per rank (1F1B) and two (Interleaved1F1B: embedding + layer 0 | layer 1 |
+// layer 2 | norm + output, so the first stage holds the dense layer and the last none); on 4 ranks EP 2 inside each
+// stage (over the stage's 2 data-parallel ranks) with the sequence balance loss.
+TEST(TrainerDeepSeekV3, PipelineEqualsOneRank) {
+  const int64_t n = fsdp::world()->size();
+  if (n == 2) {
+    expect_pipeline_parity("pp2", 2, 1, {"1F1B", "Interleaved1F1B"});
+  } else if (n == 4) {
+    expect_pipeline_parity("pp2_ep2", 2, 2, {"1F1B"}, /*aux_coeff=*/1e-3);
+  } else {
+    GTEST_SKIP() << "pp 2 on 2 or 4 ranks";
+  }
 }
 
 TEST(TrainerDeepSeekV3, HuggingFaceSaveLoadsInTransformersAndBack) {

@@ -268,27 +268,32 @@ TEST(ModelSpec, DeepSeekV3LayoutCheck) {
   const auto refused = [](std::vector<std::string> more, int64_t world) {
     return config_error_of([&] { check_model_layout(job("deepseek_v3", "cpu_tiny", more), world); });
   };
-  const auto tp = refused({"--parallelism.tensor_parallel_degree", "2"}, 2);
-  EXPECT_NE(tp.find("tensor_parallel_degree = 2 with deepseek_v3 cpu_tiny is not supported yet"), std::string::npos)
+  const auto tp = refused({"--parallelism.tensor_parallel_degree", "8", "--training.local_batch_size", "1",
+                           "--training.global_batch_size", "1"},
+                          8);
+  EXPECT_NE(tp.find("tensor_parallel_degree = 8 does not divide the 4 attention heads of deepseek_v3 cpu_tiny"),
+            std::string::npos)
       << tp;
-  const auto pp = refused({"--parallelism.pipeline_parallel_degree", "2"}, 2);
-  EXPECT_NE(pp.find("pipeline_parallel_degree = 2 with deepseek_v3 cpu_tiny is not supported yet"), std::string::npos)
-      << pp;
   const auto ep = refused({"--parallelism.expert_parallel_degree", "3", "--training.local_batch_size", "1",
                            "--training.global_batch_size", "3"},
                           3);
   EXPECT_NE(ep.find("does not divide the 8 experts of deepseek_v3 cpu_tiny"), std::string::npos) << ep;
-  const auto op = refused({"--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"}, 1);
-  EXPECT_NE(op.find("deepseek_v3 cpu_tiny"), std::string::npos) << op;
   const auto hf = refused({"--checkpoint.last_save_in_hf"}, 2);
   EXPECT_NE(hf.find("last_save_in_hf with deepseek_v3 cpu_tiny on several ranks"), std::string::npos) << hf;
   const auto flavor = config_error_of([] { train_spec("deepseek_v3").check_layout(job("deepseek_v3", "tiny"), {}); });
   EXPECT_NE(flavor.find("model.flavor"), std::string::npos) << flavor;
   EXPECT_NE(flavor.find("cpu_tiny, debugmodel, 16B, 236B, 671B"), std::string::npos) << flavor;
-  // The control: FSDP, EP, HSDP with EP, AC and Hugging Face on 1 rank pass.
+  // The control: FSDP, EP, HSDP with EP, AC, Hugging Face on 1 rank and PP pass.
   EXPECT_EQ(refused({"--parallelism.expert_parallel_degree", "2"}, 2), "");
   EXPECT_EQ(refused({"--parallelism.expert_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2"}, 4),
             "");
   EXPECT_EQ(refused({"--activation_checkpoint.mode", "full", "--checkpoint.last_save_in_hf"}, 1), "");
+  EXPECT_EQ(refused({"--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"}, 1),
+            "");
+  // Tensor parallelism (with EP from dp_shard x tp) and pipeline parallelism (with EP inside the stages).
+  EXPECT_EQ(refused({"--parallelism.tensor_parallel_degree", "2"}, 2), "");
+  EXPECT_EQ(refused({"--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"}, 4), "");
+  EXPECT_EQ(refused({"--parallelism.pipeline_parallel_degree", "2"}, 2), "");
+  EXPECT_EQ(refused({"--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"}, 4), "");
   EXPECT_FALSE(fsdp::is_initialized());
 }

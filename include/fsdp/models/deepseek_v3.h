@@ -21,8 +21,8 @@
 // As the Llama model, every submodule is called through fsdp::nn::call (fully_shard, activation checkpointing
 // and expert parallelism wrap it unchanged), and parameters are created on the args' device ("meta" builds the
 // 671B shapes without memory). Hugging Face weights and config.json: <fsdp/models/hf_deepseek_v3.h>.
-// In fsdp-train as model.name = "deepseek_v3" (apps/fsdp-train/models/deepseek_v3/). Not written yet: a TP plan,
-// a pipeline split (docs/models.md).
+// In fsdp-train as model.name = "deepseek_v3" (apps/fsdp-train/models/deepseek_v3/). Pipeline stages:
+// <fsdp/models/deepseek_v3_pipeline.h>; tensor parallelism: <fsdp/models/deepseek_v3_tp_plan.h>.
 
 #include <fsdp/models/llama.h>
 #include <fsdp/models/moe.h>

@@ -2,8 +2,10 @@
 #include "deepseek_v3_spec.h"
 
 #include "parallelize_deepseek_v3.h"
+#include "pipeline_deepseek_v3.h"
 
 #include <fsdp/models/deepseek_v3.h>
+#include <fsdp/models/deepseek_v3_tp_plan.h>
 #include <fsdp/models/hf_deepseek_v3.h>
 #include <fsdp/nn/module_call.h>
 
@@ -99,16 +101,11 @@ TrainSpec train_spec() {
     ds::DeepSeekV3 m = model_of(model);
     return parallelize_deepseek_v3(m, config, dims, group);
   };
-  // Refused by check_layout before any of these could run; here for callers that ask the seam directly (the
-  // planner): the same one-line errors.
-  spec.split_pipeline = [](const TrainModel&, const PipelineSplitOptions& options) -> PipelineSplit {
-    throw ConfigError("config error: parallelism.pipeline_parallel_degree = " + std::to_string(options.pp) +
-                      " with deepseek_v3 is not supported yet (no pipeline split for DeepSeek-V3 blocks)");
+  spec.split_pipeline = [](const TrainModel& model, const PipelineSplitOptions& options) {
+    return split_pipeline(model_of(model)->args(), options);
   };
-  spec.tp_plan = [](const TrainModel&, int64_t tp_degree, bool) -> fsdp::ParallelizePlan {
-    throw ConfigError("config error: parallelism.tensor_parallel_degree = " + std::to_string(tp_degree) +
-                      " with deepseek_v3 is not supported yet (no tensor-parallel plan for multi-head latent "
-                      "attention)");
+  spec.tp_plan = [](const TrainModel& model, int64_t tp_degree, bool loss_parallel) {
+    return ds::tensor_parallel_plan(model_of(model)->args(), tp_degree, loss_parallel);
   };
   spec.hf.import_weights = [](torch::nn::Module& model, const std::string& dir,
                               const fsdp::checkpoint::SafetensorsImportOptions& options) {

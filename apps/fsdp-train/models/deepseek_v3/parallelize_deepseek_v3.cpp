@@ -2,17 +2,17 @@
 #include "parallelize_deepseek_v3.h"
 
 #include "moe_overrides.h"
+#include "pipeline_deepseek_v3.h"
 
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/expert_parallel.h>
-#include <fsdp/fully_shard.h>
+#include <fsdp/models/deepseek_v3_tp_plan.h>
 #include <fsdp/models/moe.h>
-#include <fsdp/replicate.h>
+#include <fsdp/tensor_parallel.h>
 
 #include <c10/util/Exception.h>
 
 #include <memory>
-#include <unordered_set>
 #include <vector>
 
 namespace fsdp_train::deepseek_v3 {
@@ -20,21 +20,28 @@ namespace {
 
 namespace ds = fsdp::nn::deepseek_v3;
 
-c10::ScalarType dtype_of(MixedPrecision p) { return p == MixedPrecision::BFloat16 ? c10::kBFloat16 : c10::kFloat; }
-
 std::string family_and_flavor(const JobConfig& config) { return "deepseek_v3 " + config.model.flavor; }
 
 // Activation checkpointing of every block (before fully_shard: TorchTitan's order); what it applied, for the log.
 std::string apply_ac(ds::DeepSeekV3& model, AcMode mode, const SelectiveAcOption& option) {
   if (mode == AcMode::None) return "no activation checkpointing";
-  std::vector<std::shared_ptr<torch::nn::Module>> blocks;
-  for (auto& b : model->blocks()) blocks.push_back(b.ptr());
-  // (op-level SAC was refused by check_layout: every DeepSeek-V3 flavor has MoE layers)
+  const std::vector<std::shared_ptr<torch::nn::Module>> blocks = block_modules(model->blocks());
+  if (mode == AcMode::Selective && option.kind == SelectiveAcOption::Kind::Op) {
+    // The MoE layers count their tokens in the first pass only (op SAC runs both passes with gradients).
+    fsdp::checkpoint_every_kth(blocks, 1, {fsdp::CheckpointPolicy::SelectiveOp});
+    return "op-level selective activation checkpointing (every 2nd matmul kept)";
+  }
   const int64_t k = mode == AcMode::Full ? 1 : option.k;
   const size_t n = fsdp::checkpoint_every_kth(blocks, k);
   if (mode == AcMode::Full) return "full activation checkpointing (every block)";
   return "layer-selective activation checkpointing (every " + std::to_string(k <= 1 ? 1 : k) + " blocks: " +
          std::to_string(n) + " of " + std::to_string(blocks.size()) + ")";
+}
+
+// TorchTitan's DeepSeek-V3 TP plan (sequence parallel, MLA split by heads) over the 1-D `tp_mesh`; loss_parallel:
+// the output projection keeps its logits sharded over the vocabulary.
+void apply_tp(ds::DeepSeekV3& model, const fsdp::DeviceMesh& tp_mesh, bool loss_parallel) {
+  fsdp::parallelize_module(model, tp_mesh, ds::tensor_parallel_plan(model->args(), tp_mesh.size(), loss_parallel));
 }
 
 // The routed experts of every MoE block split over the 1-D `ep_mesh` (collective-free; before fully_shard).
@@ -44,61 +51,18 @@ void apply_ep(ds::DeepSeekV3& model, const fsdp::DeviceMesh& ep_mesh) {
   }
 }
 
-struct ExpertPlacement {
-  fsdp::DeviceMesh mesh;  // invalid: the dense mesh
-  int64_t shard_dim = 0;
-};
-
-// fully_shard on every block, then on the root (FSDP2 per-parameter meshes: a block's routed experts sharded on
-// `experts` when EP or Shard(1) places them apart). Reshard after forward as TorchTitan: every block but the last
-// by default (backward needs the last at once), the root kept.
-std::vector<fsdp::FSDPModule> apply_fsdp(ds::DeepSeekV3& model, const JobConfig& config, const fsdp::DeviceMesh& mesh,
-                                         const ExpertPlacement& experts) {
-  fsdp::FullyShardOptions base;
-  base.mesh = mesh;
-  const auto& t = config.training;
-  if (t.mixed_precision_param != MixedPrecision::Float32 || t.mixed_precision_reduce != MixedPrecision::Float32) {
-    base.mp_policy.param_dtype = dtype_of(t.mixed_precision_param);
-    base.mp_policy.reduce_dtype = dtype_of(t.mixed_precision_reduce);
-  }
-  base.offload_policy.cpu_offload = t.enable_cpu_offload;
-  const ReshardAfterForward policy = config.parallelism.fsdp_reshard_after_forward;
-  const bool own_expert_placement = experts.mesh.valid() || experts.shard_dim != 0;
-  std::vector<fsdp::FSDPModule> out;
-  auto& blocks = model->blocks();
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    fsdp::FullyShardOptions opts = base;
-    if (blocks[i]->moe && own_expert_placement) {
-      std::unordered_set<const c10::TensorImpl*> expert_params;
-      for (const auto& p : blocks[i]->moe->experts->parameters()) expert_params.insert(p.unsafeGetTensorImpl());
-      opts.shard_placement_fn = [expert_params, experts](const at::Tensor& p) -> std::optional<fsdp::ShardPlacement> {
-        if (!expert_params.count(p.unsafeGetTensorImpl())) return std::nullopt;
-        return experts.mesh.valid() ? fsdp::ShardPlacement{experts.shard_dim, experts.mesh}
-                                    : fsdp::ShardPlacement{experts.shard_dim};
-      };
-    }
-    opts.reshard_after_forward = policy == ReshardAfterForward::Always  ? true
-                                 : policy == ReshardAfterForward::Never ? false
-                                                                        : i + 1 < blocks.size();
-    out.push_back(fsdp::fully_shard(blocks[i], opts));
-  }
-  fsdp::FullyShardOptions root_opts = base;
-  if (policy == ReshardAfterForward::Always) root_opts.reshard_after_forward = true;
-  out.push_back(fsdp::fully_shard(model, root_opts));
-  return out;
-}
-
-// TorchTitan's DDP path (dp_shard 1): fsdp::replicate on every block, then the root.
-std::vector<fsdp::FSDPModule> apply_ddp(ds::DeepSeekV3& model, const fsdp::DeviceMesh& mesh) {
-  fsdp::ReplicateOptions opts;
-  opts.mesh = mesh;
-  std::vector<fsdp::FSDPModule> out;
-  for (auto& block : model->blocks()) out.push_back(fsdp::replicate(block, opts));
-  out.push_back(fsdp::replicate(model, opts));
-  return out;
-}
-
 }  // namespace
+
+std::vector<std::shared_ptr<torch::nn::Module>> block_modules(std::vector<ds::TransformerBlock>& blocks) {
+  std::vector<std::shared_ptr<torch::nn::Module>> out;
+  for (auto& b : blocks) out.push_back(b.ptr());
+  return out;
+}
+
+std::shared_ptr<torch::nn::Module> experts_of_block(torch::nn::Module& block) {
+  auto* b = dynamic_cast<ds::TransformerBlockImpl*>(&block);
+  return b && b->moe ? b->moe->experts.ptr() : nullptr;
+}
 
 ds::DeepSeekV3Args model_args(const JobConfig& config) {
   const auto& m = config.model;
@@ -119,15 +83,21 @@ ds::DeepSeekV3Args model_args(const JobConfig& config) {
 
 void check_layout(const ds::DeepSeekV3Args& args, const JobConfig& config, const ParallelDims& dims) {
   const std::string model = family_and_flavor(config);
-  if (dims.tp > 1) {
-    throw ConfigError("config error: parallelism.tensor_parallel_degree = " + std::to_string(dims.tp) + " with " +
-                      model + " is not supported yet (no tensor-parallel plan for multi-head latent attention); "
-                      "use FSDP, HSDP and parallelism.expert_parallel_degree");
+  if (dims.tp > 1 && args.n_heads % dims.tp != 0) {
+    throw ConfigError("config error: parallelism.tensor_parallel_degree = " + std::to_string(dims.tp) +
+                      " does not divide the " + std::to_string(args.n_heads) + " attention heads of " + model);
   }
-  if (dims.pp > 1) {
-    throw ConfigError("config error: parallelism.pipeline_parallel_degree = " + std::to_string(dims.pp) + " with " +
-                      model + " is not supported yet (no pipeline split for DeepSeek-V3 blocks); use FSDP, HSDP "
-                      "and parallelism.expert_parallel_degree");
+  if (dims.tp > 1 && dims.pp > 1) {
+    // Each alone works; together the stage's expert-load sum would have to span the stage's dp x tp ranks.
+    throw ConfigError("config error: parallelism.tensor_parallel_degree > 1 with pipeline_parallel_degree > 1 (" +
+                      model + ", an MoE model) is not supported yet; use either with FSDP, HSDP and "
+                      "parallelism.expert_parallel_degree");
+  }
+  if (dims.tp > 1 && config.model.moe_sequence_aux_loss_coeff > 0) {
+    // Under TP each rank routes its slice of every sequence; the per-sequence balance loss would need the whole
+    // sequence's counts and scores.
+    throw ConfigError("config error: model.moe_sequence_aux_loss_coeff with parallelism.tensor_parallel_degree > 1 "
+                      "(" + model + ") is not supported yet (each TP rank routes a slice of the sequence)");
   }
   if (dims.cp > 1) {
     throw ConfigError("config error: parallelism.context_parallel_degree = " + std::to_string(dims.cp) + " with " +
@@ -139,11 +109,8 @@ void check_layout(const ds::DeepSeekV3Args& args, const JobConfig& config, const
                       "convert on 1 rank");
   }
   const auto& ac = config.activation_checkpoint;
-  if (ac.mode == AcMode::Selective && ac.selective_ac_option.kind == SelectiveAcOption::Kind::Op) {
-    throw ConfigError("config error: activation_checkpoint.selective_ac_option = \"op\" with an MoE model (" + model +
-                      ") is not supported yet; use mode = \"full\" or a layer-selective option");
-  }
-  if (ac.mode == AcMode::Selective && ac.selective_ac_option.kind != SelectiveAcOption::Kind::EveryKth) {
+  if (ac.mode == AcMode::Selective && ac.selective_ac_option.kind != SelectiveAcOption::Kind::EveryKth &&
+      ac.selective_ac_option.kind != SelectiveAcOption::Kind::Op) {
     throw ConfigError("config error: activation_checkpoint.selective_ac_option: expected \"op\" or an integer k, got \"" +
                       ac.selective_ac_option.unparsed + "\"");
   }
@@ -164,37 +131,50 @@ ParallelPlan parallelize_deepseek_v3(ds::DeepSeekV3& model, const JobConfig& con
     plan.description = "single process (no process group: run under fsdprun to apply fully_shard)";
     return plan;
   }
-  const ParallelMeshes meshes = build_meshes(dims, mesh_device(config).is_cuda() ? "cuda" : "cpu");
+  if (dims.pp > 1) return parallelize_deepseek_v3_pipeline(model, config, dims, group, std::move(plan));
+  const ParallelMeshes meshes = build_meshes(dims, mesh_device(config).is_cuda() ? "cuda" : "cpu", /*moe=*/true);
   plan.mesh = meshes.world;
   if (plain_data_parallel(dims)) {
-    plan.fsdp_modules = apply_ddp(model, plan.mesh);
+    plan.fsdp_modules = replicate_blocks_then_root(block_modules(model->blocks()), model.ptr(), plan.mesh);
     plan.description = "data parallel (replicate " + std::to_string(dims.dp_replicate) +
                        ", fsdp::replicate: gradient all-reduce per block)";
   } else {
-    // The routed experts' placement (TorchTitan's apply_moe_ep + apply_fsdp): over the data-parallel ranks left
-    // after ep; Shard(1) when the experts would be cut in more pieces than there are (tt#1561).
+    std::string tp_description;
+    if (dims.tp > 1) {
+      plan.tp_mesh = meshes.tp;
+      plan.loss_parallel = !config.parallelism.disable_loss_parallel;
+      apply_tp(model, plan.tp_mesh, plan.loss_parallel);
+      tp_description = "TP " + std::to_string(dims.tp) + " (sequence parallel, MLA heads split, " +
+                       (plan.loss_parallel ? "loss parallel" : "logits gathered") + ") + ";
+    }
+    // The routed experts' placement (TorchTitan's apply_moe_ep + apply_fsdp): over the ranks left after ep of
+    // dp_shard x tp (efsdp); under TP without EP over dp_shard x tp (each TP rank routes its own tokens; no expert
+    // tensor parallel). Shard(1) when the experts would be cut in more pieces than there are (tt#1561).
     const int64_t num_experts = model->args().moe.num_experts;
-    ExpertPlacement experts;
-    experts.shard_dim = dims.dp_shard > num_experts ? 1 : 0;
-    std::string experts_description;
+    FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/false);
+    fsdp.experts_shard_dim = dims.dp_shard * dims.tp > num_experts ? 1 : 0;
+    std::string experts_description = tp_description;
     if (dims.ep > 1) {
       apply_ep(model, meshes.ep);
-      experts.mesh = meshes.expert_dp;
-      experts_description = "EP " + std::to_string(dims.ep) + " (experts' FSDP over " + experts.mesh.to_string() +
-                            ", Shard(" + std::to_string(experts.shard_dim) + ")) + ";
-    } else if (experts.shard_dim == 1) {
-      experts_description = "experts Shard(1) + ";
+      fsdp.experts_mesh = meshes.expert_dp;
+      experts_description += "EP " + std::to_string(dims.ep) + " (experts' FSDP over " + fsdp.experts_mesh.to_string() +
+                             ", Shard(" + std::to_string(fsdp.experts_shard_dim) + ")) + ";
+    } else if (dims.tp > 1) {
+      fsdp.experts_mesh = meshes.expert_dp;
+      experts_description += "experts' FSDP over " + fsdp.experts_mesh.to_string() + ", Shard(" +
+                             std::to_string(fsdp.experts_shard_dim) + ") + ";
+    } else if (fsdp.experts_shard_dim == 1) {
+      experts_description += "experts Shard(1) + ";
     }
-    plan.fsdp_modules = apply_fsdp(model, config, meshes.dp, experts);
+    plan.fsdp_modules =
+        fully_shard_blocks_then_root(block_modules(model->blocks()), model.ptr(), fsdp, experts_of_block);
     plan.description = experts_description + std::string(dims.dp_replicate > 1 ? "HSDP" : "FSDP") + " mesh " +
                        plan.mesh.to_string() + ", reshard_after_forward " +
                        to_string(config.parallelism.fsdp_reshard_after_forward) + ", param " +
                        to_string(config.training.mixed_precision_param) + ", reduce " +
                        to_string(config.training.mixed_precision_reduce);
   }
-  // Gradients summed, not averaged (the loss is already divided by the global token count).
-  for (auto& m : plan.fsdp_modules) m.set_gradient_divide_factor(1.0);
-  plan.fsdp = true;
+  set_sum_gradients(plan);
   return plan;
 }
 

@@ -1,16 +1,21 @@
 #pragma once
 // DeepSeek-V3's parallelize step (torchtitan/models/deepseek_v3/infra/parallelize.py), reached through the model
 // seam (model_spec.h). TorchTitan's order, one apply_* per parallelism:
-//   apply_ac    [activation_checkpoint] on every block: full, every k-th block (op-level SAC is refused: it would
-//               count the experts' tokens twice, as for every MoE model)
+//   apply_ac    [activation_checkpoint] on every block: full, every k-th block, op-level SAC (the MoE layers count
+//               their tokens in the first pass only)
+//   apply_tp    tensor_parallel_degree > 1: TorchTitan's DeepSeek-V3 plan (<fsdp/models/deepseek_v3_tp_plan.h>:
+//               sequence parallel, MLA split by heads, the low-rank projections replicated; router replicated,
+//               shared experts col/row); the routed experts' FSDP (or EP) then spans dp_shard x tp
 //   apply_ep    expert_parallel_degree > 1: each MoE block's routed experts split over "ep", borrowed from the
 //               data-parallel shard dim (the experts' FSDP over what is left, [dp_replicate,] efsdp)
 //   apply_fsdp  fully_shard on every block, then on the root (FSDP or HSDP; per-block reshard as TorchTitan), the
 //               routed experts on their own mesh and shard dim; or fsdp::replicate (TorchTitan's DDP path) with
-//               dp_shard 1
-// Refused with a ConfigError naming the family, the flavor and the layout (check_layout): tensor parallelism (no
-// TP plan for multi-head latent attention yet) and pipeline parallelism (the pipeline stage of this library is
-// the Llama decoder's), Hugging Face load/save on several ranks (the adapter needs the whole model).
+//               dp_shard 1; both through the wrapping every family shares (parallelize.h)
+//   pipeline   pipeline_parallel_degree > 1: the stages split as Llama's (pipeline_deepseek_v3.h), EP and FSDP in
+//              each stage this rank holds
+// Refused with a ConfigError naming the family, the flavor and the layout (check_layout): TP with PP together,
+// TP with the sequence balance loss (each TP rank routes a slice of the sequence), a TP degree not dividing the
+// heads, Hugging Face load/save on several ranks (the adapter needs the whole model).
 
 #include "config.h"
 #include "parallel_dims.h"
@@ -19,7 +24,9 @@
 #include <fsdp/models/deepseek_v3.h>
 #include <fsdp/process_group.h>
 
+#include <memory>
 #include <string>
+#include <vector>
 
 namespace fsdp_train::deepseek_v3 {
 
@@ -32,6 +39,11 @@ fsdp::nn::deepseek_v3::DeepSeekV3Args model_args(const JobConfig& config);
 // layout.
 void check_layout(const fsdp::nn::deepseek_v3::DeepSeekV3Args& args, const JobConfig& config,
                   const ParallelDims& dims);
+
+// The blocks as modules, and a block's routed experts (null: a dense block): what the shared FSDP / DDP wrapping
+// takes (parallelize.h: fully_shard_blocks_then_root, replicate_blocks_then_root).
+std::vector<std::shared_ptr<torch::nn::Module>> block_modules(std::vector<fsdp::nn::deepseek_v3::TransformerBlock>& blocks);
+std::shared_ptr<torch::nn::Module> experts_of_block(torch::nn::Module& block);
 
 // check_layout first; `group`: the world group, or null for one process (then only AC).
 ParallelPlan parallelize_deepseek_v3(fsdp::nn::deepseek_v3::DeepSeekV3& model, const JobConfig& config,

@@ -1,7 +1,6 @@
 // See parallelize_llama.h.
 #include "parallelize_llama.h"
 
-#include "moe_balance.h"
 #include "moe_overrides.h"
 
 #include <fsdp/activation_checkpoint.h>
@@ -11,7 +10,6 @@
 #include <fsdp/models/moe.h>
 #include <fsdp/models/llama_tp_plan.h>
 #include <fsdp/models/qwen3.h>
-#include <fsdp/replicate.h>
 #include <fsdp/tensor_parallel.h>
 
 #include <ATen/ATen.h>
@@ -21,8 +19,6 @@
 
 namespace fsdp_train::llama3 {
 namespace {
-
-c10::ScalarType dtype_of(MixedPrecision p) { return p == MixedPrecision::BFloat16 ? c10::kBFloat16 : c10::kFloat; }
 
 // The MoE block of a transformer block, or null for a dense one (its feed-forward is a child named "moe").
 fsdp::nn::moe::MoEImpl* moe_of(torch::nn::Module& block) {
@@ -41,49 +37,16 @@ int64_t num_experts_of(fsdp::nn::llama::Transformer& model) {
   return n;
 }
 
-// fully_shard on `blocks`, then `root`: the per-block reshard rule, the experts' placement (TorchTitan HEAD: one
-// fully_shard per block with per-parameter meshes, the routed experts in their own parameter group).
-template <class Root>
-std::vector<fsdp::FSDPModule> fully_shard_blocks_then_root(std::vector<fsdp::nn::llama::TransformerBlock>& blocks,
-                                                           Root& root, const FsdpOptions& o) {
-  fsdp::FullyShardOptions base;
-  base.mesh = o.mesh;
-  if (o.param_dtype != MixedPrecision::Float32 || o.reduce_dtype != MixedPrecision::Float32) {
-    base.mp_policy.param_dtype = dtype_of(o.param_dtype);
-    base.mp_policy.reduce_dtype = dtype_of(o.reduce_dtype);
-  }
-  base.offload_policy.cpu_offload = o.cpu_offload;
-  const ReshardAfterForward policy = o.reshard_after_forward;
-  const bool own_expert_placement = o.experts_mesh.valid() || o.experts_shard_dim != 0;
-  std::vector<fsdp::FSDPModule> out;
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    fsdp::FullyShardOptions opts = base;
-    if (auto* moe = moe_of(*blocks[i]); moe && own_expert_placement) {
-      std::unordered_set<const c10::TensorImpl*> expert_params;
-      for (const auto& p : moe->experts->parameters()) expert_params.insert(p.unsafeGetTensorImpl());
-      opts.shard_placement_fn = [expert_params, mesh = o.experts_mesh,
-                                 dim = o.experts_shard_dim](const at::Tensor& p) -> std::optional<fsdp::ShardPlacement> {
-        if (!expert_params.count(p.unsafeGetTensorImpl())) return std::nullopt;
-        return mesh.valid() ? fsdp::ShardPlacement{dim, mesh} : fsdp::ShardPlacement{dim};
-      };
-    }
-    if (o.pipeline) {
-      // Under PP TorchTitan keeps parameters across microbatches (default -> false); "always" reshards anyway.
-      opts.reshard_after_forward = policy == ReshardAfterForward::Always;
-    } else if (policy == ReshardAfterForward::Always) {
-      opts.reshard_after_forward = true;
-    } else if (policy == ReshardAfterForward::Never) {
-      opts.reshard_after_forward = false;
-    } else {
-      opts.reshard_after_forward = i + 1 < blocks.size();  // backward starts with the last block: keep it
-    }
-    out.push_back(fsdp::fully_shard(blocks[i], opts));
-  }
-  fsdp::FullyShardOptions root_opts = base;
-  if (o.pipeline) root_opts.reshard_after_forward = policy == ReshardAfterForward::Always;
-  else if (policy == ReshardAfterForward::Always) root_opts.reshard_after_forward = true;
-  // (default / never without PP: the root's option is left as is; FSDP2's root rule keeps the root unsharded.)
-  out.push_back(fsdp::fully_shard(root, root_opts));
+// The routed experts of a transformer block (null: a dense block), for the experts' FSDP placement.
+std::shared_ptr<torch::nn::Module> experts_of_block(torch::nn::Module& block) {
+  auto* moe = moe_of(block);
+  return moe ? moe->experts.ptr() : nullptr;
+}
+
+template <class Blocks>
+std::vector<std::shared_ptr<torch::nn::Module>> module_ptrs(Blocks& blocks) {
+  std::vector<std::shared_ptr<torch::nn::Module>> out;
+  for (auto& b : blocks) out.push_back(b.ptr());
   return out;
 }
 
@@ -236,22 +199,15 @@ void apply_ep(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& ep_me
 }
 
 std::vector<fsdp::FSDPModule> apply_fsdp(fsdp::nn::llama::Transformer& model, const FsdpOptions& options) {
-  return fully_shard_blocks_then_root(model->blocks(), model, options);
+  return fully_shard_blocks_then_root(module_ptrs(model->blocks()), model.ptr(), options, experts_of_block);
 }
 
 std::vector<fsdp::FSDPModule> apply_fsdp(fsdp::nn::llama::LlamaStage& stage, const FsdpOptions& options) {
-  return fully_shard_blocks_then_root(stage->blocks(), stage, options);
+  return fully_shard_blocks_then_root(module_ptrs(stage->blocks()), stage.ptr(), options, experts_of_block);
 }
 
 std::vector<fsdp::FSDPModule> apply_ddp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& mesh) {
-  // Every block, then the root (bottom-up): one gradient all-reduce per block, issued as soon as its backward is
-  // done (DDP's buckets, overlapping the rest of backward), rather than one flat all-reduce after backward.
-  fsdp::ReplicateOptions opts;
-  opts.mesh = mesh;
-  std::vector<fsdp::FSDPModule> out;
-  for (auto& block : model->blocks()) out.push_back(fsdp::replicate(block, opts));
-  out.push_back(fsdp::replicate(model, opts));
-  return out;
+  return replicate_blocks_then_root(module_ptrs(model->blocks()), model.ptr(), mesh);
 }
 
 PipelineSplit split_pipeline(const fsdp::nn::llama::LlamaArgs& args, const PipelineSplitOptions& o) {
@@ -299,17 +255,6 @@ PipelineSplit split_pipeline(const fsdp::nn::llama::LlamaArgs& args, const Pipel
 
 namespace {
 
-FsdpOptions fsdp_options(const JobConfig& config, const fsdp::DeviceMesh& dp_mesh, bool pipeline) {
-  FsdpOptions o;
-  o.mesh = dp_mesh;
-  o.param_dtype = config.training.mixed_precision_param;
-  o.reduce_dtype = config.training.mixed_precision_reduce;
-  o.cpu_offload = config.training.enable_cpu_offload;
-  o.reshard_after_forward = config.parallelism.fsdp_reshard_after_forward;
-  o.pipeline = pipeline;
-  return o;
-}
-
 // The plan's words for context parallelism ("" without it).
 std::string cp_description(const JobConfig& config, const ParallelDims& dims) {
   if (dims.cp == 1) return "";
@@ -318,34 +263,6 @@ std::string cp_description(const JobConfig& config, const ParallelDims& dims) {
          to_string(p.context_parallel_load_balancer) + "; " + std::to_string(config.training.seq_len / dims.cp) +
          " of " + std::to_string(config.training.seq_len) + " tokens per rank; FSDP over dp_shard x cp = " +
          std::to_string(dims.dp_shard * dims.cp) + " ranks) + ";
-}
-
-void set_sum_gradients(ParallelPlan& plan) {
-  for (auto& m : plan.fsdp_modules) m.set_gradient_divide_factor(1.0);
-  plan.fsdp = true;
-}
-
-// MoE under PP (TorchTitan: apply_moe_ep and apply_fsdp inside each stage's model part): the routed experts'
-// placement in every stage as without PP (EP over ep of the stage's dp_shard x tp ranks, their FSDP over what is
-// left), the groups the stage's expert loads are summed over (its dp x tp ranks), and the balance-loss
-// accumulator. Returns the plan's description of the experts ("" for a dense model).
-std::string pipeline_moe_setup(ParallelPlan& plan, FsdpOptions& fsdp, fsdp::nn::llama::Transformer& model,
-                               const JobConfig& config, const ParallelDims& dims, const ParallelMeshes& meshes) {
-  const int64_t num_experts = num_experts_of(model);
-  if (num_experts == 0) return "";
-  for (int64_t d = 0; d < meshes.dp.ndim(); ++d) plan.stage_dp_groups.push_back(meshes.dp.group(d));
-  // Under TP each rank of the stage routes its own slice of the sequence: the counts sum over dp x tp.
-  if (dims.tp > 1) plan.stage_dp_groups.push_back(meshes.tp.group(0));
-  if (config.model.moe_sequence_aux_loss_coeff > 0) plan.stage_aux_loss = std::make_shared<at::Tensor>();
-  fsdp.experts_shard_dim = dims.dp_shard * dims.cp * dims.tp > num_experts ? 1 : 0;  // as without PP (tt#1561)
-  if (dims.ep == 1 && dims.tp == 1) return fsdp.experts_shard_dim == 1 ? "experts Shard(1) + " : "";
-  fsdp.experts_mesh = meshes.expert_dp;  // efsdp: the stage's dp_shard x cp x tp ranks EP does not take
-  if (dims.ep == 1) {
-    return "experts' FSDP over " + fsdp.experts_mesh.to_string() + ", Shard(" + std::to_string(fsdp.experts_shard_dim) +
-           ") + ";
-  }
-  return "EP " + std::to_string(dims.ep) + " (experts' FSDP over " + fsdp.experts_mesh.to_string() + ", Shard(" +
-         std::to_string(fsdp.experts_shard_dim) + ")) + ";
 }
 
 ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, const JobConfig& config,
@@ -375,57 +292,36 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
   plan.num_stages = static_cast<int>(num_stages);
   plan.stage_indices = split.schedule.stages_of_rank(plan.pp_group->rank());
   FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/true);
-  const std::string experts_description = pipeline_moe_setup(plan, fsdp, model, config, dims, meshes);
+  const std::string experts_description =
+      pipeline_moe_setup(plan, fsdp, num_experts_of(model), config, dims, meshes);
   std::string layers;
   for (int s : plan.stage_indices) {
     const auto [begin, end] = split.layers[static_cast<size_t>(s)];
     fsdp::nn::llama::LlamaStage stage(*model, begin, end, s == 0, s == num_stages - 1);
     if (dims.tp > 1) apply_tp(stage, model->args(), plan.tp_mesh, plan.loss_parallel);
     if (dims.cp > 1) apply_cp(stage, plan.cp_mesh, p.context_parallel_rotate_method, p.context_parallel_load_balancer);
-    std::vector<fsdp::nn::moe::MoEImpl*> stage_moes;
-    for (auto& block : stage->blocks()) {
-      if (auto* moe = moe_of(*block)) stage_moes.push_back(moe);
-    }
     if (dims.ep > 1) {
-      for (auto* moe : stage_moes) fsdp::apply_expert_parallel(moe->experts.ptr(), meshes.ep);
+      for (auto& block : stage->blocks()) {
+        if (auto* moe = moe_of(*block)) fsdp::apply_expert_parallel(moe->experts.ptr(), meshes.ep);
+      }
     }
     for (auto& m : apply_fsdp(stage, fsdp)) plan.fsdp_modules.push_back(m);
-    layers += (layers.empty() ? "" : ", ") + std::string("stage ") + std::to_string(s) + " = layers " +
-              std::to_string(begin) + ".." + std::to_string(end - 1) + (s == 0 ? " + tok_embeddings" : "") +
-              (s == num_stages - 1 ? " + norm, output" : "");
+    layers += (layers.empty() ? "" : ", ") + stage_layers_text(s, begin, end, plan.num_stages);
     // block_causal: every stage gets its microbatch's document ids alongside (the pipeline's context).
-    // The sequence balance loss (model.moe_sequence_aux_loss_coeff) of the stage's MoE layers joins the stage's
-    // backward per microbatch (moe_balance.h); x's rows are the microbatch's sequences, weighted by this replica
-    // group's batch ([fault_tolerance]: the quorum's gradient average makes it the share of the global batch).
-    const double batch = static_cast<double>(dims.global_batch_size / dims.ft_groups);
-    plan.stages.push_back({stage.ptr(), [stage, stage_moes, batch, aux = plan.stage_aux_loss](
-                                            const at::Tensor& x, const at::Tensor& ids) {
-                             // Microbatches are equal in size, so the scale a layer's recomputation (activation
-                             // checkpointing) ties its loss with is this microbatch's even if a later forward set it.
-                             const double share = static_cast<double>(x.size(0)) / batch;
-                             if (aux)
-                               for (auto* moe : stage_moes) moe->set_aux_loss_grad_scale(share);
-                             at::Tensor out = ids.defined() ? fsdp::nn::call(stage, x, std::optional<at::Tensor>(ids))
-                                                            : fsdp::nn::call(stage, x);
-                             if (aux && !stage_moes.empty()) record_sequence_aux_loss(stage_moes, share, *aux);
-                             return out;
-                           }});
+    plan.stages.push_back(pipeline_stage(
+        stage.ptr(),
+        [stage](const at::Tensor& x, const at::Tensor& ids) {
+          return ids.defined() ? fsdp::nn::call(stage, x, std::optional<at::Tensor>(ids)) : fsdp::nn::call(stage, x);
+        },
+        plan, dims));
   }
   plan.holds_first_stage = plan.stage_indices.front() == 0;
   plan.holds_last_stage = plan.stage_indices.back() == num_stages - 1;
   set_sum_gradients(plan);
-  const bool always = p.fsdp_reshard_after_forward == ReshardAfterForward::Always;
-  const std::string schedule_text = p.pipeline_parallel_schedule_csv.empty()
-                                        ? std::string(to_string(p.pipeline_parallel_schedule))
-                                        : "CSV " + p.pipeline_parallel_schedule_csv;
-  plan.description = "PP " + std::to_string(dims.pp) + " (" + schedule_text + ", " +
-                     std::to_string(num_stages) + " stages, " + std::to_string(dims.pp_microbatches) +
-                     " microbatches; this rank: " + layers + ") + " + (dims.tp > 1 ? "TP " + std::to_string(dims.tp) +
-                     " (sequence parallel) + " : std::string()) + cp_description(config, dims) + experts_description +
-                     (dims.dp_replicate > 1 ? "HSDP" : "FSDP") +
-                     " mesh " + (plan.fsdp_mesh.valid() ? plan.fsdp_mesh : plan.mesh).to_string() +
-                     ", reshard_after_forward " +
-                     (always ? "always" : "false (PP)");
+  plan.description = pipeline_description(
+      plan, config, dims, layers,
+      (dims.tp > 1 ? "TP " + std::to_string(dims.tp) + " (sequence parallel) + " : std::string()) +
+          cp_description(config, dims) + experts_description);
   return plan;
 }
 

@@ -75,17 +75,7 @@ void apply_cp(fsdp::nn::llama::LlamaStage& stage, const fsdp::DeviceMesh& cp_mes
 // The routed experts of every MoE block split over the 1-D `ep_mesh` (collective-free; before fully_shard).
 void apply_ep(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& ep_mesh);
 
-struct FsdpOptions {
-  fsdp::DeviceMesh mesh;  // the data-parallel mesh (1-D = FSDP, 2-D (replicate, shard) = HSDP)
-  MixedPrecision param_dtype = MixedPrecision::Float32;
-  MixedPrecision reduce_dtype = MixedPrecision::Float32;
-  bool cpu_offload = false;
-  ReshardAfterForward reshard_after_forward = ReshardAfterForward::Default;
-  bool pipeline = false;  // under PP "default" keeps every unit unsharded across microbatches (TorchTitan)
-  // MoE blocks' routed experts: sharded on `experts_mesh` (invalid: `mesh`) along `experts_shard_dim`.
-  fsdp::DeviceMesh experts_mesh;
-  int64_t experts_shard_dim = 0;
-};
+// FsdpOptions: parallelize.h (every family's FSDP wrapping).
 // fully_shard on every block, then on the root; returns the FSDP modules (blocks first, the root last).
 std::vector<fsdp::FSDPModule> apply_fsdp(fsdp::nn::llama::Transformer& model, const FsdpOptions& options);
 // The same for a pipeline stage (its blocks, then the stage).

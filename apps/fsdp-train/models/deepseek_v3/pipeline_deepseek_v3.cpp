@@ -1,0 +1,69 @@
+// See pipeline_deepseek_v3.h.
+#include "pipeline_deepseek_v3.h"
+
+#include "models/llama3/parallelize_llama.h"
+#include "parallelize_deepseek_v3.h"
+
+#include <fsdp/expert_parallel.h>
+#include <fsdp/models/deepseek_v3_pipeline.h>
+#include <fsdp/models/moe.h>
+#include <fsdp/nn/module_call.h>
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <vector>
+
+namespace fsdp_train::deepseek_v3 {
+
+namespace ds = fsdp::nn::deepseek_v3;
+
+PipelineSplit split_pipeline(const ds::DeepSeekV3Args& args, const PipelineSplitOptions& options) {
+  // The split only sees the chain of modules, which is the untied Llama decoder's: its layer count is all it takes.
+  fsdp::nn::llama::LlamaArgs chain;
+  chain.n_layers = args.n_layers;
+  chain.tie_embeddings = false;
+  return llama3::split_pipeline(chain, options);
+}
+
+ParallelPlan parallelize_deepseek_v3_pipeline(ds::DeepSeekV3& model, const JobConfig& config,
+                                              const ParallelDims& dims, const fsdp::ProcessGroupPtr& group,
+                                              ParallelPlan plan) {
+  TORCH_CHECK(group, "pipeline parallelism needs a process group (run under fsdprun)");
+  const ParallelMeshes meshes = build_meshes(dims, mesh_device(config).is_cuda() ? "cuda" : "cpu", /*moe=*/true);
+  plan.mesh = meshes.world;
+  plan.pp_group = plan.mesh.group("pp");
+  const PipelineSplit split = split_pipeline(model->args(), pipeline_split_options(config, dims));
+  plan.num_stages = static_cast<int>(split.num_stages);
+  plan.stage_indices = split.schedule.stages_of_rank(plan.pp_group->rank());
+  FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/true);
+  const std::string experts_description =
+      pipeline_moe_setup(plan, fsdp, model->args().moe.num_experts, config, dims, meshes);
+  std::string layers;
+  for (int s : plan.stage_indices) {
+    const auto [begin, end] = split.layers[static_cast<size_t>(s)];
+    ds::DeepSeekV3Stage stage(*model, begin, end, s == 0, s == plan.num_stages - 1);
+    if (dims.ep > 1) {
+      for (auto& block : stage->blocks()) {
+        if (block->moe) fsdp::apply_expert_parallel(block->moe->experts.ptr(), meshes.ep);
+      }
+    }
+    for (auto& m : fully_shard_blocks_then_root(block_modules(stage->blocks()), stage.ptr(), fsdp, experts_of_block))
+      plan.fsdp_modules.push_back(m);
+    layers += (layers.empty() ? "" : ", ") + stage_layers_text(s, begin, end, plan.num_stages);
+    // block_causal: every stage gets its microbatch's document ids alongside (the pipeline's context).
+    plan.stages.push_back(pipeline_stage(
+        stage.ptr(),
+        [stage](const at::Tensor& x, const at::Tensor& ids) {
+          return ids.defined() ? fsdp::nn::call(stage, x, std::optional<at::Tensor>(ids)) : fsdp::nn::call(stage, x);
+        },
+        plan, dims));
+  }
+  plan.holds_first_stage = plan.stage_indices.front() == 0;
+  plan.holds_last_stage = plan.stage_indices.back() == plan.num_stages - 1;
+  set_sum_gradients(plan);
+  plan.description = pipeline_description(plan, config, dims, layers, experts_description);
+  return plan;
+}
+
+}  // namespace fsdp_train::deepseek_v3
