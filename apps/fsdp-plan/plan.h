@@ -51,11 +51,11 @@ struct PlanConfig {
   int64_t tp = 1;
   bool loss_parallel = true;
   // Expert parallel degree (fsdp-train's parallelism.expert_parallel_degree; MoE models only): each MoE layer's
-  // routed experts are split on dim 0 over `ep` consecutive ranks of a shard group (E/ep experts per rank) and
-  // FSDP-sharded over the efsdp = shard/ep ranks left (with the replicate dim: HSDP over them); the rest of the
-  // block stays on the dense mesh. Must divide shard and the number of experts; refused with tp > 1 or pp > 1
-  // (as the trainer refuses it). Routed experts are sharded on dim 1 instead of 0 when shard > experts (the
-  // trainer's and TorchTitan's rule, whatever ep). docs/planner.md, "MoE and expert parallelism".
+  // routed experts are split on dim 0 over `ep` ranks borrowed from dp_shard x tp (E/ep experts per rank) and
+  // FSDP-sharded over the efsdp = shard x tp / ep ranks left (with the replicate dim: HSDP over them); the rest of
+  // the block stays on the dense mesh. Must divide shard x tp and the number of experts; under PP the stage's
+  // experts alike. Routed experts are sharded on dim 1 instead of 0 when shard x tp > experts (the trainer's and
+  // TorchTitan's rule, whatever ep). docs/planner.md, "MoE and expert parallelism".
   int64_t ep = 1;
   c10::ScalarType param_dtype = c10::kFloat;    // sharded (master) parameters and their gradients
   c10::ScalarType compute_dtype = c10::kFloat;  // MixedPrecisionPolicy.param_dtype: unsharded params, activations

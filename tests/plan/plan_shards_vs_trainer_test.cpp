@@ -8,7 +8,8 @@
 //   bytes   (data-parallel layouts) one forward + backward of the real model: the bytes and calls its FSDP groups
 //           count (fsdp/comm_stats.h) equal the plan's all-gather / reduce-scatter / all-reduce figures
 // Layouts: 2 ranks: dp2, ddp (replicate 2), tp2, pp2, ep2 and MoE without EP (qwen3 cpu_tiny_moe);
-//          4 ranks: HSDP 2 x 2, dp2 x tp2, pp2 x dp2, ep2 with the experts' FSDP over 2, MoE over 4 (Shard(0)).
+//          4 ranks: HSDP 2 x 2, dp2 x tp2, pp2 x dp2, ep2 with the experts' FSDP over 2, MoE over 4 (Shard(0)),
+//          MoE tp2 x ep2 (EP borrowing from dp_shard x tp) and pp2 x ep2 (EP inside each stage).
 #include "config.h"
 #include "model_spec.h"
 #include "parallel_dims.h"
@@ -206,3 +207,11 @@ TEST(PlanShardsVsTrainer, TensorParallel) { check({"llama3", "cpu_tiny", 1, /*tp
 TEST(PlanShardsVsTrainer, Pipeline) { check({"llama3", "cpu_tiny", 1, 1, 1, /*pp=*/2}); }
 TEST(PlanShardsVsTrainer, ExpertParallel) { check({"qwen3", "cpu_tiny_moe", 1, 1, /*ep=*/2}); }
 TEST(PlanShardsVsTrainer, MoEWithoutExpertParallel) { check({"qwen3", "cpu_tiny_moe"}); }
+TEST(PlanShardsVsTrainer, MoETensorParallelWithExpertParallel) {
+  if (!four()) GTEST_SKIP() << "4 ranks";
+  check({"qwen3", "cpu_tiny_moe", 1, /*tp=*/2, /*ep=*/2});
+}
+TEST(PlanShardsVsTrainer, MoEPipelineWithExpertParallel) {
+  if (!four()) GTEST_SKIP() << "4 ranks";
+  check({"qwen3", "cpu_tiny_moe", 1, 1, /*ep=*/2, /*pp=*/2});
+}
