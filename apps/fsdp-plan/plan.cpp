@@ -92,9 +92,9 @@ void add_tp_collectives(CommPlan& cm, const PlanConfig& c, const ActivationModel
     per_dir += gathers * (act.recomputed[static_cast<size_t>(l)] ? 3 : 2);
     ar_calls += 2;
     ar_bytes += 2 * ar(D * e);
-    if (a.qk_norm) {
+    if (act.qk_norm_numel > 0) {
       ar_calls += 2;
-      ar_bytes += 2 * ar(a.head_dim() * e);
+      ar_bytes += 2 * ar(act.qk_norm_numel * e);
     }
     if (moe) {
       ar_calls += 1;
@@ -194,6 +194,28 @@ void check_moe(const PlanConfig& c) {
               "modelled (the experts shard over another mesh); use true or false");
 }
 
+// Context parallelism: what the planner models (the trainer refuses the layouts it does not train, e.g. a
+// sequence length that does not split into its chunks, through the seam).
+void check_context_parallel(const PlanConfig& c) {
+  TORCH_CHECK(c.cp >= 1, "fsdp-plan: cp must be >= 1, got ", c.cp);
+  TORCH_CHECK(c.cp_rotate_method == "allgather" || c.cp_rotate_method == "alltoall",
+              "fsdp-plan: --cp-rotate-method must be allgather or alltoall, got '", c.cp_rotate_method, "'");
+  TORCH_CHECK(c.cp_load_balancer == "headtail" || c.cp_load_balancer == "none",
+              "fsdp-plan: --cp-load-balancer must be headtail or none, got '", c.cp_load_balancer, "'");
+  TORCH_CHECK(c.cp == 1 || c.pp == 1, "fsdp-plan: context parallelism with pipeline parallelism is not planned yet "
+              "(the pipeline walk counts whole sequences per microbatch); use --cp or --pp");
+}
+
+// One block's attention on this rank (docs/planner.md, "Context parallelism"): the sequence it holds, what the
+// attention saves and what a ring-attention call holds beyond that (the activation model's, from fsdp-train's
+// attention_memory.h).
+void attention_memory(const PlanConfig& c, const detail::ActivationModel& act, MemoryPlan& m) {
+  m.seq_per_rank = c.seq_len / c.cp;
+  m.attention_saved_per_layer = act.attention.saved;
+  m.attention_forward_in_flight = act.attention.forward_in_flight;
+  m.attention_backward_in_flight = act.attention.backward_in_flight;
+}
+
 }  // namespace
 
 Plan make_plan(const PlanConfig& c) {
@@ -210,13 +232,17 @@ Plan make_plan(const PlanConfig& c) {
   plan.config = c;
   const int64_t e = bytes_of(c.compute_dtype), pb = bytes_of(c.param_dtype), rb = bytes_of(c.reduce_dtype),
                 ob = bytes_of(c.optim_dtype);
-  const int64_t S = c.shard, R = c.replicate, TP = c.tp;
+  check_context_parallel(c);
+  // FSDP shards over dp_shard x cp (TorchTitan's dp_shard_cp): the cp ranks of a shard group hold other chunks of
+  // the same sequences, never other parameters.
+  const int64_t S = c.shard * c.cp, R = c.replicate, TP = c.tp;
   TORCH_CHECK(TP >= 1, "fsdp-plan: tp must be >= 1");
   if (TP > 1) {
     TORCH_CHECK(a.n_heads % TP == 0 && a.kv_heads() % TP == 0, "fsdp-plan: tp ", TP, " must divide n_heads ",
                 a.n_heads, " and n_kv_heads ", a.kv_heads());
     TORCH_CHECK(!a.tie_embeddings, "fsdp-plan: tensor parallel needs untied embeddings");
-    TORCH_CHECK(c.seq_len % TP == 0, "fsdp-plan: seq ", c.seq_len, " must divide by tp ", TP, " (sequence parallel)");
+    TORCH_CHECK(c.seq_len / c.cp % TP == 0, "fsdp-plan: seq ", c.seq_len, " / cp ", c.cp, " must divide by tp ", TP,
+                " (sequence parallel)");
   }
   check_moe(c);
 
@@ -252,9 +278,11 @@ Plan make_plan(const PlanConfig& c) {
   }
 
   // ---- activations saved per block, per token (docs/planner.md, "Activations") ----
-  const int64_t T = c.local_batch * c.seq_len;
+  // Tokens this rank holds: under cp its seq / cp of every sequence (every per-token count below is of these).
+  const int64_t T = c.local_batch * c.seq_len / c.cp;
   const int64_t D = a.dim;
   const ActivationModel act = activation_model(c, T);
+  attention_memory(c, act, m);
   m.act_per_layer_full = act.full_per_layer;
   m.act_per_moe_layer = act.moe_per_layer;
   m.act_per_dense_layer = act.dense_per_layer;
@@ -324,7 +352,8 @@ Plan make_plan(const PlanConfig& c) {
   int64_t acts_below = saved_layers_bytes;
   int64_t shards_above = 0;
   for (int64_t i = L - 1; i >= 0; --i) {
-    const int64_t acts = acts_below + (recomputed[i] ? act.layer_full[i] : 0) + act.layer_workspace[i];
+    const int64_t acts = acts_below + (recomputed[i] ? act.layer_full[i] : 0) + act.layer_workspace[i] +
+                         m.attention_backward_in_flight;
     moments.push_back({"backward of block " + std::to_string(i),
                        m.root_unsharded + ceil_div(a.vocab_size, TP) * D * e + bwd_in_flight(i), acts, held_logits,
                        shards_above * pb});

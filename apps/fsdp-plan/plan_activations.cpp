@@ -121,6 +121,11 @@ ActivationModel activation_model(const PlanConfig& c, int64_t T) {
   // The largest block's (an MoE and a dense block differ), for the moments that take one block of any kind.
   out.grad_workspace = dense_workspace;
   for (int64_t w : out.layer_workspace) out.grad_workspace = std::max(out.grad_workspace, w);
+  // Under GQA the kernel gets K and V repeated to the query heads (so does the ring under cp); without GQA
+  // n_kv_heads = n_heads.
+  out.attention = fsdp_train::attention_memory({heads, a.head_dim(), a.head_dim()}, T, e, c.cp,
+                                               c.cp_rotate_method == "allgather");
+  out.qk_norm_numel = a.qk_norm ? a.head_dim() : 0;
   out.largest_full = T * full_per_token;
   for (int64_t f : out.layer_full) out.largest_full = std::max(out.largest_full, f);
   return out;

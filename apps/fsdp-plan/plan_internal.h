@@ -10,6 +10,8 @@
 
 #include "plan.h"
 
+#include "attention_memory.h"
+
 #include <fsdp/pipeline/schedule.h>
 
 #include <cstdint>
@@ -79,6 +81,10 @@ struct ActivationModel {
   int64_t loss_forward = 0;            // logits, log-softmax output and the float32 copy when upcast
   int64_t grad_workspace = 0;          // gradients in flight through one block's backward (the largest block's)
   int64_t largest_full = 0;            // the largest block's full activations (MoE and dense blocks differ)
+  // One block's attention on this rank: saved, and held beyond that by a ring-attention call under cp
+  // (fsdp-train's attention_memory.h, the formula its start-up log uses too).
+  fsdp_train::AttentionMemory attention;
+  int64_t qk_norm_numel = 0;           // one of Qwen3's q_norm / k_norm weights (0: none)
 };
 ActivationModel activation_model(const PlanConfig& c, int64_t T);
 

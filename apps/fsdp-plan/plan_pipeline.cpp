@@ -356,7 +356,10 @@ void plan_pipeline(const PlanConfig& c, const PipelineSetup& setup, const SeamLa
   }
 
   MemoryPlan& mem = plan.memory;
+  const MemoryPlan whole = mem;
   mem = MemoryPlan{};
+  mem.seq_per_rank = whole.seq_per_rank;  // the attention of a microbatch: per sequence, as without PP
+  mem.attention_saved_per_layer = act.attention.saved;
   mem.params = w.params;
   mem.grads = w.grads;
   mem.optimizer = w.optimizer;

@@ -709,3 +709,50 @@ TEST(PlanMoE, BigFlavorsPlanWithoutAllocating) {
   EXPECT_TRUE(Contains(format_plan(p), "ep all-to-all"));
   EXPECT_TRUE(Contains(format_plan(p), "32 experts per rank"));
 }
+
+// Context parallelism: the sequence per rank and the attention memory of one block against a hand count of what
+// src/context_parallel holds (llama3 cpu_tiny: 4 heads of 16, 2 KV heads repeated to 4 for the kernel; fp32;
+// 2 sequences of 256 tokens): saved q, k, v, output (Hq = 64 wide each) and the float32 log-sum-exp per head at
+// the rank's 2 x 256 / cp tokens; in flight, the other ranks' K and V (all-gather: cp x this rank's; ring: at most
+// two ranks'), and in backward also dQ and the float32 dK / dV accumulators (all-gather: every rank's and the
+// reduce-scatter output; ring: the one computed on and the one in flight).
+TEST(PlanContextParallel, SequencePerRankAndAttentionMemoryByHand) {
+  const int64_t e = 4, Hq = 64, heads = 4;
+  int64_t saved_cp1 = 0;
+  for (int64_t cp : {1, 2, 4}) {
+    for (const std::string method : {"allgather", "alltoall"}) {
+      SCOPED_TRACE("cp " + std::to_string(cp) + " " + method);
+      PlanConfig c = config("cpu_tiny", 2);
+      c.seq_len = 256;
+      c.cp = cp;
+      c.cp_rotate_method = method;
+      const Plan p = make_plan(c);
+      const int64_t T = 2 * 256 / cp, kv = T * 2 * Hq;
+      EXPECT_EQ(p.memory.seq_per_rank, 256 / cp);
+      EXPECT_EQ(p.memory.attention_saved_per_layer, T * (e * 4 * Hq + 4 * heads));
+      if (cp == 1) {
+        saved_cp1 = p.memory.attention_saved_per_layer;
+        EXPECT_EQ(p.memory.attention_forward_in_flight, 0);
+        EXPECT_EQ(p.memory.attention_backward_in_flight, 0);
+        continue;
+      }
+      EXPECT_EQ(p.memory.attention_saved_per_layer * cp, saved_cp1);  // falls as 1/cp
+      const int64_t others = method == "allgather" ? cp : std::min<int64_t>(2, cp - 1);
+      EXPECT_EQ(p.memory.attention_forward_in_flight, others * kv * e);
+      EXPECT_EQ(p.memory.attention_backward_in_flight,
+                others * kv * e + T * Hq * 4 + (method == "allgather" ? (cp + 1) * kv * 4 : 2 * kv * 4));
+      // FSDP shards over shard x cp: the shards of shard 2 x cp are those of shard 2 cp ranks without cp.
+      EXPECT_EQ(p.groups[0].shard_numel, make_plan(config("cpu_tiny", 2 * cp)).groups[0].shard_numel);
+      EXPECT_TRUE(Contains(format_plan(p), std::to_string(256 / cp) + " tokens per rank of seq 256 (cp " +
+                                               std::to_string(cp)));
+    }
+  }
+  // A sequence that does not split into the head-tail chunks: the trainer's rule, through the seam.
+  PlanConfig c = config("cpu_tiny", 2);
+  c.seq_len = 100;
+  c.cp = 4;
+  EXPECT_TRUE(Contains(error_of(c), "context_parallel_degree")) << error_of(c);
+  c.seq_len = 256;
+  c.cp_rotate_method = "ring";
+  EXPECT_TRUE(Contains(error_of(c), "--cp-rotate-method must be allgather or alltoall"));
+}
