@@ -13,6 +13,7 @@
 //          cpu_tiny_moe);
 //          4 ranks: HSDP 2 x 2, dp2 x tp2, pp2 x dp2, ep2 with the experts' FSDP over 2, MoE over 4 (Shard(0)),
 //          MoE tp2 x ep2 (EP borrowing from dp_shard x tp) and pp2 x ep2 (EP inside each stage).
+#include "attention_memory.h"
 #include "config.h"
 #include "model_spec.h"
 #include "parallel_dims.h"
@@ -60,6 +61,7 @@ struct Held {
   fsdp::CommStats fsdp_bytes;                     // the data-parallel groups' counters over one step
   bool stepped = false;
   fsdp::CommStats tp_bytes;                       // the TP group's counters over one step (tp > 1)
+  fsdp_train::AttentionShape attention;           // the model's, as fsdp-train's start-up log reads it
   bool tp_stepped = false;
 };
 
@@ -96,6 +98,7 @@ Held shard_for_real(const Layout& l) {
   const fsdp_train::ParallelPlan plan = spec.parallelize(model, config, dims, world);
   EXPECT_TRUE(plan.fsdp) << plan.description;
   Held held;
+  held.attention = model.attention;
   for (const auto& item : model.module->named_parameters()) {
     held.units[unit_of(item.key())] += item.value().numel();
     if (item.key().find(".moe.experts.") != std::string::npos) held.experts[unit_of(item.key())] += item.value().numel();
@@ -195,6 +198,13 @@ void check(const Layout& l) {
   if (l.shard() * l.tp * l.pp * l.ep > 1) EXPECT_LT(total, p.num_params);
   else EXPECT_EQ(total, p.num_params);
   EXPECT_GT(total, 0);
+  // fsdp-train's start-up log line (its model's attention shape, attention_memory.h) gives the plan's attention
+  // bytes per block (float32, 2 x kSeq tokens, under PP one of the 2 microbatches; this rank's heads under TP).
+  const fsdp_train::AttentionShape& s = held.attention;
+  ASSERT_GT(s.heads, 0);
+  const int64_t tokens = 2 * kSeq / (l.pp > 1 ? 2 : 1);
+  EXPECT_EQ(fsdp_train::attention_memory({s.heads / l.tp, s.qk_head_dim, s.v_head_dim}, tokens, 4, 1, true).saved,
+            p.memory.attention_saved_per_layer);
   if (held.tp_stepped) {
     // The TP dim's figures of the plan, less the loss's 3 all-reduces of [T] floats (T = 2 x kSeq tokens).
     const auto& cm = p.comm;
