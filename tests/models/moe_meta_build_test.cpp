@@ -61,43 +61,35 @@ int64_t peak_cpu_bytes_of(F&& build) {
 
 }  // namespace
 
+// Builds Model(args) on meta in bf16 and checks the whole model was built (more than `min_params`) with at most
+// the MoE blocks' token counters of CPU storage ([E] float32 each, not state: kept on the CPU, where the forward's
+// counts are summed into them; `experts` = E).
+template <typename Model, typename Args>
+void expect_meta_build(Args a, const std::string& what, int64_t min_params, int64_t experts) {
+  a.device = c10::Device(c10::kMeta);
+  a.dtype = c10::kBFloat16;
+  int64_t params = 0;
+  const int64_t peak = peak_cpu_bytes_of([&] {
+    Model model(a);
+    for (const auto& p : model->parameters()) {
+      EXPECT_TRUE(p.is_meta());
+      params += p.numel();
+    }
+  });
+  std::printf("%s on meta: %lld parameters, peak CPU tensor bytes while building %lld\n", what.c_str(),
+              static_cast<long long>(params), static_cast<long long>(peak));
+  EXPECT_GT(params, min_params) << what;
+  EXPECT_LE(peak, a.n_layers * experts * 4) << what;
+}
+
 TEST(MoEMetaBuild, LargestFlavorsAllocateNoCpuMemory) {
-  {
-    ds::DeepSeekV3Args a = ds::deepseek_v3_flavor("671B");
-    a.device = c10::Device(c10::kMeta);
-    a.dtype = c10::kBFloat16;
-    int64_t params = 0;
-    const int64_t peak = peak_cpu_bytes_of([&] {
-      ds::DeepSeekV3 model(a);
-      for (const auto& p : model->parameters()) {
-        EXPECT_TRUE(p.is_meta());
-        params += p.numel();
-      }
-    });
-    std::printf("deepseek_v3 671B on meta: %lld parameters, peak CPU tensor bytes while building %lld\n",
-                static_cast<long long>(params), static_cast<long long>(peak));
-    EXPECT_GT(params, int64_t{600} * 1000 * 1000 * 1000);  // the whole model was built
-    // Only the MoE blocks' token counters ([E] float32 each, not state: kept on the CPU, where the forward's counts
-    // are summed into them) — 59 KB, where the CPU-first build allocated 45.3 GB.
-    EXPECT_LE(peak, a.n_layers * a.moe.num_experts * 4);
-  }
-  {
-    llama::LlamaArgs a = llama::qwen3_flavor("235B-A22B");
-    a.device = c10::Device(c10::kMeta);
-    a.dtype = c10::kBFloat16;
-    int64_t params = 0;
-    const int64_t peak = peak_cpu_bytes_of([&] {
-      llama::Transformer model(a);
-      for (const auto& p : model->parameters()) {
-        EXPECT_TRUE(p.is_meta());
-        params += p.numel();
-      }
-    });
-    std::printf("qwen3 235B-A22B on meta: %lld parameters, peak CPU tensor bytes while building %lld\n",
-                static_cast<long long>(params), static_cast<long long>(peak));
-    EXPECT_GT(params, int64_t{230} * 1000 * 1000 * 1000);
-    EXPECT_LE(peak, a.n_layers * a.moe->num_experts * 4);  // the token counters again (9.7 GB before)
-  }
+  // 59 KB and 48 KB of token counters, where the CPU-first build allocated 45.3 GB and 9.7 GB.
+  const ds::DeepSeekV3Args deepseek = ds::deepseek_v3_flavor("671B");
+  expect_meta_build<ds::DeepSeekV3>(deepseek, "deepseek_v3 671B", int64_t{600} * 1000 * 1000 * 1000,
+                                    deepseek.moe.num_experts);
+  const llama::LlamaArgs qwen = llama::qwen3_flavor("235B-A22B");
+  expect_meta_build<llama::Transformer>(qwen, "qwen3 235B-A22B", int64_t{230} * 1000 * 1000 * 1000,
+                                        qwen.moe->num_experts);
 }
 
 TEST(MoEMetaBuild, CpuWeightsUnchanged) {
