@@ -67,6 +67,9 @@ int main(int argc, char** argv) {
   app.add_option("--replicate", c.replicate, "HSDP replicate degree");
   app.add_option("--shard", c.shard, "FSDP shard degree");
   app.add_option("--tp", c.tp, "tensor parallel degree (TorchTitan's Llama plan, sequence parallel)");
+  app.add_option("--cp", c.cp, "context parallel degree (ring attention; FSDP shards over shard x cp)");
+  app.add_option("--cp-rotate-method", c.cp_rotate_method, "with --cp: allgather | alltoall (the ring)");
+  app.add_option("--cp-load-balancer", c.cp_load_balancer, "with --cp: headtail | none");
   app.add_option("--ep", c.ep, "expert parallel degree (MoE models; divides --shard and the experts)");
   bool no_loss_parallel = false;
   app.add_flag("--no-loss-parallel", no_loss_parallel, "with --tp: logits gathered instead of vocabulary-sharded");

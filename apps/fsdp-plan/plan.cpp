@@ -68,6 +68,80 @@ void add_gradient_reduction(CommPlan& cm, const GroupPlan& g, int64_t S, int64_t
   }
 }
 
+// The TP dim's collectives of one forward + backward of T tokens through blocks [first, first + count) and, when
+// held, the embedding and the output layer with the loss (docs/planner.md, "Tensor parallel"). One sequence-sharded
+// activation [T/tp, D] is all-gathered ((tp-1) x its bytes) or reduce-scattered from [T, D] ((tp-1)/tp of that):
+// a dense block's attention and feed-forward each all-gather their input and reduce-scatter their output
+// (PrepareModuleInput, wo / w2), an MoE block's attention and, if it has them, its shared experts (the router and
+// the routed experts work on the local tokens: nothing over TP); backward mirrors each; a recomputed block runs
+// its forward's again. The embedding reduce-scatters its output, the output layer all-gathers its input (mirrors
+// in backward). All-reduces of replicated weights' gradients (Partial over TP): the two norms per block, Qwen3's
+// q_norm / k_norm, an MoE block's router gate, the final norm; the loss's 3 [T] float vectors (loss parallel).
+void add_tp_collectives(CommPlan& cm, const PlanConfig& c, const ActivationModel& act, int64_t first, int64_t count,
+                        bool has_embedding, bool has_output, int64_t T) {
+  const auto& a = c.args;
+  const int64_t TP = c.tp, D = a.dim, e = bytes_of(c.compute_dtype);
+  if (TP <= 1) return;
+  const int64_t ag_one = (TP - 1) * (T / TP * D * e), rs_one = (TP - 1) * (T * D * e) / TP;
+  const auto ar = [&](int64_t bytes) { return 2 * (TP - 1) * bytes / TP; };
+  int64_t per_dir = (has_embedding ? 1 : 0) + (has_output ? 1 : 0);
+  int64_t ar_calls = has_output ? 1 : 0, ar_bytes = has_output ? ar(D * e) : 0;
+  for (int64_t l = first; l < first + count; ++l) {
+    const bool moe = is_moe(a, l);
+    const int64_t gathers = moe ? 1 + (a.moe_options().num_shared_experts > 0 ? 1 : 0) : 2;
+    per_dir += gathers * (act.recomputed[static_cast<size_t>(l)] ? 3 : 2);
+    ar_calls += 2;
+    ar_bytes += 2 * ar(D * e);
+    if (act.qk_norm_numel > 0) {
+      ar_calls += 2;
+      ar_bytes += 2 * ar(act.qk_norm_numel * e);
+    }
+    if (moe) {
+      ar_calls += 1;
+      ar_bytes += ar(a.moe_options().num_experts * D * e);
+    }
+  }
+  cm.tp_all_gather_calls += per_dir;
+  cm.tp_reduce_scatter_calls += per_dir;
+  cm.tp_all_gather_bytes += per_dir * ag_one;
+  cm.tp_reduce_scatter_bytes += per_dir * rs_one;
+  if (has_output && !c.loss_parallel) {
+    cm.tp_all_gather_calls += 1;
+    cm.tp_all_gather_bytes += (TP - 1) * T * ceil_div(a.vocab_size, TP) * e;
+  }
+  if (has_output && c.loss_parallel) {
+    ar_calls += 3;
+    ar_bytes += ar((T + 1) * 4) + 2 * ar(T * 4);
+  }
+  cm.tp_all_reduce_calls += ar_calls;
+  cm.tp_all_reduce_bytes += ar_bytes;
+  cm.tp_total_bytes = cm.tp_all_gather_bytes + cm.tp_reduce_scatter_bytes + cm.tp_all_reduce_bytes;
+}
+
+// The ep dim (src/expert_parallel) of one forward + backward of T tokens through blocks [first, first + count): per
+// MoE layer and forward, the count exchange (E int64 split in ep pieces, all but this rank's own sent), the
+// dispatch and the combine of the rank's routed rows (T/tp tokens x k under TP: the block routes the local slice),
+// (ep-1)/ep of them to other ranks under uniform routing; backward sends the dispatch's and the combine's gradients
+// back; a recomputed block (full, layer-selective or op-level AC) runs its forward's exchanges once more.
+void add_ep_collectives(CommPlan& cm, const PlanConfig& c, const ActivationModel& act, int64_t first, int64_t count,
+                        int64_t T) {
+  const auto& a = c.args;
+  if (c.ep <= 1 || !a.moe) return;
+  const nn::moe::MoEOptions o = a.moe_options();
+  const int64_t ep = c.ep, e = bytes_of(c.compute_dtype);
+  const int64_t count_bytes = (ep - 1) * (o.num_experts / ep) * 8;
+  const int64_t rows_bytes = T / c.tp * o.top_k * a.dim * e * (ep - 1) / ep;
+  for (int64_t l = first; l < first + count; ++l) {
+    if (!is_moe(a, l)) continue;
+    const int64_t forwards = act.recomputed[static_cast<size_t>(l)] ? 2 : 1;
+    cm.ep_count_bytes += forwards * count_bytes;
+    cm.ep_dispatch_bytes += (forwards + 1) * rows_bytes;
+    cm.ep_combine_bytes += (forwards + 1) * rows_bytes;
+    cm.ep_all_to_all_calls += 3 * forwards + 2;
+  }
+  cm.ep_total_bytes = cm.ep_count_bytes + cm.ep_dispatch_bytes + cm.ep_combine_bytes;
+}
+
 }  // namespace detail
 
 namespace {
@@ -97,8 +171,8 @@ std::vector<GroupPlan> groups_of_stages(const SeamLayout& seam) {
   return blocks;
 }
 
-// MoE and expert parallelism: what the planner models and what it refuses. fsdp-train trains MoE under TP, PP and
-// op-level SAC too; the planner's activation and all-to-all models do not cover those layouts yet.
+// MoE and expert parallelism: what the planner models and what it refuses (any other layout the trainer refuses is
+// refused by its own check_layout, through the seam).
 void check_moe(const PlanConfig& c) {
   const auto& a = c.args;
   TORCH_CHECK(c.ep >= 1, "fsdp-plan: ep must be >= 1, got ", c.ep);
@@ -110,20 +184,36 @@ void check_moe(const PlanConfig& c) {
                 " has no MoE layers (use --model qwen3 with a *_moe flavor, 30B-A3B or 235B-A22B)");
     return;
   }
-  TORCH_CHECK(c.tp == 1 && c.pp == 1, "fsdp-plan: ", model, " has MoE layers; MoE with ",
-              c.tp > 1 ? "tensor" : "pipeline", " parallelism is not planned yet (the planner's activation and all-to-all "
-              "models cover FSDP, HSDP and EP only; fsdp-train trains it): use --shard, --replicate and --ep");
   const int64_t E = a.moe_options().num_experts;
-  TORCH_CHECK(c.shard % c.ep == 0, "fsdp-plan: --ep ", c.ep, " must divide --shard ", c.shard,
-              " (expert-parallel groups are ep consecutive ranks of a shard group; the experts' FSDP runs over the "
-              "shard / ep ranks left)");
+  TORCH_CHECK((c.shard * c.tp) % c.ep == 0, "fsdp-plan: --ep ", c.ep, " must divide --shard x --tp = ", c.shard * c.tp,
+              " (expert-parallel groups borrow their ranks from dp_shard x tp; the experts' FSDP runs over the "
+              "ranks left)");
   TORCH_CHECK(E % c.ep == 0, "fsdp-plan: --ep ", c.ep, " must divide the ", E, " experts of ", model,
               " (each ep rank holds experts / ep of them)");
-  TORCH_CHECK(!(c.ac == ACMode::Selective && c.selective == SelectiveKind::Op), "fsdp-plan: op-level selective AC ",
-              "with an MoE model is not planned yet (its recompute of the routed experts is not modelled); use --ac full "
-              "or --selective layer");
   TORCH_CHECK(c.block_reshard <= 1, "fsdp-plan: --reshard ", c.block_reshard, " (hpZ) with MoE layers is not "
               "modelled (the experts shard over another mesh); use true or false");
+}
+
+// Context parallelism: what the planner models (the trainer refuses the layouts it does not train, e.g. a
+// sequence length that does not split into its chunks, through the seam).
+void check_context_parallel(const PlanConfig& c) {
+  TORCH_CHECK(c.cp >= 1, "fsdp-plan: cp must be >= 1, got ", c.cp);
+  TORCH_CHECK(c.cp_rotate_method == "allgather" || c.cp_rotate_method == "alltoall",
+              "fsdp-plan: --cp-rotate-method must be allgather or alltoall, got '", c.cp_rotate_method, "'");
+  TORCH_CHECK(c.cp_load_balancer == "headtail" || c.cp_load_balancer == "none",
+              "fsdp-plan: --cp-load-balancer must be headtail or none, got '", c.cp_load_balancer, "'");
+  TORCH_CHECK(c.cp == 1 || c.pp == 1, "fsdp-plan: context parallelism with pipeline parallelism is not planned yet "
+              "(the pipeline walk counts whole sequences per microbatch); use --cp or --pp");
+}
+
+// One block's attention on this rank (docs/planner.md, "Context parallelism"): the sequence it holds, what the
+// attention saves and what a ring-attention call holds beyond that (the activation model's, from fsdp-train's
+// attention_memory.h).
+void attention_memory(const PlanConfig& c, const detail::ActivationModel& act, MemoryPlan& m) {
+  m.seq_per_rank = c.seq_len / c.cp;
+  m.attention_saved_per_layer = act.attention.saved;
+  m.attention_forward_in_flight = act.attention.forward_in_flight;
+  m.attention_backward_in_flight = act.attention.backward_in_flight;
 }
 
 }  // namespace
@@ -142,13 +232,17 @@ Plan make_plan(const PlanConfig& c) {
   plan.config = c;
   const int64_t e = bytes_of(c.compute_dtype), pb = bytes_of(c.param_dtype), rb = bytes_of(c.reduce_dtype),
                 ob = bytes_of(c.optim_dtype);
-  const int64_t S = c.shard, R = c.replicate, TP = c.tp;
+  check_context_parallel(c);
+  // FSDP shards over dp_shard x cp (TorchTitan's dp_shard_cp): the cp ranks of a shard group hold other chunks of
+  // the same sequences, never other parameters.
+  const int64_t S = c.shard * c.cp, R = c.replicate, TP = c.tp;
   TORCH_CHECK(TP >= 1, "fsdp-plan: tp must be >= 1");
   if (TP > 1) {
     TORCH_CHECK(a.n_heads % TP == 0 && a.kv_heads() % TP == 0, "fsdp-plan: tp ", TP, " must divide n_heads ",
                 a.n_heads, " and n_kv_heads ", a.kv_heads());
     TORCH_CHECK(!a.tie_embeddings, "fsdp-plan: tensor parallel needs untied embeddings");
-    TORCH_CHECK(c.seq_len % TP == 0, "fsdp-plan: seq ", c.seq_len, " must divide by tp ", TP, " (sequence parallel)");
+    TORCH_CHECK(c.seq_len / c.cp % TP == 0, "fsdp-plan: seq ", c.seq_len, " / cp ", c.cp, " must divide by tp ", TP,
+                " (sequence parallel)");
   }
   check_moe(c);
 
@@ -184,9 +278,11 @@ Plan make_plan(const PlanConfig& c) {
   }
 
   // ---- activations saved per block, per token (docs/planner.md, "Activations") ----
-  const int64_t T = c.local_batch * c.seq_len;
+  // Tokens this rank holds: under cp its seq / cp of every sequence (every per-token count below is of these).
+  const int64_t T = c.local_batch * c.seq_len / c.cp;
   const int64_t D = a.dim;
   const ActivationModel act = activation_model(c, T);
+  attention_memory(c, act, m);
   m.act_per_layer_full = act.full_per_layer;
   m.act_per_moe_layer = act.moe_per_layer;
   m.act_per_dense_layer = act.dense_per_layer;
@@ -256,7 +352,8 @@ Plan make_plan(const PlanConfig& c) {
   int64_t acts_below = saved_layers_bytes;
   int64_t shards_above = 0;
   for (int64_t i = L - 1; i >= 0; --i) {
-    const int64_t acts = acts_below + (recomputed[i] ? act.layer_full[i] : 0) + act.layer_workspace[i];
+    const int64_t acts = acts_below + (recomputed[i] ? act.layer_full[i] : 0) + act.layer_workspace[i] +
+                         m.attention_backward_in_flight;
     moments.push_back({"backward of block " + std::to_string(i),
                        m.root_unsharded + ceil_div(a.vocab_size, TP) * D * e + bwd_in_flight(i), acts, held_logits,
                        shards_above * pb});
@@ -324,53 +421,8 @@ Plan make_plan(const PlanConfig& c) {
     add_gradient_reduction(cm, g, S, R, rb);
   }
   cm.total_bytes = cm.all_gather_bytes + cm.reduce_scatter_bytes + cm.all_reduce_bytes;
-  if (c.ep > 1) {
-    // The ep dim (src/expert_parallel): per MoE layer and forward, the count exchange (E int64 split in ep
-    // pieces, all but this rank's own sent), the dispatch and the combine of the T k routed rows, (ep-1)/ep of
-    // them to other ranks under uniform routing; backward sends the dispatch's and the combine's gradients back;
-    // a recomputed block (full / layer-selective AC) runs its forward exchanges once more.
-    const nn::moe::MoEOptions o = a.moe_options();
-    const int64_t ep = c.ep;
-    const int64_t count_bytes = (ep - 1) * (o.num_experts / ep) * 8;
-    const int64_t rows_bytes = T * o.top_k * D * e * (ep - 1) / ep;
-    for (int64_t l = 0; l < L; ++l) {
-      if (!is_moe(a, l)) continue;
-      const int64_t forwards = recomputed[l] ? 2 : 1;
-      cm.ep_count_bytes += forwards * count_bytes;
-      cm.ep_dispatch_bytes += (forwards + 1) * rows_bytes;
-      cm.ep_combine_bytes += (forwards + 1) * rows_bytes;
-      cm.ep_all_to_all_calls += 3 * forwards + 2;
-    }
-    cm.ep_total_bytes = cm.ep_count_bytes + cm.ep_dispatch_bytes + cm.ep_combine_bytes;
-  }
-  if (TP > 1) {
-    // Byte model of docs/comm.md over the TP group. One sequence-sharded activation [T/tp, D] is all-gathered
-    // ((tp-1) x its bytes) or reduce-scattered from [T, D] ((tp-1)/tp of that): per block 2 + 2 in forward
-    // (PrepareModuleInput, wo/w2), the mirrors in backward, the forward ones again when the block is
-    // recomputed; the root: the embedding's reduce-scatter and the output layer's input all-gather, and their
-    // mirrors. All-reduces: the norm weights' gradients (3 per block pair + final), the loss's 3 [T] vectors.
-    const int64_t shard_act = T / TP * D * e;
-    const int64_t ag_one = (TP - 1) * shard_act, rs_one = (TP - 1) * (T * D * e) / TP;
-    int64_t recomputed_blocks = 0;
-    for (bool r : recomputed) recomputed_blocks += r ? 1 : 0;
-    const int64_t per_dir = 4 * a.n_layers + 2 + 2 * recomputed_blocks;
-    cm.tp_all_gather_calls = per_dir;
-    cm.tp_reduce_scatter_calls = per_dir;
-    cm.tp_all_gather_bytes = per_dir * ag_one;
-    cm.tp_reduce_scatter_bytes = per_dir * rs_one;
-    if (!c.loss_parallel) {
-      cm.tp_all_gather_calls += 1;
-      cm.tp_all_gather_bytes += (TP - 1) * T * ceil_div(a.vocab_size, TP) * e;
-    }
-    const auto ar = [&](int64_t bytes) { return 2 * (TP - 1) * bytes / TP; };
-    cm.tp_all_reduce_calls = 2 * a.n_layers + 1;
-    cm.tp_all_reduce_bytes = (2 * a.n_layers + 1) * ar(D * e);
-    if (c.loss_parallel) {
-      cm.tp_all_reduce_calls += 3;
-      cm.tp_all_reduce_bytes += ar((T + 1) * 4) + 2 * ar(T * 4);
-    }
-    cm.tp_total_bytes = cm.tp_all_gather_bytes + cm.tp_reduce_scatter_bytes + cm.tp_all_reduce_bytes;
-  }
+  add_ep_collectives(cm, c, act, 0, L, T);
+  add_tp_collectives(cm, c, act, 0, L, /*has_embedding=*/true, /*has_output=*/true, T);
   if (pipeline) plan_pipeline(c, *pipeline, seam, plan);
   return plan;
 }

@@ -51,12 +51,20 @@ struct PlanConfig {
   int64_t tp = 1;
   bool loss_parallel = true;
   // Expert parallel degree (fsdp-train's parallelism.expert_parallel_degree; MoE models only): each MoE layer's
-  // routed experts are split on dim 0 over `ep` consecutive ranks of a shard group (E/ep experts per rank) and
-  // FSDP-sharded over the efsdp = shard/ep ranks left (with the replicate dim: HSDP over them); the rest of the
-  // block stays on the dense mesh. Must divide shard and the number of experts; refused with tp > 1 or pp > 1
-  // (as the trainer refuses it). Routed experts are sharded on dim 1 instead of 0 when shard > experts (the
-  // trainer's and TorchTitan's rule, whatever ep). docs/planner.md, "MoE and expert parallelism".
+  // routed experts are split on dim 0 over `ep` ranks borrowed from dp_shard x tp (E/ep experts per rank) and
+  // FSDP-sharded over the efsdp = shard x tp / ep ranks left (with the replicate dim: HSDP over them); the rest of
+  // the block stays on the dense mesh. Must divide shard x tp and the number of experts; under PP the stage's
+  // experts alike. Routed experts are sharded on dim 1 instead of 0 when shard x tp > experts (the trainer's and
+  // TorchTitan's rule, whatever ep). docs/planner.md, "MoE and expert parallelism".
   int64_t ep = 1;
+  // Context parallelism (fsdp-train's parallelism.context_parallel_degree, context_parallel_rotate_method,
+  // context_parallel_load_balancer; docs/planner.md, "Context parallelism"): each rank holds seq / cp tokens of
+  // every sequence, FSDP shards over shard x cp (TorchTitan's dp_shard_cp), and ring attention brings the other
+  // ranks' K and V: "allgather" every rank's at once for the call, "alltoall" (the ring) two ranks' at a time.
+  // The world is pp x replicate x shard x cp x tp ranks. Not planned with pp > 1 yet.
+  int64_t cp = 1;
+  std::string cp_rotate_method = "allgather";  // "allgather" | "alltoall"
+  std::string cp_load_balancer = "headtail";   // "headtail" | "none"
   c10::ScalarType param_dtype = c10::kFloat;    // sharded (master) parameters and their gradients
   c10::ScalarType compute_dtype = c10::kFloat;  // MixedPrecisionPolicy.param_dtype: unsharded params, activations
   c10::ScalarType reduce_dtype = c10::kFloat;   // gradient reduce-scatter / all-reduce
@@ -144,6 +152,16 @@ struct MemoryPlan {
   int64_t saved_activations = 0;
   int64_t end_of_forward = 0;
   int64_t step_peak = 0;
+  // Attention per rank (docs/planner.md, "Context parallelism"): the tokens of each sequence this rank holds
+  // (seq / cp); what one block's attention saves for backward (q, k, v as the kernel sees them, its output and
+  // log-sum-exp, at those tokens: part of the block's activations); what one attention call holds beyond that
+  // while it runs under cp: the other ranks' K and V (all-gather: every rank's, cp x this rank's; ring: at most
+  // two ranks' at a time) and, in backward, the float32 dK / dV accumulators (all-gather: every rank's; ring: the
+  // one computed on and the one in flight) and dQ. 0 without cp. The backward one joins the backward moments.
+  int64_t seq_per_rank = 0;
+  int64_t attention_saved_per_layer = 0;
+  int64_t attention_forward_in_flight = 0;
+  int64_t attention_backward_in_flight = 0;
 };
 
 struct CommPlan {

@@ -9,24 +9,32 @@
 namespace fsdp::plan::detail {
 namespace {
 
-// What an MoE feed-forward (src/models/moe.cpp; with ep > 1 src/expert_parallel) saves for backward, per token,
-// under uniform routing (each ep rank receives, and its experts compute, T k rows in all). k = top_k, E experts,
-// F = expert hidden, Fs = shared experts' hidden, e = compute dtype bytes. docs/planner.md lists the tensors.
-int64_t moe_saved_per_token(const PlanConfig& c) {
+// What an MoE feed-forward (src/models/moe.cpp; with ep > 1 src/expert_parallel) saves for backward, under uniform
+// routing (each ep rank receives, and its experts compute, T k rows in all), split by what the bytes scale with:
+// `routed` per token the MoE block routes (this TP rank's 1/tp of the sequence under TP: the router and the routed
+// experts see only the local tokens), `shared` per token of the whole sequence (the shared experts run on the
+// gathered sequence with 1/tp of their hidden dim). k = top_k, E experts, F = expert hidden, Fs = shared experts'
+// hidden, e = compute dtype bytes. docs/planner.md lists the tensors.
+struct MoESaved {
+  int64_t routed = 0, shared = 0;
+};
+MoESaved moe_saved(const PlanConfig& c) {
   const nn::moe::MoEOptions o = c.args.moe_options();
   const int64_t e = bytes_of(c.compute_dtype), k = o.top_k, E = o.num_experts, F = o.hidden, D = c.args.dim,
-                Fs = o.hidden * o.num_shared_experts;
-  return 4 * E                            // router scores (softmax / sigmoid output, float32)
-         + 8 * k                          // chosen expert ids (gather's index)
-         + (o.route_norm ? 4 * k + 4 : 0)  // chosen scores and their sum (the normalising division)
-         + 8 * k + 8 * k                  // slot -> token index (index_select, index_add), expert order (weights')
-         + 4 * k                          // each slot's weight (float32) for the weight multiply
-         + k * D * e                      // the experts' input rows (grouped GEMM's saved input)
-         + 4 * k * F * e                  // SwiGLU of the rows: w1 out, silu out, w3 out, product
-         + 4 * k * D                      // expert outputs in float32, the weight multiply's other operand
-         + k * D * e                      // the weighted outputs (index_add's source: its backward expands to it)
-         + (c.ep > 1 ? 16 * k : 0)        // EP: the regrouping permutation and its inverse (index_select's indices)
-         + 4 * Fs * e;                    // shared experts' SwiGLU (their input is the norm's saved output)
+                Fs = ceil_div(o.hidden * o.num_shared_experts, c.tp);
+  MoESaved out;
+  out.routed = 4 * E                        // router scores (softmax / sigmoid output, float32)
+               + 8 * k                      // chosen expert ids (gather's index)
+               + (o.route_norm ? 4 * k + 4 : 0)  // chosen scores and their sum (the normalising division)
+               + 8 * k + 8 * k              // slot -> token index (index_select, index_add), expert order (weights')
+               + 4 * k                      // each slot's weight (float32) for the weight multiply
+               + k * D * e                  // the experts' input rows (grouped GEMM's saved input)
+               + 4 * k * F * e              // SwiGLU of the rows: w1 out, silu out, w3 out, product
+               + 4 * k * D                  // expert outputs in float32, the weight multiply's other operand
+               + k * D * e                  // the weighted outputs (index_add's source: its backward expands to it)
+               + (c.ep > 1 ? 16 * k : 0);   // EP: the regrouping permutation and its inverse (index_select's indices)
+  out.shared = 4 * Fs * e;                  // shared experts' SwiGLU (their input is the norm's saved output)
+  return out;
 }
 
 }  // namespace
@@ -55,18 +63,30 @@ ActivationModel activation_model(const PlanConfig& c, int64_t T) {
   // SwiGLU: w1 out (silu input), silu out, w3 out, product (w2 input).
   const int64_t ffn = 4 * e * F;
   const int64_t full_per_token = 2 * norm + attn + qk + ffn;
-  const int64_t moe_per_token = a.moe ? 2 * norm + attn + qk + moe_saved_per_token(c) : 0;
-  // Gradients in flight through a block's backward: the incoming and outgoing residual gradients and the SwiGLU
-  // intermediates' (dense); an MoE block's over its T k rows (3 F of SwiGLU, the rows' D, the float32 outputs'
-  // 4 D) and the shared experts'. Rough (docs/planner.md).
-  const int64_t dense_workspace = T * e * (2 * D / TP + 3 * F);
-  int64_t moe_workspace = 0;
+  // Under TP the MoE block routes this rank's T/tp tokens (sequence parallel through the block): the router gate
+  // saves the ffn_norm's local output, and the shared experts' colwise w1 / w3 the gathered copy [T, D] (without
+  // TP the norm's one output serves both, as in a dense block).
+  const int64_t T_routed = T / TP;
+  int64_t moe_layer = 0, moe_workspace = 0, moe_op_sac = 0;
   if (a.moe) {
     const nn::moe::MoEOptions o = a.moe_options();
-    moe_workspace = T * (e * 2 * D + o.top_k * (e * (3 * o.hidden + D) + 4 * D) + 3 * e * o.hidden * o.num_shared_experts);
+    const MoESaved ms = moe_saved(c);
+    const int64_t Fs = ceil_div(o.hidden * o.num_shared_experts, TP);
+    const int64_t ffn_norm = TP > 1 ? (4 * D + 2 * e * D) / TP + (Fs > 0 ? e * D : 0) : norm;
+    moe_layer = T * (norm + ffn_norm + attn + qk + ms.shared) + T_routed * ms.routed;
+    // Gradients in flight through an MoE block's backward: the residual ones, the routed rows' (3 F of SwiGLU,
+    // the rows' D, the float32 outputs' 4 D) and the shared experts'. Rough (docs/planner.md).
+    moe_workspace = T * e * (2 * D / TP + 3 * Fs) + T_routed * o.top_k * (e * (3 * o.hidden + D) + 4 * D);
+    // Op-level SAC: the block's matmuls (aten::mm) in order are wq, wk, wv, wo, the router gate, then the shared
+    // experts' w1, w3, w2; the routed experts' grouped GEMM (_grouped_mm, which the policy does not intercept) is
+    // recomputed. The odd ones are kept: wq, wv, the gate's [T/tp, E] logits and the shared experts' w3 output.
+    moe_op_sac = T * e * (D / TP + hq + hkv + Fs) + T_routed * o.num_experts * e;
   }
+  // Gradients in flight through a dense block's backward: the incoming and outgoing residual gradients and the
+  // SwiGLU intermediates'. Rough (docs/planner.md).
+  const int64_t dense_workspace = T * e * (2 * D / TP + 3 * F);
   for (int64_t l = 0; l < a.n_layers; ++l) {
-    out.layer_full.push_back(T * (is_moe(a, l) ? moe_per_token : full_per_token));
+    out.layer_full.push_back(is_moe(a, l) ? moe_layer : T * full_per_token);
     out.layer_workspace.push_back(is_moe(a, l) ? moe_workspace : dense_workspace);
     (is_moe(a, l) ? out.moe_per_layer : out.dense_per_layer) = out.layer_full.back();
   }
@@ -86,7 +106,8 @@ ActivationModel activation_model(const PlanConfig& c, int64_t T) {
       out.layer_saved[l] = out.checkpointed_per_layer;
       out.recomputed[l] = true;
     } else if (c.ac == ACMode::Selective && c.selective == SelectiveKind::Op) {  // the saved op outputs, the rest recomputed
-      out.layer_saved[l] = T * op_sac_per_token;
+      out.layer_saved[l] = is_moe(a, l) ? moe_op_sac + (c.op_sac_saves_attention ? T * (e * hq + 4 * heads) : 0)
+                                        : T * op_sac_per_token;
       out.recomputed[l] = true;
     }
   }
@@ -97,7 +118,16 @@ ActivationModel activation_model(const PlanConfig& c, int64_t T) {
   out.lsm = T * V * 4;  // log-softmax output (float32 when upcast; = compute dtype otherwise)
   out.lsm_bytes = c.loss.upcast_logits ? out.lsm : T * V * e;
   out.loss_forward = out.logits + out.lsm_bytes + (c.loss.upcast_logits ? out.lsm : 0);
-  out.grad_workspace = a.n_layers > 0 ? out.layer_workspace.front() : dense_workspace;
+  // The largest block's (an MoE and a dense block differ), for the moments that take one block of any kind.
+  out.grad_workspace = dense_workspace;
+  for (int64_t w : out.layer_workspace) out.grad_workspace = std::max(out.grad_workspace, w);
+  // Under GQA the kernel gets K and V repeated to the query heads (so does the ring under cp); without GQA
+  // n_kv_heads = n_heads.
+  out.attention = fsdp_train::attention_memory({heads, a.head_dim(), a.head_dim()}, T, e, c.cp,
+                                               c.cp_rotate_method == "allgather");
+  out.qk_norm_numel = a.qk_norm ? a.head_dim() : 0;
+  out.largest_full = T * full_per_token;
+  for (int64_t f : out.layer_full) out.largest_full = std::max(out.largest_full, f);
   return out;
 }
 

@@ -10,6 +10,8 @@
 
 #include "plan.h"
 
+#include "attention_memory.h"
+
 #include <fsdp/pipeline/schedule.h>
 
 #include <cstdint>
@@ -77,9 +79,24 @@ struct ActivationModel {
   int64_t lsm = 0;                     // T x V x 4: the float32 copy / log-softmax output when upcast
   int64_t lsm_bytes = 0;               // the log-softmax output
   int64_t loss_forward = 0;            // logits, log-softmax output and the float32 copy when upcast
-  int64_t grad_workspace = 0;          // gradients in flight through one block's backward (the first block's)
+  int64_t grad_workspace = 0;          // gradients in flight through one block's backward (the largest block's)
+  int64_t largest_full = 0;            // the largest block's full activations (MoE and dense blocks differ)
+  // One block's attention on this rank: saved, and held beyond that by a ring-attention call under cp
+  // (fsdp-train's attention_memory.h, the formula its start-up log uses too).
+  fsdp_train::AttentionMemory attention;
+  int64_t qk_norm_numel = 0;           // one of Qwen3's q_norm / k_norm weights (0: none)
 };
 ActivationModel activation_model(const PlanConfig& c, int64_t T);
+
+// ---- collectives of the model dims (plan.cpp) ----
+
+// The TP dim's collectives of one forward + backward of T tokens through blocks [first, first + count), plus the
+// embedding and the output layer / loss when held; the ep dim's all-to-alls of the same blocks. Both add to `cm`
+// (a pipeline rank calls them per microbatch and stage).
+void add_tp_collectives(CommPlan& cm, const PlanConfig& c, const ActivationModel& act, int64_t first, int64_t count,
+                        bool has_embedding, bool has_output, int64_t T);
+void add_ep_collectives(CommPlan& cm, const PlanConfig& c, const ActivationModel& act, int64_t first, int64_t count,
+                        int64_t T);
 
 // ---- pipeline parallelism (plan_pipeline.cpp) ----
 

@@ -40,7 +40,10 @@ fsdp_train::JobConfig job_config(const PlanConfig& c) {
       "--parallelism.tensor_parallel_degree", std::to_string(c.tp),
       "--parallelism.expert_parallel_degree", std::to_string(c.ep),
       "--parallelism.disable_loss_parallel", c.loss_parallel ? "false" : "true",
-      "--parallelism.pipeline_parallel_degree", std::to_string(c.pp)};
+      "--parallelism.pipeline_parallel_degree", std::to_string(c.pp),
+      "--parallelism.context_parallel_degree", std::to_string(c.cp),
+      "--parallelism.context_parallel_rotate_method", c.cp_rotate_method,
+      "--parallelism.context_parallel_load_balancer", c.cp_load_balancer};
   if (!c.flavor.empty()) args.insert(args.end(), {"--model.flavor", c.flavor});
   if (c.compute_dtype == c10::kBFloat16) args.insert(args.end(), {"--training.mixed_precision_param", "bfloat16"});
   if (c.compute_dtype == c10::kFloat) args.insert(args.end(), {"--training.mixed_precision_param", "float32"});
@@ -158,8 +161,8 @@ RankUnits units_of_rank(const PlanConfig& c, const fsdp_train::JobConfig& config
 }  // namespace
 
 SeamLayout layout_from_seam(const PlanConfig& c, const std::vector<std::vector<std::string>>& stage_fqns) {
-  const int64_t world = c.pp * c.replicate * c.shard * c.tp;
-  TORCH_CHECK(world >= 1 && world <= (int64_t{1} << 24), "fsdp-plan: pp x replicate x shard x tp = ", world,
+  const int64_t world = c.pp * c.replicate * c.shard * c.cp * c.tp;
+  TORCH_CHECK(world >= 1 && world <= (int64_t{1} << 24), "fsdp-plan: pp x replicate x shard x cp x tp = ", world,
               " ranks is out of range");
   TORCH_CHECK(!c.flavor.empty() || c.build_model, "fsdp-plan: no model.flavor for ", c.model,
               " (the model is built through the trainer's model seam: name a flavor, or give PlanConfig::build_model)");

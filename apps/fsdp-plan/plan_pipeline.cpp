@@ -47,7 +47,7 @@ RankWalk walk_rank(const PlanConfig& c, const fsdp::pipeline::PipelineSchedule& 
     bool any_recomputed = false;
     for (int64_t l = st.first_layer; l < st.first_layer + st.num_layers; ++l) any_recomputed |= act.recomputed[l];
     const int64_t block_part = (st.num_layers > 0 ? block_numel * e + act.grad_workspace : 0) +
-                               (any_recomputed ? act.full_per_layer : 0);
+                               (any_recomputed ? act.largest_full : 0);
     return std::max(block_part, st.has_output ? 2 * act.lsm_bytes : int64_t{0});
   };
   // Reduce-scatter buffers of the stage's largest group (input, our all-to-all receive buffer, output).
@@ -142,41 +142,15 @@ RankWalk walk_rank(const PlanConfig& c, const fsdp::pipeline::PipelineSchedule& 
     w.sharded_grads = w.grads;
   }
 
-  // Tensor parallel: docs/planner.md's per-step counts applied to the rank's blocks, once per microbatch (each
-  // microbatch runs its own forward and backward), each collective on one microbatch's tokens.
-  const int64_t TP = c.tp;
-  if (TP > 1) {
-    const auto& a = c.args;
-    const int64_t T_mb = c.local_batch / c.microbatches * c.seq_len, D = a.dim, m = c.microbatches;
-    const int64_t shard_act = T_mb / TP * D * e;
-    const int64_t ag_one = (TP - 1) * shard_act, rs_one = (TP - 1) * (T_mb * D * e) / TP;
-    int64_t blocks = 0, recomputed_blocks = 0, ends = 0;
-    bool has_output = false;
+  // Tensor and expert parallel: docs/planner.md's per-step counts applied to the rank's blocks, once per microbatch
+  // (each microbatch runs its own forward and backward), each collective on one microbatch's tokens.
+  const int64_t T_mb = c.local_batch / c.microbatches * c.seq_len;
+  for (int64_t mb = 0; mb < c.microbatches; ++mb) {
     for (int s : schedule.stages_of_rank(rank)) {
       const StagePlan& st = stages[s];
-      blocks += st.num_layers;
-      for (int64_t l = st.first_layer; l < st.first_layer + st.num_layers; ++l) recomputed_blocks += act.recomputed[l];
-      ends += (st.has_embedding ? 1 : 0) + (st.has_output ? 1 : 0);
-      has_output = has_output || st.has_output;
+      add_tp_collectives(cm, c, act, st.first_layer, st.num_layers, st.has_embedding, st.has_output, T_mb);
+      add_ep_collectives(cm, c, act, st.first_layer, st.num_layers, T_mb);
     }
-    const int64_t per_dir = m * (4 * blocks + ends + 2 * recomputed_blocks);
-    cm.tp_all_gather_calls = per_dir;
-    cm.tp_reduce_scatter_calls = per_dir;
-    cm.tp_all_gather_bytes = per_dir * ag_one;
-    cm.tp_reduce_scatter_bytes = per_dir * rs_one;
-    if (has_output && !c.loss_parallel) {
-      cm.tp_all_gather_calls += m;
-      cm.tp_all_gather_bytes += m * (TP - 1) * T_mb * ceil_div(a.vocab_size, TP) * e;
-    }
-    const auto ar = [&](int64_t bytes) { return 2 * (TP - 1) * bytes / TP; };
-    const int64_t norms = 2 * blocks + (has_output ? 1 : 0);
-    cm.tp_all_reduce_calls = m * norms;
-    cm.tp_all_reduce_bytes = m * norms * ar(D * e);
-    if (has_output && c.loss_parallel) {
-      cm.tp_all_reduce_calls += 3 * m;
-      cm.tp_all_reduce_bytes += m * (ar((T_mb + 1) * 4) + 2 * ar(T_mb * 4));
-    }
-    cm.tp_total_bytes = cm.tp_all_gather_bytes + cm.tp_reduce_scatter_bytes + cm.tp_all_reduce_bytes;
   }
   return w;
 }
@@ -282,7 +256,7 @@ void plan_pipeline(const PlanConfig& c, const PipelineSetup& setup, const SeamLa
   const bool alias = S == 1 && e == pb && rb == pb;
   TORCH_CHECK(static_cast<int64_t>(seam.stage_groups.size()) == num_stages, "fsdp-plan internal: the trainer's split "
               "gives ", seam.stage_groups.size(), " stages, the planner's ", num_stages);
-  int64_t block_numel = 0;  // one block's unsharded parameters (blocks alike: no MoE under PP yet)
+  int64_t block_numel = 0;  // the largest block's unsharded parameters on this rank (MoE blocks: its experts)
 
   int64_t next_layer = 0;
   for (int64_t s = 0; s < num_stages; ++s) {
@@ -310,16 +284,18 @@ void plan_pipeline(const PlanConfig& c, const PipelineSetup& setup, const SeamLa
                   " of the trainer holds ", g.name, " where the planner's split puts layers.",
                   st.first_layer + blocks);
       blocks += 1;
-      if (block_numel == 0) block_numel = g.local_numel;
+      block_numel = std::max(block_numel, g.local_numel);
     }
     TORCH_CHECK(blocks == st.num_layers, "fsdp-plan internal: stage ", s, " of the trainer holds ", blocks,
                 " blocks, the planner's split ", st.num_layers);
+    int64_t local_numel = 0;  // unsharded on this rank: under EP only its own experts
     for (const auto& g : st.groups) {
       st.numel += g.numel;
       st.shard_numel += g.shard_numel;
+      local_numel += g.local_numel;
     }
-    st.unsharded_param_bytes = alias ? 0 : st.numel * e;
-    st.accumulated_grad_bytes = st.numel * rb;
+    st.unsharded_param_bytes = alias ? 0 : local_numel * e;
+    st.accumulated_grad_bytes = local_numel * rb;
     // One microbatch's saved activations on this stage: its blocks' (per-block formula at T_mb tokens); the
     // received input, kept for the stage's backward, unless a block already counts it (a checkpointed first
     // block saves its input; in fp32 the first norm saves the input itself); the stage output, kept until its
@@ -380,7 +356,10 @@ void plan_pipeline(const PlanConfig& c, const PipelineSetup& setup, const SeamLa
   }
 
   MemoryPlan& mem = plan.memory;
+  const MemoryPlan whole = mem;
   mem = MemoryPlan{};
+  mem.seq_per_rank = whole.seq_per_rank;  // the attention of a microbatch: per sequence, as without PP
+  mem.attention_saved_per_layer = act.attention.saved;
   mem.params = w.params;
   mem.grads = w.grads;
   mem.optimizer = w.optimizer;

@@ -109,7 +109,10 @@ std::string format_plan(const Plan& p) {
        << ", top-" << o.top_k;
     if (o.num_shared_experts > 0) os << ", " << o.num_shared_experts << " shared";
     os << "; ep " << c.ep << ": " << o.num_experts / c.ep << " experts per rank, FSDP-sharded over "
-       << moe_group->expert_shard << " rank(s) (" << (c.ep > 1 ? "efsdp = shard / ep" : "the shard dim") << ") on dim "
+       << moe_group->expert_shard << " rank(s) ("
+       << (c.ep > 1 ? (c.tp > 1 ? "efsdp = shard x tp / ep" : "efsdp = shard / ep")
+                    : (c.tp > 1 ? "shard x tp" : "the shard dim"))
+       << ") on dim "
        << moe_group->expert_shard_dim << (moe_group->expert_shard_dim == 1 ? " (shard > experts)" : "")
        << "; routing-dependent terms assume uniform routing\n";
   }
@@ -118,8 +121,9 @@ std::string format_plan(const Plan& p) {
     os << "mesh       pp " << c.pp << " x replicate " << c.replicate << " x shard " << c.shard << " x tp " << c.tp
        << " = " << c.pp * c.replicate * c.shard * c.tp << " ranks";
   } else {
-    os << "mesh       replicate " << c.replicate << " x shard " << c.shard << " x tp " << c.tp << " = "
-       << c.replicate * c.shard * c.tp << " ranks";
+    os << "mesh       replicate " << c.replicate << " x shard " << c.shard
+       << (c.cp > 1 ? " x cp " + std::to_string(c.cp) : std::string()) << " x tp " << c.tp << " = "
+       << c.replicate * c.shard * c.cp * c.tp << " ranks";
   }
   if (c.tp > 1) os << " (TP: sequence parallel, " << (c.loss_parallel ? "loss parallel" : "logits gathered") << ")";
   os << "\n";
@@ -137,6 +141,15 @@ std::string format_plan(const Plan& p) {
   } else {
     os << "; blocks reshard_after_forward=" << (c.block_reshard == 0 ? "false" : c.block_reshard == 1 ? "true" : std::to_string(c.block_reshard)) << "\n";
   }
+  // The sequence each rank holds and its attention memory (fsdp-train's start-up log line says the same).
+  os << "attention  " << m.seq_per_rank << " tokens per rank of seq " << c.seq_len;
+  if (c.cp > 1) os << " (cp " << c.cp << ", " << c.cp_load_balancer << ", " << c.cp_rotate_method << ")";
+  os << "; per block: saved " << gib(m.attention_saved_per_layer);
+  if (c.cp > 1) {
+    os << ", K/V of other ranks in flight " << gib(m.attention_forward_in_flight) << " (forward), "
+       << gib(m.attention_backward_in_flight) << " with the gradient accumulators (backward)";
+  }
+  os << "\n";
   if (pl.enabled) {
     os << "memory of pp rank " << pl.planned_rank << " (the largest peak)\n";
     os << "  params (sharded)        " << gib(m.params) << "\n";

@@ -7,6 +7,7 @@
 // Adding a family: a folder models/<family>/ with a function returning its TrainSpec, and one line in
 // model_registry.cpp (docs/trainer.md, "Model families").
 
+#include "attention_memory.h"
 #include "config.h"
 #include "parallel_dims.h"
 #include "parallelize.h"
@@ -59,6 +60,9 @@ struct TrainModel {
   std::string summary;      // one line for the log: "dim 256, 6 layers, ...", ending with the vocabulary
   int64_t num_params = 0;   // all parameters of the whole model (analytic, from the flavor)
   double flops_per_token = 0;  // TorchTitan's training FLOPs per token at shape.max_seq_len
+  // One block's attention as the kernel sees it (all heads; TP divides them), for the start-up log's attention
+  // memory per rank (attention_memory.h); heads 0: not reported.
+  AttentionShape attention;
 };
 
 // A family's Hugging Face adapter: the model's weights from / to a Hugging Face checkpoint directory

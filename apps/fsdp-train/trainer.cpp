@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -203,6 +204,7 @@ class Trainer {
   void build_model();
   void build_optimizer();
   void print_header() const;
+  std::string attention_memory_text() const;  // the header's attention memory per rank ("" when unknown)
   // `ready`: [fault_tolerance] this rank's state is good for the step (its healing, if any, succeeded).
   StepResult train_step(int64_t step, bool ready = true);
   std::vector<Batch> step_batches(int64_t step);
@@ -470,6 +472,30 @@ void Trainer::build_optimizer() {
   schedule_ = LRSchedule::build(config_.training.steps, s.warmup_steps, decay_ratio, s.decay_type, s.min_lr_factor);
 }
 
+// One block's attention memory on this rank (attention_memory.h, the formula fsdp-plan reports): at the tokens of
+// a (micro)batch it holds, in the compute dtype; with cp, what a ring-attention call holds beyond it.
+std::string Trainer::attention_memory_text() const {
+  const AttentionShape& shape = model_.attention;
+  if (shape.heads == 0) return "";
+  const AttentionShape per_rank{shape.heads / std::max<int64_t>(dims_.tp, 1), shape.qk_head_dim, shape.v_head_dim};
+  const int64_t tokens = dims_.local_batch_size / std::max<int64_t>(dims_.pp_microbatches, 1) *
+                         config_.training.seq_len / dims_.cp;
+  const int64_t e = config_.training.mixed_precision_param == MixedPrecision::BFloat16 ? 2 : 4;
+  const CpRotateMethod method = config_.parallelism.context_parallel_rotate_method;
+  const AttentionMemory m = attention_memory(per_rank, tokens, e, dims_.cp, method == CpRotateMethod::AllGather);
+  auto mib = [](int64_t bytes) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.2f MiB", static_cast<double>(bytes) / (1 << 20));
+    return std::string(text);
+  };
+  std::string out = "; attention per block " + mib(m.saved) + " saved";
+  if (dims_.cp > 1) {
+    out += " + " + mib(m.forward_in_flight) + " / " + mib(m.backward_in_flight) + " in flight (forward / backward, " +
+           to_string(method) + ")";
+  }
+  return out;
+}
+
 void Trainer::print_header() const {
   if (!say_) return;
   const auto& config = config_;
@@ -495,7 +521,7 @@ void Trainer::print_header() const {
                                   std::to_string(dims.cp) + ", " +
                                   to_string(config.parallelism.context_parallel_load_balancer) + ")"
                             : std::string())
-            << "\n"
+            << attention_memory_text() << "\n"
             << "  device    " << device_.str()
             << (env_.group ? " (" + env_.group->backend() + ")" : std::string())
             << (device_memory_ ? "; memory from its caching allocator" : "; memory = peak RSS") << "\n"

@@ -230,8 +230,7 @@ TransformerBlockImpl::TransformerBlockImpl(int64_t id, const DeepSeekV3Args& a) 
   auto opts = at::TensorOptions().device(a.device).dtype(a.dtype);
   attention = register_module("attention", MLA(a));
   if (a.is_moe_layer(id)) {
-    moe = register_module("moe", fsdp::nn::moe::MoE(a.moe_options()));
-    llama::detail::place(*moe, a.device, a.dtype);
+    moe = register_module("moe", fsdp::nn::moe::MoE(a.moe_options(), opts));
   } else {
     feed_forward = register_module("feed_forward", llama::FeedForward(a.dim, a.inter_dim, opts));
   }

@@ -400,32 +400,11 @@ void FeedForwardImpl::init_weights(double init_std, at::Generator& gen) {
   detail::trunc_normal_(w3->weight(), init_std, -2.0, 2.0, gen);
 }
 
-// MoE blocks create their parameters as CPU float32; moves them to the model's device and dtype (buffers keep
-// their float32: the load-balancing bias accumulates small steps). Nothing of a fresh block is in an autograd
-// graph yet, so for the meta device (which set_data refuses from CPU) the tensors' metadata and storage are
-// swapped in place, as set_data does after its type check; at::empty's CPU pages were never touched, so a
-// meta build of a large MoE costs no memory.
-void detail::place(torch::nn::Module& m, c10::Device device, c10::ScalarType dtype) {
-  auto move = [&](at::Tensor t, std::optional<c10::ScalarType> to_dtype) {
-    const c10::ScalarType d = to_dtype.value_or(t.scalar_type());
-    if (t.device() == device && t.scalar_type() == d) return;
-    at::Tensor moved = device.is_meta() ? at::empty(t.sizes(), t.options().device(device).dtype(d)) : t.to(device, d);
-    if (device.is_meta()) {
-      t.unsafeGetTensorImpl()->shallow_copy_from(moved.getIntrusivePtr());
-    } else {
-      t.set_data(moved);
-    }
-  };
-  for (auto& p : m.parameters(/*recurse=*/true)) move(p, dtype);
-  for (auto& b : m.buffers(/*recurse=*/true)) move(b, std::nullopt);
-}
-
 TransformerBlockImpl::TransformerBlockImpl(int64_t id, const LlamaArgs& a) : layer_id(id) {
   auto opts = at::TensorOptions().device(a.device).dtype(a.dtype);
   attention = register_module("attention", Attention(a));
   if (a.is_moe_layer(id)) {
-    moe = register_module("moe", fsdp::nn::moe::MoE(a.moe_options()));
-    detail::place(*moe, a.device, a.dtype);
+    moe = register_module("moe", fsdp::nn::moe::MoE(a.moe_options(), opts));
   } else {
     feed_forward = register_module("feed_forward", FeedForward(a.dim, a.ffn_hidden_dim(), opts));
   }

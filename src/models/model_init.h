@@ -14,8 +14,5 @@ namespace fsdp::nn::llama::detail {
 void trunc_normal_(at::Tensor& param, double std, double a, double b, at::Generator& gen);
 // N(0, std) drawn on the CPU from `gen`, copied into `param`.
 void normal_(at::Tensor& param, double std, at::Generator& gen);
-// Moves a freshly built module's parameters to `device`/`dtype` and its buffers to `device` (keeping their
-// dtype); on the meta device without allocating (the MoE block creates its tensors on the CPU).
-void place(torch::nn::Module& m, c10::Device device, c10::ScalarType dtype);
 
 }  // namespace fsdp::nn::llama::detail

@@ -71,23 +71,32 @@ void trunc_normal(at::Tensor& t, double std, at::Generator& gen) {
 // sequence-sharded input.
 class SharedExpertsImpl : public torch::nn::Module {
  public:
-  SharedExpertsImpl(int64_t dim, int64_t hidden) : torch::nn::Module("SharedExperts") {
-    w1 = register_module("w1", torch::nn::Linear(torch::nn::LinearOptions(dim, hidden).bias(false)));
-    w2 = register_module("w2", torch::nn::Linear(torch::nn::LinearOptions(hidden, dim).bias(false)));
-    w3 = register_module("w3", torch::nn::Linear(torch::nn::LinearOptions(dim, hidden).bias(false)));
+  SharedExpertsImpl(int64_t dim, int64_t hidden, const at::TensorOptions& options)
+      : torch::nn::Module("SharedExperts") {
+    w1 = register_module("w1", Projection(dim, hidden, options));
+    w2 = register_module("w2", Projection(hidden, dim, options));
+    w3 = register_module("w3", Projection(dim, hidden, options));
   }
   at::Tensor forward(const at::Tensor& x) {
     // Through call(): the plan's hooks sit on the projections.
     return fsdp::nn::call(w2, at::silu(fsdp::nn::call(w1, x)) * fsdp::nn::call(w3, x));
   }
-  torch::nn::Linear w1{nullptr}, w2{nullptr}, w3{nullptr};
+  Projection w1{nullptr}, w2{nullptr}, w3{nullptr};
 };
 
 }  // namespace
 
-TokenChoiceRouterImpl::TokenChoiceRouterImpl(const MoEOptions& options) : options_(options) {
+ProjectionImpl::ProjectionImpl(int64_t in_features, int64_t out_features, const at::TensorOptions& options)
+    : torch::nn::Module("Projection") {
+  weight = register_parameter("weight", at::empty({out_features, in_features}, options));
+}
+
+at::Tensor ProjectionImpl::forward(const at::Tensor& x) { return at::linear(x, weight); }
+
+TokenChoiceRouterImpl::TokenChoiceRouterImpl(const MoEOptions& options, const at::TensorOptions& tensor_options)
+    : options_(options) {
   check_options(options_);
-  gate = register_module("gate", torch::nn::Linear(torch::nn::LinearOptions(options_.dim, options_.num_experts).bias(false)));
+  gate = register_module("gate", Projection(options_.dim, options_.num_experts, tensor_options));
 }
 
 Routing TokenChoiceRouterImpl::forward(const at::Tensor& x, const at::Tensor& expert_bias) {
@@ -113,12 +122,13 @@ Routing TokenChoiceRouterImpl::forward(const at::Tensor& x, const at::Tensor& ex
   return r;
 }
 
-GroupedExpertsImpl::GroupedExpertsImpl(const MoEOptions& options) : use_grouped_mm_(options.use_grouped_mm) {
+GroupedExpertsImpl::GroupedExpertsImpl(const MoEOptions& options, const at::TensorOptions& tensor_options)
+    : use_grouped_mm_(options.use_grouped_mm) {
   check_options(options);
   const int64_t E = options.num_experts, F = options.hidden, D = options.dim;
-  w1 = register_parameter("w1", at::empty({E, F, D}));
-  w2 = register_parameter("w2", at::empty({E, D, F}));
-  w3 = register_parameter("w3", at::empty({E, F, D}));
+  w1 = register_parameter("w1", at::empty({E, F, D}, tensor_options));
+  w2 = register_parameter("w2", at::empty({E, D, F}, tensor_options));
+  w3 = register_parameter("w3", at::empty({E, F, D}, tensor_options));
 }
 
 at::Tensor GroupedExpertsImpl::forward(const at::Tensor& x, const at::Tensor& counts) {
@@ -149,15 +159,18 @@ at::Tensor GroupedExpertsImpl::forward(const at::Tensor& x, const at::Tensor& co
   return outs.empty() ? at::zeros_like(x) : at::cat(outs, 0);
 }
 
-MoEImpl::MoEImpl(const MoEOptions& options) : options_(options) {
+MoEImpl::MoEImpl(const MoEOptions& options, const at::TensorOptions& tensor_options) : options_(options) {
   check_options(options_);
-  router = register_module("router", TokenChoiceRouter(options_));
-  experts = register_module("experts", GroupedExperts(options_));
+  router = register_module("router", TokenChoiceRouter(options_, tensor_options));
+  experts = register_module("experts", GroupedExperts(options_, tensor_options));
   if (options_.num_shared_experts > 0) {
-    shared_experts = register_module(
-        "shared_experts", std::make_shared<SharedExpertsImpl>(options_.dim, options_.hidden * options_.num_shared_experts));
+    shared_experts = register_module("shared_experts",
+                                     std::make_shared<SharedExpertsImpl>(
+                                         options_.dim, options_.hidden * options_.num_shared_experts, tensor_options));
   }
-  if (options_.load_balance_coeff) expert_bias = register_buffer("expert_bias", at::zeros({options_.num_experts}));
+  if (options_.load_balance_coeff) {
+    expert_bias = register_buffer("expert_bias", at::zeros({options_.num_experts}, tensor_options.dtype(at::kFloat)));
+  }
   tokens_per_expert_ = at::zeros({options_.num_experts});
 }
 

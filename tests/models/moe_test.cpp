@@ -73,8 +73,9 @@ torch::Tensor reference(MoE& m, const torch::Tensor& x) {
     }
     if (m->shared_experts) {
       auto c = m->shared_experts->named_children();
-      out = out + swiglu(xt.unsqueeze(0), c["w1"]->as<torch::nn::Linear>()->weight,
-                         c["w2"]->as<torch::nn::Linear>()->weight, c["w3"]->as<torch::nn::Linear>()->weight)
+      out = out + swiglu(xt.unsqueeze(0), c["w1"]->as<fsdp::nn::moe::Projection>()->weight,
+                         c["w2"]->as<fsdp::nn::moe::Projection>()->weight,
+                         c["w3"]->as<fsdp::nn::moe::Projection>()->weight)
                       .squeeze(0);
     }
     rows.push_back(out);

@@ -6,9 +6,14 @@
 //           the plan's GroupPlan::shard_numel (rank 0's pieces are the largest: the padded sizes the plan counts),
 //           other ranks hold at most that; the units match one to one, the routed experts apart
 //   bytes   (data-parallel layouts) one forward + backward of the real model: the bytes and calls its FSDP groups
-//           count (fsdp/comm_stats.h) equal the plan's all-gather / reduce-scatter / all-reduce figures
-// Layouts: 2 ranks: dp2, ddp (replicate 2), tp2, pp2, ep2 and MoE without EP (qwen3 cpu_tiny_moe);
-//          4 ranks: HSDP 2 x 2, dp2 x tp2, pp2 x dp2, ep2 with the experts' FSDP over 2, MoE over 4 (Shard(0)).
+//           count (fsdp/comm_stats.h) equal the plan's all-gather / reduce-scatter / all-reduce figures; (TP
+//           layouts) the bytes and calls its TP group counts equal the plan's tp_* figures (dense, Qwen3's
+//           QK-norm, MoE blocks, tp2 x ep2), less the loss's all-reduces (the step's loss is a plain sum)
+// Layouts: 2 ranks: dp2, ddp (replicate 2), tp2 (llama3, qwen3, qwen3 MoE), pp2, ep2 and MoE without EP (qwen3
+//          cpu_tiny_moe);
+//          4 ranks: HSDP 2 x 2, dp2 x tp2, pp2 x dp2, ep2 with the experts' FSDP over 2, MoE over 4 (Shard(0)),
+//          MoE tp2 x ep2 (EP borrowing from dp_shard x tp) and pp2 x ep2 (EP inside each stage).
+#include "attention_memory.h"
 #include "config.h"
 #include "model_spec.h"
 #include "parallel_dims.h"
@@ -55,6 +60,9 @@ struct Held {
   std::map<std::string, int64_t> units, experts;  // elements this rank holds per unit (experts: the routed ones)
   fsdp::CommStats fsdp_bytes;                     // the data-parallel groups' counters over one step
   bool stepped = false;
+  fsdp::CommStats tp_bytes;                       // the TP group's counters over one step (tp > 1)
+  fsdp_train::AttentionShape attention;           // the model's, as fsdp-train's start-up log reads it
+  bool tp_stepped = false;
 };
 
 fsdp::CommStats operator+(fsdp::CommStats a, const fsdp::CommStats& b) {
@@ -90,6 +98,7 @@ Held shard_for_real(const Layout& l) {
   const fsdp_train::ParallelPlan plan = spec.parallelize(model, config, dims, world);
   EXPECT_TRUE(plan.fsdp) << plan.description;
   Held held;
+  held.attention = model.attention;
   for (const auto& item : model.module->named_parameters()) {
     held.units[unit_of(item.key())] += item.value().numel();
     if (item.key().find(".moe.experts.") != std::string::npos) held.experts[unit_of(item.key())] += item.value().numel();
@@ -103,7 +112,20 @@ Held shard_for_real(const Layout& l) {
     held.units = mine;
     return held;
   }
-  if (l.tp > 1 || l.replicate * l.shard() == 1) return held;
+  if (l.tp > 1) {
+    // One step of the real model counted on the TP group: the sequence-parallel activation collectives of every
+    // block, the embedding and the output layer, and the replicated weights' gradient all-reduces. The loss here
+    // is a plain sum of the vocabulary-sharded logits, so loss parallel's 3 all-reduces do not run.
+    fsdp::ProcessGroup& tp = *plan.tp_mesh.group(0);
+    fsdp::reset_comm_stats(tp);
+    at::Generator gen = at::detail::createCPUGenerator(7 + world->rank() / l.tp);  // a TP group shares its batch
+    const at::Tensor tokens = at::randint(kVocab, {2, kSeq}, gen, at::TensorOptions().dtype(at::kLong));
+    model.forward(tokens).sum().backward();
+    held.tp_bytes = fsdp::comm_stats(tp);
+    held.tp_stepped = true;
+    return held;
+  }
+  if (l.replicate * l.shard() == 1) return held;
   // One step of the real model: forward (the root's and every block's all-gather), backward (re-gathers, the
   // reduce-scatters and HSDP's / DDP's all-reduces), counted on the data-parallel groups FSDP uses.
   std::vector<fsdp::ProcessGroupPtr> groups;
@@ -176,6 +198,27 @@ void check(const Layout& l) {
   if (l.shard() * l.tp * l.pp * l.ep > 1) EXPECT_LT(total, p.num_params);
   else EXPECT_EQ(total, p.num_params);
   EXPECT_GT(total, 0);
+  // fsdp-train's start-up log line (its model's attention shape, attention_memory.h) gives the plan's attention
+  // bytes per block (float32, 2 x kSeq tokens, under PP one of the 2 microbatches; this rank's heads under TP).
+  const fsdp_train::AttentionShape& s = held.attention;
+  ASSERT_GT(s.heads, 0);
+  const int64_t tokens = 2 * kSeq / (l.pp > 1 ? 2 : 1);
+  EXPECT_EQ(fsdp_train::attention_memory({s.heads / l.tp, s.qk_head_dim, s.v_head_dim}, tokens, 4, 1, true).saved,
+            p.memory.attention_saved_per_layer);
+  if (held.tp_stepped) {
+    // The TP dim's figures of the plan, less the loss's 3 all-reduces of [T] floats (T = 2 x kSeq tokens).
+    const auto& cm = p.comm;
+    const int64_t T = 2 * kSeq;
+    const auto ar = [&](int64_t bytes) { return 2 * (l.tp - 1) * bytes / l.tp; };
+    const int64_t loss_bytes = ar((T + 1) * 4) + 2 * ar(T * 4);
+    EXPECT_GT(held.tp_bytes.bytes_sent, 0);
+    EXPECT_EQ(held.tp_bytes.all_gather_calls, cm.tp_all_gather_calls);
+    EXPECT_EQ(held.tp_bytes.reduce_scatter_calls, cm.tp_reduce_scatter_calls);
+    EXPECT_EQ(held.tp_bytes.all_reduce_calls, cm.tp_all_reduce_calls - 3);
+    EXPECT_EQ(held.tp_bytes.bytes_sent, cm.tp_total_bytes - loss_bytes)
+        << "tp all-gather " << cm.tp_all_gather_bytes << " + reduce-scatter " << cm.tp_reduce_scatter_bytes
+        << " + all-reduce " << cm.tp_all_reduce_bytes << " (loss " << loss_bytes << ")";
+  }
   if (!held.stepped) return;
   // The bytes: every rank sends the same (padded shards, equal slots), so every rank checks.
   const auto& cm = p.comm;
@@ -203,6 +246,18 @@ TEST(PlanShardsVsTrainer, Hsdp) {
   check({"llama3", "cpu_tiny", /*replicate=*/2});
 }
 TEST(PlanShardsVsTrainer, TensorParallel) { check({"llama3", "cpu_tiny", 1, /*tp=*/2}); }
+// TP bytes of Qwen3: the q_norm / k_norm gradient all-reduces; of Qwen3-MoE: an MoE block's collectives (attention
+// only) and its router gate's all-reduce.
+TEST(PlanShardsVsTrainer, TensorParallelQwen3) { check({"qwen3", "cpu_tiny", 1, /*tp=*/2}); }
+TEST(PlanShardsVsTrainer, MoETensorParallel) { check({"qwen3", "cpu_tiny_moe", 1, /*tp=*/2}); }
 TEST(PlanShardsVsTrainer, Pipeline) { check({"llama3", "cpu_tiny", 1, 1, 1, /*pp=*/2}); }
 TEST(PlanShardsVsTrainer, ExpertParallel) { check({"qwen3", "cpu_tiny_moe", 1, 1, /*ep=*/2}); }
 TEST(PlanShardsVsTrainer, MoEWithoutExpertParallel) { check({"qwen3", "cpu_tiny_moe"}); }
+TEST(PlanShardsVsTrainer, MoETensorParallelWithExpertParallel) {
+  if (!four()) GTEST_SKIP() << "4 ranks";
+  check({"qwen3", "cpu_tiny_moe", 1, /*tp=*/2, /*ep=*/2});
+}
+TEST(PlanShardsVsTrainer, MoEPipelineWithExpertParallel) {
+  if (!four()) GTEST_SKIP() << "4 ranks";
+  check({"qwen3", "cpu_tiny_moe", 1, 1, /*ep=*/2, /*pp=*/2});
+}

@@ -614,20 +614,8 @@ TEST(PlanMoE, DenseQwen3CountsQkNorm) {
 }
 
 TEST(PlanMoE, BadOptionsSayWhy) {
-  EXPECT_TRUE(Contains(error_of(moe_config(6, 4)), "--ep 4 must divide --shard 6"));
+  EXPECT_TRUE(Contains(error_of(moe_config(6, 4)), "--ep 4 must divide --shard x --tp = 6"));
   EXPECT_TRUE(Contains(error_of(moe_config(6, 3)), "--ep 3 must divide the 8 experts of qwen3 cpu_tiny_moe"));
-  {
-    PlanConfig c = moe_config(2, 1);
-    c.tp = 2;
-    EXPECT_TRUE(Contains(error_of(c), "MoE with tensor parallelism is not planned"));
-  }
-  {
-    PlanConfig c = moe_config(2, 2);
-    c.pp = 2;
-    c.local_batch = 2;
-    c.microbatches = 2;
-    EXPECT_TRUE(Contains(error_of(c), "MoE with pipeline parallelism is not planned"));
-  }
   {
     PlanConfig c = config("cpu_tiny", 4);
     c.ep = 2;
@@ -638,13 +626,68 @@ TEST(PlanMoE, BadOptionsSayWhy) {
   {
     PlanConfig c = moe_config(4, 2);
     c.ac = ACMode::Selective;
-    c.selective = SelectiveKind::Op;
-    EXPECT_TRUE(Contains(error_of(c), "op-level selective AC with an MoE model is not planned yet"));
     c.selective = SelectiveKind::Layer;
     EXPECT_TRUE(Contains(error_of(c), "<no error>"));
     c.ac = ACMode::None;
     c.block_reshard = 2;
     EXPECT_TRUE(Contains(error_of(c), "(hpZ) with MoE layers is not modelled"));
+  }
+}
+
+// MoE under TP (EP borrowing from dp_shard x tp), under PP and with op-level SAC: planned, with the activations and
+// the TP / EP collectives of docs/planner.md counted by hand on cpu_tiny_moe (dim 64, 2 MoE blocks, 4 / 2 heads of
+// 32, 8 experts of hidden 32, top-2, route_norm, no shared experts), fp32, T = 2 x 64 tokens.
+TEST(PlanMoE, TensorPipelineAndOpSacByHand) {
+  expect_cpu_tiny_moe(llama::qwen3_flavor("cpu_tiny_moe"));
+  const int64_t T = 128, e = 4, D = 64, k = 2, E = 8, F = 32;
+  // The routed part per routed token (router scores, ids, route_norm, slot indices, weights, rows, SwiGLU, float32
+  // outputs, weighted outputs) and the ep > 1 permutations.
+  const int64_t routed = 4 * E + 8 * k + (4 * k + 4) + 16 * k + 4 * k + k * D * e + 4 * k * F * e + 4 * k * D +
+                         k * D * e + 16 * k;
+  {
+    PlanConfig c = moe_config(2, 2);
+    c.tp = 2;
+    Plan p = make_plan(c);
+    // Per token of T at tp 2: heads 2 (Hq 64, Hkv 32, SDPA sees k, v repeated to 64), the attention norm (local
+    // float32 input and normalized, the gathered output saved by wq / wk / wv), the ffn_norm (local: its output is
+    // the router's input), QK-norm; the routed part on the local T / 2 tokens.
+    const int64_t attn_norm = (4 * D + e * D) / 2 + e * D, ffn_norm = (4 * D + 2 * e * D) / 2;
+    const int64_t attn = e * (64 + 2 * 64 + 64) + 4 * 2, qk = (4 + e) * (64 + 32) + 4 * (2 + 1);
+    EXPECT_EQ(p.memory.act_per_moe_layer, T * (attn_norm + ffn_norm + attn + qk) + T / 2 * routed);
+    // TP: per MoE block only the attention all-gathers its input and reduce-scatters its output (no shared
+    // experts), twice (forward, backward mirror); the embedding and output layer one each way. All-reduces: 2 norms,
+    // q_norm, k_norm and the router gate per block, the final norm, the loss's 3.
+    EXPECT_EQ(p.comm.tp_all_gather_calls, 2 * 2 + 2);
+    EXPECT_EQ(p.comm.tp_all_gather_bytes, (2 * 2 + 2) * (T / 2) * D * e);
+    EXPECT_EQ(p.comm.tp_all_reduce_calls, 2 * 5 + 1 + 3);
+    EXPECT_EQ(p.comm.tp_all_reduce_bytes,
+              2 * (2 * D * e + 2 * 32 * e + E * D * e) + D * e + (T + 1) * 4 + 2 * T * 4);  // 2 (tp-1)/tp = 1
+    // EP 2 over dp_shard x tp = 4 ranks (efsdp 2): each rank routes its T / 2 tokens, half the rows leave.
+    EXPECT_EQ(p.groups[0].expert_shard, 2);
+    EXPECT_EQ(p.comm.ep_dispatch_bytes, 2 * 2 * (T / 2) * k * D * e / 2);
+    EXPECT_EQ(p.comm.ep_all_to_all_calls, 2 * 5);
+  }
+  {
+    PlanConfig c = moe_config(2, 2);
+    c.pp = 2;
+    c.local_batch = 2;
+    c.microbatches = 2;
+    Plan p = make_plan(c);
+    ASSERT_TRUE(p.pipeline.enabled);
+    // 1F1B over 2 ranks, 1 block per stage: each rank's one MoE block per microbatch of 64 tokens.
+    EXPECT_EQ(p.comm.ep_all_to_all_calls, 2 * 5);
+    EXPECT_EQ(p.comm.ep_dispatch_bytes, 2 * 2 * 64 * k * D * e / 2);
+  }
+  {
+    PlanConfig c = moe_config(4, 2);
+    c.ac = ACMode::Selective;
+    c.selective = SelectiveKind::Op;
+    Plan p = make_plan(c);
+    // Kept: the block input, wq and wv outputs, the router gate's logits (the grouped GEMM is recomputed).
+    EXPECT_EQ(p.memory.saved_activations,
+              2 * T * e * (D + 128 + 64 + E) + T * (4 + 2 * e) * D);
+    // Recomputed: the ep exchanges run again in each block's recomputation.
+    EXPECT_EQ(p.comm.ep_all_to_all_calls, 2 * 8);
   }
 }
 
@@ -665,4 +708,51 @@ TEST(PlanMoE, BigFlavorsPlanWithoutAllocating) {
   EXPECT_EQ(p.groups[0].expert_shard_numel, int64_t{16} * 3 * 768 * 2048);
   EXPECT_TRUE(Contains(format_plan(p), "ep all-to-all"));
   EXPECT_TRUE(Contains(format_plan(p), "32 experts per rank"));
+}
+
+// Context parallelism: the sequence per rank and the attention memory of one block against a hand count of what
+// src/context_parallel holds (llama3 cpu_tiny: 4 heads of 16, 2 KV heads repeated to 4 for the kernel; fp32;
+// 2 sequences of 256 tokens): saved q, k, v, output (Hq = 64 wide each) and the float32 log-sum-exp per head at
+// the rank's 2 x 256 / cp tokens; in flight, the other ranks' K and V (all-gather: cp x this rank's; ring: at most
+// two ranks'), and in backward also dQ and the float32 dK / dV accumulators (all-gather: every rank's and the
+// reduce-scatter output; ring: the one computed on and the one in flight).
+TEST(PlanContextParallel, SequencePerRankAndAttentionMemoryByHand) {
+  const int64_t e = 4, Hq = 64, heads = 4;
+  int64_t saved_cp1 = 0;
+  for (int64_t cp : {1, 2, 4}) {
+    for (const std::string method : {"allgather", "alltoall"}) {
+      SCOPED_TRACE("cp " + std::to_string(cp) + " " + method);
+      PlanConfig c = config("cpu_tiny", 2);
+      c.seq_len = 256;
+      c.cp = cp;
+      c.cp_rotate_method = method;
+      const Plan p = make_plan(c);
+      const int64_t T = 2 * 256 / cp, kv = T * 2 * Hq;
+      EXPECT_EQ(p.memory.seq_per_rank, 256 / cp);
+      EXPECT_EQ(p.memory.attention_saved_per_layer, T * (e * 4 * Hq + 4 * heads));
+      if (cp == 1) {
+        saved_cp1 = p.memory.attention_saved_per_layer;
+        EXPECT_EQ(p.memory.attention_forward_in_flight, 0);
+        EXPECT_EQ(p.memory.attention_backward_in_flight, 0);
+        continue;
+      }
+      EXPECT_EQ(p.memory.attention_saved_per_layer * cp, saved_cp1);  // falls as 1/cp
+      const int64_t others = method == "allgather" ? cp : std::min<int64_t>(2, cp - 1);
+      EXPECT_EQ(p.memory.attention_forward_in_flight, others * kv * e);
+      EXPECT_EQ(p.memory.attention_backward_in_flight,
+                others * kv * e + T * Hq * 4 + (method == "allgather" ? (cp + 1) * kv * 4 : 2 * kv * 4));
+      // FSDP shards over shard x cp: the shards of shard 2 x cp are those of shard 2 cp ranks without cp.
+      EXPECT_EQ(p.groups[0].shard_numel, make_plan(config("cpu_tiny", 2 * cp)).groups[0].shard_numel);
+      EXPECT_TRUE(Contains(format_plan(p), std::to_string(256 / cp) + " tokens per rank of seq 256 (cp " +
+                                               std::to_string(cp)));
+    }
+  }
+  // A sequence that does not split into the head-tail chunks: the trainer's rule, through the seam.
+  PlanConfig c = config("cpu_tiny", 2);
+  c.seq_len = 100;
+  c.cp = 4;
+  EXPECT_TRUE(Contains(error_of(c), "context_parallel_degree")) << error_of(c);
+  c.seq_len = 256;
+  c.cp_rotate_method = "ring";
+  EXPECT_TRUE(Contains(error_of(c), "--cp-rotate-method must be allgather or alltoall"));
 }

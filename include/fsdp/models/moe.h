@@ -13,10 +13,12 @@
 // FQNs (TorchTitan's TOML-era names): router.gate.weight [E, D]; experts.w1 [E, F, D], experts.w2 [E, D, F],
 // experts.w3 [E, F, D]; shared_experts.w1/w2/w3.weight; buffer expert_bias [E] (when load balancing is on).
 
+#include <fsdp/nn/weight_layout.h>
 #include <fsdp/process_group.h>
 
+#include <ATen/core/TensorBody.h>
+#include <c10/core/TensorOptions.h>
 #include <torch/nn/module.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
@@ -50,6 +52,19 @@ struct MoEOptions {
   bool use_grouped_mm = true;      // false: a loop over the experts (the reference the benchmark compares with)
 };
 
+// A linear projection without bias, weight [out, in] (y = x W^T), created directly with the given tensor options
+// (device, dtype): the router gate and the shared experts' w1 / w2 / w3. torch::nn::Linear would build and
+// initialise its weight on the CPU first, which for a meta build of a large MoE model costs gigabytes; every
+// weight here is filled by MoE::init_weights. A Linear to the tensor-parallel styles (HasWeightLayout).
+class ProjectionImpl : public torch::nn::Module, public fsdp::nn::HasWeightLayout {
+ public:
+  ProjectionImpl(int64_t in_features, int64_t out_features, const at::TensorOptions& options);
+  at::Tensor forward(const at::Tensor& x);
+  fsdp::nn::WeightLayout weight_layout() const override { return fsdp::nn::WeightLayout::Linear; }
+  at::Tensor weight;
+};
+TORCH_MODULE(Projection);
+
 // The router's decision for T tokens.
 struct Routing {
   at::Tensor expert_ids;  // [T, k] int64
@@ -59,10 +74,11 @@ struct Routing {
 
 class TokenChoiceRouterImpl : public torch::nn::Module {
  public:
-  explicit TokenChoiceRouterImpl(const MoEOptions& options);
+  // Parameters created with `tensor_options` (device, dtype), as for every module of the block.
+  explicit TokenChoiceRouterImpl(const MoEOptions& options, const at::TensorOptions& tensor_options = {});
   // x [T, D]; `expert_bias` [E] (or undefined) shifts the choice only.
   Routing forward(const at::Tensor& x, const at::Tensor& expert_bias);
-  torch::nn::Linear gate{nullptr};
+  Projection gate{nullptr};
 
  private:
   MoEOptions options_;
@@ -71,7 +87,7 @@ TORCH_MODULE(TokenChoiceRouter);
 
 class GroupedExpertsImpl : public torch::nn::Module {
  public:
-  explicit GroupedExpertsImpl(const MoEOptions& options);
+  explicit GroupedExpertsImpl(const MoEOptions& options, const at::TensorOptions& tensor_options = {});
   // x [R, D], rows grouped by expert in ascending order, `counts` [E] rows per expert (int64) -> [R, D]:
   // w2 (silu(w1 x) * w3 x) of each row's expert.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& counts);
@@ -84,7 +100,10 @@ TORCH_MODULE(GroupedExperts);
 
 class MoEImpl : public torch::nn::Module {
  public:
-  explicit MoEImpl(const MoEOptions& options);
+  // Every parameter is created with `tensor_options` (the model's device and dtype: meta for a planning or
+  // meta-init build, which then allocates nothing) and left uninitialised until init_weights; the buffers
+  // (expert_bias) on that device in float32 (the bias accumulates small steps).
+  explicit MoEImpl(const MoEOptions& options, const at::TensorOptions& tensor_options = {});
   // x [..., D] -> [..., D]. In a training forward the tokens each expert received are added to
   // tokens_per_expert() once: in a forward with gradients, or in activation checkpointing's first pass (with or
   // without gradients), never in its recomputation (fsdp::current_checkpoint_pass), so full, layer-selective and
@@ -121,7 +140,7 @@ class MoEImpl : public torch::nn::Module {
 
   TokenChoiceRouter router{nullptr};
   GroupedExperts experts{nullptr};
-  std::shared_ptr<torch::nn::Module> shared_experts;  // w1, w2, w3 Linear without bias; null when none
+  std::shared_ptr<torch::nn::Module> shared_experts;  // w1, w2, w3 Projections (no bias); null when none
   at::Tensor expert_bias;                             // buffer [E] fp32 (undefined without load balancing)
 
  private:

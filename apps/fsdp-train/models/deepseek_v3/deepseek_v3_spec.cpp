@@ -83,6 +83,7 @@ TrainModel build_model(const JobConfig& config, const ModelShape& shape) {
   out.summary = summary_of(args);
   out.num_params = ds::num_params(args);
   out.flops_per_token = ds::flops_per_token(args, shape.max_seq_len);
+  out.attention = {args.n_heads, args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim};
   return out;
 }
 

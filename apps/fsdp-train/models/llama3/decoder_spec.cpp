@@ -80,6 +80,7 @@ TrainModel build_model(const JobConfig& config, const ModelShape& shape) {
   out.summary = summary_of(args);
   out.num_params = fsdp::nn::llama::num_params(args);
   out.flops_per_token = fsdp::nn::llama::flops_per_token(args, shape.max_seq_len);
+  out.attention = {args.n_heads, args.head_dim(), args.head_dim()};  // K / V repeated to every head under GQA
   return out;
 }
 
