@@ -166,6 +166,9 @@ CpHooks cp_attention(std::vector<fsdp::nn::llama::TransformerBlock>& blocks, con
   hooks.document_mask = [group](const at::Tensor& document_ids) {
     return fsdp::context_parallel_gather_document_ids(document_ids, group);
   };
+  // The MoE blocks' sequence balance loss: each cp rank routes its chunks of every sequence, so the blocks sum
+  // their per-sequence counts over the cp ranks (the whole sequence's; cp with tp and the loss is refused above).
+  set_moe_sequence_parallel(blocks, cp_mesh);
   for (auto& block : blocks) {
     block->attention->kernel = [group, options](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 const fsdp::nn::llama::AttentionMask& document_ids) {
@@ -332,11 +335,12 @@ void check_layout(const std::string& family, const fsdp::nn::llama::LlamaArgs& a
   const int64_t num_experts = args.moe ? args.moe->num_experts : 0;
   const bool has_moe = num_experts > 0;
   const std::string model = family + " " + config.model.flavor;
-  if (has_moe && dims.cp > 1 && config.model.moe_sequence_aux_loss_coeff > 0) {
-    // As under TP: each CP rank routes its chunks of every sequence; the per-sequence balance loss would need the
-    // whole sequence's counts and scores.
+  if (has_moe && dims.cp > 1 && dims.tp > 1 && config.model.moe_sequence_aux_loss_coeff > 0) {
+    // Under CP or TP alone each MoE block sums its per-sequence counts over that group (the whole sequence's, as
+    // TorchTitan computes it); with both the sequence is spread over cp x tp ranks, which no one group spans yet.
     throw ConfigError("config error: model.moe_sequence_aux_loss_coeff with parallelism.context_parallel_degree > 1 "
-                      "(" + model + ") is not supported yet (each CP rank routes chunks of the sequence)");
+                      "and tensor_parallel_degree > 1 together (" + model + ") is not supported yet (the balance "
+                      "loss sums a sequence's expert counts over the cp group or the tp group, not both)");
   }
   if (dims.ep > 1 && !has_moe) {
     throw ConfigError("config error: parallelism.expert_parallel_degree = " + std::to_string(dims.ep) + " but " +
