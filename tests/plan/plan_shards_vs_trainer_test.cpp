@@ -261,3 +261,9 @@ TEST(PlanShardsVsTrainer, MoEPipelineWithExpertParallel) {
   if (!four()) GTEST_SKIP() << "4 ranks";
   check({"qwen3", "cpu_tiny_moe", 1, 1, /*ep=*/2, /*pp=*/2});
 }
+// MoE with pipeline and tensor parallelism together (pp 2 x tp 2, EP 2 borrowing the TP ranks): each stage's TP
+// shards and its experts' placement equal the trainer's.
+TEST(PlanShardsVsTrainer, MoEPipelineWithTensorAndExpertParallel) {
+  if (!four()) GTEST_SKIP() << "4 ranks";
+  check({"qwen3", "cpu_tiny_moe", 1, /*tp=*/2, /*ep=*/2, /*pp=*/2});
+}
