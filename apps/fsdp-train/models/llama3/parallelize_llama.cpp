@@ -15,7 +15,6 @@
 #include <ATen/ATen.h>
 
 #include <optional>
-#include <unordered_set>
 
 namespace fsdp_train::llama3 {
 namespace {
