@@ -8,7 +8,7 @@
 #                                            overlap and the reduce-scatter progress thread, async checkpoints,
 #                                            collectives, abandoned steps (tests/sanitizers/tsan.supp)
 #   scripts/sanitize.sh launcher-asan|launcher-tsan
-#                                            only fsdprun with the sanitizer (seconds to build), then the fault
+#                                            only fsdprun with the sanitizer (a minute to build), then the fault
 #                                            tests of tests/fault/ run through it
 #
 # Environment: FSDP_SANITIZE_TARGETS (ninja targets to build, then run with ctest -R; default: the subsets

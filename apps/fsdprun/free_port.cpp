@@ -8,11 +8,18 @@
 #include <memory>
 #include <stdexcept>
 
-#include "unique_fd.h"
-
 namespace fsdprun {
+namespace {
 
-int find_free_port(const std::string& addr) {
+int port_of(const sockaddr_storage& bound) {
+  if (bound.ss_family == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
+  if (bound.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port);
+  return 0;
+}
+
+}  // namespace
+
+ListeningSocket listen_on_free_port(const std::string& addr) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -25,7 +32,8 @@ int find_free_port(const std::string& addr) {
   std::string last_error = "no address";
   for (const addrinfo* ai = list.get(); ai != nullptr; ai = ai->ai_next) {
     UniqueFd sock(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
-    if (!sock.valid() || ::bind(sock.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
+    // The backlog of c10d's own listener: every rank of a large node connects at once.
+    if (!sock.valid() || ::bind(sock.get(), ai->ai_addr, ai->ai_addrlen) != 0 || ::listen(sock.get(), 2048) != 0) {
       last_error = std::strerror(errno);
       continue;
     }
@@ -35,10 +43,11 @@ int find_free_port(const std::string& addr) {
       last_error = std::strerror(errno);
       continue;
     }
-    if (bound.ss_family == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
-    if (bound.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port);
+    const int port = port_of(bound);
+    if (port != 0) return ListeningSocket{std::move(sock), port};
+    last_error = "not an IP address";
   }
-  throw std::runtime_error("cannot find a free port on '" + addr + "': " + last_error);
+  throw std::runtime_error("cannot listen on --master-addr '" + addr + "': " + last_error);
 }
 
 }  // namespace fsdprun

@@ -3,9 +3,10 @@
 #include <sys/prctl.h>
 
 #include <exception>
+#include <optional>
 #include <sstream>
 
-#include "free_port.h"
+#include "hosted_store.h"
 #include "log.h"
 #include "options.h"
 #include "signals.h"
@@ -27,9 +28,16 @@ int run_job(const LaunchOptions& opts) {
     deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(opts.timeout_s));
 
   for (int restart = 0;; ++restart) {
-    // Standalone mode: a fresh free port per attempt, so a port still in TIME_WAIT never blocks a restart.
-    const int port = opts.master_port != 0 ? opts.master_port : find_free_port(opts.master_addr);
-    const AttemptResult result = run_attempt(AttemptConfig{opts, restart, port, deadline}, signals);
+    // Standalone mode: fsdprun serves the rendezvous store itself (torchrun's agent store), a fresh one on a port
+    // the kernel picks for every attempt: no key of a failed attempt is seen by the next, and the port is held
+    // from the moment it is chosen (a port chosen here and bound later by rank 0 could be taken in between).
+    // With --master-port, rank 0 serves it there (multi-node: only node 0 has rank 0).
+    std::optional<HostedStore> store;
+    if (opts.master_port == 0) store.emplace(opts.master_addr);
+    const int port = store ? store->port() : opts.master_port;
+    const AttemptResult result =
+        run_attempt(AttemptConfig{opts, restart, port, store.has_value(), deadline}, signals);
+    store.reset();  // every rank is gone: close the port before a restart or the exit
     if (result.outcome != AttemptOutcome::kRankFailed || restart >= opts.max_restarts) return result.exit_code;
     if (deadline && Clock::now() >= *deadline) {
       std::ostringstream os;

@@ -11,10 +11,12 @@ namespace {
 
 constexpr const char* kFooter = R"(Environment set for every rank (as torchrun does):
   RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (= node rank), MASTER_ADDR, MASTER_PORT,
-  TORCHELASTIC_RESTART_COUNT (restart attempt, 0 first), TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, and
-  OMP_NUM_THREADS=1 unless it is already set (like torchrun: N ranks on one host would otherwise
-  oversubscribe the cores).
-With --nnodes 1 and no --master-port a free port is picked for every attempt (torchrun --standalone).
+  TORCHELASTIC_RESTART_COUNT (restart attempt, 0 first), TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID,
+  TORCHELASTIC_USE_AGENT_STORE, and OMP_NUM_THREADS=1 unless it is already set (like torchrun: N ranks on
+  one host would otherwise oversubscribe the cores).
+With --nnodes 1 and no --master-port fsdprun serves the rendezvous store itself (c10d's TCPStore, like
+torchrun's agent), a fresh one for every attempt on a port the kernel picks; the ranks connect to it as
+clients (TORCHELASTIC_USE_AGENT_STORE=True). With --master-port rank 0 serves it there.
 Every rank runs in its own process group. When a rank fails, the others get SIGTERM and, after
 --kill-grace seconds, SIGKILL (whole process groups, so grandchildren too). SIGINT/SIGTERM/SIGHUP sent to
 fsdprun are forwarded to every rank.
@@ -48,7 +50,8 @@ std::variant<LaunchOptions, int> parse_options(int argc, char** argv) {
   app.add_option("--node-rank,--node_rank", o.node_rank, "index of this node, 0..nnodes-1 (default 0)");
   app.add_option("--master-addr,--master_addr", o.master_addr, "address of rank 0 (default 127.0.0.1)");
   app.add_option("--master-port,--master_port", o.master_port,
-                 "port of rank 0's store; required when --nnodes > 1, otherwise a free port is picked")
+                 "port of rank 0's store; required when --nnodes > 1, otherwise fsdprun serves the store on a port "
+                 "the kernel picks")
       ->check(CLI::Range(1, 65535));
   app.add_flag("--standalone", "accepted for torchrun compatibility; implied by --nnodes 1");
   app.add_option("--max-restarts,--max_restarts", o.max_restarts,

@@ -12,7 +12,7 @@ struct LaunchOptions {
   int nnodes = 1;
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
-  int master_port = 0;  // 0: pick a free port per attempt (standalone mode, nnodes == 1 only)
+  int master_port = 0;  // 0: fsdprun serves the store, on a fresh port per attempt (standalone, nnodes == 1 only)
   int max_restarts = 0;
   double timeout_s = 0;     // wall-clock bound on the whole job, 0 = none
   double kill_grace_s = 3;  // SIGTERM -> SIGKILL escalation delay

@@ -7,7 +7,7 @@ extern char** environ;
 namespace fsdprun {
 
 std::vector<std::string> build_rank_environment(const LaunchOptions& opts, int local_rank, int master_port,
-                                                int restart_count) {
+                                                int restart_count, bool launcher_serves_store) {
   const std::map<std::string, std::string> ours = {
       {"RANK", std::to_string(opts.global_rank(local_rank))},
       {"LOCAL_RANK", std::to_string(local_rank)},
@@ -19,6 +19,7 @@ std::vector<std::string> build_rank_environment(const LaunchOptions& opts, int l
       {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count)},
       {"TORCHELASTIC_MAX_RESTARTS", std::to_string(opts.max_restarts)},
       {"TORCHELASTIC_RUN_ID", opts.run_id},
+      {"TORCHELASTIC_USE_AGENT_STORE", launcher_serves_store ? "True" : "False"},
   };
   std::vector<std::string> env;
   bool has_omp = false;

@@ -65,7 +65,8 @@ class Attempt {
     ranks_.reserve(static_cast<std::size_t>(opts_.nproc_per_node));
     for (int local = 0; local < opts_.nproc_per_node; ++local) {
       const int rank = opts_.global_rank(local);
-      const auto env = build_rank_environment(opts_, local, cfg_.master_port, cfg_.restart_count);
+      const auto env = build_rank_environment(opts_, local, cfg_.master_port, cfg_.restart_count,
+                                              cfg_.launcher_serves_store);
       try {
         ranks_.push_back(RankProcess::spawn(rank, opts_.command, env, opts_.prefix_output));
       } catch (const ExecError& e) {

@@ -29,6 +29,7 @@ struct AttemptConfig {
   const LaunchOptions& opts;
   int restart_count;  // TORCHELASTIC_RESTART_COUNT of this attempt
   int master_port;
+  bool launcher_serves_store;  // the store at master_port is fsdprun's (standalone), not rank 0's
   std::optional<Clock::time_point> deadline;  // from --timeout, shared by all attempts
 };
 

@@ -77,6 +77,12 @@ int require_env_int(const char* name) {
   return parse_int(name, v);
 }
 
+// TORCHELASTIC_USE_AGENT_STORE as torch.distributed reads it (rendezvous.py: the value must be exactly "True").
+bool agent_serves_store() {
+  const char* v = getenv_or_null("TORCHELASTIC_USE_AGENT_STORE");
+  return v != nullptr && std::string(v) == "True";
+}
+
 std::string resolve_backend(const std::string& requested) {
   if (requested == "gloo") return "gloo";
   if (requested == "nccl") {
@@ -243,14 +249,17 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
     }
     const int port = options.master_port >= 0 ? options.master_port : require_env_int("MASTER_PORT");
     TORCH_CHECK(port > 0 && port < 65536, "fsdp: MASTER_PORT ", port, " is not a valid TCP port");
+    // torchrun's contract: TORCHELASTIC_USE_AGENT_STORE=True means the launcher already serves the store at
+    // MASTER_ADDR:MASTER_PORT (fsdprun does in standalone mode), so every rank, rank 0 too, is only a client.
+    const bool launcher_serves = agent_serves_store();
     c10d::TCPStoreOptions so;
     so.port = static_cast<std::uint16_t>(port);
-    so.isServer = rank == 0;
+    so.isServer = rank == 0 && !launcher_serves;
     so.numWorkers = static_cast<std::size_t>(world_size);
     so.waitWorkers = true;
     so.timeout = options.timeout;
     // Rank 0 listens only where MASTER_ADDR says (c10d alone would listen on every interface).
-    if (rank == 0) so.masterListenFd = comm::listen_socket(addr, port);
+    if (so.isServer) so.masterListenFd = comm::listen_socket(addr, port);
     try {
       store = c10::make_intrusive<c10d::TCPStore>(addr, so);
     } catch (const std::exception& e) {

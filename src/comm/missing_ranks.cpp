@@ -3,8 +3,9 @@
 // Gloo reports a timeout or a closed connection, but not which peer never came. Every rank whose collective fails
 // records "stuck at collective #N" under its own key in the group's key space of the rendezvous store; after a
 // short grace, a member without a record (hung, stopped, dead) or with another number (stuck elsewhere) is named.
-// The store is served by world rank 0, which may itself be the missing rank: the query runs on a helper thread and
-// is abandoned after a bound, so the error is never held back for long. The helper talks to the store over a
+// The store is served by world rank 0 (unless the launcher serves it: fsdprun in standalone mode), which may itself
+// be the missing rank: the query runs on a helper thread and is abandoned after a bound, so the error is never held
+// back for long. The helper talks to the store over a
 // connection of its own (Store::clone): c10d's TCPStore client serializes its operations under one lock, so an
 // abandoned query stuck on the shared connection would block every later store call of this rank (the recovery
 // exchange after a forward exception, say) for as long as the stopped rank 0 does not answer.

@@ -11,15 +11,21 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "loopback_port.h"
+#include "port_probe.h"
 
 namespace {
 
@@ -216,6 +222,17 @@ bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
 }
 
+// "key=value key=value" -> map.
+std::map<std::string, std::string> fields(const std::string& line) {
+  std::map<std::string, std::string> out;
+  std::stringstream ss(line);
+  for (std::string word; ss >> word;) {
+    const auto eq = word.find('=');
+    if (eq != std::string::npos) out[word.substr(0, eq)] = word.substr(eq + 1);
+  }
+  return out;
+}
+
 // ---- environment and output ----------------------------------------------------------------------------
 
 class LauncherEnvTest : public LauncherTest, public ::testing::WithParamInterface<int> {};
@@ -230,7 +247,7 @@ TEST_P(LauncherEnvTest, EveryRankGetsTorchrunVariablesAndPrefixedOutput) {
   std::string port;
   for (int r = 0; r < n; ++r) {
     ASSERT_EQ(out.count(r), 1u) << "no output from rank " << r;
-    EXPECT_EQ(out.at(r).size(), 9u) << "rank " << r << " printed 9 variables, each on its own prefixed line";
+    EXPECT_EQ(out.at(r).size(), 10u) << "rank " << r << " printed 10 variables, each on its own prefixed line";
     auto env = as_env(out.at(r));
     EXPECT_EQ(env["RANK"], std::to_string(r));  // the prefix names the rank whose RANK it is
     EXPECT_EQ(env["LOCAL_RANK"], std::to_string(r));
@@ -239,6 +256,7 @@ TEST_P(LauncherEnvTest, EveryRankGetsTorchrunVariablesAndPrefixedOutput) {
     EXPECT_EQ(env["GROUP_RANK"], "0");
     EXPECT_EQ(env["MASTER_ADDR"], "127.0.0.1");
     EXPECT_EQ(env["TORCHELASTIC_RESTART_COUNT"], "0");
+    EXPECT_EQ(env["TORCHELASTIC_USE_AGENT_STORE"], "True") << "standalone: fsdprun serves the store";
     EXPECT_EQ(env["OMP_NUM_THREADS"], "1");
     const int p = std::stoi(env["MASTER_PORT"]);
     EXPECT_GT(p, 0);
@@ -272,6 +290,7 @@ TEST_F(LauncherTest, MultiNodeRanksAreOffsetByNodeRank) {
     EXPECT_EQ(env["LOCAL_WORLD_SIZE"], "3");
     EXPECT_EQ(env["GROUP_RANK"], "1");
     EXPECT_EQ(env["MASTER_PORT"], "29517");
+    EXPECT_EQ(env["TORCHELASTIC_USE_AGENT_STORE"], "False") << "with --master-port rank 0 serves the store";
   }
 }
 
@@ -295,7 +314,7 @@ TEST_F(LauncherTest, NoPrefixPassesOutputThrough) {
   ASSERT_EQ(f.exit_code, 0) << f.err;
   EXPECT_FALSE(contains(f.out, "[rank")) << f.out;
   const auto out = lines_by_rank(f.out);
-  EXPECT_EQ(out.at(-1).size(), 18u) << f.out;  // 9 variables from each of 2 ranks, unprefixed
+  EXPECT_EQ(out.at(-1).size(), 20u) << f.out;  // 10 variables from each of 2 ranks, unprefixed
   EXPECT_TRUE(contains(f.out, "RANK=0\n"));
   EXPECT_TRUE(contains(f.out, "RANK=1\n"));
 }
@@ -461,6 +480,109 @@ TEST_F(LauncherTest, TimeoutEscalatesToSigkill) {
   EXPECT_GE(f.seconds, 1.9);
   EXPECT_LT(f.seconds, 10);
   expect_no_survivors(2);
+}
+
+// ---- the rendezvous store ------------------------------------------------------------------------------
+
+// Standalone mode: fsdprun serves the store (torchrun's agent store), so the port is taken and answering before any
+// rank starts; no rank could bind it (the race of a port picked free and bound later by rank 0 is gone), no rank
+// inherits a socket of it, and each attempt's store is closed before the next attempt and at the end.
+TEST_F(LauncherTest, StandaloneServesTheStoreAndClosesItAfterEachAttempt) {
+  const Finished f =
+      run(cmd({"--nproc-per-node", "2", "--max-restarts", "1"}, {"*:store,ready,await=2,succeed_from=1"}));
+  ASSERT_EQ(f.exit_code, 0) << f.err;
+  EXPECT_TRUE(contains(f.err, "fsdprun: restarting (attempt 1/1)")) << f.err;
+  std::vector<int> ports;
+  for (int a = 0; a < 2; ++a) {
+    for (int r = 0; r < 2; ++r) {
+      const std::string name = "store.r" + std::to_string(r) + ".a" + std::to_string(a);
+      ASSERT_TRUE(exists(name)) << name;
+      auto probe = fields(read_text(dir_ / name));
+      SCOPED_TRACE(name + ": " + read_text(dir_ / name));
+      EXPECT_EQ(probe["listening"], "1") << "the store answers before the rank does anything";
+      EXPECT_EQ(probe["bindable"], "0") << "the port is held by fsdprun, no other process can take it";
+      EXPECT_EQ(probe["sockets"], "0") << "a rank inherits no socket of the launcher's store";
+      if (a == 1) EXPECT_EQ(probe["previous_listening"], "0") << "attempt 0's store is closed before attempt 1";
+      ports.push_back(std::stoi(probe["port"]));
+    }
+  }
+  EXPECT_EQ(ports[0], ports[1]) << "both ranks of attempt 0 got the same port";
+  EXPECT_EQ(ports[2], ports[3]) << "both ranks of attempt 1 got the same port";
+  for (int port : ports)
+    EXPECT_FALSE(launcher_test::accepts_connections("127.0.0.1", port)) << "port " << port << " served after exit";
+  expect_no_survivors(4);
+}
+
+// With --master-port (multi-node, or a port the user chose) rank 0 serves the store there, as before: fsdprun
+// holds no port and tells the ranks so.
+TEST_F(LauncherTest, ExplicitMasterPortLeavesTheStoreToRankZero) {
+  const int port = fsdp_test::free_loopback_port();
+  const Finished f = run(cmd({"--nproc-per-node", "2", "--master-port", std::to_string(port)}, {"*:store,env"}));
+  ASSERT_EQ(f.exit_code, 0) << f.err;
+  for (int r = 0; r < 2; ++r) {
+    const std::string name = "store.r" + std::to_string(r) + ".a0";
+    ASSERT_TRUE(exists(name)) << name;
+    auto probe = fields(read_text(dir_ / name));
+    EXPECT_EQ(probe["port"], std::to_string(port));
+    EXPECT_EQ(probe["listening"], "0") << read_text(dir_ / name);
+    EXPECT_EQ(probe["bindable"], "1") << "rank 0 must be able to serve on it: " << read_text(dir_ / name);
+    EXPECT_EQ(as_env(lines_by_rank(f.out).at(r))["TORCHELASTIC_USE_AGENT_STORE"], "False");
+  }
+}
+
+// A --master-addr fsdprun cannot serve on: one clear line naming the address, no rank started, exit 1.
+TEST_F(LauncherTest, StoreAddressThatCannotBeServedIsOneLine) {
+  const Finished f = run(cmd({"--nproc-per-node", "2", "--master-addr", "192.0.2.1"}, {"*:env"}));
+  EXPECT_EQ(f.exit_code, 1) << f.err;
+  EXPECT_TRUE(contains(f.err, "fsdprun: error: cannot listen on --master-addr '192.0.2.1'")) << f.err;
+  EXPECT_EQ(std::count(f.err.begin(), f.err.end(), '\n'), 1) << f.err;
+  EXPECT_TRUE(files("start").empty()) << "no rank may start without a store";
+}
+
+// The race this design removes (seen once in the full suite): two standalone fsdprun started at the same instant
+// got the same port, one group's rank 0 could not bind it, and the attempt was spent as a restart. Many jobs of real
+// ranks (libfsdp's rendezvous and a Gloo all-reduce) started together, several rounds: every job succeeds at its
+// first attempt with the analytic sum, and the jobs of a round (all running at once) served distinct ports.
+class ConcurrentStandalone : public LauncherTest {};
+
+TEST_F(ConcurrentStandalone, ManyJobsStartedAtOnceRendezvousWithoutARestart) {
+  constexpr int kJobs = 8, kRanks = 2, kRounds = 3;
+  const double expected_sum = kRanks * (kRanks + 1) / 2.0;
+  for (int round = 0; round < kRounds; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    std::vector<std::unique_ptr<Launcher>> jobs;
+    for (int j = 0; j < kJobs; ++j) {
+      const fs::path dir = dir_ / ("round" + std::to_string(round) + ".job" + std::to_string(j));
+      fs::create_directories(dir);
+      jobs.push_back(std::make_unique<Launcher>(
+          std::vector<std::string>{"--nproc-per-node", std::to_string(kRanks), "--max-restarts", "1", "--timeout",
+                                   "400", STORE_RANK_PATH},
+          dir));
+    }
+    std::set<int> ports;
+    for (int j = 0; j < kJobs; ++j) {
+      const Finished f = jobs[static_cast<std::size_t>(j)]->wait(450);
+      SCOPED_TRACE("job " + std::to_string(j) + " stderr:\n" + f.err);
+      EXPECT_EQ(f.exit_code, 0);
+      EXPECT_FALSE(contains(f.err, "restarting")) << "a restart was spent";
+      const auto out = lines_by_rank(f.out);
+      std::set<std::string> job_ports;
+      for (int r = 0; r < kRanks; ++r) {
+        ASSERT_EQ(out.count(r), 1u) << f.out;
+        ASSERT_EQ(out.at(r).size(), 1u) << f.out;
+        auto line = fields(out.at(r)[0]);
+        EXPECT_EQ(std::stod(line["sum"]), expected_sum) << out.at(r)[0];
+        EXPECT_EQ(line["restart"], "0") << out.at(r)[0];
+        EXPECT_EQ(line["agent_store"], "True") << out.at(r)[0];
+        job_ports.insert(line["port"]);
+      }
+      ASSERT_EQ(job_ports.size(), 1u) << "the ranks of one job got different ports";
+      ports.insert(std::stoi(*job_ports.begin()));
+    }
+    EXPECT_EQ(ports.size(), static_cast<std::size_t>(kJobs)) << "jobs running at once shared a port";
+    for (int port : ports)
+      EXPECT_FALSE(launcher_test::accepts_connections("127.0.0.1", port)) << "port " << port << " still served";
+  }
 }
 
 }  // namespace

@@ -22,6 +22,11 @@
 //   trap           on SIGINT/SIGTERM/SIGHUP create DIR/sig<N>.r<R>.a<A> and exit 128+N
 //   ignore_term    ignore SIGTERM (so only SIGKILL stops the rank)
 //   succeed_from=A exit 0 if TORCHELASTIC_RESTART_COUNT >= A, else exit 1
+//   store          probe the rendezvous port (an IPv4 MASTER_ADDR) and write DIR/store.r<R>.a<A>:
+//                  "port=P listening=L bindable=B sockets=S[ previous_listening=Q]": L = 1 if a TCP connect to
+//                  MASTER_ADDR:MASTER_PORT succeeds, B = 1 if this process could bind that port itself, S = sockets
+//                  among its open descriptors before probing (inherited ones), Q = L for the port the same rank
+//                  wrote at attempt A-1
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -33,11 +38,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "port_probe.h"
 
 namespace {
 
@@ -103,9 +111,42 @@ void trap(const Context& ctx) {
   }
 }
 
+int open_sockets() {
+  int n = 0;
+  DIR* d = ::opendir("/proc/self/fd");
+  if (d == nullptr) return -1;
+  while (const dirent* e = ::readdir(d)) {
+    char target[256];
+    const std::string link = std::string("/proc/self/fd/") + e->d_name;
+    const ssize_t len = ::readlink(link.c_str(), target, sizeof target - 1);
+    if (len > 0 && std::string(target, static_cast<std::size_t>(len)).rfind("socket:", 0) == 0) ++n;
+  }
+  ::closedir(d);
+  return n;
+}
+
+void probe_store(const Context& ctx) {
+  const int sockets = open_sockets();
+  const char* addr_text = std::getenv("MASTER_ADDR");
+  const char* port_text = std::getenv("MASTER_PORT");
+  const std::string addr = addr_text != nullptr ? addr_text : "";
+  const int port = port_text != nullptr ? std::atoi(port_text) : 0;
+  std::ostringstream line;
+  line << "port=" << port << " listening=" << launcher_test::accepts_connections(addr, port)
+       << " bindable=" << launcher_test::can_bind(addr, port) << " sockets=" << sockets;
+  if (ctx.attempt > 0) {
+    std::ifstream previous(ctx.dir + "/store.r" + std::to_string(ctx.rank) + ".a" + std::to_string(ctx.attempt - 1));
+    std::string word;
+    if (previous >> word && word.rfind("port=", 0) == 0)
+      line << " previous_listening=" << launcher_test::accepts_connections(addr, std::atoi(word.c_str() + 5));
+  }
+  write_file(ctx.path("store"), line.str());
+}
+
 void print_env(const Context& ctx) {
   for (const char* key : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                          "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS"}) {
+                          "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE",
+                          "OMP_NUM_THREADS"}) {
     const char* v = std::getenv(key);
     std::cout << key << "=" << (v != nullptr ? v : "<unset>") << "\n";
   }
@@ -161,6 +202,8 @@ void run_action(const Context& ctx, const std::string& action, int argc, char** 
     trap(ctx);
   } else if (name == "ignore_term") {
     ::signal(SIGTERM, SIG_IGN);
+  } else if (name == "store") {
+    probe_store(ctx);
   } else if (name == "succeed_from") {
     std::exit(ctx.attempt >= std::atoi(arg.c_str()) ? 0 : 1);
   } else {
