@@ -12,28 +12,22 @@
 
 namespace launcher_test {
 
-// Whether something at ipv4:port accepts a TCP connection now (closed at once).
-inline bool accepts_connections(const std::string& ipv4, int port) {
+// Applies `op` (::connect or ::bind) to a fresh TCP socket and ipv4:port; whether it succeeded. The socket is closed.
+inline bool on_fresh_socket(const std::string& ipv4, int port, int (*op)(int, const sockaddr*, socklen_t)) {
   sockaddr_in sa{};
   sa.sin_family = AF_INET;
   sa.sin_port = htons(static_cast<uint16_t>(port));
   if (::inet_pton(AF_INET, ipv4.c_str(), &sa.sin_addr) != 1) return false;
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  const bool ok = fd >= 0 && ::connect(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof sa) == 0;
+  const bool ok = fd >= 0 && op(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof sa) == 0;
   if (fd >= 0) ::close(fd);
   return ok;
 }
 
+// Whether something at ipv4:port accepts a TCP connection now.
+inline bool accepts_connections(const std::string& ipv4, int port) { return on_fresh_socket(ipv4, port, ::connect); }
+
 // Whether this process could bind ipv4:port (as rank 0 serving the store would have to).
-inline bool can_bind(const std::string& ipv4, int port) {
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_port = htons(static_cast<uint16_t>(port));
-  if (::inet_pton(AF_INET, ipv4.c_str(), &sa.sin_addr) != 1) return false;
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  const bool ok = fd >= 0 && ::bind(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof sa) == 0;
-  if (fd >= 0) ::close(fd);
-  return ok;
-}
+inline bool can_bind(const std::string& ipv4, int port) { return on_fresh_socket(ipv4, port, ::bind); }
 
 }  // namespace launcher_test
