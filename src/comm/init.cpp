@@ -250,8 +250,9 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
     const int port = options.master_port >= 0 ? options.master_port : require_env_int("MASTER_PORT");
     TORCH_CHECK(port > 0 && port < 65536, "fsdp: MASTER_PORT ", port, " is not a valid TCP port");
     // torchrun's contract: TORCHELASTIC_USE_AGENT_STORE=True means the launcher already serves the store at
-    // MASTER_ADDR:MASTER_PORT (fsdprun does in standalone mode), so every rank, rank 0 too, is only a client.
-    const bool launcher_serves = agent_serves_store();
+    // MASTER_ADDR:MASTER_PORT (fsdprun does in standalone mode), so every rank, rank 0 too, is only a client. A port
+    // given in InitOptions is the program's own rendezvous, which no launcher serves.
+    const bool launcher_serves = options.master_port < 0 && agent_serves_store();
     c10d::TCPStoreOptions so;
     so.port = static_cast<std::uint16_t>(port);
     so.isServer = rank == 0 && !launcher_serves;
