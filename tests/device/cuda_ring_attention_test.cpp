@@ -3,8 +3,8 @@
 // (src/context_parallel/fused_chunk_attention.h): flash for fp16/bf16 without a mask, memory-efficient for fp32
 // and for block_causal's masked pairs, the exact math for what neither takes (fp64 here).
 //
-// Every rank builds the same global q, k, v [batch, heads, seq, head_dim] and upstream gradient; the reference is
-// softmax attention written out in double (causal, or causal within documents), differentiated by autograd, not
+// Every rank builds the same global q, k, v [batch, heads, seq, head_dim] and upstream gradient (values the dtype
+// holds exactly); the reference is softmax attention written out in double (causal, or causal within documents), differentiated by autograd, not
 // a kernel under test. Each rank's output rows and dq, dk, dv rows must lie within the dtype's bound of it (max
 // difference over the reference's largest value); the unsharded SDPA in the same dtype is printed alongside, as
 // the error a fused kernel has without CP. The chunk length (192 tokens in 2 x 2 head-tail chunks: 48) is not a
@@ -94,11 +94,13 @@ void run_case(const fsdp::ProcessGroupPtr& cp, const Case& c) {
                            fsdp::to_string(c.method) + ", " + fsdp::to_string(c.balancer);
   SCOPED_TRACE(what);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(38);
-  const auto opts = torch::dtype(torch::kDouble);
-  const torch::Tensor q = torch::randn({kBatch, kHeads, kSeq, kHeadDim}, gen, opts).to(device);
-  const torch::Tensor k = torch::randn({kBatch, kHeads, kSeq, kHeadDim}, gen, opts).to(device);
-  const torch::Tensor v = torch::randn({kBatch, kHeads, kSeq, kHeadDim}, gen, opts).to(device);
-  const torch::Tensor g = torch::randn({kBatch, kHeads, kSeq, kHeadDim}, gen, opts).to(device);
+  // Values the dtype holds exactly, so that the reference sees the very inputs the kernels get: the bounds
+  // measure the kernels' own rounding, not the inputs'.
+  auto input = [&] {
+    return torch::randn({kBatch, kHeads, kSeq, kHeadDim}, gen, torch::dtype(torch::kDouble)).to(c.dtype).to(
+        torch::TensorOptions().dtype(torch::kDouble).device(device));
+  };
+  const torch::Tensor q = input(), k = input(), v = input(), g = input();
   torch::Tensor ids;
   if (c.documents) {
     // Documents of random lengths, one crossing the ranks' chunks: a new document where the flag is set.
