@@ -31,16 +31,21 @@ at::Tensor no_philox() { return at::empty({}, at::TensorOptions().dtype(at::kLon
 
 }  // namespace
 
-FusedChunkKernel fused_chunk_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool masked) {
-  if (!q.is_cuda()) return FusedChunkKernel::None;
-  const at::ScalarType dtype = q.scalar_type();
-  if (k.scalar_type() != dtype || v.scalar_type() != dtype) return FusedChunkKernel::None;
-  const int64_t qk_dim = q.size(-1), v_dim = v.size(-1);
+FusedChunkKernel fused_chunk_kernel(c10::DeviceType device, at::ScalarType dtype, int64_t qk_dim, int64_t v_dim,
+                                    bool masked) {
+  if (device != c10::DeviceType::CUDA) return FusedChunkKernel::None;
   const bool dims_of_8 = qk_dim % 8 == 0 && v_dim % 8 == 0 && qk_dim > 0 && v_dim > 0;
   if (!masked && half_precision(dtype) && dims_of_8 && qk_dim == v_dim && qk_dim <= 256)
     return FusedChunkKernel::Flash;
   if ((half_precision(dtype) || dtype == at::kFloat) && dims_of_8) return FusedChunkKernel::Efficient;
   return FusedChunkKernel::None;
+}
+
+FusedChunkKernel fused_chunk_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool masked) {
+  const at::ScalarType dtype = q.scalar_type();
+  if (k.scalar_type() != dtype || v.scalar_type() != dtype || k.device() != q.device() || v.device() != q.device())
+    return FusedChunkKernel::None;
+  return fused_chunk_kernel(q.device().type(), dtype, q.size(-1), v.size(-1), masked);
 }
 
 const char* to_string(FusedChunkKernel kernel) {

@@ -22,7 +22,10 @@ namespace fsdp::detail {
 
 enum class FusedChunkKernel { None, Flash, Efficient };
 
-// The kernel a chunk pair of these q, k, v (and a mask or not) takes; None off CUDA.
+// The kernel a chunk pair of these q, k, v (and a mask or not) takes; None off CUDA. The rule itself, from the
+// pair's device, dtype and head dims (checkable without a GPU), and for tensors.
+FusedChunkKernel fused_chunk_kernel(c10::DeviceType device, at::ScalarType dtype, int64_t qk_head_dim,
+                                    int64_t v_head_dim, bool masked);
 FusedChunkKernel fused_chunk_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool masked);
 const char* to_string(FusedChunkKernel kernel);
 
