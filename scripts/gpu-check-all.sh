@@ -274,8 +274,9 @@ else
   # GPU: measured by a matmul (fsdp-train and run.py each measure when none is given).
   PEAK_TFLOPS="${FSDP_GPU_PEAK_TFLOPS:-}"
   if [ -z "$PEAK_TFLOPS" ] && nvidia-smi -L 2>/dev/null | grep -qE "H100|H200"; then PEAK_TFLOPS=989.4; fi
-  # 8 minutes in all on 16 cores: build 139 s measured for library+benchmarks+device/comm tests (issue 36).
-  BUDGET_BUILD=190 BUDGET_TESTS=35 BUDGET_TRAIN=55 BUDGET_COMPARE_W1=110 BUDGET_COMPARE_W2=35 BUDGET_PIPELINE=50
+  # 8 minutes in all on 16 cores: build 139 s measured for library+benchmarks+device/comm tests (issue 36); the
+  # tests' 20 s measured then, plus ~10 s for the ring attention on CUDA (issue 38, not yet run on a GPU).
+  BUDGET_BUILD=190 BUDGET_TESTS=45 BUDGET_TRAIN=55 BUDGET_COMPARE_W1=110 BUDGET_COMPARE_W2=35 BUDGET_PIPELINE=50
   BUDGET_PLAN=5
 fi
 # FSDP_GPU_BUDGET_<STAGE>=seconds overrides one stage's budget (e.g. a rerun of one stage on a warm machine).

@@ -51,6 +51,29 @@ bool plan_needs_full_init(const ParallelDims& dims, bool has_group) {
   return !has_group || plain_data_parallel(dims) || dims.tp > 1 || dims.ep > 1;
 }
 
+namespace {
+
+// A second mesh over the world's ranks with the neighbouring dims `first` and `second` of (shape, names) merged
+// into one named `merged`: neighbours in row-major order, so the merged dim's slices are the ranks of the two
+// dims' slices, in the same order (TorchTitan's _flatten). Collective over the world.
+fsdp::DeviceMesh with_dims_merged(const std::string& device_type, const std::vector<int64_t>& shape,
+                                  const std::vector<std::string>& names, const std::string& first,
+                                  const std::string& second, const std::string& merged) {
+  std::vector<int64_t> merged_shape;
+  std::vector<std::string> merged_names;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (names[i] == first) continue;
+    const bool joined = names[i] == second;
+    TORCH_CHECK(!joined || (i > 0 && names[i - 1] == first), "with_dims_merged: ", first, " and ", second,
+                " are not neighbours in the mesh");
+    merged_shape.push_back(joined ? shape[i - 1] * shape[i] : shape[i]);
+    merged_names.push_back(joined ? merged : names[i]);
+  }
+  return fsdp::init_device_mesh(device_type, merged_shape, merged_names);
+}
+
+}  // namespace
+
 ParallelMeshes build_meshes(const ParallelDims& dims, const std::string& device_type, bool moe) {
   // TorchTitan's order: pp, dp_replicate, dp_shard, cp, tp (pp outermost; TP innermost: contiguous ranks).
   std::vector<int64_t> shape;
@@ -74,17 +97,13 @@ ParallelMeshes build_meshes(const ParallelDims& dims, const std::string& device_
     // the gradients reduce over cp too. dp_shard and cp are neighbours in the world mesh, so the same ranks in the
     // same row-major order with the two dims merged are that flattening (a second mesh over the same ranks).
     m.cp = m.world["cp"];
-    std::vector<int64_t> dense_shape;
-    std::vector<std::string> dense_names;
-    for (size_t i = 0; i < names.size(); ++i) {
-      if (names[i] == "dp_shard") continue;
-      dense_shape.push_back(names[i] == "cp" ? dims.dp_shard * dims.cp : shape[i]);
-      dense_names.push_back(names[i] == "cp" ? "dp_shard_cp" : names[i]);
-    }
-    const fsdp::DeviceMesh dense = fsdp::init_device_mesh(device_type, dense_shape, dense_names);
+    const fsdp::DeviceMesh dense = with_dims_merged(device_type, shape, names, "dp_shard", "cp", "dp_shard_cp");
     m.dp = dims.dp_replicate > 1 ? dense.slice({"dp_replicate", "dp_shard_cp"}) : dense["dp_shard_cp"];
     // fully_shard joins a TP parameter's mesh with the data-parallel one: both must be dims of one mesh.
     if (dims.tp > 1) m.tp = dense["tp"];
+    // Under cp x tp a sequence is spread over the cp x tp ranks (cp cuts it into chunks, TP's sequence parallelism
+    // each chunk into slices): the MoE blocks' sequence balance loss sums its counts over both (cp_tp).
+    if (dims.tp > 1 && moe) m.cp_tp = with_dims_merged(device_type, shape, names, "cp", "tp", "cp_tp")["cp_tp"];
   }
   if (dims.ep > 1 || (moe && dims.tp > 1)) {
     // TorchTitan's sparse mesh over the same ranks: [dp_replicate,] efsdp, ep with efsdp x ep = dp_shard x cp x tp

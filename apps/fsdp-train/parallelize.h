@@ -82,6 +82,8 @@ struct ParallelMeshes {
   fsdp::DeviceMesh dp;
   fsdp::DeviceMesh cp;        // valid when dims.cp > 1
   fsdp::DeviceMesh tp;        // valid when dims.tp > 1
+  fsdp::DeviceMesh cp_tp;     // cp x tp flattened (the ranks holding pieces of one sequence): valid for an MoE
+                              // model with dims.cp > 1 and dims.tp > 1
   fsdp::DeviceMesh ep;        // valid when dims.ep > 1: the expert-parallel dim ...
   fsdp::DeviceMesh expert_dp; // ... and the experts' data-parallel mesh: efsdp, or (dp_replicate, efsdp); also
                               // valid for an MoE model under TP without EP (efsdp = dp_shard x cp x tp)

@@ -2,6 +2,8 @@
 
 #include "context_parallel/chunk_attention.h"
 
+#include "context_parallel/fused_chunk_attention.h"
+
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -39,6 +41,10 @@ void empty_rows_contribute_nothing(BlockResult& r, const at::Tensor& mask) {
 
 BlockResult attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
                    const at::Tensor& mask) {
+  if (std::optional<BlockResult> fused = attend_fused(q, k, v, causal, scale, mask)) {  // CUDA
+    empty_rows_contribute_nothing(*fused, mask);
+    return std::move(*fused);
+  }
   if (!q.device().is_cpu()) return attend_math(q, k, v, causal, scale, mask);
   const std::optional<at::Tensor> attn_mask = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
   auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask, scale);
@@ -60,6 +66,8 @@ BlockResult attend_math(const at::Tensor& q, const at::Tensor& k, const at::Tens
 BlockGrads attend_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& out, const at::Tensor& lse, bool causal, double scale,
                            const at::Tensor& mask) {
+  if (std::optional<BlockGrads> fused = attend_backward_fused(dout, q, k, v, out, lse, causal, scale, mask))  // CUDA
+    return std::move(*fused);
   if (!q.device().is_cpu()) return attend_backward_math(dout, q, k, v, out, lse, causal, scale, mask);
   const std::optional<at::Tensor> attn_mask = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
   auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(

@@ -2,8 +2,9 @@
 // The per-chunk attention kernels of ring attention (src/context_parallel/context_parallel.cpp): attention of a
 // query chunk against one key/value chunk with its log-sum-exp, and the chunk pair's gradients from the GLOBAL
 // output and log-sum-exp. attend / attend_backward pick by device: libtorch's CPU flash attention on the CPU,
-// the exact math in float elsewhere (chunk-sized scores only). The math kernels are callable on the CPU too, so
-// the tests check the path other devices take.
+// its CUDA flash or memory-efficient kernel on CUDA where their dtype and shape rules allow
+// (fused_chunk_attention.h), the exact math in float elsewhere (chunk-sized scores only). The math kernels are
+// callable on the CPU too, so the tests check the path other devices take.
 //
 // Private to src/context_parallel (and its tests).
 

@@ -9,7 +9,7 @@
 // Not vacuous: the plan names CP and the per-rank sequence, the loss falls, the parameters moved from their
 // initial values, and the validation loss over held-out samples (each cp rank its chunks) agrees too.
 // A sequence length that does not divide is refused naming the rule (also tests/trainer/user_errors_test.cpp),
-// and so are the layouts not composed yet (MoE).
+// and so are the layouts not composed yet.
 // block_causal with cp 2 (both layouts; np2; np4: under pp 2), cp 4 with full AC and cp 2 x tp 2 (np4) equals the
 // 1-rank block_causal run, and the profiled step's trace shows the masked ring ran (under alltoall its K/V ring
 // steps, no K/V all-gather).
@@ -177,10 +177,11 @@ namespace {
 // each rank's chunks. The reference is the 1-rank trainer on the same global batches: loss, grad norm and every
 // step's expert loads exactly (summed over dp x cp: each token counted once), and the load-balancing bias.
 void expect_moe_cp_parity(int64_t cp, int64_t ep, CpRotateMethod rotate, CpLoadBalancer balancer, int64_t pp = 1,
-                          double aux_coeff = 0) {
+                          double aux_coeff = 0, int64_t tp = 1) {
   auto world = fsdp::world();
-  const std::string tag = "moe_pp" + std::to_string(pp) + "_cp" + std::to_string(cp) + "_ep" + std::to_string(ep) +
-                          "_" + to_string(rotate) + "_" + to_string(balancer) + (aux_coeff > 0 ? "_aux" : "");
+  const std::string tag = "moe_pp" + std::to_string(pp) + "_cp" + std::to_string(cp) + "_tp" + std::to_string(tp) +
+                          "_ep" + std::to_string(ep) + "_" + to_string(rotate) + "_" + to_string(balancer) +
+                          (aux_coeff > 0 ? "_aux" : "");
   SCOPED_TRACE(tag);
   auto job = [&](const std::string& name, bool per_rank) {
     JobConfig c = base(name, per_rank);
@@ -207,6 +208,7 @@ void expect_moe_cp_parity(int64_t cp, int64_t ep, CpRotateMethod rotate, CpLoadB
   JobConfig c = job(tag, false);
   c.parallelism.pipeline_parallel_degree = pp;
   c.parallelism.context_parallel_degree = cp;
+  c.parallelism.tensor_parallel_degree = tp;
   c.parallelism.expert_parallel_degree = ep;
   c.parallelism.context_parallel_rotate_method = rotate;
   c.parallelism.context_parallel_load_balancer = balancer;
@@ -215,9 +217,10 @@ void expect_moe_cp_parity(int64_t cp, int64_t ep, CpRotateMethod rotate, CpLoadB
   EXPECT_NE(got.plan.find("CP " + std::to_string(cp) + " (ring attention"), std::string::npos) << got.plan;
   if (ep > 1) EXPECT_NE(got.plan.find("EP " + std::to_string(ep) + " ("), std::string::npos) << got.plan;
   if (pp > 1) EXPECT_NE(got.plan.find("PP " + std::to_string(pp) + " ("), std::string::npos) << got.plan;
+  if (tp > 1) EXPECT_NE(got.plan.find("TP " + std::to_string(tp) + " ("), std::string::npos) << got.plan;
   test::expect_moe_steps_equal(ref, got, 2, /*compare_mean=*/true);
   // Under CP each rank's balance loss is its chunks' share of the whole sequences' (the blocks sum the counts over
-  // cp); the shares add up to the 1-rank loss.
+  // cp, under cp x tp over the flattened cp x tp ranks); the shares add up to the 1-rank loss.
   ASSERT_EQ(got.aux_losses.size(), ref.aux_losses.size());
   if (aux_coeff > 0) EXPECT_EQ(ref.aux_losses.size(), ref.losses.size());
   for (size_t i = 0; i < ref.aux_losses.size(); ++i) {
@@ -246,6 +249,18 @@ TEST(TrainerContextParallel, MoeCp2TimesDp2WithEpAndPipelineMatchOneRank) {
   expect_moe_cp_parity(2, 2, CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail, /*pp=*/2);
   // The sequence balance loss under pp 2 x cp 2 (each stage's blocks sum their counts over the stage's cp ranks).
   expect_moe_cp_parity(2, 1, CpRotateMethod::AllGather, CpLoadBalancer::HeadTail, /*pp=*/2, /*aux_coeff=*/0.05);
+}
+
+// The sequence balance loss under cp 2 x tp 2 (each rank holds a TP slice of a CP chunk of every sequence: the
+// blocks sum their counts over the flattened cp x tp group), alone and with ep 2 (efsdp 2 of cp x tp = 4).
+// Summing over cp alone or tp alone (the groups apply_cp and apply_tp set) gives other aux losses and gradients:
+// with the cp_tp group replaced by the cp group, both cases fail (docs/context_parallel.md).
+TEST(TrainerContextParallel, MoeSequenceAuxLossCp2TimesTp2MatchesOneRank) {
+  if (fsdp::world()->size() != 4) GTEST_SKIP() << "4 ranks";
+  expect_moe_cp_parity(2, 1, CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail, /*pp=*/1, /*aux_coeff=*/0.05,
+                       /*tp=*/2);
+  expect_moe_cp_parity(2, 2, CpRotateMethod::AllGather, CpLoadBalancer::None, /*pp=*/1, /*aux_coeff=*/0.05,
+                       /*tp=*/2);
 }
 
 namespace {
@@ -427,11 +442,4 @@ TEST(TrainerContextParallel, BadLayoutsAreRefusedNamingTheRule) {
           "parallelism.expert_parallel_degree (" + std::to_string(2 * n) + ") must divide the data-parallel shard "
           "degree x context_parallel_degree (1 x " + cp + " = " + cp + "): expert parallelism borrows its ranks from "
           "FSDP's shard dim, the CP ranks");
-  if (n == 4) {
-    // The sequence balance loss with cp and tp together: no one group spans a sequence's cp x tp ranks yet.
-    refused({"--model.name", "qwen3", "--model.flavor", "cpu_tiny_moe", "--model.moe_sequence_aux_loss_coeff", "0.01",
-             "--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"},
-            "model.moe_sequence_aux_loss_coeff with parallelism.context_parallel_degree > 1 and "
-            "tensor_parallel_degree > 1 together (qwen3 cpu_tiny_moe) is not supported yet");
-  }
 }

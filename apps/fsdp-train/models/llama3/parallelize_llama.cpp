@@ -69,6 +69,14 @@ void set_moe_sequence_parallel(std::vector<fsdp::nn::llama::TransformerBlock>& b
   }
 }
 
+// Under cp x tp each rank holds a slice (TP's sequence parallelism) of a chunk (CP) of every sequence: the MoE
+// blocks' sequence balance loss sums its per-sequence counts over the flattened cp x tp group, replacing the tp
+// group apply_tp set and the cp group apply_cp set (each alone would miss the other's pieces of the sequence).
+void set_moe_sequence_parallel_cp_tp(std::vector<fsdp::nn::llama::TransformerBlock>& blocks,
+                                     const ParallelMeshes& meshes) {
+  if (meshes.cp_tp.valid()) set_moe_sequence_parallel(blocks, meshes.cp_tp);
+}
+
 }  // namespace
 
 fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config) {
@@ -166,7 +174,8 @@ CpHooks cp_attention(std::vector<fsdp::nn::llama::TransformerBlock>& blocks, con
     return fsdp::context_parallel_gather_document_ids(document_ids, group);
   };
   // The MoE blocks' sequence balance loss: each cp rank routes its chunks of every sequence, so the blocks sum
-  // their per-sequence counts over the cp ranks (the whole sequence's; cp with tp and the loss is refused above).
+  // their per-sequence counts over the cp ranks (the whole sequence's; under cp x tp the caller then hands them
+  // the flattened cp x tp group instead, set_moe_sequence_parallel_cp_tp).
   set_moe_sequence_parallel(blocks, cp_mesh);
   for (auto& block : blocks) {
     block->attention->kernel = [group, options](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -302,6 +311,7 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
     fsdp::nn::llama::LlamaStage stage(*model, begin, end, s == 0, s == num_stages - 1);
     if (dims.tp > 1) apply_tp(stage, model->args(), plan.tp_mesh, plan.loss_parallel);
     if (dims.cp > 1) apply_cp(stage, plan.cp_mesh, p.context_parallel_rotate_method, p.context_parallel_load_balancer);
+    if (dims.cp > 1 && dims.tp > 1) set_moe_sequence_parallel_cp_tp(stage->blocks(), meshes);
     if (dims.ep > 1) {
       for (auto& block : stage->blocks()) {
         if (auto* moe = moe_of(*block)) fsdp::apply_expert_parallel(moe->experts.ptr(), meshes.ep);
@@ -334,13 +344,6 @@ void check_layout(const std::string& family, const fsdp::nn::llama::LlamaArgs& a
   const int64_t num_experts = args.moe ? args.moe->num_experts : 0;
   const bool has_moe = num_experts > 0;
   const std::string model = family + " " + config.model.flavor;
-  if (has_moe && dims.cp > 1 && dims.tp > 1 && config.model.moe_sequence_aux_loss_coeff > 0) {
-    // Under CP or TP alone each MoE block sums its per-sequence counts over that group (the whole sequence's, as
-    // TorchTitan computes it); with both the sequence is spread over cp x tp ranks, which no one group spans yet.
-    throw ConfigError("config error: model.moe_sequence_aux_loss_coeff with parallelism.context_parallel_degree > 1 "
-                      "and tensor_parallel_degree > 1 together (" + model + ") is not supported yet (the balance "
-                      "loss sums a sequence's expert counts over the cp group or the tp group, not both)");
-  }
   if (dims.ep > 1 && !has_moe) {
     throw ConfigError("config error: parallelism.expert_parallel_degree = " + std::to_string(dims.ep) + " but " +
                       model + " has no MoE layers (use a *_moe flavor)");
@@ -391,6 +394,7 @@ ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobCon
     plan.cp_mesh = meshes.cp;
     plan.fsdp_mesh = meshes.dp;
     apply_cp(model, plan.cp_mesh, p.context_parallel_rotate_method, p.context_parallel_load_balancer);
+    if (dims.tp > 1) set_moe_sequence_parallel_cp_tp(model->blocks(), meshes);
     tp_description += cp_description(config, dims);
   }
   FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/false);
