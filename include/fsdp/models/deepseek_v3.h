@@ -22,7 +22,9 @@
 // and expert parallelism wrap it unchanged), and parameters are created on the args' device ("meta" builds the
 // 671B shapes without memory). Hugging Face weights and config.json: <fsdp/models/hf_deepseek_v3.h>.
 // In fsdp-train as model.name = "deepseek_v3" (apps/fsdp-train/models/deepseek_v3/). Pipeline stages:
-// <fsdp/models/deepseek_v3_pipeline.h>; tensor parallelism: <fsdp/models/deepseek_v3_tp_plan.h>.
+// <fsdp/models/deepseek_v3_pipeline.h>; tensor parallelism: <fsdp/models/deepseek_v3_tp_plan.h>; context
+// parallelism: the hooks below (MLAImpl::kernel, DeepSeekV3Impl::rope_positions / document_mask), filled by the
+// trainer's apply_cp with <fsdp/context_parallel.h>'s ring.
 
 #include <fsdp/models/llama.h>
 #include <fsdp/models/moe.h>
@@ -103,8 +105,8 @@ double flops_per_token(const DeepSeekV3Args& args, int64_t seq_len);
 class MLAImpl : public torch::nn::Module {
  public:
   explicit MLAImpl(const DeepSeekV3Args& args);
-  // x [B, S, dim]; rope_cos/rope_sin [S, qk_rope_head_dim/2]; mask: a llama::block_causal_mask [B, 1, S, S], or
-  // nothing for causal attention.
+  // x [B, S, dim]; rope_cos/rope_sin [S, qk_rope_head_dim/2]; mask: a llama::block_causal_mask [B, 1, S, S] (or,
+  // with a `kernel` that masks by itself, what DeepSeekV3Impl::document_mask gave), or nothing for causal attention.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin,
                      const llama::AttentionMask& mask = std::nullopt);
   void init_weights(double init_std, at::Generator& gen);
