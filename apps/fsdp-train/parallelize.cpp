@@ -252,6 +252,14 @@ ModelStage pipeline_stage(std::shared_ptr<torch::nn::Module> module,
           }};
 }
 
+void finish_pipeline_plan(ParallelPlan& plan, const JobConfig& config, const ParallelDims& dims,
+                          const std::string& layers, const std::string& parts) {
+  plan.holds_first_stage = plan.stage_indices.front() == 0;
+  plan.holds_last_stage = plan.stage_indices.back() == plan.num_stages - 1;
+  set_sum_gradients(plan);
+  plan.description = pipeline_description(plan, config, dims, layers, parts);
+}
+
 std::string stage_layers_text(int s, int64_t begin, int64_t end, int num_stages) {
   return "stage " + std::to_string(s) + " = layers " + std::to_string(begin) + ".." + std::to_string(end - 1) +
          (s == 0 ? " + tok_embeddings" : "") + (s == num_stages - 1 ? " + norm, output" : "");

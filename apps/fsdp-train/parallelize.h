@@ -13,6 +13,7 @@
 
 #include <fsdp/device_mesh.h>
 #include <fsdp/fully_shard.h>
+#include <fsdp/nn/module_call.h>
 #include <fsdp/pipeline/schedule.h>
 #include <fsdp/process_group.h>
 
@@ -22,6 +23,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -145,6 +147,20 @@ std::string pipeline_moe_setup(ParallelPlan& plan, FsdpOptions& fsdp, int64_t nu
 ModelStage pipeline_stage(std::shared_ptr<torch::nn::Module> module,
                           std::function<at::Tensor(const at::Tensor& input, const at::Tensor& document_ids)> call,
                           const ParallelPlan& plan, const ParallelDims& dims);
+// A stage's `call` for pipeline_stage: the stage module (a holder: LlamaStage, DeepSeekV3Stage, ...) through
+// fsdp::nn::call, with the microbatch's document ids alongside under block_causal (the pipeline's context) and
+// without them under causal attention (the ids undefined).
+template <class StageHolder>
+std::function<at::Tensor(const at::Tensor& input, const at::Tensor& document_ids)> stage_call(StageHolder stage) {
+  return [stage](const at::Tensor& x, const at::Tensor& ids) {
+    return ids.defined() ? fsdp::nn::call(stage, x, std::optional<at::Tensor>(ids)) : fsdp::nn::call(stage, x);
+  };
+}
+// The tail of every family's pipeline path, once plan.stages holds the stages this rank holds (sharded): the
+// first/last-stage flags, gradients summed across ranks (set_sum_gradients) and the description
+// (pipeline_description of `layers`, the stages' stage_layers_text, and `parts`, the TP/CP/EP words).
+void finish_pipeline_plan(ParallelPlan& plan, const JobConfig& config, const ParallelDims& dims,
+                          const std::string& layers, const std::string& parts);
 // The plan's description of a pipeline split: "PP <pp> (<schedule>, <n> stages, <m> microbatches; this rank:
 // <layers>) + <parts>" followed by the FSDP mesh and reshard policy.
 std::string pipeline_description(const ParallelPlan& plan, const JobConfig& config, const ParallelDims& dims,

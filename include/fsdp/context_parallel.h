@@ -21,8 +21,10 @@
 //              flight while the current chunk computes): no rank ever holds more than two K/V chunk sets.
 //              Backward passes K/V the same way and the dK/dV accumulators travel with them back to their owners.
 // Backward recomputes each chunk pair from the saved global output and log-sum-exp (flash-attention backward on
-// CPU; an exact chunked math kernel on other devices). Queries, keys and values have the same shape (repeat
-// grouped KV heads first). Every cp rank calls it with the same shapes, in the same order.
+// CPU; an exact chunked math kernel on other devices). Queries and keys have the same shape (repeat grouped KV
+// heads first); values the same but for their head dim, which may differ (DeepSeek-V3's MLA: the output then has
+// v's head dim; the narrower side travels padded with zeros). Every cp rank calls it with the same shapes, in the
+// same order.
 
 #include <fsdp/process_group.h>
 
@@ -49,9 +51,10 @@ struct ContextParallelOptions {
   CpLoadBalancer load_balancer = CpLoadBalancer::HeadTail;
 };
 
-// Causal attention of this rank's queries over the global sequence (see above). q, k, v: [batch, heads,
-// seq_local, head_dim], same shape, dtype and device; seq_local divisible by the chunks per rank (2 with
-// HeadTail). scale defaults to 1/sqrt(head_dim). Differentiable in q, k and v.
+// Causal attention of this rank's queries over the global sequence (see above). q, k: [batch, heads, seq_local,
+// head_dim], v: [batch, heads, seq_local, v_head_dim], one dtype and device; seq_local divisible by the chunks per
+// rank (2 with HeadTail). scale defaults to 1/sqrt(head_dim) (q's). Returns [batch, heads, seq_local,
+// v_head_dim]. Differentiable in q, k and v.
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const ProcessGroupPtr& cp_group,
                           const ContextParallelOptions& options = {}, std::optional<double> scale = std::nullopt);
 

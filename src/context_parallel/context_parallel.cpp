@@ -376,9 +376,9 @@ double checked_ring_scale(const char* who, const at::Tensor& q, const at::Tensor
                           std::optional<double> scale) {
   TORCH_CHECK(cp_group != nullptr, who, ": null cp group");
   TORCH_CHECK(q.dim() == 4, who, ": q must be [batch, heads, seq_local, head_dim], got ", q.sizes());
-  TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(), who,
-              ": q, k, v must have the same shape (repeat grouped KV heads first); got q ", q.sizes(), ", k ",
-              k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(k.sizes() == q.sizes() && v.dim() == 4 && v.sizes().slice(0, 3) == q.sizes().slice(0, 3), who,
+              ": q and k must have the same shape and v the same but for its head dim (repeat grouped KV heads "
+              "first); got q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
                   k.device() == q.device() && v.device() == q.device(),
               who, ": q, k, v must share dtype and device");
@@ -390,14 +390,29 @@ double checked_ring_scale(const char* who, const at::Tensor& q, const at::Tensor
   return scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
 }
 
+// The ring's chunk kernels (CPU flash attention) and its K/V transfers take one head dim for q, k and v. When v's
+// differs (DeepSeek-V3's MLA: qk_nope + qk_rope vs v_head_dim) the narrower side is padded with zeros to the
+// wider one, which changes no score and no output column (TorchTitan pads v for SDPA the same way), and the
+// output is cut back to v's head dim; the scale was taken from q's own head dim before. Autograd goes through the
+// pad and the cut.
+template <typename Ring>
+at::Tensor with_common_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Ring&& ring) {
+  const int64_t dqk = q.size(3), dv = v.size(3);
+  if (dqk == dv) return ring(q, k, v);
+  if (dv < dqk) return ring(q, k, at::constant_pad_nd(v, {0, dqk - dv})).narrow(3, 0, dv);
+  return ring(at::constant_pad_nd(q, {0, dv - dqk}), at::constant_pad_nd(k, {0, dv - dqk}), v);
+}
+
 }  // namespace
 
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const ProcessGroupPtr& cp_group,
                           const ContextParallelOptions& options, std::optional<double> scale) {
   const double s = checked_ring_scale("fsdp::ring_attention", q, k, v, cp_group, options, scale);
-  return RingAttention::apply(q, k, v, std::optional<at::Tensor>(), cp_group,
-                              static_cast<int64_t>(options.rotate_method), static_cast<int64_t>(options.load_balancer),
-                              s);
+  return with_common_head_dim(q, k, v, [&](const at::Tensor& qp, const at::Tensor& kp, const at::Tensor& vp) {
+    return RingAttention::apply(qp, kp, vp, std::optional<at::Tensor>(), cp_group,
+                                static_cast<int64_t>(options.rotate_method),
+                                static_cast<int64_t>(options.load_balancer), s);
+  });
 }
 
 at::Tensor context_parallel_gather_document_ids(const at::Tensor& document_ids, const ProcessGroupPtr& cp_group) {
@@ -422,9 +437,11 @@ at::Tensor block_causal_ring_attention(const at::Tensor& q, const at::Tensor& k,
               who, ": the document ids must be every cp rank's, int64 [cp ", cp_group->size(), ", batch ", q.size(0),
               ", seq_local ", q.size(2), "] (context_parallel_gather_document_ids), got ",
               all_document_ids.scalar_type(), " ", all_document_ids.sizes());
-  return RingAttention::apply(q, k, v, std::optional<at::Tensor>(all_document_ids.to(q.device())), cp_group,
-                              static_cast<int64_t>(options.rotate_method), static_cast<int64_t>(options.load_balancer),
-                              s);
+  const std::optional<at::Tensor> ids(all_document_ids.to(q.device()));
+  return with_common_head_dim(q, k, v, [&](const at::Tensor& qp, const at::Tensor& kp, const at::Tensor& vp) {
+    return RingAttention::apply(qp, kp, vp, ids, cp_group, static_cast<int64_t>(options.rotate_method),
+                                static_cast<int64_t>(options.load_balancer), s);
+  });
 }
 
 }  // namespace fsdp

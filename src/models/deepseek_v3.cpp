@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <tuple>
 
 namespace fsdp::nn::deepseek_v3 {
 
@@ -205,7 +206,9 @@ at::Tensor MLAImpl::forward(const at::Tensor& x, const at::Tensor& rope_cos, con
   auto kh = at::cat({k_nope, k_pe.expand({bs, seq, heads, qk_rope_head_dim})}, -1).transpose(1, 2);
   auto vh = v.transpose(1, 2);                                                                   // [B, H, S, v]
   at::Tensor out;
-  if (mask) {
+  if (kernel) {
+    out = kernel(qh, kh, vh, mask);
+  } else if (mask) {
     TORCH_CHECK(mask->dim() == 4 && mask->size(2) == seq && mask->size(3) == seq, "deepseek_v3 attention: the mask ",
                 mask->sizes(), " does not fit ", seq, " positions");
     out = at::scaled_dot_product_attention(qh, kh, vh, *mask, 0.0, /*is_causal=*/false, softmax_scale);
@@ -294,10 +297,18 @@ at::Tensor DeepSeekV3Impl::forward(const at::Tensor& tokens, const std::optional
   if (block_causal) {
     TORCH_CHECK(document_ids->sizes() == tokens.sizes(), "deepseek_v3: document ids ", document_ids->sizes(),
                 " do not match the tokens ", tokens.sizes());
-    mask = llama::block_causal_mask(*document_ids);
+    mask = document_mask ? document_mask(*document_ids) : llama::block_causal_mask(*document_ids);
   }
   auto h = fsdp::nn::call(tok_embeddings, tokens);
   auto [cos, sin] = rope_tables(tokens.size(1), h.device());
+  if (rope_positions) {  // context parallel: this rank's chunks at their global positions
+    const at::Tensor positions = rope_positions(tokens.size(1)).to(h.device());
+    TORCH_CHECK(positions.dim() == 1 && positions.size(0) == tokens.size(1), "deepseek_v3: rope_positions gave ",
+                positions.sizes(), " for ", tokens.size(1), " tokens");
+    std::tie(cos, sin) = rope_tables(positions.max().item<int64_t>() + 1, h.device());
+    cos = cos.index_select(0, positions);
+    sin = sin.index_select(0, positions);
+  }
   for (auto& block : blocks_) h = mask ? fsdp::nn::call(block, h, cos, sin, mask) : fsdp::nn::call(block, h, cos, sin);
   return fsdp::nn::call(output, fsdp::nn::call(norm, h));
 }

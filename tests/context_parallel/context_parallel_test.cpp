@@ -6,6 +6,7 @@
 // contiguous) to ring_attention over the cp group (the whole world: cp2 at np2, cp4 at np4) and must get the
 // reference's output rows and dq, dk, dv rows for those chunks (1e-5), with either rotate method. The
 // reference must differ from non-causal attention (the mask mattered) and the transfers must have happened.
+// Values of another head dim than queries and keys (DeepSeek-V3's MLA) at an explicit scale, the same way.
 // A measurement compares the peak CPU bytes allocated during the forward and backward of one attention at
 // cp = world against the same attention over a one-rank group on the full sequence.
 #include "comm/dist_env.h"
@@ -24,12 +25,15 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <set>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -164,6 +168,48 @@ TEST(ContextParallel, RingAttentionBf16OnTransposedViews) {
   close(q.grad().transpose(1, 2), shard(ref.dq), "dq");
   close(k.grad().transpose(1, 2), shard(ref.dk), "dk");
   close(v.grad().transpose(1, 2), shard(ref.dv), "dv");
+}
+
+// DeepSeek-V3's MLA: q and k of one head dim, v of another (qk_nope + qk_rope = 24 vs v 16, and the other way
+// round), at a scale other than 1/sqrt(head_dim) (MLA's YaRN mscale). The output has v's head dim; output and
+// dq, dk, dv equal the double reference at that scale, both rotate methods, both layouts. Not vacuous: the
+// reference at the default scale differs.
+TEST(ContextParallel, RingAttentionWithValueHeadDimOtherThanQueryKey) {
+  auto cp = fsdp_test::test_world();
+  const int64_t rank = cp->rank(), size = cp->size();
+  for (const auto& [dqk, dv] : {std::pair<int64_t, int64_t>{24, 16}, std::pair<int64_t, int64_t>{8, 12}}) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(7 + dqk);
+    const auto q = torch::randn({kBatch, kHeads, kSeq, dqk}, gen), k = torch::randn({kBatch, kHeads, kSeq, dqk}, gen);
+    const auto v = torch::randn({kBatch, kHeads, kSeq, dv}, gen), g = torch::randn({kBatch, kHeads, kSeq, dv}, gen);
+    const double scale = 1.3 / std::sqrt(static_cast<double>(dqk));
+    auto attention = [](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale) {
+      const int64_t L = q.size(2);
+      auto scores = (torch::matmul(q, k.transpose(-2, -1)) * scale)
+                        .masked_fill(torch::ones({L, L}, torch::kBool).triu(1), -std::numeric_limits<double>::infinity());
+      return torch::matmul(torch::softmax(scores, -1), v);
+    };
+    auto qd = q.to(torch::kDouble).requires_grad_(), kd = k.to(torch::kDouble).requires_grad_(),
+         vd = v.to(torch::kDouble).requires_grad_();
+    const auto want = attention(qd, kd, vd, scale);
+    (want * g.to(torch::kDouble)).sum().backward();
+    const auto default_scale = attention(qd.detach(), kd.detach(), vd.detach(), 1.0 / std::sqrt(double(dqk)));
+    ASSERT_GT((default_scale - want.detach()).abs().max().item<double>(), 1e-2) << "the scale mattered";
+    for (auto method : {fsdp::CpRotateMethod::AllToAll, fsdp::CpRotateMethod::AllGather}) {
+      for (auto balancer : {fsdp::CpLoadBalancer::HeadTail, fsdp::CpLoadBalancer::None}) {
+        SCOPED_TRACE("dqk " + std::to_string(dqk) + " dv " + std::to_string(dv) + " " + fsdp::to_string(method) + " " +
+                     fsdp::to_string(balancer));
+        auto shard = [&](const torch::Tensor& t) { return fsdp::context_parallel_shard(t, 2, rank, size, balancer); };
+        auto ql = shard(q).requires_grad_(), kl = shard(k).requires_grad_(), vl = shard(v).requires_grad_();
+        auto out = fsdp::ring_attention(ql, kl, vl, cp, {method, balancer}, scale);
+        ASSERT_EQ(out.sizes(), vl.sizes());
+        (out * shard(g)).sum().backward();
+        expect_close(out, shard(want.detach().to(torch::kFloat)), "output");
+        expect_close(ql.grad(), shard(qd.grad().to(torch::kFloat)), "dq");
+        expect_close(kl.grad(), shard(kd.grad().to(torch::kFloat)), "dk");
+        expect_close(vl.grad(), shard(vd.grad().to(torch::kFloat)), "dv");
+      }
+    }
+  }
 }
 
 // cp over one dim of a 2-D mesh (np4: [dp 2, cp 2]): the ring's peers are cp-group ranks, not world ranks.

@@ -267,26 +267,7 @@ namespace {
 
 // A JSON Lines corpus of 300 short documents (4-14 characters), so that every packed row of 32 tokens holds
 // several and documents cross the chunk boundaries; written by rank 0 into a folder every rank names the same.
-std::string short_documents_corpus() {
-  const std::string dir = test::shared_dir("fsdp_train_cp", "docs");
-  const std::string path = dir + "/docs.jsonl";
-  if (fsdp::world()->rank() == 0) {
-    std::filesystem::create_directories(dir);
-    std::ofstream out(path);
-    uint32_t state = 17;
-    for (int i = 0; i < 300; ++i) {
-      state = state * 1103515245u + 12345u;
-      std::string text(4 + (state >> 16) % 11, ' ');
-      for (auto& ch : text) {
-        state = state * 1103515245u + 12345u;
-        ch = "abcdefgh ijklmnop"[(state >> 16) % 17];
-      }
-      out << "{\"text\": \"" << text << "\"}\n";
-    }
-  }
-  fsdp::world()->barrier().wait();
-  return path;
-}
+std::string short_documents_corpus() { return test::short_documents_corpus("fsdp_train_cp", 300, 4, 11, 17); }
 
 // The profiled step of a block_causal cp run (its Chrome trace, [profiling]) shows the masked ring: every layer's
 // attention is block_causal_ring_attention, once per forward per gathered set of document ids (and again when

@@ -6,9 +6,13 @@
 //            gradient accumulation over the same global batches: the loss and grad norm of every step (1e-5 /
 //            1e-4 relative, as the other parity tests) and the expert load of every step exactly (which also shows
 //            the load-balancing bias, which steers the routing, was updated identically).
-//   tensor parallel: tp 2 (2 ranks) and tp 2 x ep 2 (4 ranks) equal 1 rank the same way.
+//   tensor parallel: tp 2, with and without the sequence balance loss (2 ranks), and tp 2 x ep 2 (4 ranks) equal
+//            1 rank the same way.
 //   pipeline: pp 2 under 1F1B and Interleaved1F1B (2 ranks), pp 2 x ep 2 with the sequence balance loss (4 ranks),
-//            equal 1 rank the same way (the expert loads summed per stage over its ranks).
+//            equal 1 rank the same way (the expert loads summed per stage over its ranks); PP and TP together:
+//            pp 2 x tp 2 under both schedules and pp 2 x tp 2 x ep 2 with the balance loss (4 ranks).
+//   context parallel: cp 2 (both rotate methods, head-tail and contiguous chunks; block_causal by the masked ring)
+//            on 2 ranks, cp 2 x ep 2 on 4: loss, grad norm, expert loads and the final parameters equal 1 rank.
 //   1 rank:  the trainer's Hugging Face last save loads in transformers' DeepseekV3ForCausalLM with logits equal
 //            (1e-5) to the library model holding the same run's libfsdp model-only save (the other format, read
 //            tensor by tensor here: no adapter in the reference path); and a job started from that export
@@ -26,6 +30,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -63,11 +68,13 @@ TrainEnv single_process() {
 }
 
 void expect_parity(const std::string& name, int64_t ep, bool full_ac = false, int64_t replicate = 1, int64_t tp = 1,
-                   bool op_sac = false) {
+                   bool op_sac = false, double aux_coeff = 0) {
   const int64_t world = fsdp::world()->size();
   JobConfig ref_config = base(own_dir(name + "_ref"), world);
+  ref_config.model.moe_sequence_aux_loss_coeff = aux_coeff;
   const TrainSummary ref = run_training(ref_config, single_process(), false);
   JobConfig config = base(test::shared_dir("fsdp_train_dsv3", name), world);
+  config.model.moe_sequence_aux_loss_coeff = aux_coeff;
   config.parallelism.expert_parallel_degree = ep;
   config.parallelism.data_parallel_replicate_degree = replicate;
   config.parallelism.tensor_parallel_degree = tp;
@@ -87,6 +94,13 @@ void expect_parity(const std::string& name, int64_t ep, bool full_ac = false, in
   if (tp > 1) EXPECT_NE(got.plan.find("TP " + std::to_string(tp) + " (sequence parallel, MLA heads split"), std::string::npos) << got.plan;
   ASSERT_EQ(ref.losses.size(), 8u);
   test::expect_moe_steps_equal(ref, got, 2);  // cpu_tiny: 1 dense layer, then 2 MoE layers
+  // The sequence balance loss (under TP each MoE block sums its per-sequence counts over the TP ranks).
+  ASSERT_EQ(ref.aux_losses.size(), aux_coeff > 0 ? ref.losses.size() : 0u);
+  ASSERT_EQ(got.aux_losses.size(), ref.aux_losses.size());
+  for (size_t i = 0; i < ref.aux_losses.size(); ++i) {
+    EXPECT_GT(ref.aux_losses[i], 0) << "step " << i + 1;
+    EXPECT_NEAR(got.aux_losses[i], ref.aux_losses[i], 1e-5 * ref.aux_losses[i]) << "balance loss, step " << i + 1;
+  }
   // The reference moved: it learned, and the load-balancing bias left zero.
   EXPECT_LT(ref.losses.back(), ref.losses.front());
   EXPECT_GT(ref.expert_loads.back().bias_l1, 0.0);
@@ -96,8 +110,8 @@ void expect_parity(const std::string& name, int64_t ep, bool full_ac = false, in
 // `schedules` equal 1 rank: one pipeline step of 1-sample microbatches per optimizer step; with `aux_coeff` the
 // sequence balance loss joins each stage's backward and equals the 1-rank value.
 void expect_pipeline_parity(const std::string& name, int64_t pp, int64_t ep, const std::vector<std::string>& schedules,
-                            double aux_coeff = 0) {
-  const int64_t world = fsdp::world()->size(), dp = world / pp;
+                            double aux_coeff = 0, int64_t tp = 1) {
+  const int64_t world = fsdp::world()->size(), dp = world / pp / tp;
   const int64_t global_batch = 2 * world;  // 4 microbatches per pipeline step at pp 2 x dp 1: DualPipeV's minimum
   JobConfig ref_config = base(own_dir(name + "_ref"), global_batch);
   ref_config.model.moe_sequence_aux_loss_coeff = aux_coeff;
@@ -114,8 +128,13 @@ void expect_pipeline_parity(const std::string& name, int64_t pp, int64_t ep, con
     config.parallelism.pipeline_parallel_schedule = parse_choice<PipelineSchedule>(schedule).value();
     config.parallelism.pipeline_parallel_microbatch_size = 1;
     config.parallelism.expert_parallel_degree = ep;
+    config.parallelism.tensor_parallel_degree = tp;
     const TrainSummary got = run_training(config, test::world_env(), false);
     EXPECT_NE(got.plan.find("PP " + std::to_string(pp) + " (" + schedule), std::string::npos) << got.plan;
+    if (tp > 1) {
+      EXPECT_NE(got.plan.find("TP " + std::to_string(tp) + " (sequence parallel, MLA heads split"), std::string::npos)
+          << got.plan;
+    }
     if (ep > 1) EXPECT_NE(got.plan.find("EP " + std::to_string(ep) + " ("), std::string::npos) << got.plan;
     test::expect_moe_steps_equal(ref, got, 2, /*compare_mean=*/true);  // every token counted once, per stage
     ASSERT_EQ(got.aux_losses.size(), aux_coeff > 0 ? got.losses.size() : 0u);
@@ -200,9 +219,14 @@ TEST(TrainerDeepSeekV3, ExpertParallelUnderHsdpEqualsOneRank) {
 // tp 2 on 2 ranks; tp 2 x dp_shard 2 with EP 2 borrowed from dp_shard x tp on 4.
 TEST(TrainerDeepSeekV3, TensorParallelEqualsOneRank) {
   const int64_t n = fsdp::world()->size();
-  if (n == 2) expect_parity("tp2", 1, false, 1, /*tp=*/2);
-  else if (n == 4) expect_parity("tp2_ep2", 2, false, 1, /*tp=*/2);
-  else GTEST_SKIP() << "tp 2 on 2 ranks, tp 2 x ep 2 on 4";
+  if (n == 2) {
+    expect_parity("tp2", 1, false, 1, /*tp=*/2);
+    expect_parity("tp2_aux", 1, false, 1, /*tp=*/2, false, /*aux_coeff=*/1e-3);  // the sequence balance loss too
+  } else if (n == 4) {
+    expect_parity("tp2_ep2", 2, false, 1, /*tp=*/2);
+  } else {
+    GTEST_SKIP() << "tp 2 on 2 ranks, tp 2 x ep 2 on 4";
+  }
 }
 
 // Pipeline parallelism: one stage per rank (1F1B) and two (Interleaved1F1B: embedding + layer 0 | layer 1 |
@@ -217,6 +241,99 @@ TEST(TrainerDeepSeekV3, PipelineEqualsOneRank) {
   } else {
     GTEST_SKIP() << "pp 2 on 2 or 4 ranks";
   }
+}
+
+// PP and TP together (np4: pp 2 x tp 2): each stage applies the TP plan of its own modules (MLA split by heads,
+// the low-rank projections replicated, the stage's hidden states split on the sequence), under 1F1B and
+// Interleaved1F1B (two stages per rank); and with EP 2 borrowed from the stage's dp_shard x tp ranks and the
+// sequence balance loss (each MoE block sums its per-sequence counts over TP), the expert loads summed over each
+// stage's dp x tp ranks.
+TEST(TrainerDeepSeekV3, PipelineWithTensorParallelEqualsOneRank) {
+  if (fsdp::world()->size() != 4) GTEST_SKIP() << "pp 2 x tp 2 on 4 ranks";
+  expect_pipeline_parity("pp2_tp2", 2, 1, {"1F1B", "Interleaved1F1B"}, 0, /*tp=*/2);
+  expect_pipeline_parity("pp2_tp2_ep2", 2, 2, {"1F1B"}, /*aux_coeff=*/1e-3, /*tp=*/2);
+}
+
+namespace {
+
+
+// Context parallelism: cp ranks (the rest of the world dp_shard; ep of them expert parallel) under `rotate` and
+// `balancer` equal 1 rank on the same global batches: loss, grad norm and expert loads of every step (as
+// expect_parity) and the parameters after the last step (model-only saves read back, 1e-5). MLA's q/k head dim
+// (qk_nope + qk_rope = 24) differs from v's (16): the ring pads v. `corpus`: block_causal over these documents.
+void expect_cp_parity(const std::string& name, int64_t cp, int64_t ep, CpRotateMethod rotate, CpLoadBalancer balancer,
+                      const std::string& corpus = "") {
+  const int64_t world = fsdp::world()->size(), steps = 6;
+  auto job = [&](const std::string& folder) {
+    JobConfig c = base(folder, world, steps);
+    c.checkpoint.enable = true;
+    c.checkpoint.interval = steps;
+    c.checkpoint.keep_latest_k = 0;
+    if (!corpus.empty()) {
+      c.training.dataset = Dataset::Jsonl;
+      c.training.dataset_path = corpus;
+      c.model.attn_mask_type = AttnMaskType::BlockCausal;
+    }
+    return c;
+  };
+  const std::string ref_dir = own_dir(name + "_ref");
+  const TrainSummary ref = run_training(job(ref_dir), single_process(), false);
+  const auto ref_params = test::model_tensors(ref_dir + "/checkpoint/step-" + std::to_string(steps));
+  JobConfig config = job(test::shared_dir("fsdp_train_dsv3", name));
+  config.parallelism.context_parallel_degree = cp;
+  config.parallelism.expert_parallel_degree = ep;
+  config.parallelism.context_parallel_rotate_method = rotate;
+  config.parallelism.context_parallel_load_balancer = balancer;
+  const TrainSummary got = run_training(config, test::world_env(), false);
+  fsdp::world()->barrier().wait();  // the last save is complete on every rank
+  const std::string cp_plan = "CP " + std::to_string(cp) + " (ring attention, " + to_string(rotate) + ", " +
+                              to_string(balancer) + "; 8 of 16 tokens per rank; FSDP over dp_shard x cp = " +
+                              std::to_string(world) + " ranks)";
+  EXPECT_NE(got.plan.find(cp_plan), std::string::npos) << got.plan;
+  if (ep > 1) EXPECT_NE(got.plan.find("EP " + std::to_string(ep) + " ("), std::string::npos) << got.plan;
+  ASSERT_EQ(ref.losses.size(), static_cast<size_t>(steps));
+  test::expect_moe_steps_equal(ref, got, 2, /*compare_mean=*/true);
+  EXPECT_LT(ref.losses.back(), ref.losses.front());
+  EXPECT_GT(ref.expert_loads.back().bias_l1, 0.0);
+  const auto got_params = test::model_tensors(config.job.dump_folder + "/checkpoint/step-" + std::to_string(steps));
+  ASSERT_FALSE(ref_params.empty());
+  ASSERT_EQ(got_params.size(), ref_params.size());
+  for (const auto& [key, want] : ref_params) {
+    ASSERT_TRUE(got_params.count(key)) << key;
+    const at::Tensor& have = got_params.at(key);
+    ASSERT_EQ(have.sizes(), want.sizes()) << key;
+    EXPECT_TRUE(torch::allclose(have, want, 1e-5, 1e-5)) << key << ": max difference "
+                                                         << (have - want).abs().max().item<double>();
+  }
+}
+
+}  // namespace
+
+// cp 2 on 2 ranks, the ring (alltoall) with head-tail chunks and all-gather with contiguous ones; block_causal
+// under cp 2 (the masked ring) over short documents, whose 1-rank run differs from the causal one.
+TEST(TrainerDeepSeekV3, ContextParallelEqualsOneRank) {
+  if (fsdp::world()->size() != 2) GTEST_SKIP() << "cp 2 on 2 ranks";
+  expect_cp_parity("cp2_ring", 2, 1, CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail);
+  expect_cp_parity("cp2_allgather", 2, 1, CpRotateMethod::AllGather, CpLoadBalancer::None);
+  // 200 documents of 3-9 characters: several per packed row of 16 tokens, crossing the cp chunks' boundaries.
+  const std::string corpus = test::short_documents_corpus("fsdp_train_dsv3", 200, 3, 7, 29);
+  expect_cp_parity("cp2_block_causal", 2, 1, CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail, corpus);
+  // Not vacuous: the documents mattered (block_causal on 1 rank trains otherwise than causal on the same rows).
+  JobConfig causal = base(own_dir("docs_causal"), 2, 2), masked = base(own_dir("docs_masked"), 2, 2);
+  for (JobConfig* c : {&causal, &masked}) {
+    c->training.dataset = Dataset::Jsonl;
+    c->training.dataset_path = corpus;
+  }
+  masked.model.attn_mask_type = AttnMaskType::BlockCausal;
+  const TrainSummary a = run_training(causal, single_process(), false), b = run_training(masked, single_process(), false);
+  EXPECT_GT(std::abs(a.losses[0] - b.losses[0]), 1e-4 * a.losses[0]);
+}
+
+// cp 2 x ep 2 on 4 ranks (dp_shard 2; EP borrowed from dp_shard x cp), both rotate methods.
+TEST(TrainerDeepSeekV3, ContextParallelWithExpertParallelEqualsOneRank) {
+  if (fsdp::world()->size() != 4) GTEST_SKIP() << "cp 2 x ep 2 on 4 ranks";
+  expect_cp_parity("cp2_ep2_ring", 2, 2, CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail);
+  expect_cp_parity("cp2_ep2_allgather", 2, 2, CpRotateMethod::AllGather, CpLoadBalancer::None);
 }
 
 TEST(TrainerDeepSeekV3, HuggingFaceSaveLoadsInTransformersAndBack) {

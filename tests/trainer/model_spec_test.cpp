@@ -280,6 +280,18 @@ TEST(ModelSpec, DeepSeekV3LayoutCheck) {
   EXPECT_NE(ep.find("does not divide the 8 experts of deepseek_v3 cpu_tiny"), std::string::npos) << ep;
   const auto hf = refused({"--checkpoint.last_save_in_hf"}, 2);
   EXPECT_NE(hf.find("last_save_in_hf with deepseek_v3 cpu_tiny on several ranks"), std::string::npos) << hf;
+  // Context parallelism runs with FSDP / HSDP / EP; with TP or PP it is refused (not composed for MLA yet).
+  const auto cp_tp = refused({"--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"}, 4);
+  EXPECT_NE(cp_tp.find("context_parallel_degree = 2 with tensor_parallel_degree > 1 (deepseek_v3 cpu_tiny) is not "
+                       "supported yet"),
+            std::string::npos)
+      << cp_tp;
+  const auto cp_pp = refused({"--parallelism.context_parallel_degree", "2", "--parallelism.pipeline_parallel_degree",
+                              "2"},
+                             4);
+  EXPECT_NE(cp_pp.find("context_parallel_degree = 2 with pipeline_parallel_degree > 1 (deepseek_v3 cpu_tiny)"),
+            std::string::npos)
+      << cp_pp;
   const auto flavor = config_error_of([] { train_spec("deepseek_v3").check_layout(job("deepseek_v3", "tiny"), {}); });
   EXPECT_NE(flavor.find("model.flavor"), std::string::npos) << flavor;
   EXPECT_NE(flavor.find("cpu_tiny, debugmodel, 16B, 236B, 671B"), std::string::npos) << flavor;
@@ -295,5 +307,10 @@ TEST(ModelSpec, DeepSeekV3LayoutCheck) {
   EXPECT_EQ(refused({"--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"}, 4), "");
   EXPECT_EQ(refused({"--parallelism.pipeline_parallel_degree", "2"}, 2), "");
   EXPECT_EQ(refused({"--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"}, 4), "");
+  // PP and TP together (the stages apply their modules' TP plan), TP with the sequence balance loss, CP with EP.
+  EXPECT_EQ(refused({"--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"}, 4), "");
+  EXPECT_EQ(refused({"--parallelism.tensor_parallel_degree", "2", "--model.moe_sequence_aux_loss_coeff", "0.001"}, 2), "");
+  EXPECT_EQ(refused({"--parallelism.context_parallel_degree", "2"}, 2), "");
+  EXPECT_EQ(refused({"--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"}, 4), "");
   EXPECT_FALSE(fsdp::is_initialized());
 }

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -38,6 +39,32 @@ inline std::string shared_dir(const std::string& prefix, const std::string& name
   if (fsdp::world()->rank() == 0) std::filesystem::remove_all(d);
   fsdp::world()->barrier().wait();
   return d;
+}
+
+// A JSON Lines corpus of `count` short documents (min_chars .. min_chars + spread - 1 characters of a 17-letter
+// alphabet with spaces, from `seed`), so that packed rows hold several documents and documents cross chunk
+// boundaries (block_causal tests); written by rank 0 into a shared_dir folder every rank names the same.
+// Collective. Returns the file's path.
+inline std::string short_documents_corpus(const std::string& prefix, int count, uint32_t min_chars, uint32_t spread,
+                                          uint32_t seed) {
+  const std::string dir = shared_dir(prefix, "docs");
+  const std::string path = dir + "/docs.jsonl";
+  if (fsdp::world()->rank() == 0) {
+    std::filesystem::create_directories(dir);
+    std::ofstream out(path);
+    uint32_t state = seed;
+    for (int i = 0; i < count; ++i) {
+      state = state * 1103515245u + 12345u;
+      std::string text(min_chars + (state >> 16) % spread, ' ');
+      for (auto& ch : text) {
+        state = state * 1103515245u + 12345u;
+        ch = "abcdefgh ijklmnop"[(state >> 16) % 17];
+      }
+      out << "{\"text\": \"" << text << "\"}\n";
+    }
+  }
+  fsdp::world()->barrier().wait();
+  return path;
 }
 
 // The checkpoint tests' job: cpu_tiny, 6 steps of a global batch of 8 in fp32 (bit-for-bit comparable), saving

@@ -22,7 +22,9 @@
 // and expert parallelism wrap it unchanged), and parameters are created on the args' device ("meta" builds the
 // 671B shapes without memory). Hugging Face weights and config.json: <fsdp/models/hf_deepseek_v3.h>.
 // In fsdp-train as model.name = "deepseek_v3" (apps/fsdp-train/models/deepseek_v3/). Pipeline stages:
-// <fsdp/models/deepseek_v3_pipeline.h>; tensor parallelism: <fsdp/models/deepseek_v3_tp_plan.h>.
+// <fsdp/models/deepseek_v3_pipeline.h>; tensor parallelism: <fsdp/models/deepseek_v3_tp_plan.h>; context
+// parallelism: the hooks below (MLAImpl::kernel, DeepSeekV3Impl::rope_positions / document_mask), filled by the
+// trainer's apply_cp with <fsdp/context_parallel.h>'s ring.
 
 #include <fsdp/models/llama.h>
 #include <fsdp/models/moe.h>
@@ -103,13 +105,17 @@ double flops_per_token(const DeepSeekV3Args& args, int64_t seq_len);
 class MLAImpl : public torch::nn::Module {
  public:
   explicit MLAImpl(const DeepSeekV3Args& args);
-  // x [B, S, dim]; rope_cos/rope_sin [S, qk_rope_head_dim/2]; mask: a llama::block_causal_mask [B, 1, S, S], or
-  // nothing for causal attention.
+  // x [B, S, dim]; rope_cos/rope_sin [S, qk_rope_head_dim/2]; mask: a llama::block_causal_mask [B, 1, S, S] (or,
+  // with a `kernel` that masks by itself, what DeepSeekV3Impl::document_mask gave), or nothing for causal attention.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& rope_cos, const at::Tensor& rope_sin,
                      const llama::AttentionMask& mask = std::nullopt);
   void init_weights(double init_std, at::Generator& gen);
   int64_t q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim;
   double softmax_scale;
+  // The attention over q, k [B, H, S, qk_head_dim] and v [B, H, S, v_head_dim] with the forward's mask (nothing:
+  // causal), scaled by softmax_scale -> [B, H, S, v_head_dim]; unset: libtorch's SDPA. Context parallelism puts
+  // ring attention here (the kernel closes over softmax_scale: llama::AttentionKernel takes no scale).
+  llama::AttentionKernel kernel;
   llama::Linear wq{nullptr}, wq_a{nullptr}, wq_b{nullptr}, wkv_a{nullptr}, wkv_b{nullptr}, wo{nullptr};
   llama::RMSNorm q_norm{nullptr}, kv_norm{nullptr};  // q_norm null without q LoRA
 };
@@ -143,6 +149,11 @@ class DeepSeekV3Impl : public torch::nn::Module {
   void init_weights(uint64_t seed, const llama::TransformerImpl::InitScope& scope);
   const DeepSeekV3Args& args() const { return args_; }
   std::vector<TransformerBlock>& blocks() { return blocks_; }
+  // Context parallelism, as llama::TransformerImpl's: the global positions (int64 [S]) of the S tokens forward()
+  // is given, for RoPE (unset: 0 .. S-1), and block_causal's mask of the forward's document ids as the attention
+  // kernel takes it (unset: llama::block_causal_mask(ids)).
+  std::function<at::Tensor(int64_t seq_len)> rope_positions;
+  std::function<at::Tensor(const at::Tensor& document_ids)> document_mask;
 
   llama::Embedding tok_embeddings{nullptr};
   torch::nn::ModuleList layers{nullptr};

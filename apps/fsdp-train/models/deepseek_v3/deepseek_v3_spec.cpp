@@ -62,6 +62,10 @@ TrainModel build_model(const JobConfig& config, const ModelShape& shape) {
     out.forward = [model, ids = out.document_ids](const at::Tensor& tokens) {
       return fsdp::nn::call(model, tokens, std::optional<at::Tensor>(ids(tokens)));
     };
+    // Context parallel: this rank's chunks of the tokens with their chunks of the whole rows' ids.
+    out.forward_with_document_ids = [model](const at::Tensor& tokens, const at::Tensor& ids) {
+      return fsdp::nn::call(model, tokens, std::optional<at::Tensor>(ids));
+    };
   } else {
     out.forward = [model](const at::Tensor& tokens) { return fsdp::nn::call(model, tokens); };
   }

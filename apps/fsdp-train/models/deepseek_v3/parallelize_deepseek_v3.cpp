@@ -5,7 +5,9 @@
 #include "pipeline_deepseek_v3.h"
 
 #include <fsdp/activation_checkpoint.h>
+#include <fsdp/context_parallel.h>
 #include <fsdp/expert_parallel.h>
+#include <fsdp/models/deepseek_v3_pipeline.h>
 #include <fsdp/models/deepseek_v3_tp_plan.h>
 #include <fsdp/models/moe.h>
 #include <fsdp/tensor_parallel.h>
@@ -38,10 +40,46 @@ std::string apply_ac(ds::DeepSeekV3& model, AcMode mode, const SelectiveAcOption
          std::to_string(n) + " of " + std::to_string(blocks.size()) + ")";
 }
 
+// The MoE blocks' sequence balance loss: each rank of `mesh` (tp, or cp) routes a slice of every sequence, so the
+// blocks sum their per-sequence counts over it (the whole sequence's, as TorchTitan computes the loss).
+void set_moe_sequence_group(std::vector<ds::TransformerBlock>& blocks, const fsdp::DeviceMesh& mesh) {
+  for (auto& block : blocks) {
+    if (block->moe) block->moe->set_sequence_parallel_group(mesh.group(0));
+  }
+}
+
 // TorchTitan's DeepSeek-V3 TP plan (sequence parallel, MLA split by heads) over the 1-D `tp_mesh`; loss_parallel:
 // the output projection keeps its logits sharded over the vocabulary.
 void apply_tp(ds::DeepSeekV3& model, const fsdp::DeviceMesh& tp_mesh, bool loss_parallel) {
   fsdp::parallelize_module(model, tp_mesh, ds::tensor_parallel_plan(model->args(), tp_mesh.size(), loss_parallel));
+  set_moe_sequence_group(model->blocks(), tp_mesh);
+}
+
+// Context parallelism (TorchTitan's apply_cp): every block's MLA through ring attention over the cp ranks (q and k
+// of qk_nope + qk_rope, v of v_head_dim; the ring pads v, context_parallel.h) at MLA's own softmax scale, RoPE of
+// the rope part at this rank's chunks' global positions, and block_causal's document ids of every cp rank
+// gathered once per forward for the masked ring. The MoE blocks sum their per-sequence counts over cp.
+void apply_cp(ds::DeepSeekV3& model, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
+              CpLoadBalancer load_balancer) {
+  const fsdp::ProcessGroupPtr group = cp_mesh.group(0);
+  const fsdp::ContextParallelOptions options{
+      rotate_method == CpRotateMethod::AllToAll ? fsdp::CpRotateMethod::AllToAll : fsdp::CpRotateMethod::AllGather,
+      load_balancer == CpLoadBalancer::HeadTail ? fsdp::CpLoadBalancer::HeadTail : fsdp::CpLoadBalancer::None};
+  model->rope_positions = [rank = group->rank(), size = group->size(), balancer = options.load_balancer](int64_t len) {
+    return fsdp::context_parallel_positions(len * size, rank, size, balancer);
+  };
+  model->document_mask = [group](const at::Tensor& document_ids) {
+    return fsdp::context_parallel_gather_document_ids(document_ids, group);
+  };
+  for (auto& block : model->blocks()) {
+    block->attention->kernel = [group, options, scale = block->attention->softmax_scale](
+                                   const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const fsdp::nn::llama::AttentionMask& document_ids) {
+      if (document_ids) return fsdp::block_causal_ring_attention(q, k, v, *document_ids, group, options, scale);
+      return fsdp::ring_attention(q, k, v, group, options, scale);
+    };
+  }
+  set_moe_sequence_group(model->blocks(), cp_mesh);
 }
 
 // The routed experts of every MoE block split over the 1-D `ep_mesh` (collective-free; before fully_shard).
@@ -52,6 +90,21 @@ void apply_ep(ds::DeepSeekV3& model, const fsdp::DeviceMesh& ep_mesh) {
 }
 
 }  // namespace
+
+void apply_tp(ds::DeepSeekV3Stage& stage, const ds::DeepSeekV3Args& args, const fsdp::DeviceMesh& tp_mesh,
+              bool loss_parallel) {
+  // The whole model's plan without the entries of modules this stage does not hold.
+  fsdp::parallelize_module(stage, tp_mesh,
+                           ds::tensor_parallel_plan(args, tp_mesh.size(), loss_parallel, stage->first(),
+                                                    stage->begin(), stage->end(), stage->last()));
+  set_moe_sequence_group(stage->blocks(), tp_mesh);
+  stage->sequence_shards = tp_mesh.size();  // hidden states travel between stages split on the sequence
+}
+
+std::string tp_description(const ParallelPlan& plan) {
+  return "TP " + std::to_string(plan.tp_mesh.size()) + " (sequence parallel, MLA heads split, " +
+         (plan.loss_parallel ? "loss parallel" : "logits gathered") + ") + ";
+}
 
 std::vector<std::shared_ptr<torch::nn::Module>> block_modules(std::vector<ds::TransformerBlock>& blocks) {
   std::vector<std::shared_ptr<torch::nn::Module>> out;
@@ -87,21 +140,11 @@ void check_layout(const ds::DeepSeekV3Args& args, const JobConfig& config, const
     throw ConfigError("config error: parallelism.tensor_parallel_degree = " + std::to_string(dims.tp) +
                       " does not divide the " + std::to_string(args.n_heads) + " attention heads of " + model);
   }
-  if (dims.tp > 1 && dims.pp > 1) {
-    // Each alone works; together the stage's expert-load sum would have to span the stage's dp x tp ranks.
-    throw ConfigError("config error: parallelism.tensor_parallel_degree > 1 with pipeline_parallel_degree > 1 (" +
-                      model + ", an MoE model) is not supported yet; use either with FSDP, HSDP and "
-                      "parallelism.expert_parallel_degree");
-  }
-  if (dims.tp > 1 && config.model.moe_sequence_aux_loss_coeff > 0) {
-    // Under TP each rank routes its slice of every sequence; the per-sequence balance loss would need the whole
-    // sequence's counts and scores.
-    throw ConfigError("config error: model.moe_sequence_aux_loss_coeff with parallelism.tensor_parallel_degree > 1 "
-                      "(" + model + ") is not supported yet (each TP rank routes a slice of the sequence)");
-  }
-  if (dims.cp > 1) {
+  if (dims.cp > 1 && (dims.tp > 1 || dims.pp > 1)) {
     throw ConfigError("config error: parallelism.context_parallel_degree = " + std::to_string(dims.cp) + " with " +
-                      model + " is not supported yet (context parallelism runs dense models)");
+                      (dims.tp > 1 ? "tensor_parallel_degree" : "pipeline_parallel_degree") + " > 1 (" + model +
+                      ") is not supported yet; context parallelism runs deepseek_v3 with FSDP, HSDP and "
+                      "parallelism.expert_parallel_degree");
   }
   if (dims.world_size > 1 && (config.checkpoint.initial_load_in_hf || config.checkpoint.last_save_in_hf)) {
     throw ConfigError("config error: checkpoint.initial_load_in_hf / last_save_in_hf with " + model +
@@ -139,21 +182,32 @@ ParallelPlan parallelize_deepseek_v3(ds::DeepSeekV3& model, const JobConfig& con
     plan.description = "data parallel (replicate " + std::to_string(dims.dp_replicate) +
                        ", fsdp::replicate: gradient all-reduce per block)";
   } else {
-    std::string tp_description;
+    std::string parallel_description;
     if (dims.tp > 1) {
       plan.tp_mesh = meshes.tp;
       plan.loss_parallel = !config.parallelism.disable_loss_parallel;
       apply_tp(model, plan.tp_mesh, plan.loss_parallel);
-      tp_description = "TP " + std::to_string(dims.tp) + " (sequence parallel, MLA heads split, " +
-                       (plan.loss_parallel ? "loss parallel" : "logits gathered") + ") + ";
+      parallel_description = tp_description(plan);
+    }
+    if (dims.cp > 1) {
+      const auto& p = config.parallelism;
+      plan.cp_mesh = meshes.cp;
+      plan.fsdp_mesh = meshes.dp;  // dp_shard_cp
+      apply_cp(model, plan.cp_mesh, p.context_parallel_rotate_method, p.context_parallel_load_balancer);
+      parallel_description += "CP " + std::to_string(dims.cp) + " (ring attention, " +
+                              to_string(p.context_parallel_rotate_method) + ", " +
+                              to_string(p.context_parallel_load_balancer) + "; " +
+                              std::to_string(config.training.seq_len / dims.cp) + " of " +
+                              std::to_string(config.training.seq_len) + " tokens per rank; FSDP over dp_shard x cp = " +
+                              std::to_string(dims.dp_shard * dims.cp) + " ranks) + ";
     }
     // The routed experts' placement (TorchTitan's apply_moe_ep + apply_fsdp): over the ranks left after ep of
     // dp_shard x tp (efsdp); under TP without EP over dp_shard x tp (each TP rank routes its own tokens; no expert
     // tensor parallel). Shard(1) when the experts would be cut in more pieces than there are (tt#1561).
     const int64_t num_experts = model->args().moe.num_experts;
     FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/false);
-    fsdp.experts_shard_dim = dims.dp_shard * dims.tp > num_experts ? 1 : 0;
-    std::string experts_description = tp_description;
+    fsdp.experts_shard_dim = dims.dp_shard * dims.cp * dims.tp > num_experts ? 1 : 0;
+    std::string experts_description = parallel_description;
     if (dims.ep > 1) {
       apply_ep(model, meshes.ep);
       fsdp.experts_mesh = meshes.expert_dp;
@@ -169,7 +223,7 @@ ParallelPlan parallelize_deepseek_v3(ds::DeepSeekV3& model, const JobConfig& con
     plan.fsdp_modules =
         fully_shard_blocks_then_root(block_modules(model->blocks()), model.ptr(), fsdp, experts_of_block);
     plan.description = experts_description + std::string(dims.dp_replicate > 1 ? "HSDP" : "FSDP") + " mesh " +
-                       plan.mesh.to_string() + ", reshard_after_forward " +
+                       (plan.fsdp_mesh.valid() ? plan.fsdp_mesh : plan.mesh).to_string() + ", reshard_after_forward " +
                        to_string(config.parallelism.fsdp_reshard_after_forward) + ", param " +
                        to_string(config.training.mixed_precision_param) + ", reduce " +
                        to_string(config.training.mixed_precision_reduce);

@@ -6,22 +6,26 @@
 //   apply_tp    tensor_parallel_degree > 1: TorchTitan's DeepSeek-V3 plan (<fsdp/models/deepseek_v3_tp_plan.h>:
 //               sequence parallel, MLA split by heads, the low-rank projections replicated; router replicated,
 //               shared experts col/row); the routed experts' FSDP (or EP) then spans dp_shard x tp
+//   apply_cp    context_parallel_degree > 1: every block's MLA through ring attention over "cp" (v's head dim
+//               differs from q/k's: the ring pads it), RoPE at the chunks' global positions, block_causal by the
+//               masked ring; FSDP over dp_shard x cp (TorchTitan's dp_shard_cp)
 //   apply_ep    expert_parallel_degree > 1: each MoE block's routed experts split over "ep", borrowed from the
 //               data-parallel shard dim (the experts' FSDP over what is left, [dp_replicate,] efsdp)
 //   apply_fsdp  fully_shard on every block, then on the root (FSDP or HSDP; per-block reshard as TorchTitan), the
 //               routed experts on their own mesh and shard dim; or fsdp::replicate (TorchTitan's DDP path) with
 //               dp_shard 1; both through the wrapping every family shares (parallelize.h)
-//   pipeline   pipeline_parallel_degree > 1: the stages split as Llama's (pipeline_deepseek_v3.h), EP and FSDP in
-//              each stage this rank holds
-// Refused with a ConfigError naming the family, the flavor and the layout (check_layout): TP with PP together,
-// TP with the sequence balance loss (each TP rank routes a slice of the sequence), a TP degree not dividing the
-// heads, Hugging Face load/save on several ranks (the adapter needs the whole model).
+//   pipeline   pipeline_parallel_degree > 1: the stages split as Llama's (pipeline_deepseek_v3.h), TP (the stage's
+//              layers' plan entries), EP and FSDP in each stage this rank holds
+// Under TP or CP each MoE block sums its per-sequence expert counts over that group for the sequence balance loss.
+// Refused with a ConfigError naming the family, the flavor and the layout (check_layout): CP with TP or PP, a TP
+// degree not dividing the heads, Hugging Face load/save on several ranks (the adapter needs the whole model).
 
 #include "config.h"
 #include "parallel_dims.h"
 #include "parallelize.h"
 
 #include <fsdp/models/deepseek_v3.h>
+#include <fsdp/models/deepseek_v3_pipeline.h>
 #include <fsdp/process_group.h>
 
 #include <memory>
@@ -44,6 +48,13 @@ void check_layout(const fsdp::nn::deepseek_v3::DeepSeekV3Args& args, const JobCo
 // takes (parallelize.h: fully_shard_blocks_then_root, replicate_blocks_then_root).
 std::vector<std::shared_ptr<torch::nn::Module>> block_modules(std::vector<fsdp::nn::deepseek_v3::TransformerBlock>& blocks);
 std::shared_ptr<torch::nn::Module> experts_of_block(torch::nn::Module& block);
+
+// TorchTitan's DeepSeek-V3 TP plan for a pipeline stage (only the entries of the modules it holds) over the 1-D
+// `tp_mesh`; the stage's hidden states then travel split on the sequence.
+void apply_tp(fsdp::nn::deepseek_v3::DeepSeekV3Stage& stage, const fsdp::nn::deepseek_v3::DeepSeekV3Args& args,
+              const fsdp::DeviceMesh& tp_mesh, bool loss_parallel);
+// "TP <n> (sequence parallel, MLA heads split, loss parallel | logits gathered) + ", for the plan's description.
+std::string tp_description(const ParallelPlan& plan);
 
 // check_layout first; `group`: the world group, or null for one process (then only AC).
 ParallelPlan parallelize_deepseek_v3(fsdp::nn::deepseek_v3::DeepSeekV3& model, const JobConfig& config,

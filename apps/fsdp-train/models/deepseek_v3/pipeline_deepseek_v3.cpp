@@ -7,7 +7,6 @@
 #include <fsdp/expert_parallel.h>
 #include <fsdp/models/deepseek_v3_pipeline.h>
 #include <fsdp/models/moe.h>
-#include <fsdp/nn/module_call.h>
 
 #include <ATen/ATen.h>
 
@@ -33,6 +32,10 @@ ParallelPlan parallelize_deepseek_v3_pipeline(ds::DeepSeekV3& model, const JobCo
   const ParallelMeshes meshes = build_meshes(dims, mesh_device(config).is_cuda() ? "cuda" : "cpu", /*moe=*/true);
   plan.mesh = meshes.world;
   plan.pp_group = plan.mesh.group("pp");
+  if (dims.tp > 1) {
+    plan.tp_mesh = meshes.tp;
+    plan.loss_parallel = !config.parallelism.disable_loss_parallel;
+  }
   const PipelineSplit split = split_pipeline(model->args(), pipeline_split_options(config, dims));
   plan.num_stages = static_cast<int>(split.num_stages);
   plan.stage_indices = split.schedule.stages_of_rank(plan.pp_group->rank());
@@ -43,6 +46,7 @@ ParallelPlan parallelize_deepseek_v3_pipeline(ds::DeepSeekV3& model, const JobCo
   for (int s : plan.stage_indices) {
     const auto [begin, end] = split.layers[static_cast<size_t>(s)];
     ds::DeepSeekV3Stage stage(*model, begin, end, s == 0, s == plan.num_stages - 1);
+    if (dims.tp > 1) apply_tp(stage, model->args(), plan.tp_mesh, plan.loss_parallel);
     if (dims.ep > 1) {
       for (auto& block : stage->blocks()) {
         if (block->moe) fsdp::apply_expert_parallel(block->moe->experts.ptr(), meshes.ep);
@@ -51,18 +55,10 @@ ParallelPlan parallelize_deepseek_v3_pipeline(ds::DeepSeekV3& model, const JobCo
     for (auto& m : fully_shard_blocks_then_root(block_modules(stage->blocks()), stage.ptr(), fsdp, experts_of_block))
       plan.fsdp_modules.push_back(m);
     layers += (layers.empty() ? "" : ", ") + stage_layers_text(s, begin, end, plan.num_stages);
-    // block_causal: every stage gets its microbatch's document ids alongside (the pipeline's context).
-    plan.stages.push_back(pipeline_stage(
-        stage.ptr(),
-        [stage](const at::Tensor& x, const at::Tensor& ids) {
-          return ids.defined() ? fsdp::nn::call(stage, x, std::optional<at::Tensor>(ids)) : fsdp::nn::call(stage, x);
-        },
-        plan, dims));
+    plan.stages.push_back(pipeline_stage(stage.ptr(), stage_call(stage), plan, dims));
   }
-  plan.holds_first_stage = plan.stage_indices.front() == 0;
-  plan.holds_last_stage = plan.stage_indices.back() == plan.num_stages - 1;
-  set_sum_gradients(plan);
-  plan.description = pipeline_description(plan, config, dims, layers, experts_description);
+  finish_pipeline_plan(plan, config, dims, layers,
+                       (dims.tp > 1 ? tp_description(plan) : std::string()) + experts_description);
   return plan;
 }
 

@@ -6,7 +6,6 @@
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/context_parallel.h>
 #include <fsdp/expert_parallel.h>
-#include <fsdp/nn/module_call.h>
 #include <fsdp/models/moe.h>
 #include <fsdp/models/llama_tp_plan.h>
 #include <fsdp/models/qwen3.h>
@@ -319,21 +318,11 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
     }
     for (auto& m : apply_fsdp(stage, fsdp)) plan.fsdp_modules.push_back(m);
     layers += (layers.empty() ? "" : ", ") + stage_layers_text(s, begin, end, plan.num_stages);
-    // block_causal: every stage gets its microbatch's document ids alongside (the pipeline's context).
-    plan.stages.push_back(pipeline_stage(
-        stage.ptr(),
-        [stage](const at::Tensor& x, const at::Tensor& ids) {
-          return ids.defined() ? fsdp::nn::call(stage, x, std::optional<at::Tensor>(ids)) : fsdp::nn::call(stage, x);
-        },
-        plan, dims));
+    plan.stages.push_back(pipeline_stage(stage.ptr(), stage_call(stage), plan, dims));
   }
-  plan.holds_first_stage = plan.stage_indices.front() == 0;
-  plan.holds_last_stage = plan.stage_indices.back() == num_stages - 1;
-  set_sum_gradients(plan);
-  plan.description = pipeline_description(
-      plan, config, dims, layers,
-      (dims.tp > 1 ? "TP " + std::to_string(dims.tp) + " (sequence parallel) + " : std::string()) +
-          cp_description(config, dims) + experts_description);
+  finish_pipeline_plan(plan, config, dims, layers,
+                       (dims.tp > 1 ? "TP " + std::to_string(dims.tp) + " (sequence parallel) + " : std::string()) +
+                           cp_description(config, dims) + experts_description);
   return plan;
 }
 
