@@ -61,7 +61,8 @@ struct PlanConfig {
   // context_parallel_load_balancer; docs/planner.md, "Context parallelism"): each rank holds seq / cp tokens of
   // every sequence, FSDP shards over shard x cp (TorchTitan's dp_shard_cp), and ring attention brings the other
   // ranks' K and V: "allgather" every rank's at once for the call, "alltoall" (the ring) two ranks' at a time.
-  // The world is pp x replicate x shard x cp x tp ranks. Not planned with pp > 1 yet.
+  // The world is pp x replicate x shard x cp x tp ranks; under PP each stage's attention runs the ring over its
+  // cp ranks and FSDP inside a stage shards over shard x cp.
   int64_t cp = 1;
   std::string cp_rotate_method = "allgather";  // "allgather" | "alltoall"
   std::string cp_load_balancer = "headtail";   // "headtail" | "none"
@@ -135,7 +136,8 @@ struct MemoryPlan {
   int64_t loss = 0;             // logits / log-softmax tensors live at the peak
   int64_t runtime = 0;          // PlanConfig::runtime_overhead
   int64_t sharded_grads_at_peak = 0;
-  int64_t buffers = 0;          // MoE: expert_bias and the token counts, [E] float32 each per MoE layer (unsharded)
+  int64_t buffers = 0;          // MoE: expert_bias and the token counts, [E] float32 each per MoE layer (unsharded;
+                                // under PP the planned rank's stages' MoE layers only)
   int64_t total = 0;
   std::string peak_moment;      // which moment is the peak
   // Saved activations per block (bytes), and of the checkpointed / recomputed layers. With MoE layers the first
@@ -205,6 +207,7 @@ struct StagePlan {
   std::vector<GroupPlan> groups;     // its FSDP groups: one per block, then "root" (embedding / norm + output)
   int64_t numel = 0, shard_numel = 0;
   int64_t unsharded_param_bytes = 0; // compute dtype, held from its UNSHARD to its RESHARD (0 when aliased)
+  int64_t buffer_bytes = 0;          // its MoE blocks' [E] float32 buffers (expert_bias, token counts), persistent
   int64_t accumulated_grad_bytes = 0;// unsharded grads in the reduce dtype, from its first B/W to REDUCE_GRAD
   int64_t activation_bytes_per_microbatch = 0;  // what one microbatch keeps from its F to its B (or W)
   double cost_scale = 0;             // simulator cost: layers + the less-layers weights it carries

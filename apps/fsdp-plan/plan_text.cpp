@@ -117,12 +117,12 @@ std::string format_plan(const Plan& p) {
        << "; routing-dependent terms assume uniform routing\n";
   }
   const PipelinePlan& pl = p.pipeline;
+  const std::string cp = c.cp > 1 ? " x cp " + std::to_string(c.cp) : std::string();
   if (pl.enabled) {
-    os << "mesh       pp " << c.pp << " x replicate " << c.replicate << " x shard " << c.shard << " x tp " << c.tp
-       << " = " << c.pp * c.replicate * c.shard * c.tp << " ranks";
+    os << "mesh       pp " << c.pp << " x replicate " << c.replicate << " x shard " << c.shard << cp << " x tp " << c.tp
+       << " = " << c.pp * c.replicate * c.shard * c.cp * c.tp << " ranks";
   } else {
-    os << "mesh       replicate " << c.replicate << " x shard " << c.shard
-       << (c.cp > 1 ? " x cp " + std::to_string(c.cp) : std::string()) << " x tp " << c.tp << " = "
+    os << "mesh       replicate " << c.replicate << " x shard " << c.shard << cp << " x tp " << c.tp << " = "
        << c.replicate * c.shard * c.cp * c.tp << " ranks";
   }
   if (c.tp > 1) os << " (TP: sequence parallel, " << (c.loss_parallel ? "loss parallel" : "logits gathered") << ")";
@@ -164,6 +164,7 @@ std::string format_plan(const Plan& p) {
        << gib(m.act_per_layer_checkpointed) << " checkpointed)\n";
     os << "  transient               " << gib(pl.transient_at_peak) << "  (the running action's gradients, "
        << "recomputation, loss or reduce-scatter buffers)\n";
+    if (m.buffers) os << "  MoE buffers             " << gib(m.buffers) << "  (expert_bias, token counts of its stages' MoE blocks)\n";
     if (m.runtime) os << "  runtime overhead        " << gib(m.runtime) << "\n";
     os << "  peak                    " << gib(m.total) << "  at: " << m.peak_moment << "\n";
   } else {
