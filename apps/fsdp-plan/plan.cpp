@@ -197,8 +197,9 @@ void check_moe(const PlanConfig& c) {
     return;
   }
   const int64_t E = a.moe_options().num_experts;
-  TORCH_CHECK((c.shard * c.tp) % c.ep == 0, "fsdp-plan: --ep ", c.ep, " must divide --shard x --tp = ", c.shard * c.tp,
-              " (expert-parallel groups borrow their ranks from dp_shard x tp; the experts' FSDP runs over the "
+  TORCH_CHECK((c.shard * c.cp * c.tp) % c.ep == 0, "fsdp-plan: --ep ", c.ep, " must divide --shard x --cp x --tp = ",
+              c.shard * c.cp * c.tp, " (expert-parallel groups borrow their ranks from dp_shard x cp x tp; the "
+              "experts' FSDP runs over the "
               "ranks left)");
   TORCH_CHECK(E % c.ep == 0, "fsdp-plan: --ep ", c.ep, " must divide the ", E, " experts of ", model,
               " (each ep rank holds experts / ep of them)");

@@ -51,11 +51,11 @@ struct PlanConfig {
   int64_t tp = 1;
   bool loss_parallel = true;
   // Expert parallel degree (fsdp-train's parallelism.expert_parallel_degree; MoE models only): each MoE layer's
-  // routed experts are split on dim 0 over `ep` ranks borrowed from dp_shard x tp (E/ep experts per rank) and
-  // FSDP-sharded over the efsdp = shard x tp / ep ranks left (with the replicate dim: HSDP over them); the rest of
-  // the block stays on the dense mesh. Must divide shard x tp and the number of experts; under PP the stage's
-  // experts alike. Routed experts are sharded on dim 1 instead of 0 when shard x tp > experts (the trainer's and
-  // TorchTitan's rule, whatever ep). docs/planner.md, "MoE and expert parallelism".
+  // routed experts are split on dim 0 over `ep` ranks borrowed from dp_shard x cp x tp (E/ep experts per rank) and
+  // FSDP-sharded over the efsdp = shard x cp x tp / ep ranks left (with the replicate dim: HSDP over them); the
+  // rest of the block stays on the dense mesh. Must divide shard x cp x tp and the number of experts; under PP
+  // the stage's experts alike. Routed experts are sharded on dim 1 instead of 0 when shard x cp x tp > experts
+  // (the trainer's and TorchTitan's rule, whatever ep). docs/planner.md, "MoE and expert parallelism".
   int64_t ep = 1;
   // Context parallelism (fsdp-train's parallelism.context_parallel_degree, context_parallel_rotate_method,
   // context_parallel_load_balancer; docs/planner.md, "Context parallelism"): each rank holds seq / cp tokens of
@@ -93,7 +93,7 @@ struct PlanConfig {
 
   // Pipeline parallelism (TorchTitan's [parallelism] pipeline keys; docs/planner.md, "Pipeline parallelism").
   // pp = 1: no pipeline (the other pipeline fields must keep their defaults). The world is
-  // pp x replicate x shard x tp ranks; the memory and communication reported are one pp rank's (the one with
+  // pp x replicate x shard x cp x tp ranks; the memory and communication reported are one pp rank's (the one with
   // the largest peak), and FSDP under PP keeps parameters unsharded across microbatches (TorchTitan's
   // reshard_after_forward=false under PP; block_reshard and keep_last_block_unsharded are not used).
   int64_t pp = 1;

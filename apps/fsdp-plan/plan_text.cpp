@@ -110,8 +110,9 @@ std::string format_plan(const Plan& p) {
     if (o.num_shared_experts > 0) os << ", " << o.num_shared_experts << " shared";
     os << "; ep " << c.ep << ": " << o.num_experts / c.ep << " experts per rank, FSDP-sharded over "
        << moe_group->expert_shard << " rank(s) ("
-       << (c.ep > 1 ? (c.tp > 1 ? "efsdp = shard x tp / ep" : "efsdp = shard / ep")
-                    : (c.tp > 1 ? "shard x tp" : "the shard dim"))
+       << (c.ep > 1 ? "efsdp = shard" + std::string(c.cp > 1 ? " x cp" : "") + (c.tp > 1 ? " x tp" : "") + " / ep"
+                    : (c.tp > 1 || c.cp > 1 ? "shard" + std::string(c.cp > 1 ? " x cp" : "") + (c.tp > 1 ? " x tp" : "")
+                                            : std::string("the shard dim")))
        << ") on dim "
        << moe_group->expert_shard_dim << (moe_group->expert_shard_dim == 1 ? " (shard > experts)" : "")
        << "; routing-dependent terms assume uniform routing\n";

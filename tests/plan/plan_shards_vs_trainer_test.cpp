@@ -9,7 +9,7 @@
 //           count (fsdp/comm_stats.h) equal the plan's all-gather / reduce-scatter / all-reduce figures; (TP
 //           layouts) the bytes and calls its TP group counts equal the plan's tp_* figures (dense, Qwen3's
 //           QK-norm, MoE blocks, tp2 x ep2), less the loss's all-reduces (the step's loss is a plain sum)
-//   ep      (expert-parallel layouts: ep2, tp2 x ep2, pp2 x ep2 through a real pipeline step) the all-to-alls
+//   ep      (expert-parallel layouts: ep2, tp2 x ep2, cp2 x ep2, pp2 x ep2 through a real pipeline step) the all-to-alls
 //           the EP group counts equal the plan's calls, and its bytes equal the plan's fixed-size count exchange
 //           plus the plan's bytes per routed row times the rows this step's real routing moved (routing is
 //           data-dependent: the plan assumes balanced routing, each routed row leaving its rank with probability
@@ -17,7 +17,7 @@
 //   buffers (PP) the MoE blocks' [E] buffers (expert_bias, tokens_per_expert) each stage's module holds equal
 //           the plan's StagePlan::buffer_bytes
 // Layouts: 2 ranks: dp2, ddp (replicate 2), tp2 (llama3, qwen3, qwen3 MoE), pp2, ep2 and MoE without EP (qwen3
-//          cpu_tiny_moe);
+//          cpu_tiny_moe), MoE cp2 x ep2 (EP borrowing the cp ranks);
 //          4 ranks: HSDP 2 x 2, dp2 x tp2, pp2 x dp2, ep2 with the experts' FSDP over 2, MoE over 4 (Shard(0)),
 //          MoE tp2 x ep2 (EP borrowing from dp_shard x tp) and pp2 x ep2 (EP inside each stage), pp2 x cp2
 //          (FSDP over dp_shard x cp inside each stage, a microbatch's attention at seq / cp).
@@ -220,7 +220,7 @@ Held shard_for_real(const Layout& l) {
     if (ep) held.ep = ep_step(*model.module, *ep);
     return held;
   }
-  if (l.replicate * l.shard() == 1) return held;
+  if (l.replicate * l.shard() * l.cp == 1) return held;
   // One step of the real model: forward (the root's and every block's all-gather), backward (re-gathers, the
   // reduce-scatters and HSDP's / DDP's all-reduces), counted on the data-parallel groups FSDP uses.
   std::vector<fsdp::ProcessGroupPtr> groups;
@@ -237,7 +237,8 @@ Held shard_for_real(const Layout& l) {
   }
   for (const auto& g : groups) fsdp::reset_comm_stats(*g);
   at::Generator gen = at::detail::createCPUGenerator(7 + world->rank());
-  const at::Tensor tokens = at::randint(kVocab, {2, kSeq}, gen, at::TensorOptions().dtype(at::kLong));
+  // Under CP the trainer feeds each rank its seq / cp tokens of every sequence (its chunks).
+  const at::Tensor tokens = at::randint(kVocab, {2, kSeq / l.cp}, gen, at::TensorOptions().dtype(at::kLong));
   model.forward(tokens).sum().backward();
   for (const auto& g : groups) held.fsdp_bytes = held.fsdp_bytes + fsdp::comm_stats(*g);
   held.stepped = true;
@@ -276,7 +277,7 @@ void check_ep(const Layout& l, const fsdp::plan::Plan& p, const EpStep& ep) {
   if (l.pp > 1 && pp_rank_of(l) != p.pipeline.planned_rank) return;  // Plan::comm is the planned pp rank's
   const auto& cm = p.comm;
   const int64_t k = p.config.args.moe_options().top_k;
-  const int64_t routed = ep.moe_layers * (2 * kSeq / l.tp) * k;  // rows routed by this rank in the step
+  const int64_t routed = ep.moe_layers * (2 * kSeq / l.cp / l.tp) * k;  // rows routed by this rank in the step
   const int64_t balanced = routed * (l.ep - 1) / l.ep;            // of which leave it under balanced routing
   ASSERT_GT(ep.moe_layers, 0);
   ASSERT_GT(ep.rows_moved, 0);  // tokens did cross ranks
@@ -432,4 +433,10 @@ TEST(PlanShardsVsTrainer, MoEPipelineWithTensorAndExpertParallel) {
 TEST(PlanShardsVsTrainer, PipelineWithContextParallel) {
   if (!four()) GTEST_SKIP() << "4 ranks";
   check({"llama3", "cpu_tiny", 1, 1, 1, /*pp=*/2, /*cp=*/2});
+}
+// MoE with context parallelism and EP borrowing the cp ranks (cp 2 x ep 2 on 2 ranks, dp_shard 1): the experts'
+// placement, FSDP over dp_shard x cp, the EP all-to-alls of a real step on this rank's seq / cp tokens.
+TEST(PlanShardsVsTrainer, MoEContextParallelWithExpertParallel) {
+  if (!two()) GTEST_SKIP() << "2 ranks";
+  check({"qwen3", "cpu_tiny_moe", 1, 1, /*ep=*/2, 1, /*cp=*/2});
 }

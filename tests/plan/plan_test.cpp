@@ -614,7 +614,7 @@ TEST(PlanMoE, DenseQwen3CountsQkNorm) {
 }
 
 TEST(PlanMoE, BadOptionsSayWhy) {
-  EXPECT_TRUE(Contains(error_of(moe_config(6, 4)), "--ep 4 must divide --shard x --tp = 6"));
+  EXPECT_TRUE(Contains(error_of(moe_config(6, 4)), "--ep 4 must divide --shard x --cp x --tp = 6"));
   EXPECT_TRUE(Contains(error_of(moe_config(6, 3)), "--ep 3 must divide the 8 experts of qwen3 cpu_tiny_moe"));
   {
     PlanConfig c = config("cpu_tiny", 4);
