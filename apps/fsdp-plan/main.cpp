@@ -94,7 +94,7 @@ int main(int argc, char** argv) {
   app.add_flag("--free-logits", c.loss.free_logits_before_backward, "logits freed before backward (TorchTitan)");
   double overhead_mib = 0;
   app.add_option("--runtime-overhead-mib", overhead_mib, "fixed runtime allocations (libtorch CPU: ~4.5)");
-  app.add_option("--pp", c.pp, "pipeline parallel degree (pp ranks; the world is pp x replicate x shard x tp)");
+  app.add_option("--pp", c.pp, "pipeline parallel degree (pp ranks; the world is pp x replicate x shard x cp x tp)");
   app.add_option("--schedule", c.schedule,
                  "pipeline schedule (torch's names): GPipe | 1F1B | LoopedBFS | Interleaved1F1B | "
                  "InterleavedZeroBubble | ZBVZeroBubble | DualPipeV");

@@ -118,6 +118,18 @@ void add_tp_collectives(CommPlan& cm, const PlanConfig& c, const ActivationModel
   cm.tp_total_bytes = cm.tp_all_gather_bytes + cm.tp_reduce_scatter_bytes + cm.tp_all_reduce_bytes;
 }
 
+// The MoE blocks' [E] float32 buffers among blocks [first, first + count): tokens_per_expert always, expert_bias
+// with load balancing, whole on every rank that holds the block (under PP: the ranks of its stage).
+int64_t moe_buffer_bytes(const nn::llama::LlamaArgs& a, int64_t first, int64_t count) {
+  int64_t bytes = 0;
+  for (int64_t l = first; l < first + count; ++l) {
+    if (!is_moe(a, l)) continue;
+    const nn::moe::MoEOptions o = a.moe_options();
+    bytes += 4 * o.num_experts * (o.load_balance_coeff ? 2 : 1);
+  }
+  return bytes;
+}
+
 // The ep dim (src/expert_parallel) of one forward + backward of T tokens through blocks [first, first + count): per
 // MoE layer and forward, the count exchange (E int64 split in ep pieces, all but this rank's own sent), the
 // dispatch and the combine of the rank's routed rows (T/tp tokens x k under TP: the block routes the local slice),
@@ -185,8 +197,9 @@ void check_moe(const PlanConfig& c) {
     return;
   }
   const int64_t E = a.moe_options().num_experts;
-  TORCH_CHECK((c.shard * c.tp) % c.ep == 0, "fsdp-plan: --ep ", c.ep, " must divide --shard x --tp = ", c.shard * c.tp,
-              " (expert-parallel groups borrow their ranks from dp_shard x tp; the experts' FSDP runs over the "
+  TORCH_CHECK((c.shard * c.cp * c.tp) % c.ep == 0, "fsdp-plan: --ep ", c.ep, " must divide --shard x --cp x --tp = ",
+              c.shard * c.cp * c.tp, " (expert-parallel groups borrow their ranks from dp_shard x cp x tp; the "
+              "experts' FSDP runs over the "
               "ranks left)");
   TORCH_CHECK(E % c.ep == 0, "fsdp-plan: --ep ", c.ep, " must divide the ", E, " experts of ", model,
               " (each ep rank holds experts / ep of them)");
@@ -202,8 +215,6 @@ void check_context_parallel(const PlanConfig& c) {
               "fsdp-plan: --cp-rotate-method must be allgather or alltoall, got '", c.cp_rotate_method, "'");
   TORCH_CHECK(c.cp_load_balancer == "headtail" || c.cp_load_balancer == "none",
               "fsdp-plan: --cp-load-balancer must be headtail or none, got '", c.cp_load_balancer, "'");
-  TORCH_CHECK(c.cp == 1 || c.pp == 1, "fsdp-plan: context parallelism with pipeline parallelism is not planned yet "
-              "(the pipeline walk counts whole sequences per microbatch); use --cp or --pp");
 }
 
 // One block's attention on this rank (docs/planner.md, "Context parallelism"): the sequence it holds, what the
@@ -270,12 +281,7 @@ Plan make_plan(const PlanConfig& c) {
   m.params = shard_numel * pb;
   m.grads = shard_numel * pb;
   m.optimizer = c.optim_states * shard_numel * ob;
-  for (int64_t l = 0; l < L; ++l) {
-    if (!is_moe(a, l)) continue;
-    const nn::moe::MoEOptions o = a.moe_options();
-    // tokens_per_expert always, expert_bias with load balancing; float32 [E], whole on every rank.
-    m.buffers += 4 * o.num_experts * (o.load_balance_coeff ? 2 : 1);
-  }
+  m.buffers = moe_buffer_bytes(a, 0, L);
 
   // ---- activations saved per block, per token (docs/planner.md, "Activations") ----
   // Tokens this rank holds: under cp its seq / cp of every sequence (every per-token count below is of these).

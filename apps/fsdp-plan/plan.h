@@ -51,17 +51,18 @@ struct PlanConfig {
   int64_t tp = 1;
   bool loss_parallel = true;
   // Expert parallel degree (fsdp-train's parallelism.expert_parallel_degree; MoE models only): each MoE layer's
-  // routed experts are split on dim 0 over `ep` ranks borrowed from dp_shard x tp (E/ep experts per rank) and
-  // FSDP-sharded over the efsdp = shard x tp / ep ranks left (with the replicate dim: HSDP over them); the rest of
-  // the block stays on the dense mesh. Must divide shard x tp and the number of experts; under PP the stage's
-  // experts alike. Routed experts are sharded on dim 1 instead of 0 when shard x tp > experts (the trainer's and
-  // TorchTitan's rule, whatever ep). docs/planner.md, "MoE and expert parallelism".
+  // routed experts are split on dim 0 over `ep` ranks borrowed from dp_shard x cp x tp (E/ep experts per rank) and
+  // FSDP-sharded over the efsdp = shard x cp x tp / ep ranks left (with the replicate dim: HSDP over them); the
+  // rest of the block stays on the dense mesh. Must divide shard x cp x tp and the number of experts; under PP
+  // the stage's experts alike. Routed experts are sharded on dim 1 instead of 0 when shard x cp x tp > experts
+  // (the trainer's and TorchTitan's rule, whatever ep). docs/planner.md, "MoE and expert parallelism".
   int64_t ep = 1;
   // Context parallelism (fsdp-train's parallelism.context_parallel_degree, context_parallel_rotate_method,
   // context_parallel_load_balancer; docs/planner.md, "Context parallelism"): each rank holds seq / cp tokens of
   // every sequence, FSDP shards over shard x cp (TorchTitan's dp_shard_cp), and ring attention brings the other
   // ranks' K and V: "allgather" every rank's at once for the call, "alltoall" (the ring) two ranks' at a time.
-  // The world is pp x replicate x shard x cp x tp ranks. Not planned with pp > 1 yet.
+  // The world is pp x replicate x shard x cp x tp ranks; under PP each stage's attention runs the ring over its
+  // cp ranks and FSDP inside a stage shards over shard x cp.
   int64_t cp = 1;
   std::string cp_rotate_method = "allgather";  // "allgather" | "alltoall"
   std::string cp_load_balancer = "headtail";   // "headtail" | "none"
@@ -92,7 +93,7 @@ struct PlanConfig {
 
   // Pipeline parallelism (TorchTitan's [parallelism] pipeline keys; docs/planner.md, "Pipeline parallelism").
   // pp = 1: no pipeline (the other pipeline fields must keep their defaults). The world is
-  // pp x replicate x shard x tp ranks; the memory and communication reported are one pp rank's (the one with
+  // pp x replicate x shard x cp x tp ranks; the memory and communication reported are one pp rank's (the one with
   // the largest peak), and FSDP under PP keeps parameters unsharded across microbatches (TorchTitan's
   // reshard_after_forward=false under PP; block_reshard and keep_last_block_unsharded are not used).
   int64_t pp = 1;
@@ -135,7 +136,8 @@ struct MemoryPlan {
   int64_t loss = 0;             // logits / log-softmax tensors live at the peak
   int64_t runtime = 0;          // PlanConfig::runtime_overhead
   int64_t sharded_grads_at_peak = 0;
-  int64_t buffers = 0;          // MoE: expert_bias and the token counts, [E] float32 each per MoE layer (unsharded)
+  int64_t buffers = 0;          // MoE: expert_bias and the token counts, [E] float32 each per MoE layer (unsharded;
+                                // under PP the planned rank's stages' MoE layers only)
   int64_t total = 0;
   std::string peak_moment;      // which moment is the peak
   // Saved activations per block (bytes), and of the checkpointed / recomputed layers. With MoE layers the first
@@ -205,6 +207,7 @@ struct StagePlan {
   std::vector<GroupPlan> groups;     // its FSDP groups: one per block, then "root" (embedding / norm + output)
   int64_t numel = 0, shard_numel = 0;
   int64_t unsharded_param_bytes = 0; // compute dtype, held from its UNSHARD to its RESHARD (0 when aliased)
+  int64_t buffer_bytes = 0;          // its MoE blocks' [E] float32 buffers (expert_bias, token counts), persistent
   int64_t accumulated_grad_bytes = 0;// unsharded grads in the reduce dtype, from its first B/W to REDUCE_GRAD
   int64_t activation_bytes_per_microbatch = 0;  // what one microbatch keeps from its F to its B (or W)
   double cost_scale = 0;             // simulator cost: layers + the less-layers weights it carries

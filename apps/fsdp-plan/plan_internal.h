@@ -97,6 +97,8 @@ void add_tp_collectives(CommPlan& cm, const PlanConfig& c, const ActivationModel
                         bool has_embedding, bool has_output, int64_t T);
 void add_ep_collectives(CommPlan& cm, const PlanConfig& c, const ActivationModel& act, int64_t first, int64_t count,
                         int64_t T);
+// The MoE blocks' [E] buffers (expert_bias, tokens_per_expert) among blocks [first, first + count), in bytes.
+int64_t moe_buffer_bytes(const nn::llama::LlamaArgs& a, int64_t first, int64_t count);
 
 // ---- pipeline parallelism (plan_pipeline.cpp) ----
 

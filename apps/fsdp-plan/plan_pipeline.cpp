@@ -16,6 +16,7 @@ namespace {
 // What one pp rank holds and sends over its lowered action list (fsdp::pipeline::build_schedule), walked in order.
 struct RankWalk {
   int64_t params = 0, grads = 0, optimizer = 0;  // persistent (sharded) of its stages
+  int64_t buffers = 0;                           // persistent: its stages' MoE [E] buffers
   int64_t peak = -1;
   std::string peak_moment;
   int64_t unsharded = 0, accumulated = 0, activations = 0, transient = 0, sharded_grads = 0, microbatches = 0;
@@ -29,25 +30,29 @@ RankWalk walk_rank(const PlanConfig& c, const fsdp::pipeline::PipelineSchedule& 
   namespace pl = fsdp::pipeline;
   const int64_t e = bytes_of(c.compute_dtype), pb = bytes_of(c.param_dtype), rb = bytes_of(c.reduce_dtype),
                 ob = bytes_of(c.optim_dtype);
-  const int64_t S = c.shard, R = c.replicate;
+  // FSDP shards each stage over dp_shard x cp (dp_shard_cp under context parallelism, as without PP).
+  const int64_t S = c.shard * c.cp, R = c.replicate;
   const bool alias = S == 1 && e == pb && rb == pb;
   const size_t n = stages.size();
   RankWalk w;
   for (int s : schedule.stages_of_rank(rank)) {
     w.params += stages[s].shard_numel * pb;
     w.optimizer += c.optim_states * stages[s].shard_numel * ob;
+    w.buffers += stages[s].buffer_bytes;
   }
   w.grads = w.params;  // sharded grads: the params' shapes in the param dtype
-  const int64_t persist = w.params + w.optimizer + c.runtime_overhead;
+  const int64_t persist = w.params + w.optimizer + w.buffers + c.runtime_overhead;
 
   // Transient of a backward (B, I or W) of stage s, on top of what is held: one block's gradients in the compute
-  // dtype before they join the accumulated ones, the gradients flowing through it, a checkpointed block's
-  // recomputed activations; on the last stage the log-softmax backward (two more T x V tensors) if larger.
+  // dtype before they join the accumulated ones, the gradients flowing through it, what a ring-attention backward
+  // holds under cp, a checkpointed block's recomputed activations; on the last stage the log-softmax backward
+  // (two more T x V tensors) if larger.
   auto backward_transient = [&](const StagePlan& st) {
     bool any_recomputed = false;
     for (int64_t l = st.first_layer; l < st.first_layer + st.num_layers; ++l) any_recomputed |= act.recomputed[l];
-    const int64_t block_part = (st.num_layers > 0 ? block_numel * e + act.grad_workspace : 0) +
-                               (any_recomputed ? act.largest_full : 0);
+    const int64_t block_part =
+        (st.num_layers > 0 ? block_numel * e + act.grad_workspace + act.attention.backward_in_flight : 0) +
+        (any_recomputed ? act.largest_full : 0);
     return std::max(block_part, st.has_output ? 2 * act.lsm_bytes : int64_t{0});
   };
   // Reduce-scatter buffers of the stage's largest group (input, our all-to-all receive buffer, output).
@@ -101,8 +106,10 @@ RankWalk walk_rank(const PlanConfig& c, const fsdp::pipeline::PipelineSchedule& 
         in_flight[action.stage] += 1;
         count += 1;
         w.peak_in_flight = std::max(w.peak_in_flight, count);
-        // The loss's float32 copy of the logits exists while the last stage's forward computes the loss.
-        evaluate("forward" + where, st.has_output && c.loss.upcast_logits ? act.lsm : 0);
+        // The loss's float32 copy of the logits exists while the last stage's forward computes the loss; under cp
+        // a ring-attention forward holds the other ranks' K and V while a block runs.
+        evaluate("forward" + where, std::max(st.has_output && c.loss.upcast_logits ? act.lsm : int64_t{0},
+                                             st.num_layers > 0 ? act.attention.forward_in_flight : int64_t{0}));
         break;
       case pl::ActionType::Backward:
       case pl::ActionType::BackwardWeight:
@@ -143,8 +150,9 @@ RankWalk walk_rank(const PlanConfig& c, const fsdp::pipeline::PipelineSchedule& 
   }
 
   // Tensor and expert parallel: docs/planner.md's per-step counts applied to the rank's blocks, once per microbatch
-  // (each microbatch runs its own forward and backward), each collective on one microbatch's tokens.
-  const int64_t T_mb = c.local_batch / c.microbatches * c.seq_len;
+  // (each microbatch runs its own forward and backward), each collective on one microbatch's tokens (this cp
+  // rank's seq / cp of each sequence).
+  const int64_t T_mb = c.local_batch / c.microbatches * c.seq_len / c.cp;
   for (int64_t mb = 0; mb < c.microbatches; ++mb) {
     for (int s : schedule.stages_of_rank(rank)) {
       const StagePlan& st = stages[s];
@@ -233,7 +241,7 @@ void plan_pipeline(const PlanConfig& c, const PipelineSetup& setup, const SeamLa
   namespace pl = fsdp::pipeline;
   const auto& a = c.args;
   const int64_t e = bytes_of(c.compute_dtype), pb = bytes_of(c.param_dtype), rb = bytes_of(c.reduce_dtype);
-  const int64_t S = c.shard, TP = c.tp;
+  const int64_t S = c.shard * c.cp, TP = c.tp;  // FSDP inside a stage shards over dp_shard x cp
   const pl::ScheduleKind kind = setup.kind;
   const std::string& name = setup.name;
   const int64_t v = setup.v, num_stages = setup.num_stages;
@@ -248,10 +256,12 @@ void plan_pipeline(const PlanConfig& c, const PipelineSetup& setup, const SeamLa
   pp.num_stages = num_stages;
   pp.microbatches = c.microbatches;
   pp.microbatch_size = c.local_batch / c.microbatches;
-  const int64_t T_mb = pp.microbatch_size * c.seq_len;
+  // A microbatch's tokens on this rank: its sequences' seq / cp each under context parallelism (the trainer cuts
+  // the cp chunks before the schedule splits the rows into microbatches; each stage's attention runs the ring).
+  const int64_t T_mb = pp.microbatch_size * c.seq_len / c.cp;
   const ActivationModel act = activation_model(c, T_mb);
-  // One activation (or its gradient) crossing a stage boundary: the residual stream [T_mb, dim], sequence-sharded
-  // under TP.
+  // One activation (or its gradient) crossing a stage boundary: the residual stream [T_mb, dim] (this cp rank's
+  // chunks), sequence-sharded under TP.
   pp.boundary_bytes = T_mb / TP * a.dim * e;
   const bool alias = S == 1 && e == pb && rb == pb;
   TORCH_CHECK(static_cast<int64_t>(seam.stage_groups.size()) == num_stages, "fsdp-plan internal: the trainer's split "
@@ -295,6 +305,7 @@ void plan_pipeline(const PlanConfig& c, const PipelineSetup& setup, const SeamLa
       local_numel += g.local_numel;
     }
     st.unsharded_param_bytes = alias ? 0 : local_numel * e;
+    st.buffer_bytes = moe_buffer_bytes(a, st.first_layer, st.num_layers);
     st.accumulated_grad_bytes = local_numel * rb;
     // One microbatch's saved activations on this stage: its blocks' (per-block formula at T_mb tokens); the
     // received input, kept for the stage's backward, unless a block already counts it (a checkpointed first
@@ -360,10 +371,13 @@ void plan_pipeline(const PlanConfig& c, const PipelineSetup& setup, const SeamLa
   mem = MemoryPlan{};
   mem.seq_per_rank = whole.seq_per_rank;  // the attention of a microbatch: per sequence, as without PP
   mem.attention_saved_per_layer = act.attention.saved;
+  mem.attention_forward_in_flight = act.attention.forward_in_flight;
+  mem.attention_backward_in_flight = act.attention.backward_in_flight;
   mem.params = w.params;
   mem.grads = w.grads;
   mem.optimizer = w.optimizer;
   mem.runtime = c.runtime_overhead;
+  mem.buffers = w.buffers;
   mem.unsharded_peak = w.unsharded;
   mem.activations = w.activations;
   mem.sharded_grads_at_peak = w.sharded_grads;
@@ -372,7 +386,7 @@ void plan_pipeline(const PlanConfig& c, const PipelineSetup& setup, const SeamLa
   mem.act_per_layer_full = act.full_per_layer;
   mem.act_per_layer_checkpointed = act.checkpointed_per_layer;
   mem.saved_activations = w.activations;
-  mem.step_peak = w.peak - (w.params + w.optimizer + c.runtime_overhead);
+  mem.step_peak = w.peak - (w.params + w.optimizer + w.buffers + c.runtime_overhead);
   plan.comm = w.comm;
 }
 

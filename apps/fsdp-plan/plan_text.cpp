@@ -110,19 +110,20 @@ std::string format_plan(const Plan& p) {
     if (o.num_shared_experts > 0) os << ", " << o.num_shared_experts << " shared";
     os << "; ep " << c.ep << ": " << o.num_experts / c.ep << " experts per rank, FSDP-sharded over "
        << moe_group->expert_shard << " rank(s) ("
-       << (c.ep > 1 ? (c.tp > 1 ? "efsdp = shard x tp / ep" : "efsdp = shard / ep")
-                    : (c.tp > 1 ? "shard x tp" : "the shard dim"))
+       << (c.ep > 1 ? "efsdp = shard" + std::string(c.cp > 1 ? " x cp" : "") + (c.tp > 1 ? " x tp" : "") + " / ep"
+                    : (c.tp > 1 || c.cp > 1 ? "shard" + std::string(c.cp > 1 ? " x cp" : "") + (c.tp > 1 ? " x tp" : "")
+                                            : std::string("the shard dim")))
        << ") on dim "
        << moe_group->expert_shard_dim << (moe_group->expert_shard_dim == 1 ? " (shard > experts)" : "")
        << "; routing-dependent terms assume uniform routing\n";
   }
   const PipelinePlan& pl = p.pipeline;
+  const std::string cp = c.cp > 1 ? " x cp " + std::to_string(c.cp) : std::string();
   if (pl.enabled) {
-    os << "mesh       pp " << c.pp << " x replicate " << c.replicate << " x shard " << c.shard << " x tp " << c.tp
-       << " = " << c.pp * c.replicate * c.shard * c.tp << " ranks";
+    os << "mesh       pp " << c.pp << " x replicate " << c.replicate << " x shard " << c.shard << cp << " x tp " << c.tp
+       << " = " << c.pp * c.replicate * c.shard * c.cp * c.tp << " ranks";
   } else {
-    os << "mesh       replicate " << c.replicate << " x shard " << c.shard
-       << (c.cp > 1 ? " x cp " + std::to_string(c.cp) : std::string()) << " x tp " << c.tp << " = "
+    os << "mesh       replicate " << c.replicate << " x shard " << c.shard << cp << " x tp " << c.tp << " = "
        << c.replicate * c.shard * c.cp * c.tp << " ranks";
   }
   if (c.tp > 1) os << " (TP: sequence parallel, " << (c.loss_parallel ? "loss parallel" : "logits gathered") << ")";
@@ -164,6 +165,7 @@ std::string format_plan(const Plan& p) {
        << gib(m.act_per_layer_checkpointed) << " checkpointed)\n";
     os << "  transient               " << gib(pl.transient_at_peak) << "  (the running action's gradients, "
        << "recomputation, loss or reduce-scatter buffers)\n";
+    if (m.buffers) os << "  MoE buffers             " << gib(m.buffers) << "  (expert_bias, token counts of its stages' MoE blocks)\n";
     if (m.runtime) os << "  runtime overhead        " << gib(m.runtime) << "\n";
     os << "  peak                    " << gib(m.total) << "  at: " << m.peak_moment << "\n";
   } else {

@@ -3,7 +3,9 @@
 // split over rank pairs, their FSDP over the 2 ranks left), float32, one sample of 512 tokens per rank, the
 // trainer's default reshard policy. metrics.tensor_memory (a counting allocator around libtorch's CPU
 // allocator) gives the second step's live tensor bytes at its start, at the end of forward and at its peak;
-// the plan's end_of_forward and step_peak are the same quantities above the persistent state. The batches are
+// the plan's end_of_forward and step_peak are the same quantities above the persistent state (one micro-batch
+// per step: the global batch is the data-parallel ranks' one sample each, world / tp; with 2 micro-batches the
+// first one's sharded gradients, 1.2 MiB here, would be live at the second's end of forward). The batches are
 // real text, so the routing is whatever the router does (the plan assumes uniform routing under EP).
 #include "config.h"
 #include "plan.h"
@@ -42,7 +44,7 @@ TrainSummary::TensorMemory measure(const Case& k) {
   const int64_t ep = k.ep;
   std::vector<std::string> args = {"--model.name", "qwen3", "--model.flavor", "cpu_small_moe", "--training.seq_len",
                              std::to_string(kSeq), "--training.local_batch_size", "1", "--training.global_batch_size",
-                             std::to_string(world->size()), "--training.steps", "2", "--lr_scheduler.warmup_steps",
+                             std::to_string(world->size() / k.tp), "--training.steps", "2", "--lr_scheduler.warmup_steps",
                              "1", "--metrics.peak_tflops", "1", "--metrics.tensor_memory", "true",
                              "--parallelism.expert_parallel_degree", std::to_string(ep),
                              "--parallelism.tensor_parallel_degree", std::to_string(k.tp)};

@@ -9,20 +9,32 @@
 //           count (fsdp/comm_stats.h) equal the plan's all-gather / reduce-scatter / all-reduce figures; (TP
 //           layouts) the bytes and calls its TP group counts equal the plan's tp_* figures (dense, Qwen3's
 //           QK-norm, MoE blocks, tp2 x ep2), less the loss's all-reduces (the step's loss is a plain sum)
+//   ep      (expert-parallel layouts: ep2, tp2 x ep2, cp2 x ep2, pp2 x ep2 through a real pipeline step) the all-to-alls
+//           the EP group counts equal the plan's calls, and its bytes equal the plan's fixed-size count exchange
+//           plus the plan's bytes per routed row times the rows this step's real routing moved (routing is
+//           data-dependent: the plan assumes balanced routing, each routed row leaving its rank with probability
+//           (ep-1)/ep); the ep group's mean stays under the bound of every routed row leaving
+//   buffers (PP) the MoE blocks' [E] buffers (expert_bias, tokens_per_expert) each stage's module holds equal
+//           the plan's StagePlan::buffer_bytes
 // Layouts: 2 ranks: dp2, ddp (replicate 2), tp2 (llama3, qwen3, qwen3 MoE), pp2, ep2 and MoE without EP (qwen3
-//          cpu_tiny_moe);
+//          cpu_tiny_moe), MoE cp2 x ep2 (EP borrowing the cp ranks);
 //          4 ranks: HSDP 2 x 2, dp2 x tp2, pp2 x dp2, ep2 with the experts' FSDP over 2, MoE over 4 (Shard(0)),
-//          MoE tp2 x ep2 (EP borrowing from dp_shard x tp) and pp2 x ep2 (EP inside each stage).
+//          MoE tp2 x ep2 (EP borrowing from dp_shard x tp) and pp2 x ep2 (EP inside each stage), pp2 x cp2
+//          (FSDP over dp_shard x cp inside each stage, a microbatch's attention at seq / cp).
 #include "attention_memory.h"
 #include "config.h"
 #include "model_spec.h"
+#include "moe_balance.h"
 #include "parallel_dims.h"
 #include "plan.h"
 
 #include <fsdp/comm_stats.h>
 #include <fsdp/fully_shard_layout.h>
+#include <fsdp/models/moe.h>
 #include <fsdp/models/qwen3.h>
+#include <fsdp/pipeline.h>
 #include <fsdp/process_group.h>
+#include <fsdp/tensor_parallel_spec.h>
 
 #include "comm/dist_env.h"
 
@@ -30,6 +42,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <map>
 #include <set>
 #include <string>
@@ -42,11 +55,12 @@ constexpr int64_t kSeq = 16;
 
 struct Layout {
   std::string name, flavor;
-  int64_t replicate = 1, tp = 1, ep = 1, pp = 1;
-  int64_t shard() const { return fsdp::world()->size() / (replicate * tp * pp); }
+  int64_t replicate = 1, tp = 1, ep = 1, pp = 1, cp = 1;
+  int64_t shard() const { return fsdp::world()->size() / (replicate * tp * pp * cp); }
   std::string text() const {
     return name + " " + flavor + " replicate " + std::to_string(replicate) + " shard " + std::to_string(shard()) +
-           " tp " + std::to_string(tp) + " ep " + std::to_string(ep) + " pp " + std::to_string(pp);
+           " tp " + std::to_string(tp) + " ep " + std::to_string(ep) + " pp " + std::to_string(pp) + " cp " +
+           std::to_string(cp);
   }
 };
 
@@ -56,6 +70,52 @@ std::string unit_of(const std::string& fqn) {
   return fqn.substr(0, fqn.find('.', 7));
 }
 
+// One step's expert-parallel traffic on this rank: the EP group's counters and, from every ep rank's token counts
+// per expert (the step's real routing), the rows this rank sent to and received from the other ep ranks.
+struct EpStep {
+  bool stepped = false;
+  fsdp::CommStats stats;
+  int64_t moe_layers = 0;   // MoE blocks this rank ran (under PP: its stages')
+  int64_t rows_moved = 0;   // over those blocks: rows sent + rows received (dispatch; the combine mirrors them)
+  double group_mean_bytes = 0;  // bytes_sent averaged over the ep group
+};
+
+// The group the routed experts of `module`'s MoE blocks were split over (what ExpertParallel recorded).
+fsdp::ProcessGroupPtr ep_group_of(torch::nn::Module& module) {
+  for (auto* moe : fsdp_train::moe_layers(module)) {
+    for (const auto& item : moe->experts->named_parameters()) {
+      if (auto spec = fsdp::tensor_parallel_spec(*moe->experts.ptr(), item.value())) return spec->mesh.group(0);
+    }
+  }
+  return nullptr;
+}
+
+// Reads the EP counters (reset before the step) and the routing of the step just run: ep rank r holds experts
+// [r E/ep, (r+1) E/ep); a row leaves its rank unless its expert is one of the rank's own.
+EpStep ep_step(torch::nn::Module& module, fsdp::ProcessGroup& ep) {
+  EpStep out;
+  out.stepped = true;
+  out.stats = fsdp::comm_stats(ep);  // a copy, before the collectives below
+  const auto moes = fsdp_train::moe_layers(module);
+  out.moe_layers = static_cast<int64_t>(moes.size());
+  const int64_t n = ep.size(), r = ep.rank(), L = out.moe_layers, E = moes.front()->tokens_per_expert().numel(),
+                local = E / n;
+  at::Tensor mine = at::empty({L, E});
+  for (int64_t l = 0; l < L; ++l) mine[l].copy_(moes[static_cast<size_t>(l)]->tokens_per_expert());
+  at::Tensor all = at::empty({n, L, E});
+  ep.all_gather_into_tensor(all, mine.contiguous()).wait();
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor counts = all.select(1, l).to(at::kLong);  // [ep, E]
+    const int64_t kept = counts[r].slice(0, r * local, (r + 1) * local).sum().item<int64_t>();
+    out.rows_moved += counts[r].sum().item<int64_t>() - kept;                                  // sent
+    out.rows_moved += counts.slice(1, r * local, (r + 1) * local).sum().item<int64_t>() - kept;  // received
+  }
+  at::Tensor bytes = at::full({1}, static_cast<double>(out.stats.bytes_sent), at::TensorOptions().dtype(at::kDouble));
+  ep.all_reduce(bytes).wait();
+  out.group_mean_bytes = bytes.item<double>() / static_cast<double>(n);
+  return out;
+}
+
 struct Held {
   std::map<std::string, int64_t> units, experts;  // elements this rank holds per unit (experts: the routed ones)
   fsdp::CommStats fsdp_bytes;                     // the data-parallel groups' counters over one step
@@ -63,6 +123,8 @@ struct Held {
   fsdp::CommStats tp_bytes;                       // the TP group's counters over one step (tp > 1)
   fsdp_train::AttentionShape attention;           // the model's, as fsdp-train's start-up log reads it
   bool tp_stepped = false;
+  EpStep ep;                                      // expert-parallel layouts: one step's EP traffic
+  std::map<int, int64_t> stage_buffers;           // PP: the MoE [E] buffer bytes of each stage this rank holds
 };
 
 fsdp::CommStats operator+(fsdp::CommStats a, const fsdp::CommStats& b) {
@@ -81,7 +143,7 @@ fsdp_train::JobConfig job_config(const Layout& l) {
        "--parallelism.data_parallel_replicate_degree", std::to_string(l.replicate),
        "--parallelism.tensor_parallel_degree", std::to_string(l.tp), "--parallelism.expert_parallel_degree",
        std::to_string(l.ep), "--parallelism.pipeline_parallel_degree", std::to_string(l.pp),
-       "--parallelism.num_pp_microbatches", "2"});
+       "--parallelism.num_pp_microbatches", "2", "--parallelism.context_parallel_degree", std::to_string(l.cp)});
 }
 
 Held shard_for_real(const Layout& l) {
@@ -104,14 +166,46 @@ Held shard_for_real(const Layout& l) {
     if (item.key().find(".moe.experts.") != std::string::npos) held.experts[unit_of(item.key())] += item.value().numel();
   }
   if (l.pp > 1) {
-    // Under PP the whole model's modules stay on every rank; only this rank's stages were sharded: keep those.
+    // Under PP the whole model's modules stay on every rank; only this rank's stages were sharded (and, in
+    // fsdp-train, materialized): keep those, and their MoE blocks' [E] buffers.
     std::map<std::string, int64_t> mine;
-    for (const auto& stage : plan.stages) {
+    for (size_t i = 0; i < plan.stages.size(); ++i) {
+      const auto& stage = plan.stages[i];
       for (const auto& item : stage.module->named_parameters()) mine[unit_of(item.key())] += item.value().numel();
+      int64_t& buffers = held.stage_buffers[plan.stage_indices[i]];
+      for (auto* moe : fsdp_train::moe_layers(*stage.module)) {
+        buffers += moe->tokens_per_expert().nbytes() + (moe->expert_bias.defined() ? moe->expert_bias.nbytes() : 0);
+      }
     }
     held.units = mine;
+    if (l.ep > 1) {
+      // One pipeline step (the trainer's stages and schedule, 2 microbatches), counted on this stage's EP group.
+      torch::nn::Module& first = *plan.stages.front().module;
+      const fsdp::ProcessGroupPtr ep = ep_group_of(first);
+      EXPECT_TRUE(ep) << "no expert-parallel block in this rank's stage";
+      if (!ep) return held;
+      std::vector<fsdp::PipelineStage> stages;
+      for (size_t i = 0; i < plan.stages.size(); ++i)
+        stages.push_back({plan.stage_indices[i], plan.stages[i].module, nullptr, plan.stages[i].forward});
+      fsdp::PipelineOptions options;
+      options.microbatches = 2;
+      options.num_stages = plan.num_stages;
+      fsdp::Pipeline pipeline(std::move(stages), plan.pp_group,
+                              [](const at::Tensor& out, const at::Tensor&) { return out.sum(); }, options);
+      // A stage's data-parallel ranks get other batches, a TP group shares its batch.
+      const int dp_rank = world->rank() % static_cast<int>(world->size() / l.pp) / static_cast<int>(l.tp);
+      at::Generator gen = at::detail::createCPUGenerator(7 + dp_rank);
+      const at::Tensor tokens = at::randint(kVocab, {2, kSeq}, gen, at::TensorOptions().dtype(at::kLong));
+      fsdp::reset_comm_stats(*ep);
+      pipeline.step(tokens, tokens);
+      held.ep = ep_step(first, *ep);
+    }
     return held;
   }
+  // Expert parallelism: the EP group's counters over the step below (TP or FSDP).
+  const fsdp::ProcessGroupPtr ep = l.ep > 1 ? ep_group_of(*model.module) : nullptr;
+  EXPECT_EQ(static_cast<bool>(ep), l.ep > 1);
+  if (ep) fsdp::reset_comm_stats(*ep);
   if (l.tp > 1) {
     // One step of the real model counted on the TP group: the sequence-parallel activation collectives of every
     // block, the embedding and the output layer, and the replicated weights' gradient all-reduces. The loss here
@@ -123,9 +217,10 @@ Held shard_for_real(const Layout& l) {
     model.forward(tokens).sum().backward();
     held.tp_bytes = fsdp::comm_stats(tp);
     held.tp_stepped = true;
+    if (ep) held.ep = ep_step(*model.module, *ep);
     return held;
   }
-  if (l.replicate * l.shard() == 1) return held;
+  if (l.replicate * l.shard() * l.cp == 1) return held;
   // One step of the real model: forward (the root's and every block's all-gather), backward (re-gathers, the
   // reduce-scatters and HSDP's / DDP's all-reduces), counted on the data-parallel groups FSDP uses.
   std::vector<fsdp::ProcessGroupPtr> groups;
@@ -142,10 +237,12 @@ Held shard_for_real(const Layout& l) {
   }
   for (const auto& g : groups) fsdp::reset_comm_stats(*g);
   at::Generator gen = at::detail::createCPUGenerator(7 + world->rank());
-  const at::Tensor tokens = at::randint(kVocab, {2, kSeq}, gen, at::TensorOptions().dtype(at::kLong));
+  // Under CP the trainer feeds each rank its seq / cp tokens of every sequence (its chunks).
+  const at::Tensor tokens = at::randint(kVocab, {2, kSeq / l.cp}, gen, at::TensorOptions().dtype(at::kLong));
   model.forward(tokens).sum().backward();
   for (const auto& g : groups) held.fsdp_bytes = held.fsdp_bytes + fsdp::comm_stats(*g);
   held.stepped = true;
+  if (ep) held.ep = ep_step(*model.module, *ep);
   return held;
 }
 
@@ -160,11 +257,51 @@ fsdp::plan::Plan plan_of(const Layout& l) {
   c.tp = l.tp;
   c.ep = l.ep;
   c.pp = l.pp;
+  c.cp = l.cp;
   c.seq_len = kSeq;
   c.local_batch = 2;
   c.keep_last_block_unsharded = true;  // fsdp-train's default reshard policy
   if (l.pp > 1) c.microbatches = 2;
   return fsdp::plan::make_plan(c);
+}
+
+int pp_rank_of(const Layout& l) {
+  return fsdp::world()->rank() / (fsdp::world()->size() / static_cast<int>(l.pp));  // the pp dim is outermost
+}
+
+// The EP figures of the plan (docs/planner.md, "Communication of MoE blocks") against one counted step. Calls and
+// the count exchange do not depend on the routing; the dispatch and combine bytes do: the plan assumes balanced
+// routing (each of the T/tp x k rows a rank routes per MoE block and microbatch leaves it with probability
+// (ep-1)/ep), so its bytes per moved row are checked against the rows this step's routing really moved.
+void check_ep(const Layout& l, const fsdp::plan::Plan& p, const EpStep& ep) {
+  if (l.pp > 1 && pp_rank_of(l) != p.pipeline.planned_rank) return;  // Plan::comm is the planned pp rank's
+  const auto& cm = p.comm;
+  const int64_t k = p.config.args.moe_options().top_k;
+  const int64_t routed = ep.moe_layers * (2 * kSeq / l.cp / l.tp) * k;  // rows routed by this rank in the step
+  const int64_t balanced = routed * (l.ep - 1) / l.ep;            // of which leave it under balanced routing
+  ASSERT_GT(ep.moe_layers, 0);
+  ASSERT_GT(ep.rows_moved, 0);  // tokens did cross ranks
+  const int64_t rows_bytes = cm.ep_dispatch_bytes + cm.ep_combine_bytes;  // balanced x 2 directions x 2 passes
+  ASSERT_EQ(rows_bytes % (2 * balanced), 0) << rows_bytes << " bytes for " << balanced << " rows each way";
+  const int64_t per_row = rows_bytes / (2 * balanced);  // one row sent or received: forward and backward
+  EXPECT_EQ(ep.stats.all_to_all_calls, cm.ep_all_to_all_calls);
+  EXPECT_EQ(ep.stats.all_to_all_calls, 5 * ep.moe_layers * (l.pp > 1 ? 2 : 1));  // per block and microbatch
+  EXPECT_EQ(ep.stats.bytes_sent, cm.ep_count_bytes + per_row * ep.rows_moved)
+      << "counts " << cm.ep_count_bytes << " + " << per_row << " bytes x " << ep.rows_moved << " rows moved";
+  // The group's mean: each moved row is sent by one rank and received by another, so at most every routed row
+  // leaving (the bound); the plan's balanced figure is what a uniform router gives.
+  EXPECT_LE(ep.group_mean_bytes, static_cast<double>(cm.ep_count_bytes + per_row * 2 * routed));
+  EXPECT_GE(ep.group_mean_bytes, static_cast<double>(cm.ep_count_bytes));
+  // One line per layout, from the first rank of the pp rank checked.
+  const int per_pp = fsdp::world()->size() / static_cast<int>(l.pp);
+  if (fsdp::world()->rank() == (l.pp > 1 ? p.pipeline.planned_rank * per_pp : 0)) {
+    std::printf("[plan-vs-trainer] %s: ep all-to-all %lld calls, %lld bytes sent (plan: %lld calls, %lld bytes "
+                "under balanced routing; the ep group's mean %.0f, %+.1f%% against the plan)\n",
+                l.text().c_str(), static_cast<long long>(ep.stats.all_to_all_calls),
+                static_cast<long long>(ep.stats.bytes_sent), static_cast<long long>(cm.ep_all_to_all_calls),
+                static_cast<long long>(cm.ep_total_bytes), ep.group_mean_bytes,
+                100 * (ep.group_mean_bytes / static_cast<double>(cm.ep_total_bytes) - 1));
+  }
 }
 
 void check(const Layout& l) {
@@ -176,7 +313,7 @@ void check(const Layout& l) {
   if (l.pp > 1) {
     // This rank's stages only (pp rank = rank / (world / pp): the pp dim is outermost).
     units.clear();
-    const int pp_rank = fsdp::world()->rank() / (fsdp::world()->size() / static_cast<int>(l.pp));
+    const int pp_rank = pp_rank_of(l);
     for (const auto& st : p.pipeline.stages) {
       if (st.rank != pp_rank) continue;
       units.insert(units.end(), st.groups.begin(), st.groups.end());
@@ -199,12 +336,36 @@ void check(const Layout& l) {
   else EXPECT_EQ(total, p.num_params);
   EXPECT_GT(total, 0);
   // fsdp-train's start-up log line (its model's attention shape, attention_memory.h) gives the plan's attention
-  // bytes per block (float32, 2 x kSeq tokens, under PP one of the 2 microbatches; this rank's heads under TP).
+  // bytes per block (float32, 2 x kSeq tokens, under PP one of the 2 microbatches, under CP seq / cp of each
+  // sequence; this rank's heads under TP).
   const fsdp_train::AttentionShape& s = held.attention;
   ASSERT_GT(s.heads, 0);
-  const int64_t tokens = 2 * kSeq / (l.pp > 1 ? 2 : 1);
-  EXPECT_EQ(fsdp_train::attention_memory({s.heads / l.tp, s.qk_head_dim, s.v_head_dim}, tokens, 4, 1, true).saved,
-            p.memory.attention_saved_per_layer);
+  const int64_t tokens = 2 * kSeq / (l.pp > 1 ? 2 : 1) / l.cp;
+  const fsdp_train::AttentionMemory attention =
+      fsdp_train::attention_memory({s.heads / l.tp, s.qk_head_dim, s.v_head_dim}, tokens, 4, l.cp, true);
+  EXPECT_EQ(attention.saved, p.memory.attention_saved_per_layer);
+  EXPECT_EQ(attention.backward_in_flight, p.memory.attention_backward_in_flight);
+  EXPECT_EQ(p.memory.seq_per_rank, kSeq / l.cp);
+  if (l.pp > 1) {
+    // The MoE blocks' [E] buffers each stage holds (none for a dense model; under MoE fewer than the whole
+    // model's: each stage counts its own blocks').
+    int64_t whole = 0;
+    for (const auto& st : p.pipeline.stages) whole += st.buffer_bytes;
+    for (const auto& [stage, bytes] : held.stage_buffers) {
+      const auto& st = p.pipeline.stages.at(static_cast<size_t>(stage));
+      EXPECT_EQ(bytes, st.buffer_bytes) << "stage " << stage;
+      if (l.name == "qwen3") {
+        EXPECT_GT(bytes, 0) << "stage " << stage;
+        EXPECT_LT(bytes, whole) << "stage " << stage;
+      }
+    }
+    if (pp_rank_of(l) == p.pipeline.planned_rank) {
+      int64_t mine = 0;
+      for (const auto& [stage, bytes] : held.stage_buffers) mine += bytes;
+      EXPECT_EQ(p.memory.buffers, mine);
+    }
+  }
+  if (held.ep.stepped) check_ep(l, p, held.ep);
   if (held.tp_stepped) {
     // The TP dim's figures of the plan, less the loss's 3 all-reduces of [T] floats (T = 2 x kSeq tokens).
     const auto& cm = p.comm;
@@ -266,4 +427,16 @@ TEST(PlanShardsVsTrainer, MoEPipelineWithExpertParallel) {
 TEST(PlanShardsVsTrainer, MoEPipelineWithTensorAndExpertParallel) {
   if (!four()) GTEST_SKIP() << "4 ranks";
   check({"qwen3", "cpu_tiny_moe", 1, /*tp=*/2, /*ep=*/2, /*pp=*/2});
+}
+// Pipeline and context parallelism together (pp 2 x cp 2): each stage's FSDP over dp_shard x cp, a microbatch's
+// attention at seq / cp on each rank.
+TEST(PlanShardsVsTrainer, PipelineWithContextParallel) {
+  if (!four()) GTEST_SKIP() << "4 ranks";
+  check({"llama3", "cpu_tiny", 1, 1, 1, /*pp=*/2, /*cp=*/2});
+}
+// MoE with context parallelism and EP borrowing the cp ranks (cp 2 x ep 2 on 2 ranks, dp_shard 1): the experts'
+// placement, FSDP over dp_shard x cp, the EP all-to-alls of a real step on this rank's seq / cp tokens.
+TEST(PlanShardsVsTrainer, MoEContextParallelWithExpertParallel) {
+  if (!two()) GTEST_SKIP() << "2 ranks";
+  check({"qwen3", "cpu_tiny_moe", 1, 1, /*ep=*/2, 1, /*cp=*/2});
 }

@@ -614,7 +614,7 @@ TEST(PlanMoE, DenseQwen3CountsQkNorm) {
 }
 
 TEST(PlanMoE, BadOptionsSayWhy) {
-  EXPECT_TRUE(Contains(error_of(moe_config(6, 4)), "--ep 4 must divide --shard x --tp = 6"));
+  EXPECT_TRUE(Contains(error_of(moe_config(6, 4)), "--ep 4 must divide --shard x --cp x --tp = 6"));
   EXPECT_TRUE(Contains(error_of(moe_config(6, 3)), "--ep 3 must divide the 8 experts of qwen3 cpu_tiny_moe"));
   {
     PlanConfig c = config("cpu_tiny", 4);
@@ -755,4 +755,37 @@ TEST(PlanContextParallel, SequencePerRankAndAttentionMemoryByHand) {
   c.seq_len = 256;
   c.cp_rotate_method = "ring";
   EXPECT_TRUE(Contains(error_of(c), "--cp-rotate-method must be allgather or alltoall"));
+}
+
+TEST(PlanContextParallel, WithPipelineByHand) {
+  // pp 2 x cp 2 (llama3 cpu_tiny: dim 64, 4 heads of 16, 2 kv heads; 1F1B, 2 microbatches of one 256-token
+  // sequence): each microbatch holds 256 / cp = 128 tokens per rank, so the boundary tensor, the stage
+  // activations and the attention are those of a 128-token sequence without cp; FSDP inside each stage shards
+  // over shard x cp = 2 ranks, as pp 2 x shard 2 does; the ring's in-flight bytes join the backward.
+  PlanConfig c = pp_config("cpu_tiny", 2, "1F1B", 2);
+  c.seq_len = 256;
+  c.cp = 2;
+  c.cp_rotate_method = "alltoall";
+  const Plan p = make_plan(c);
+  PlanConfig half = pp_config("cpu_tiny", 2, "1F1B", 2, /*shard=*/2);
+  half.seq_len = 128;
+  const Plan q = make_plan(half);
+  EXPECT_EQ(p.pipeline.boundary_bytes, 128 * 64 * 4);
+  EXPECT_EQ(p.memory.seq_per_rank, 128);
+  // Saved attention of one block at 128 tokens: q, k, v (kv repeated to the 4 heads), output, fp32 lse.
+  EXPECT_EQ(p.memory.attention_saved_per_layer, 128 * (4 * (64 + 2 * 64 + 64) + 4 * 4));
+  EXPECT_EQ(p.memory.attention_saved_per_layer, q.memory.attention_saved_per_layer);
+  EXPECT_GT(p.memory.attention_backward_in_flight, 0);
+  EXPECT_EQ(q.memory.attention_backward_in_flight, 0);
+  ASSERT_EQ(p.pipeline.stages.size(), q.pipeline.stages.size());
+  for (size_t s = 0; s < p.pipeline.stages.size(); ++s) {
+    EXPECT_EQ(p.pipeline.stages[s].activation_bytes_per_microbatch, q.pipeline.stages[s].activation_bytes_per_microbatch);
+    EXPECT_EQ(p.pipeline.stages[s].shard_numel, q.pipeline.stages[s].shard_numel);
+  }
+  EXPECT_EQ(p.comm.all_gather_bytes, q.comm.all_gather_bytes);
+  EXPECT_EQ(p.comm.reduce_scatter_bytes, q.comm.reduce_scatter_bytes);
+  EXPECT_EQ(p.comm.pp_send_bytes, q.comm.pp_send_bytes);
+  // The peak at a backward carries the ring's in-flight bytes on top of what the cp-free plan holds there.
+  EXPECT_GE(p.memory.total, q.memory.total);
+  EXPECT_TRUE(Contains(format_plan(p), "pp 2 x replicate 1 x shard 1 x cp 2 x tp 1 = 4 ranks")) << format_plan(p);
 }
