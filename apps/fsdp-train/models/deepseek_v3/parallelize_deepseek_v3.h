@@ -15,7 +15,8 @@
 //              each stage this rank holds
 // Refused with a ConfigError naming the family, the flavor and the layout (check_layout): TP with PP together,
 // TP with the sequence balance loss (each TP rank routes a slice of the sequence), a TP degree not dividing the
-// heads, Hugging Face load/save on several ranks (the adapter needs the whole model).
+// heads. Hugging Face load/save (checkpoint.*_in_hf) runs in every layout accepted (the adapter's sharded path:
+// one tensor gathered at a time, each rank reading its own rows).
 
 #include "config.h"
 #include "parallel_dims.h"
