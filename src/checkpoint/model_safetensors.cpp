@@ -130,6 +130,36 @@ at::Tensor read_piece(const st::Reader& reader, const std::string& name, const S
   return rows.contiguous();
 }
 
+// This rank's piece of `t`, a model tensor stored as one file tensor per index of its dim 0 (`names`, located by
+// `where`): the tensors of the piece's own indices, each read for the piece's rows of its dim 1 only and narrowed
+// along the others, stacked.
+at::Tensor read_stacked_piece(std::map<std::string, std::unique_ptr<st::Reader>>& readers,
+                              const std::map<std::string, std::string>& where, const std::vector<std::string>& names,
+                              const std::string& key, const ShardedTensor& t, int64_t& bytes) {
+  const at::Tensor& local = t.local();
+  const std::vector<int64_t> offset = t.local_offset();
+  const std::vector<int64_t> row_shape(t.sizes().begin() + 1, t.sizes().end());
+  std::vector<at::Tensor> rows;
+  for (int64_t i = 0; i < local.size(0); ++i) {
+    const std::string& name = names[static_cast<size_t>(offset[0] + i)];
+    const std::string& file = where.at(name);
+    auto& reader = readers[file];
+    if (!reader) reader = std::make_unique<st::Reader>(file);
+    const st::TensorInfo& info = reader->info(name);
+    TORCH_CHECK(info.shape == row_shape, "import_safetensors: '", name, "' in ", file, " has shape ",
+                c10::IntArrayRef(info.shape), " but is index ", offset[0] + i, " of the model's '", key, "' (",
+                c10::IntArrayRef(t.sizes()), "): expected ", c10::IntArrayRef(row_shape));
+    at::Tensor row = t.dim() > 1 ? reader->read_rows(name, offset[1], local.size(1)) : reader->read(name);
+    bytes += row.nbytes();
+    for (int64_t d = 2; d < t.dim(); ++d) {
+      if (local.size(d) != row.size(d - 1)) row = row.narrow(d - 1, offset[d], local.size(d));
+    }
+    rows.push_back(row);
+  }
+  if (rows.empty()) return at::empty(local.sizes(), local.options().device(at::kCPU));
+  return at::stack(rows).contiguous();
+}
+
 }  // namespace
 
 SafetensorsExportResult export_safetensors(torch::nn::Module& root, const std::string& dir,
@@ -245,6 +275,17 @@ SafetensorsExportResult export_safetensors(torch::nn::Module& root, const std::s
   const std::vector<FileEntry> entries = plan_entries(keys, tensors, options, adapter);
   std::vector<st::TensorSpec> specs;
   for (const auto& e : entries) specs.push_back(e.spec);
+  // Tensors no model key holds follow the model's (written by the writer alone: no collective).
+  std::vector<at::Tensor> extras;
+  for (const auto& [name, t] : adapter.extra_tensors) {
+    for (const auto& spec : specs) {
+      TORCH_CHECK(spec.name != name, "export_safetensors: the extra tensor '", name, "' is also a model tensor's name");
+    }
+    at::Tensor x = t.detach().to(at::kCPU).contiguous();
+    if (options.dtype && at::isFloatingType(x.scalar_type())) x = x.to(*options.dtype);
+    specs.push_back({name, x.scalar_type(), x.sizes().vec()});
+    extras.push_back(x);
+  }
   const std::vector<st::FilePlan> files = st::plan_files(specs, options.max_file_bytes);
   std::map<std::string, std::string> metadata = options.metadata;
   metadata.emplace("format", "pt");
@@ -297,6 +338,7 @@ SafetensorsExportResult export_safetensors(torch::nn::Module& root, const std::s
   auto gather = [&](size_t k) {
     TORCH_CHECK(k == next, "export_safetensors: internal error: tensor ", k, " gathered out of order");
     ++next;
+    if (k >= entries.size()) return extras[k - entries.size()];
     const FileEntry& e = entries[k];
     at::Tensor full;
     if (e.parts.size() == 1) {
@@ -370,8 +412,21 @@ SafetensorsImportResult import_safetensors(torch::nn::Module& root, const std::s
     const ShardedStateDict current = state_with_parts(root, options.parts, held);
     std::map<std::string, std::string> file_name;  // model key -> file tensor
     std::map<std::string, FileSlice> slice_of;     // model key -> its slice of file_name[key] (FileSlice keys)
+    std::map<std::string, std::vector<std::string>> stack_of;  // model key -> a file tensor per dim-0 index
     std::set<std::string> wanted;
     for (const auto& [name, t] : current) {
+      std::vector<std::string> stack =
+          adapter.file_stack && t.dim() > 0 ? adapter.file_stack(name, t.sizes()[0]) : std::vector<std::string>{};
+      if (!stack.empty()) {
+        TORCH_CHECK(static_cast<int64_t>(stack.size()) == t.sizes()[0], "import_safetensors: '", name, "': ",
+                    stack.size(), " file tensors for its ", t.sizes()[0], " rows");
+        for (const auto& f : stack) {
+          wanted.insert(f);
+          if (!where.count(f)) result.missing.push_back(f);
+        }
+        stack_of.emplace(name, std::move(stack));
+        continue;
+      }
       std::optional<FileSlice> slice = adapter.file_slice ? adapter.file_slice(name) : std::nullopt;
       if (slice) slice_of.emplace(name, *slice);
       std::optional<std::string> f =
@@ -397,6 +452,18 @@ SafetensorsImportResult import_safetensors(torch::nn::Module& root, const std::s
       auto fn = file_name.find(name);
       auto w = fn == file_name.end() ? where.end() : where.find(fn->second);
       if (!held.at(name)) continue;  // another pipeline stage's: read by the ranks holding it
+      if (auto stack = stack_of.find(name); stack != stack_of.end()) {
+        const bool complete = std::all_of(stack->second.begin(), stack->second.end(),
+                                          [&](const std::string& f) { return where.count(f) > 0; });
+        if (!complete) {
+          loaded.emplace(name, t);  // non-strict: keeps its value
+          continue;
+        }
+        at::Tensor piece = read_stacked_piece(readers, where, stack->second, name, t, result.bytes_read);
+        loaded.emplace(name, ShardedTensor::from_local(piece.to(t.local().options()), t.mesh(), t.placements(),
+                                                       t.sizes()));
+        continue;
+      }
       if (w == where.end()) {
         loaded.emplace(name, t);  // non-strict: keeps its value
         continue;

@@ -31,6 +31,10 @@ struct KeyAdapter {
   // gathers the keys of one file tensor one after the other and writes their concatenation, which must cover the
   // file tensor from 0 without gaps; import reads each rank's piece of each slice (its own rows only).
   std::function<std::optional<FileSlice>(const std::string& key)> file_slice;
+  // Import: a model key stored as one file tensor per index of its dim 0, `rows` of them (Hugging Face's
+  // per-expert layout: experts.w1 [E, F, D] is mlp.experts.<j>.gate_proj.weight [F, D], j < E): each index's
+  // tensor name (asked first; empty: not stored so). Each rank reads the tensors of its own indices only.
+  std::function<std::vector<std::string>(const std::string& key, int64_t rows)> file_stack;
   // Export: the full model tensor -> what the file holds (e.g. a row permutation). Null: unchanged.
   std::function<at::Tensor(const std::string& key, const at::Tensor& full)> to_file;
   // Import: for model rows [begin, begin + count) of `key`, the file row holding each (in model order). Null
@@ -38,6 +42,9 @@ struct KeyAdapter {
   std::function<std::vector<int64_t>(const std::string& key, int64_t begin, int64_t count)> file_rows;
   // Import: file tensors that are expected extras (not reported as unexpected), e.g. a tied lm_head.
   std::function<bool(const std::string& file_name)> ignorable;
+  // Export: tensors that are no model key (name -> a CPU tensor), written by the writer after the model's; for
+  // small ones (DeepSeek-V3's zero e_score_correction_bias of a model without load balancing).
+  std::vector<std::pair<std::string, at::Tensor>> extra_tensors;
   // Export: extra files written with the tensors (name -> content), e.g. config.json.
   std::vector<std::pair<std::string, std::string>> extra_files;
 };

@@ -284,6 +284,87 @@ bool import_experts(const char* who, FileTensors& files, const std::string& pref
   return true;
 }
 
+bool is_expert_key(const std::string& key) {
+  auto l = split_layer(key, "layers.");
+  return l && l->second.compare(0, 12, "moe.experts.") == 0;
+}
+
+bool is_expert_bias_key(const std::string& key) {
+  auto l = split_layer(key, "layers.");
+  return l && l->second == "moe.expert_bias";
+}
+
+std::string experts_prefix(int64_t layer) { return "model.layers." + std::to_string(layer) + ".mlp.experts."; }
+
+std::function<std::optional<checkpoint::detail::FileSlice>(const std::string&)> stacked_expert_slices(
+    int64_t expert_hidden) {
+  const int64_t F = expert_hidden;
+  return [F](const std::string& key) -> std::optional<checkpoint::detail::FileSlice> {
+    auto l = split_layer(key, "layers.");
+    if (!l || l->second.compare(0, 12, "moe.experts.") != 0) return std::nullopt;
+    const std::string prefix = "model.layers." + l->first + ".mlp.experts.";
+    if (l->second == "moe.experts.w1") return checkpoint::detail::FileSlice{prefix + "gate_up_proj", 1, 0};
+    if (l->second == "moe.experts.w3") return checkpoint::detail::FileSlice{prefix + "gate_up_proj", 1, F};
+    if (l->second == "moe.experts.w2") return checkpoint::detail::FileSlice{prefix + "down_proj", 0, 0};
+    return std::nullopt;
+  };
+}
+
+SafetensorsExportResult export_sharded(const char* who, torch::nn::Module& model, const std::string& dir,
+                                       const SafetensorsExportOptions& options, const KeyToFile& to_hf,
+                                       const std::function<bool(const std::string&)>& skip, int64_t expert_hidden,
+                                       const std::string& config_text,
+                                       std::vector<std::pair<std::string, at::Tensor>> extra_tensors) {
+  checkpoint::detail::KeyAdapter adapter;
+  adapter.file_name = [who, to_hf, skip](const std::string& key) -> std::optional<std::string> {
+    if (skip && skip(key)) return std::nullopt;
+    auto hf = to_hf(key);
+    TORCH_CHECK(hf, who, ": '", key, "' is not a weight the Hugging Face adapter knows");
+    return hf;
+  };
+  if (expert_hidden > 0) adapter.file_slice = stacked_expert_slices(expert_hidden);
+  adapter.extra_tensors = std::move(extra_tensors);
+  adapter.extra_files.emplace_back("config.json", config_text);
+  return checkpoint::detail::export_safetensors(model, dir, options, adapter);
+}
+
+SafetensorsImportResult import_sharded(const char* who, torch::nn::Module& model, const FileTensors& files,
+                                       checkpoint::detail::KeyAdapter adapter, const SafetensorsImportOptions& options,
+                                       const std::function<bool(const std::string&)>& skip,
+                                       const std::vector<int64_t>& moe_layers, int64_t expert_hidden) {
+  // Per layer, the experts' layout in the files: transformers 5's stacked tensors (each rank reads its rows of
+  // them), or one tensor per expert and projection (save_pretrained's, the hub's: each rank reads its experts').
+  std::set<std::string> per_expert;  // layer ids
+  for (int64_t layer : moe_layers) {
+    const std::string prefix = experts_prefix(layer);
+    if (!files.has(prefix + "gate_up_proj") && files.has(prefix + "0.gate_proj.weight")) {
+      per_expert.insert(std::to_string(layer));
+    }
+  }
+  if (!moe_layers.empty()) adapter.file_slice = stacked_expert_slices(expert_hidden);
+  if (!per_expert.empty()) {
+    adapter.file_stack = [per_expert](const std::string& key, int64_t experts) {
+      std::vector<std::string> names;
+      auto l = split_layer(key, "layers.");
+      if (!l || !per_expert.count(l->first)) return names;
+      const char* proj = l->second == "moe.experts.w1"   ? "gate_proj"
+                         : l->second == "moe.experts.w3" ? "up_proj"
+                         : l->second == "moe.experts.w2" ? "down_proj"
+                                                         : nullptr;
+      if (!proj) return names;
+      const std::string prefix = "model.layers." + l->first + ".mlp.experts.";
+      for (int64_t j = 0; j < experts; ++j) names.push_back(prefix + std::to_string(j) + "." + proj + ".weight");
+      return names;
+    };
+  }
+  if (skip) {
+    adapter.file_name = [name = adapter.file_name, skip](const std::string& key) -> std::optional<std::string> {
+      return skip(key) ? std::nullopt : name(key);
+    };
+  }
+  return checkpoint::detail::import_safetensors(model, files.path(), options, adapter);
+}
+
 void finish_whole_import(const char* who, const std::string& path, const FileTensors& files,
                          const std::set<std::string>& used, const checkpoint::detail::KeyAdapter& adapter,
                          const SafetensorsImportOptions& options, SafetensorsImportResult& r) {

@@ -1,6 +1,7 @@
 #pragma once
-// What the Hugging Face adapters (hf_llama.cpp, hf_qwen3.cpp) share: the decoder's common tensor names, layer
-// key parsing, config.json checks, and the one-process (no fully_shard) export and import.
+// What the Hugging Face adapters (hf_llama.cpp, hf_qwen3.cpp, hf_deepseek_v3.cpp) share: the decoder's common
+// tensor names, layer key parsing, config.json checks, the one-process (no fully_shard) export and import, and the
+// sharded ones (one tensor gathered at a time; each rank reading its own rows; the MoE experts as slices).
 
 #include "checkpoint/model_safetensors_impl.h"
 
@@ -179,6 +180,55 @@ void append_stacked_experts(std::vector<std::pair<std::string, at::Tensor>>& ten
 // `used` and their bytes into r.bytes_read.
 bool import_experts(const char* who, FileTensors& files, const std::string& prefix, const std::string& ours,
                     nn::moe::GroupedExpertsImpl& experts, std::set<std::string>& used, SafetensorsImportResult& r);
+
+// ---- Sharded models (fully_shard: FSDP, HSDP, DDP, EP, TP; pipeline stages in options.parts) ----
+// Both MoE adapters (Qwen3-MoE, DeepSeek-V3) keep their routed experts under the same names on both sides:
+// ours layers.<i>.moe.experts.{w1,w2,w3}, Hugging Face's model.layers.<i>.mlp.experts.{gate_up_proj,down_proj}.
+
+// "layers.<i>.moe.experts.*": the stacked expert weights (mapped per layer, not by name).
+bool is_expert_key(const std::string& key);
+// "layers.<i>.moe.expert_bias": the load-balancing bias buffer.
+bool is_expert_bias_key(const std::string& key);
+// "model.layers.<i>.mlp.experts.": where Hugging Face keeps layer i's routed experts.
+std::string experts_prefix(int64_t layer);
+// The layer ids of a model's MoE blocks (any model whose blocks() have layer_id and moe).
+template <typename Model>
+std::vector<int64_t> moe_layer_ids(Model& model) {
+  std::vector<int64_t> ids;
+  for (auto& block : model.blocks()) {
+    if (block->moe) ids.push_back(block->layer_id);
+  }
+  return ids;
+}
+
+// The routed experts (hidden size `expert_hidden`, F) as slices of transformers 5's stacked tensors: w1 and w3
+// are rows [0, F) and [F, 2F) of gate_up_proj [E, 2F, D] (dim 1), w2 is all of down_proj [E, D, F]. Gathered
+// (export) or read (import) one key at a time: the writer holds at most one layer's w1 and w3 (and their
+// concatenation) whole, and an importing rank reads only its own experts' rows.
+std::function<std::optional<checkpoint::detail::FileSlice>(const std::string&)> stacked_expert_slices(
+    int64_t expert_hidden);
+
+// Export of a sharded model through the streaming path (<fsdp/checkpoint/model_safetensors.h>): one tensor
+// gathered at a time (under PP by its stage's ranks, sent to rank 0), rank 0 writing it before the next. Keys
+// for which `skip` (may be null) is true are not written; the others are named by `to_hf` (an error naming a key
+// it does not know), the routed experts as stacked_expert_slices when `expert_hidden` > 0. `extra_tensors`:
+// tensors no model key holds (small: DeepSeek-V3's zero e_score_correction_bias of a model without load
+// balancing), written by rank 0 after the model's. config_text is written as config.json.
+SafetensorsExportResult export_sharded(const char* who, torch::nn::Module& model, const std::string& dir,
+                                       const SafetensorsExportOptions& options, const KeyToFile& to_hf,
+                                       const std::function<bool(const std::string&)>& skip, int64_t expert_hidden,
+                                       const std::string& config_text,
+                                       std::vector<std::pair<std::string, at::Tensor>> extra_tensors = {});
+
+// Import into a sharded model: every rank reads only its own rows (under PP: of its stages, options.parts)
+// through `adapter` (import_adapter's names), keys for which `skip` (may be null) is true left as they are, the
+// routed experts of `moe_layers` (layer ids, hidden size `expert_hidden`) as slices of the stacked tensors or,
+// for a layer whose files hold one tensor per expert and projection (save_pretrained's, the hub's:
+// {j}.{gate,up,down}_proj.weight), each rank reading the tensors of its own experts only (KeyAdapter::file_stack).
+SafetensorsImportResult import_sharded(const char* who, torch::nn::Module& model, const FileTensors& files,
+                                       checkpoint::detail::KeyAdapter adapter, const SafetensorsImportOptions& options,
+                                       const std::function<bool(const std::string&)>& skip,
+                                       const std::vector<int64_t>& moe_layers, int64_t expert_hidden);
 
 // After import_whole_model and any tensors read apart: file tensors neither `used` nor ignorable go to
 // r.unexpected, an error naming them on a strict load (as import_safetensors on any number of ranks).

@@ -47,6 +47,8 @@ const std::vector<common::NamePair>& layer_names() {
       {"feed_forward.w2.weight", "mlp.down_proj.weight"},
       {"feed_forward.w3.weight", "mlp.up_proj.weight"},
       {"moe.router.gate.weight", "mlp.gate.weight"},
+      // A buffer: named here for the sharded path (its state holds buffers); the whole-model path maps it apart.
+      {"moe.expert_bias", "mlp.gate.e_score_correction_bias"},
       {"moe.shared_experts.w1.weight", "mlp.shared_experts.gate_proj.weight"},
       {"moe.shared_experts.w2.weight", "mlp.shared_experts.down_proj.weight"},
       {"moe.shared_experts.w3.weight", "mlp.shared_experts.up_proj.weight"},
@@ -56,11 +58,6 @@ const std::vector<common::NamePair>& layer_names() {
 
 std::optional<std::string> to_hf_name(const std::string& key) { return common::to_hf(key, top_names(), layer_names()); }
 
-bool is_expert_key(const std::string& key) {
-  auto l = common::split_layer(key, "layers.");
-  return l && l->second.compare(0, 12, "moe.experts.") == 0;
-}
-
 std::string mlp_prefix(int64_t layer) { return "model.layers." + std::to_string(layer) + ".mlp."; }
 
 std::string num(double v) {
@@ -69,17 +66,15 @@ std::string num(double v) {
   return os.str();
 }
 
-// The whole model must be in this process: no fully_shard, every expert here.
-void check_whole(const char* who, ds::DeepSeekV3Impl& model) {
-  TORCH_CHECK(!common::uses_fully_shard(model), who, ": the model is FSDP-sharded; the DeepSeek-V3 Hugging Face ",
-              "adapter needs the whole model in this process for now (import before fully_shard; export an ",
-              "unsharded copy, e.g. from a DCP checkpoint)");
+// An unsharded model must hold every expert (expert parallelism without fully_shard leaves each process a slice
+// and nothing to gather them with).
+void check_every_expert(const char* who, ds::DeepSeekV3Impl& model) {
   for (auto& block : model.blocks()) {
     if (!block->moe) continue;
     const int64_t E = block->moe->options().num_experts;
     TORCH_CHECK(block->moe->experts->w1.size(0) == E, who, ": layer ", block->layer_id, " holds ",
-                block->moe->experts->w1.size(0), " of its ", E, " experts (split by expert parallelism?); the ",
-                "Hugging Face adapter needs every expert in this process");
+                block->moe->experts->w1.size(0), " of its ", E, " experts (split by expert parallelism without ",
+                "fully_shard?); the Hugging Face adapter needs every expert in this process or a sharded model");
   }
 }
 
@@ -293,27 +288,41 @@ std::string deepseek_v3_config_json(const ds::DeepSeekV3Args& a, const std::stri
 
 SafetensorsExportResult export_deepseek_v3(ds::DeepSeekV3Impl& model, const std::string& dir,
                                            const SafetensorsExportOptions& options) {
-  check_whole("export_deepseek_v3", model);
-  const std::string config = deepseek_v3_config_json(model.args(), common::dtype_name(options.dtype));
-  auto tensors = common::whole_model_tensors("export_deepseek_v3", model, to_hf_name, nullptr, is_expert_key);
+  const ds::DeepSeekV3Args& args = model.args();
+  const std::string config = deepseek_v3_config_json(args, common::dtype_name(options.dtype));
+  const int64_t E = args.moe.num_experts;
+  // The load-balancing bias is the router's e_score_correction_bias (a float32 buffer there too); a model
+  // without load balancing exports zeros, which is what transformers' router then adds.
+  auto zero_bias = [E] { return at::zeros({E}, at::kFloat); };
+  if (common::uses_fully_shard(model)) {
+    // Sharded (FSDP, HSDP, DDP, EP, TP, pipeline stages): one tensor gathered at a time, the experts as slices of
+    // the stacked tensors, the bias buffer by name (replicated: no gather); zeros written for a model without one.
+    std::vector<std::pair<std::string, at::Tensor>> zeros;
+    for (auto& block : model.blocks()) {
+      if (block->moe && !block->moe->expert_bias.defined()) {
+        zeros.emplace_back(mlp_prefix(block->layer_id) + "gate.e_score_correction_bias", zero_bias());
+      }
+    }
+    return common::export_sharded("export_deepseek_v3", model, dir, options, to_hf_name, nullptr,
+                                  common::moe_layer_ids(model).empty() ? 0 : args.moe.hidden, config, std::move(zeros));
+  }
+  check_every_expert("export_deepseek_v3", model);
+  auto tensors = common::whole_model_tensors("export_deepseek_v3", model, to_hf_name, nullptr, common::is_expert_key);
   for (auto& block : model.blocks()) {
     if (!block->moe) continue;
-    const auto& e = block->moe->experts;
     const std::string p = mlp_prefix(block->layer_id);
-    common::append_stacked_experts(tensors, p + "experts.", *e);
-    // The load-balancing bias is the router's e_score_correction_bias (a float32 buffer there too); a model
-    // without load balancing exports zeros, which is what transformers' router then adds.
-    const at::Tensor bias = block->moe->expert_bias.defined()
-                                ? block->moe->expert_bias.detach().to(at::kCPU)
-                                : at::zeros({block->moe->options().num_experts}, at::kFloat);
-    tensors.emplace_back(p + "gate.e_score_correction_bias", bias);
+    common::append_stacked_experts(tensors, common::experts_prefix(block->layer_id), *block->moe->experts);
+    tensors.emplace_back(p + "gate.e_score_correction_bias", block->moe->expert_bias.defined()
+                                                                   ? block->moe->expert_bias.detach().to(at::kCPU)
+                                                                   : zero_bias());
   }
   return common::write_whole_model(dir, std::move(tensors), options, config);
 }
 
 SafetensorsImportResult import_deepseek_v3(ds::DeepSeekV3Impl& model, const std::string& path,
                                            const SafetensorsImportOptions& options) {
-  check_whole("import_deepseek_v3", model);
+  const bool sharded = common::uses_fully_shard(model);
+  if (!sharded) check_every_expert("import_deepseek_v3", model);
   const fs::path dir = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
   if (fs::is_regular_file(dir / "config.json")) {
     const ds::DeepSeekV3Args cfg = read_deepseek_v3_config((dir / "config.json").string());
@@ -328,8 +337,7 @@ SafetensorsImportResult import_deepseek_v3(ds::DeepSeekV3Impl& model, const std:
   detail::KeyAdapter adapter = common::import_adapter("import_deepseek_v3", to_hf_name, /*files_have_lm_head=*/true,
                                                       /*model_tied=*/false, /*lm_head_from_embeddings=*/false);
   std::set<std::string> used;
-  SafetensorsImportResult r = common::import_whole_model("import_deepseek_v3", model, files, adapter, options,
-                                                         nullptr, is_expert_key, used);
+  SafetensorsImportResult r;
   c10::NoGradGuard no_grad;
   auto read = [&](const std::string& name) {
     used.insert(name);
@@ -337,9 +345,34 @@ SafetensorsImportResult import_deepseek_v3(ds::DeepSeekV3Impl& model, const std:
     r.bytes_read += t.nbytes();
     return t;
   };
+  // A model without load balancing routes without a bias: only an all-zero one loads into it (read whole: [E]).
+  std::set<std::string> zero_biases;
+  for (auto& block : model.blocks()) {
+    const std::string bias_name = mlp_prefix(block->layer_id) + "gate.e_score_correction_bias";
+    if (!block->moe || block->moe->expert_bias.defined() || !files.has(bias_name)) continue;
+    const at::Tensor bias = read(bias_name);
+    TORCH_CHECK(bias.eq(0).all().item<bool>(), "import_deepseek_v3 from ", path, ": '", bias_name, "' is not zero ",
+                "but the model has no load-balancing bias (load_balance_coeff unset) to hold it");
+    zero_biases.insert(bias_name);
+  }
+  if (sharded) {
+    // Each rank reads its own rows (under PP: of its stages); the bias buffer by name, the experts as slices.
+    adapter.ignorable = [ignorable = adapter.ignorable, zero_biases](const std::string& name) {
+      return zero_biases.count(name) > 0 || ignorable(name);
+    };
+    SafetensorsImportResult sharded_result =
+        common::import_sharded("import_deepseek_v3", model, files, adapter, options, nullptr,
+                               common::moe_layer_ids(model), model.args().moe.hidden);
+    sharded_result.bytes_read += r.bytes_read;
+    return sharded_result;
+  }
+  SafetensorsImportResult whole = common::import_whole_model("import_deepseek_v3", model, files, adapter, options,
+                                                             nullptr, common::is_expert_key, used);
+  whole.bytes_read += r.bytes_read;
+  r = std::move(whole);
   for (auto& block : model.blocks()) {
     if (!block->moe) continue;
-    const std::string p = mlp_prefix(block->layer_id), experts = p + "experts.";
+    const std::string p = mlp_prefix(block->layer_id), experts = common::experts_prefix(block->layer_id);
     const std::string ours = "layers." + std::to_string(block->layer_id) + ".moe.experts";
     if (!common::import_experts("import_deepseek_v3", files, experts, ours, *block->moe->experts, used, r)) {
       TORCH_CHECK(!options.strict, "import_deepseek_v3 from ", path, ": the experts of layer ", block->layer_id,
@@ -348,18 +381,14 @@ SafetensorsImportResult import_deepseek_v3(ds::DeepSeekV3Impl& model, const std:
       r.missing.push_back(experts + "down_proj");
     }
     const std::string bias_name = p + "gate.e_score_correction_bias";
+    if (!block->moe->expert_bias.defined()) continue;  // zero (checked above) or absent: nothing to hold
     if (!files.has(bias_name)) {
       TORCH_CHECK(!options.strict, "import_deepseek_v3 from ", path, ": '", bias_name, "' (for 'layers.",
                   block->layer_id, ".moe.expert_bias') is missing");
       r.missing.push_back(bias_name);
-    } else if (block->moe->expert_bias.defined()) {
+    } else {
       common::copy_checked("import_deepseek_v3", bias_name, "layers." + std::to_string(block->layer_id) +
                            ".moe.expert_bias", block->moe->expert_bias, read(bias_name));
-    } else {
-      // A model without load balancing routes without a bias: only an all-zero one loads into it.
-      const at::Tensor bias = read(bias_name);
-      TORCH_CHECK(bias.eq(0).all().item<bool>(), "import_deepseek_v3 from ", path, ": '", bias_name, "' is not zero ",
-                  "but the model has no load-balancing bias (load_balance_coeff unset) to hold it");
     }
   }
   common::finish_whole_import("import_deepseek_v3", path, files, used, adapter, options, r);

@@ -35,12 +35,6 @@ const std::vector<common::NamePair>& qwen3_layer_names() {
   return names;
 }
 
-// Keys of the stacked expert weights (mapped per layer, not by name) and of the bias buffer (no HF name).
-bool is_expert_key(const std::string& key) {
-  auto l = common::split_layer(key, "layers.");
-  return l && l->second.compare(0, 12, "moe.experts.") == 0;
-}
-
 // What a Qwen3 config.json can express; the adapter refuses anything else rather than export a model that
 // transformers would compute differently.
 void check_is_qwen3(const char* who, const llama::LlamaArgs& a) {
@@ -62,32 +56,6 @@ bool check_config(const std::string& path, const llama::LlamaArgs& a) {
   const common::ParsedConfig parsed = common::parse_config(config, a.moe ? "qwen3_moe" : "qwen3");
   common::check_config_matches(config, parsed, a, /*untied_model_may_load_tied=*/false);
   return parsed.args.tie_embeddings;
-}
-
-std::string layer_prefix(int64_t i) { return "model.layers." + std::to_string(i) + ".mlp.experts."; }
-
-// A sharded model's routed experts as slices of transformers 5's stacked tensors: w1 and w3 are rows [0, F) and
-// [F, 2F) of gate_up_proj [E, 2F, D] (dim 1), w2 is all of down_proj [E, D, F]. Gathered (export) or read
-// (import) one key at a time: the writer holds at most one layer's w1 and w3 (and their concatenation) whole,
-// and an importing rank reads only its own experts' rows.
-std::function<std::optional<detail::FileSlice>(const std::string&)> expert_slices(const llama::LlamaArgs& args) {
-  const int64_t F = args.moe ? args.moe_options().hidden : 0;
-  return [F](const std::string& key) -> std::optional<detail::FileSlice> {
-    auto l = common::split_layer(key, "layers.");
-    if (!l) return std::nullopt;
-    const std::string prefix = "model.layers." + l->first + ".mlp.experts.";
-    if (l->second == "moe.experts.w1") return detail::FileSlice{prefix + "gate_up_proj", 1, 0};
-    if (l->second == "moe.experts.w3") return detail::FileSlice{prefix + "gate_up_proj", 1, F};
-    if (l->second == "moe.experts.w2") return detail::FileSlice{prefix + "down_proj", 0, 0};
-    return std::nullopt;
-  };
-}
-
-// The load-balancing bias: a buffer of ours that Qwen3-MoE has no tensor for (it only steers training; TorchTitan's
-// Qwen3 adapter drops it too).
-bool is_expert_bias_key(const std::string& key) {
-  auto l = common::split_layer(key, "layers.");
-  return l && l->second == "moe.expert_bias";
 }
 
 }  // namespace
@@ -124,20 +92,13 @@ SafetensorsExportResult export_qwen3(llama::TransformerImpl& model, const std::s
   check_is_qwen3("export_qwen3", args);
   const std::string config = qwen3_config_json(args, common::dtype_name(options.dtype));
   if (common::uses_fully_shard(model)) {
-    // Sharded (FSDP, EP, TP, pipeline stages): gathered one tensor at a time, the experts as slices.
-    detail::KeyAdapter adapter;
-    adapter.file_name = [](const std::string& key) -> std::optional<std::string> {
-      if (is_expert_bias_key(key)) return std::nullopt;
-      auto hf = qwen3_to_hf_name(key);
-      TORCH_CHECK(hf, "export_qwen3: '", key, "' is not a weight the Hugging Face adapter knows");
-      return hf;
-    };
-    if (args.moe) adapter.file_slice = expert_slices(args);
-    adapter.extra_files.emplace_back("config.json", config);
-    return detail::export_safetensors(model, dir, options, adapter);
+    // Sharded (FSDP, EP, TP, pipeline stages): gathered one tensor at a time, the experts as slices; the
+    // load-balancing bias has no Hugging Face tensor (TorchTitan's Qwen3 adapter drops it too).
+    return common::export_sharded("export_qwen3", model, dir, options, qwen3_to_hf_name, common::is_expert_bias_key,
+                                  args.moe ? args.moe_options().hidden : 0, config);
   }
   // Whole model: names by table, then per MoE layer the stacked experts in transformers 5's layout.
-  auto tensors = common::whole_model_tensors("export_qwen3", model, qwen3_to_hf_name, nullptr, is_expert_key);
+  auto tensors = common::whole_model_tensors("export_qwen3", model, qwen3_to_hf_name, nullptr, common::is_expert_key);
   for (auto& block : model.blocks()) {
     if (!block->moe) continue;
     const auto& e = block->moe->experts;
@@ -147,7 +108,7 @@ SafetensorsExportResult export_qwen3(llama::TransformerImpl& model, const std::s
     TORCH_CHECK(e->w1.size(0) == E && e->w2.size(0) == E && e->w3.size(0) == E, "export_qwen3: layer ",
                 block->layer_id, " holds ", e->w1.size(0), " of its ", E, " experts (split by expert parallelism?); ",
                 "the Hugging Face export needs every expert in this process");
-    common::append_stacked_experts(tensors, layer_prefix(block->layer_id), *e);
+    common::append_stacked_experts(tensors, common::experts_prefix(block->layer_id), *e);
   }
   return common::write_whole_model(dir, std::move(tensors), options, config);
 }
@@ -166,32 +127,16 @@ SafetensorsImportResult import_qwen3(llama::TransformerImpl& model, const std::s
   detail::KeyAdapter adapter = common::import_adapter("import_qwen3", qwen3_to_hf_name, has_lm_head,
                                                       args.tie_embeddings, /*lm_head_from_embeddings=*/config_tied);
   if (common::uses_fully_shard(model)) {
-    if (args.moe) {
-      // Each rank reads its own rows of the stacked experts; the per-expert layout (the hub's) is read by the
-      // one-process import below (then fully_shard), not by ranks holding pieces of the stacked tensors.
-      for (auto& block : model.blocks()) {
-        if (!block->moe) continue;
-        const std::string prefix = layer_prefix(block->layer_id);
-        TORCH_CHECK(files.has(prefix + "gate_up_proj") || !files.has(prefix + "0.gate_proj.weight"), "import_qwen3 from ",
-                    path, ": the experts of layer ", block->layer_id, " are stored one tensor per expert ('", prefix,
-                    "0.gate_proj.weight', ...); a sharded model reads transformers 5's stacked '", prefix,
-                    "gate_up_proj' / 'down_proj' (import on one process, or save the model with transformers 5)");
-      }
-      adapter.file_slice = expert_slices(args);
-      auto name = adapter.file_name;
-      adapter.file_name = [name](const std::string& key) -> std::optional<std::string> {
-        return is_expert_bias_key(key) ? std::nullopt : name(key);
-      };
-    }
-    return detail::import_safetensors(model, path, options, adapter);
+    return common::import_sharded("import_qwen3", model, files, adapter, options, common::is_expert_bias_key,
+                                  common::moe_layer_ids(model), args.moe ? args.moe_options().hidden : 0);
   }
   std::set<std::string> used;
   SafetensorsImportResult r =
-      common::import_whole_model("import_qwen3", model, files, adapter, options, nullptr, is_expert_key, used);
+      common::import_whole_model("import_qwen3", model, files, adapter, options, nullptr, common::is_expert_key, used);
   // Per MoE layer: transformers 5's stacked gate_up_proj / down_proj, or one tensor per expert and projection.
   for (auto& block : model.blocks()) {
     if (!block->moe) continue;
-    const std::string prefix = layer_prefix(block->layer_id);
+    const std::string prefix = common::experts_prefix(block->layer_id);
     const std::string ours = "layers." + std::to_string(block->layer_id) + ".moe.experts";
     if (common::import_experts("import_qwen3", files, prefix, ours, *block->moe->experts, used, r)) continue;
     TORCH_CHECK(!options.strict, "import_qwen3 from ", path, ": the experts of layer ", block->layer_id, " ('", ours,

@@ -176,7 +176,8 @@ TEST(TrainerInterop, HuggingFaceLastSaveAndInitialLoad) {
 // ---- Hugging Face load and save of sharded models (ranks holding pieces: expert parallelism, pipeline stages) ----
 //
 // last_save_in_hf: each tensor gathered on its own (the experts' w1 / w3 as slices of gate_up_proj), under PP
-// sent by its stage to rank 0; transformers loads the export (Qwen3MoeForCausalLM, LlamaForCausalLM) and its
+// sent by its stage to rank 0; transformers loads the export (Qwen3MoeForCausalLM, LlamaForCausalLM,
+// DeepseekV3ForCausalLM with the trained e_score_correction_bias equal to ours) and its
 // logits equal our model's, built on one process from the libfsdp model-only save of the same run (1e-5).
 // initial_load_in_hf: each rank reads its own pieces; the first step's loss and grad norm equal those of one
 // process started from the same files (the whole-model import), and differ from a fresh start.
@@ -213,6 +214,11 @@ at::Tensor our_logits(const std::string& family, const JobConfig& config,
     if (!tensors.count(item.key())) continue;
     item.value().copy_(tensors.at(item.key()));
     ++copied;
+  }
+  // Buffers that change the computation (the MoE load-balancing bias steers the routing) come from the save too.
+  for (auto& item : model.module->named_buffers(/*recurse=*/true)) {
+    EXPECT_TRUE(tensors.count(item.key())) << item.key() << " is not in the libfsdp save";
+    if (tensors.count(item.key())) item.value().copy_(tensors.at(item.key()));
   }
   EXPECT_GT(copied, 0u);
   model.module->eval();
@@ -268,6 +274,23 @@ void expect_hf_export_and_load(const std::string& name, const std::string& famil
         EXPECT_LE(diff, 1e-5 * std::max(1.0, scale)) << "transformers' logits of the export differ from ours";
       }
     }
+    // DeepSeek-V3's load-balancing biases (trained, not zero) are the routers' e_score_correction_bias: the
+    // routing choice only, which these logits need not show.
+    if (architecture == "DeepseekV3ForCausalLM") {
+      const auto saved = test::model_tensors(ours_dir + step);
+      ckpt::safetensors::Reader files(hf_dir + "/model.safetensors");
+      int biases = 0;
+      for (const auto& [key, t] : saved) {
+        const std::string suffix = ".moe.expert_bias";
+        if (key.size() <= suffix.size() || key.compare(key.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
+        const std::string layer = key.substr(0, key.size() - suffix.size());  // "layers.<i>"
+        const at::Tensor bias = files.read("model." + layer + ".mlp.gate.e_score_correction_bias");
+        EXPECT_TRUE(torch::equal(bias, t)) << key;
+        EXPECT_GT(t.abs().sum().item<double>(), 0.0) << key << " was trained";
+        ++biases;
+      }
+      EXPECT_EQ(biases, 2) << "cpu_tiny's two MoE layers";
+    }
   }
   fsdp::world()->barrier().wait();
 
@@ -319,4 +342,24 @@ TEST(TrainerInteropSharded, HuggingFaceSaveAndLoadOfPipelinedMoE) {
                                           "--model.moe_load_balance_coeff", "0"};
   const std::vector<std::string> layout = {"--parallelism.pipeline_parallel_degree", "2"};
   expect_hf_export_and_load("pp2_moe", "qwen3", model, layout, "Qwen3MoeForCausalLM", "PP 2");
+}
+
+// DeepSeek-V3 (issue 37), load balancing on: its bias is the routers' e_score_correction_bias (compared with the
+// trained one). Expert parallel over these ranks (each holds half of the experts, the stacked tensors gathered one
+// slice at a time), in 2 pipeline stages, and tensor parallel (MLA's projections split by heads or rowwise).
+TEST(TrainerInteropSharded, HuggingFaceSaveAndLoadOfExpertParallelDeepSeekV3) {
+  const std::string ep = std::to_string(fsdp::world()->size());
+  expect_hf_export_and_load("ep_dsv3", "deepseek_v3", {"--model.name", "deepseek_v3", "--model.flavor", "cpu_tiny"},
+                            {"--parallelism.expert_parallel_degree", ep}, "DeepseekV3ForCausalLM", "EP " + ep);
+}
+
+TEST(TrainerInteropSharded, HuggingFaceSaveAndLoadOfPipelinedDeepSeekV3) {
+  expect_hf_export_and_load("pp2_dsv3", "deepseek_v3", {"--model.name", "deepseek_v3", "--model.flavor", "cpu_tiny"},
+                            {"--parallelism.pipeline_parallel_degree", "2"}, "DeepseekV3ForCausalLM", "PP 2");
+}
+
+TEST(TrainerInteropSharded, HuggingFaceSaveAndLoadOfTensorParallelDeepSeekV3) {
+  const std::string tp = std::to_string(fsdp::world()->size());
+  expect_hf_export_and_load("tp_dsv3", "deepseek_v3", {"--model.name", "deepseek_v3", "--model.flavor", "cpu_tiny"},
+                            {"--parallelism.tensor_parallel_degree", tp}, "DeepseekV3ForCausalLM", "TP " + tp);
 }

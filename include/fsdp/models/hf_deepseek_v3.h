@@ -15,7 +15,9 @@
 //                                     or mlp.experts.{j}.{gate,up}_proj.weight (save_pretrained's, the hub's)
 //   moe.experts.w2 [E, D, F]      <-> mlp.experts.down_proj, or mlp.experts.{j}.down_proj.weight
 // No weight permutation: transformers' rope_interleave (the default) rotates the same interleaved pairs as ours.
-// The model must be whole in this process (no fully_shard, no expert parallelism): an error says so otherwise.
+// A sharded model (fully_shard: FSDP, HSDP, DDP, EP, TP; pipeline stages in the options' parts) is exported one
+// tensor at a time (rank 0 writes) and imported by each rank reading its own rows, the experts as slices of the
+// stacked tensors (or, per-expert layout, its own experts' tensors); an unsharded model must hold every expert.
 //
 // config.json: every field that changes transformers' computation is honoured (sizes, MLA ranks and head dims,
 // q_lora_rank null, first_k_dense_replace, experts, shared experts, top-k, n_group / topk_group,

@@ -20,9 +20,9 @@
 // The load-balancing buffer moe.expert_bias has no Hugging Face counterpart: not exported, left as is (zero
 // on a fresh model) on import. config.json: model_type qwen3 or qwen3_moe.
 //
-// Dense models may be FSDP-sharded (the streaming, own-rows path of <fsdp/checkpoint/model_safetensors.h>);
-// models with MoE layers must be whole (no fully_shard) for now: the stacked expert tensors do not map row
-// for row onto ours. A sharded MoE model is refused with an error saying so.
+// Sharded models (fully_shard: FSDP, EP, TP, pipeline stages) take the streaming, own-rows path of
+// <fsdp/checkpoint/model_safetensors.h>, the experts as slices of the stacked tensors; a sharded import reads its
+// rows of the stacked layout, or its own experts' tensors of the per-expert one.
 
 #include <fsdp/checkpoint/model_safetensors.h>
 

@@ -146,11 +146,6 @@ void check_layout(const ds::DeepSeekV3Args& args, const JobConfig& config, const
                       ") is not supported yet; context parallelism runs deepseek_v3 with FSDP, HSDP and "
                       "parallelism.expert_parallel_degree");
   }
-  if (dims.world_size > 1 && (config.checkpoint.initial_load_in_hf || config.checkpoint.last_save_in_hf)) {
-    throw ConfigError("config error: checkpoint.initial_load_in_hf / last_save_in_hf with " + model +
-                      " on several ranks is not supported yet (the DeepSeek-V3 adapter needs the whole model); "
-                      "convert on 1 rank");
-  }
   const auto& ac = config.activation_checkpoint;
   if (ac.mode == AcMode::Selective && ac.selective_ac_option.kind != SelectiveAcOption::Kind::EveryKth &&
       ac.selective_ac_option.kind != SelectiveAcOption::Kind::Op) {
