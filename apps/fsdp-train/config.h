@@ -4,7 +4,10 @@
 //
 // Every key is declared once, as a row of the field table (config_fields.cpp); its member's type picks its codec
 // (config_codec.cpp). Parsing, type checks, the unknown-key check, to_toml() and the docs' reference table all come
-// from that one list, so they cannot drift apart; the rules are in config_rules.cpp. No torch headers here.
+// from that one list, so they cannot drift apart; the rules are in config_rules.cpp. No torch headers here (the
+// one libfsdp header, schedule_kind.h, includes nothing).
+
+#include <fsdp/pipeline/schedule_kind.h>
 
 #include <cstdint>
 #include <optional>
@@ -39,16 +42,10 @@ enum class BadRecords { Skip, Error };                        // skip | error
 enum class MixedPrecision { Float32, BFloat16 };              // float32 | bfloat16
 enum class ReshardAfterForward { Default, Always, Never };    // default | always | never
 // torch's schedule names, case-insensitive: GPipe | 1F1B | LoopedBFS | Interleaved1F1B | InterleavedZeroBubble |
-// ZBVZeroBubble | DualPipeV.
-enum class PipelineSchedule {
-  GPipe,
-  OneFOneB,
-  LoopedBFS,
-  Interleaved1F1B,
-  InterleavedZeroBubble,
-  ZBVZeroBubble,
-  DualPipeV
-};
+// ZBVZeroBubble | DualPipeV. The library's enum itself (the kind its schedule generators take), so the config's
+// value goes to the pipeline as it is; its Csv is no name of this key (a schedule file is
+// pipeline_parallel_schedule_csv). Not fsdp::pipeline::PipelineSchedule, which is a built schedule.
+using PipelineSchedule = fsdp::pipeline::ScheduleKind;
 enum class ExportDtype { Float32, BFloat16, Float16 };        // float32 | bfloat16 | float16
 enum class AsyncMode { Disabled, Async, AsyncWithPinnedMem }; // disabled | async | async_with_pinned_mem
 enum class CheckpointFormat { Libfsdp, Dcp };                 // libfsdp | dcp

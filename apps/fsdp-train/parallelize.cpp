@@ -12,20 +12,6 @@
 
 namespace fsdp_train {
 
-fsdp::pipeline::ScheduleKind schedule_kind(PipelineSchedule schedule) {
-  using K = fsdp::pipeline::ScheduleKind;
-  switch (schedule) {
-    case PipelineSchedule::GPipe: return K::GPipe;
-    case PipelineSchedule::OneFOneB: return K::OneFOneB;
-    case PipelineSchedule::LoopedBFS: return K::LoopedBFS;
-    case PipelineSchedule::Interleaved1F1B: return K::Interleaved1F1B;
-    case PipelineSchedule::InterleavedZeroBubble: return K::InterleavedZeroBubble;
-    case PipelineSchedule::ZBVZeroBubble: return K::ZBVZeroBubble;
-    case PipelineSchedule::DualPipeV: return K::DualPipeV;
-  }
-  return K::OneFOneB;  // unreachable: every enumerator is handled above
-}
-
 bool plain_data_parallel(const ParallelDims& dims) {
   return dims.tp == 1 && dims.cp == 1 && dims.dp_shard == 1 && dims.dp_replicate > 1;
 }

@@ -186,7 +186,5 @@ struct PipelineSplit {
   std::vector<std::pair<int64_t, int64_t>> layers;  // [begin, end) per stage
   fsdp::pipeline::PipelineSchedule schedule;        // stages_of_rank(r): the stages pipeline rank r holds
 };
-// libfsdp's schedule kind of a [parallelism] pipeline_parallel_schedule.
-fsdp::pipeline::ScheduleKind schedule_kind(PipelineSchedule schedule);
 
 }  // namespace fsdp_train

@@ -409,8 +409,8 @@ void Trainer::build_model() {
     model_.init_weights(seed, fsdp::full_params_init_scope(*model_.module));
   } else if (meta_init) {
     // Pipeline stages: only this rank's stages get storage. The whole model's init runs in full order (one
-    // generator, the same numbers as an unsharded init); the parts of other ranks' stages stay on `meta`, where
-    // the copies are no-ops.
+    // generator, the same numbers as an unsharded init); the parts of other ranks' stages stay on `meta` and draw
+    // nothing: the generator jumps past their numbers (src/models/generator_skip.h).
     std::vector<std::function<void(torch::nn::Module&, const std::function<void()>&)>> scopes;
     std::vector<std::unordered_set<const torch::nn::Module*>> held;
     for (auto& stage : plan_.stages) {

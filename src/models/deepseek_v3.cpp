@@ -319,6 +319,7 @@ void DeepSeekV3Impl::init_weights(uint64_t seed) {
 
 void DeepSeekV3Impl::init_weights(uint64_t seed, const llama::TransformerImpl::InitScope& scope) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  fsdp::nn::detail::MetaDrawSkipping skip_meta_parts(gen);  // as llama's: meta parts draw nothing
   scope(*tok_embeddings, [&] { llama::detail::normal_(tok_embeddings->weight(), 1.0, gen); });
   for (auto& block : blocks_) scope(*block, [&] { block->init_weights(gen); });
   scope(*norm, [&] { norm->reset_parameters(); });

@@ -251,6 +251,8 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 // accepts uniform proposals by the density for narrow cuts). Same distribution, different numbers: our init
 // matches TorchTitan's in law, not bit for bit, for the same seed.
 void detail::trunc_normal_(at::Tensor& param, double std, double a, double b, at::Generator& gen) {
+  // uniform_ on a float CPU tensor: one 32-bit output an element.
+  if (fsdp::nn::detail::MetaDrawSkipping::skip_draw(param, static_cast<uint64_t>(param.numel()), gen)) return;
   auto norm_cdf = [](double v) { return (1.0 + std::erf(v / std::sqrt(2.0))) / 2.0; };
   const double lo = norm_cdf(a / std), hi = norm_cdf(b / std);
   auto t = at::empty(param.sizes(), at::TensorOptions().dtype(at::kFloat));
@@ -260,7 +262,13 @@ void detail::trunc_normal_(at::Tensor& param, double std, double a, double b, at
   param.copy_(t);
 }
 
+std::optional<uint64_t> detail::normal_fill_outputs(int64_t numel) {
+  if (numel < 16) return std::nullopt;
+  return static_cast<uint64_t>(numel) + (numel % 16 != 0 ? 16 : 0);
+}
+
 void detail::normal_(at::Tensor& param, double std, at::Generator& gen) {
+  if (fsdp::nn::detail::MetaDrawSkipping::skip_draw(param, normal_fill_outputs(param.numel()), gen)) return;
   auto t = at::empty(param.sizes(), at::TensorOptions().dtype(at::kFloat));
   t.normal_(0.0, std, gen);
   torch::NoGradGuard no_grad;
@@ -528,8 +536,10 @@ void TransformerImpl::init_weights(uint64_t seed) {
 }
 
 void TransformerImpl::init_weights(uint64_t seed, const InitScope& scope) {
-  // One generator drawn in a fixed order: the same numbers whatever the scope does around each part.
+  // One generator drawn in a fixed order: the same numbers whatever the scope does around each part. Parts left on
+  // meta (other pipeline ranks' stages) draw nothing; the generator jumps past their numbers.
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  fsdp::nn::detail::MetaDrawSkipping skip_meta_parts(gen);
   scope(*tok_embeddings, [&] { detail::normal_(tok_embeddings->weight(), 1.0, gen); });
   for (auto& block : blocks_) scope(*block, [&] { block->init_weights(gen); });
   scope(*norm, [&] { norm->reset_parameters(); });

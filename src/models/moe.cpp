@@ -3,6 +3,8 @@
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/nn/module_call.h>
 
+#include "models/model_init.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
@@ -58,6 +60,7 @@ void check_options(const MoEOptions& o) {
 }
 
 void trunc_normal(at::Tensor& t, double std, at::Generator& gen) {
+  if (fsdp::nn::detail::MetaDrawSkipping::skip_draw(t, llama::detail::normal_fill_outputs(t.numel()), gen)) return;
   at::NoGradGuard no_grad;
   at::Tensor v = at::empty(t.sizes(), t.options().device(at::kCPU).dtype(at::kFloat));
   v.normal_(0.0, std, gen);

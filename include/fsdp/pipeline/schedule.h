@@ -6,6 +6,8 @@
 //
 // Only the standard library and c10's light headers: this header is included by the runtime and by tools.
 
+#include <fsdp/pipeline/schedule_kind.h>
+
 #include <optional>
 #include <string>
 #include <utility>
@@ -65,17 +67,6 @@ struct Action {
            sub_actions == other.sub_actions;
   }
   bool operator!=(const Action& other) const { return !(*this == other); }
-};
-
-enum class ScheduleKind {
-  GPipe,
-  OneFOneB,
-  LoopedBFS,
-  Interleaved1F1B,
-  InterleavedZeroBubble,
-  ZBVZeroBubble,
-  DualPipeV,
-  Csv  // read from a file (load_schedule_csv); not a name parse_schedule_name accepts
 };
 
 // Case-insensitive, with torch's / TorchTitan's names: "GPipe", "1F1B", "LoopedBFS", "Interleaved1F1B",

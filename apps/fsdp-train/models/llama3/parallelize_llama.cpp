@@ -222,7 +222,7 @@ std::vector<fsdp::FSDPModule> apply_ddp(fsdp::nn::llama::Transformer& model, con
 
 PipelineSplit split_pipeline(const fsdp::nn::llama::LlamaArgs& args, const PipelineSplitOptions& o) {
   // Stages: TorchTitan's split, placed by the schedule (loop or V).
-  const auto kind = o.schedule_csv.empty() ? schedule_kind(o.schedule) : fsdp::pipeline::ScheduleKind::Csv;
+  const auto kind = o.schedule_csv.empty() ? o.schedule : fsdp::pipeline::ScheduleKind::Csv;
   const int64_t n_layers = args.n_layers;
   PipelineSplit split;
   split.num_stages = o.pp * fsdp::pipeline::default_stages_per_rank(kind);
