@@ -146,28 +146,25 @@ void Trainer::build_model() {
 }
 
 void Trainer::build_pipeline() {
-  const JobConfig& config = config_;
   // Pipeline parallelism: the schedule runs the stages; each microbatch's loss is its summed token loss over the
   // step's global token count (set before each step), so the microbatches and ranks add up to the batch's mean.
+  // The schedule is the one the family's split placed the stages by (plan.pipeline_schedule), not built again.
   if (!step_.plan.stages.empty()) {
+    TORCH_CHECK(!step_.plan.pipeline_schedule.actions.empty(), "the ", config_.model.name,
+                " family's pipeline split gave stages but no ParallelPlan::pipeline_schedule");
     std::vector<fsdp::PipelineStage> stages;
     for (size_t i = 0; i < step_.plan.stages.size(); ++i) {
       const ModelStage& stage = step_.plan.stages[i];
       // block_causal: every stage gets its microbatch's document ids alongside (the pipeline's context).
       stages.push_back({step_.plan.stage_indices[i], stage.module, nullptr, stage.forward});
     }
-    fsdp::PipelineOptions popts;
-    popts.schedule = to_string(config.parallelism.pipeline_parallel_schedule);
-    popts.microbatches = static_cast<int>(dims_.pp_microbatches);
-    popts.num_stages = step_.plan.num_stages;
-    popts.schedule_csv = config.parallelism.pipeline_parallel_schedule_csv;
     step_.pipeline = std::make_unique<fsdp::Pipeline>(
         std::move(stages), step_.plan.pp_group,
         [this](const torch::Tensor& logits, const torch::Tensor& labels) {
           return step_.loss_sum_of(logits.reshape({-1, logits.size(-1)}), labels.reshape({-1})) /
                  step_.pipeline_global_tokens;
         },
-        popts);
+        step_.plan.pipeline_schedule);
   }
 }
 
