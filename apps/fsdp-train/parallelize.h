@@ -56,6 +56,9 @@ struct ParallelPlan {
   std::vector<ModelStage> stages;
   std::vector<int> stage_indices;
   int num_stages = 1;
+  // The schedule that placed the stages (split_pipeline's): the trainer's fsdp::Pipeline runs this one, not one
+  // built again from the config.
+  fsdp::pipeline::PipelineSchedule pipeline_schedule;
   fsdp::ProcessGroupPtr pp_group;
   bool holds_first_stage = true, holds_last_stage = true;
   // MoE under PP: the groups of this stage's data-parallel mesh dims (the expert loads are summed over them, not

@@ -77,6 +77,12 @@ class Pipeline {
   // `stages`: the stages this rank holds (exactly those the schedule assigns to this rank of `group`, in any
   // order). Checks the schedule against the group and the options; an error names what is wrong.
   Pipeline(std::vector<PipelineStage> stages, ProcessGroupPtr group, PipelineLoss loss, PipelineOptions options);
+  // The same with the schedule built beforehand (fsdp/pipeline/schedule.h: build_schedule, load_schedule_csv), for
+  // a caller that placed its stages by it (TorchTitan builds the schedule once, from the stages it split): it is
+  // not built again, and the stages run by the schedule that placed them. The step's microbatches are the
+  // schedule's; its pipeline ranks must be the group's size.
+  Pipeline(std::vector<PipelineStage> stages, ProcessGroupPtr group, PipelineLoss loss,
+           pipeline::PipelineSchedule schedule);
   ~Pipeline();
   Pipeline(const Pipeline&) = delete;
   Pipeline& operator=(const Pipeline&) = delete;

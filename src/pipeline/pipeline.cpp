@@ -105,7 +105,6 @@ bool is_differentiable(const at::Tensor& t) {
 struct Pipeline::Impl {
   ProcessGroupPtr group;
   PipelineLoss loss;
-  PipelineOptions options;
   pipeline::PipelineSchedule schedule;
   std::map<int, StageRun> stages;  // by stage index
   std::vector<PipelineActionSpan> timeline;
@@ -364,7 +363,7 @@ struct Pipeline::Impl {
   }
 
   std::vector<at::Tensor> split_batch(const at::Tensor& t, const char* what) {
-    const int m = options.microbatches;
+    const int m = schedule.spec.microbatches;
     TORCH_CHECK(t.defined(), "fsdp pipeline: ", what, " are required on pipeline rank ", group->rank(),
                 ", which holds the ", what == std::string("inputs") ? "first" : "last", " stage");
     TORCH_CHECK(t.dim() >= 1 && t.size(0) % m == 0, "fsdp pipeline: ", what, " of shape ", t.sizes(),
@@ -375,7 +374,7 @@ struct Pipeline::Impl {
 
   PipelineStepResult run(const at::Tensor& inputs, const at::Tensor& targets, const at::Tensor& context, bool train) {
     training = train;
-    const int m = options.microbatches;
+    const int m = schedule.spec.microbatches;
     input_mbs.clear();
     target_mbs.clear();
     if (stages.count(0)) input_mbs = split_batch(inputs, "inputs");
@@ -441,17 +440,13 @@ struct Pipeline::Impl {
   }
 };
 
-Pipeline::Pipeline(std::vector<PipelineStage> stages, ProcessGroupPtr group, PipelineLoss loss,
-                   PipelineOptions options)
-    : impl_(std::make_unique<Impl>()) {
+namespace {
+
+// The schedule `options` name (or the CSV file they point at), over the ranks of `group`.
+pipeline::PipelineSchedule schedule_of(const ProcessGroupPtr& group, const PipelineOptions& options) {
   TORCH_CHECK(group, "fsdp::Pipeline: a pipeline process group is required");
-  TORCH_CHECK(loss, "fsdp::Pipeline: a loss function is required");
   TORCH_CHECK(options.microbatches >= 1, "fsdp::Pipeline: microbatches must be >= 1, got ", options.microbatches);
-  Impl& p = *impl_;
-  p.group = std::move(group);
-  p.loss = std::move(loss);
-  p.options = options;
-  const int pp = p.group->size();
+  const int pp = group->size();
   pipeline::ScheduleSpec spec;
   spec.kind = options.schedule_csv.empty() ? pipeline::parse_schedule_name(options.schedule) : pipeline::ScheduleKind::Csv;
   spec.pp = pp;
@@ -463,11 +458,33 @@ Pipeline::Pipeline(std::vector<PipelineStage> stages, ProcessGroupPtr group, Pip
   } else {
     spec.stages_per_rank = pipeline::default_stages_per_rank(spec.kind);
   }
-  p.schedule = options.schedule_csv.empty()
-                   ? pipeline::build_schedule(spec)
-                   : pipeline::load_schedule_csv(options.schedule_csv, pp, pp * spec.stages_per_rank,
-                                                 options.microbatches);
-  TORCH_CHECK(p.schedule.num_stages < 1024 && options.microbatches < 65536, "fsdp::Pipeline: at most 1023 stages ",
+  return options.schedule_csv.empty()
+             ? pipeline::build_schedule(spec)
+             : pipeline::load_schedule_csv(options.schedule_csv, pp, pp * spec.stages_per_rank, options.microbatches);
+}
+
+}  // namespace
+
+Pipeline::Pipeline(std::vector<PipelineStage> stages, ProcessGroupPtr group, PipelineLoss loss,
+                   PipelineOptions options)
+    : Pipeline(std::move(stages), group, std::move(loss), schedule_of(group, options)) {}
+
+Pipeline::Pipeline(std::vector<PipelineStage> stages, ProcessGroupPtr group, PipelineLoss loss,
+                   pipeline::PipelineSchedule schedule)
+    : impl_(std::make_unique<Impl>()) {
+  TORCH_CHECK(group, "fsdp::Pipeline: a pipeline process group is required");
+  TORCH_CHECK(loss, "fsdp::Pipeline: a loss function is required");
+  const int pp = group->size();
+  const pipeline::ScheduleSpec spec = schedule.spec;
+  TORCH_CHECK(spec.pp == pp && static_cast<int>(schedule.actions.size()) == pp, "fsdp::Pipeline: the ",
+              pipeline::schedule_name(spec.kind), " schedule was built for ", spec.pp,
+              " pipeline ranks, but the pipeline group has ", pp);
+  TORCH_CHECK(spec.microbatches >= 1, "fsdp::Pipeline: microbatches must be >= 1, got ", spec.microbatches);
+  Impl& p = *impl_;
+  p.group = std::move(group);
+  p.loss = std::move(loss);
+  p.schedule = std::move(schedule);
+  TORCH_CHECK(p.schedule.num_stages < 1024 && spec.microbatches < 65536, "fsdp::Pipeline: at most 1023 stages ",
               "and 65535 microbatches");
   const int rank = p.group->rank();
   const std::vector<int> mine = p.schedule.stages_of_rank(rank);

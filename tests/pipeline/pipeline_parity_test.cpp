@@ -92,7 +92,9 @@ struct PipelineRun {
   int64_t microbatch_rows = 0;
 };
 
-PipelineRun train_pipeline(const Layout& layout, const std::string& schedule, int microbatches) {
+// `prebuilt`: the Pipeline is given the schedule the stages were placed by (the trainer's way) instead of its name.
+PipelineRun train_pipeline(const Layout& layout, const std::string& schedule, int microbatches,
+                           bool prebuilt = false) {
   auto world = fsdp_test::test_world();
   auto mesh = fsdp::init_device_mesh("cpu", {layout.pp, layout.dp}, {"pp", "dp"});
   auto pp_group = mesh.group("pp");
@@ -131,7 +133,9 @@ PipelineRun train_pipeline(const Layout& layout, const std::string& schedule, in
   auto loss_fn = [local_batch](const at::Tensor& out, const at::Tensor& target) {
     return (out - target).pow(2).sum() / static_cast<double>(local_batch * kDim);
   };
-  fsdp::Pipeline pipe(std::move(stages), pp_group, loss_fn, options);
+  fsdp::Pipeline pipe = prebuilt ? fsdp::Pipeline(std::move(stages), pp_group, loss_fn, plan)
+                                 : fsdp::Pipeline(std::move(stages), pp_group, loss_fn, options);
+  EXPECT_EQ(pipe.schedule().actions, plan.actions);
   std::vector<std::shared_ptr<torch::nn::Module>> modules = pipe.modules();
   std::vector<torch::Tensor> params;
   for (const auto& m : modules) {
@@ -257,6 +261,24 @@ TEST_F(Pipelines, ZeroBubbleEqualsItsOneFOneBWithin1e6) {
   }
 }
 
+// The trainer hands the Pipeline the schedule its stages were placed by (built once): every schedule trains exactly as
+// when the Pipeline builds it from the name, and as one process.
+TEST_F(Pipelines, APrebuiltScheduleTrainsAsTheNamedOne) {
+  const int64_t n = fsdp_test::test_world()->size();
+  for (const auto& schedule : kSchedules) {
+    SCOPED_TRACE(schedule);
+    const PipelineRun named = train_pipeline({n, 1}, schedule, static_cast<int>(2 * n));
+    const PipelineRun prebuilt = train_pipeline({n, 1}, schedule, static_cast<int>(2 * n), /*prebuilt=*/true);
+    EXPECT_EQ(prebuilt.timeline, named.timeline);
+    EXPECT_EQ(prebuilt.trace.losses, named.trace.losses);
+    ASSERT_FALSE(named.trace.params.empty());
+    for (const auto& [fqn, w] : named.trace.params) EXPECT_TRUE(torch::equal(prebuilt.trace.params.at(fqn), w)) << fqn;
+    // ... and it trained: the weights moved from the reference's initial ones.
+    const auto& [fqn, w] = *named.trace.params.begin();
+    EXPECT_FALSE(torch::equal(w, reference_.initial.at(fqn))) << fqn;
+  }
+}
+
 TEST_F(Pipelines, BadConfigurationsAreRefusedWithTheReason) {
   auto world = fsdp_test::test_world();
   const auto expect_error = fsdp_test::expect_error_containing<c10::Error>;
@@ -278,6 +300,11 @@ TEST_F(Pipelines, BadConfigurationsAreRefusedWithTheReason) {
   odd.num_stages = 2 * n + 1;
   expect_error([&] { fsdp::Pipeline(std::vector<fsdp::PipelineStage>{{world->rank(), part.ptr(), fwd}}, world, loss, odd); },
                "evenly");
+  // A schedule built for another number of pipeline ranks than the group's.
+  const auto other_pp = fsdp::pipeline::build_schedule({fsdp::pipeline::ScheduleKind::GPipe, n + 1, 1, n + 1});
+  expect_error([&] { fsdp::Pipeline(std::vector<fsdp::PipelineStage>{{world->rank(), part.ptr(), fwd}}, world, loss, other_pp); },
+               "schedule was built for " + std::to_string(n + 1) + " pipeline ranks, but the pipeline group has " +
+                   std::to_string(n));
   expect_error([&] { fsdp::PipelineOptions o; o.schedule = "2F2B"; o.microbatches = n;
                      fsdp::Pipeline(std::vector<fsdp::PipelineStage>{{world->rank(), part.ptr(), fwd}}, world, loss, o); },
                "2F2B");

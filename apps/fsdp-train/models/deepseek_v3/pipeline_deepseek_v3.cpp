@@ -39,6 +39,7 @@ ParallelPlan parallelize_deepseek_v3_pipeline(ds::DeepSeekV3& model, const JobCo
   const PipelineSplit split = split_pipeline(model->args(), pipeline_split_options(config, dims));
   plan.num_stages = static_cast<int>(split.num_stages);
   plan.stage_indices = split.schedule.stages_of_rank(plan.pp_group->rank());
+  plan.pipeline_schedule = split.schedule;
   FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/true);
   const std::string experts_description =
       pipeline_moe_setup(plan, fsdp, model->args().moe.num_experts, config, dims, meshes);

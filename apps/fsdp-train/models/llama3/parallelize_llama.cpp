@@ -301,6 +301,7 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
   const int64_t num_stages = split.num_stages;
   plan.num_stages = static_cast<int>(num_stages);
   plan.stage_indices = split.schedule.stages_of_rank(plan.pp_group->rank());
+  plan.pipeline_schedule = split.schedule;
   FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/true);
   const std::string experts_description =
       pipeline_moe_setup(plan, fsdp, num_experts_of(model), config, dims, meshes);
