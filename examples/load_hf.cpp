@@ -16,8 +16,8 @@
 #include <iostream>
 #include <string>
 
-namespace hf = fsdp::checkpoint::hf;
-namespace llama = fsdp::nn::llama;
+namespace hf = fsdp::models::hf;
+namespace llama = fsdp::models::llama;
 
 int main(int argc, char** argv) {
   try {

@@ -28,7 +28,7 @@ int torchtitan_8b() {
   for (auto kind : {SelectiveKind::Op, SelectiveKind::Layer}) {
     PlanConfig c;
     c.flavor = "8B";
-    c.args = fsdp::nn::llama::llama3_flavor("8B");
+    c.args = fsdp::models::llama::llama3_flavor("8B");
     c.shard = 8;
     c.param_dtype = c10::kFloat;
     c.compute_dtype = c10::kBFloat16;
@@ -115,7 +115,7 @@ int main(int argc, char** argv) {
     c.model = model;
     c.flavor = flavor;
     c.runtime_overhead = static_cast<int64_t>(overhead_mib * (1 << 20));
-    c.args = fsdp::nn::llama::model_flavor(model, flavor);
+    c.args = fsdp::models::llama::model_flavor(model, flavor);
     if (vocab > 0) c.args.vocab_size = vocab;
     c.param_dtype = parse_dtype(param);
     c.compute_dtype = parse_dtype(compute);

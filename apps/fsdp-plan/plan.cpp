@@ -120,11 +120,11 @@ void add_tp_collectives(CommPlan& cm, const PlanConfig& c, const ActivationModel
 
 // The MoE blocks' [E] float32 buffers among blocks [first, first + count): tokens_per_expert always, expert_bias
 // with load balancing, whole on every rank that holds the block (under PP: the ranks of its stage).
-int64_t moe_buffer_bytes(const nn::llama::LlamaArgs& a, int64_t first, int64_t count) {
+int64_t moe_buffer_bytes(const models::llama::LlamaArgs& a, int64_t first, int64_t count) {
   int64_t bytes = 0;
   for (int64_t l = first; l < first + count; ++l) {
     if (!is_moe(a, l)) continue;
-    const nn::moe::MoEOptions o = a.moe_options();
+    const models::moe::MoEOptions o = a.moe_options();
     bytes += 4 * o.num_experts * (o.load_balance_coeff ? 2 : 1);
   }
   return bytes;
@@ -139,7 +139,7 @@ void add_ep_collectives(CommPlan& cm, const PlanConfig& c, const ActivationModel
                         int64_t T) {
   const auto& a = c.args;
   if (c.ep <= 1 || !a.moe) return;
-  const nn::moe::MoEOptions o = a.moe_options();
+  const models::moe::MoEOptions o = a.moe_options();
   const int64_t ep = c.ep, e = bytes_of(c.compute_dtype);
   const int64_t count_bytes = (ep - 1) * (o.num_experts / ep) * 8;
   const int64_t rows_bytes = T / c.tp * o.top_k * a.dim * e * (ep - 1) / ep;
@@ -265,9 +265,9 @@ Plan make_plan(const PlanConfig& c) {
   plan.groups = c.pp > 1 ? groups_of_stages(seam) : seam.groups;
   plan.num_params = seam.num_params;
   plan.parallelize = seam.description;
-  TORCH_CHECK(plan.num_params == nn::llama::num_params(a), "fsdp-plan: the model built through the seam (",
+  TORCH_CHECK(plan.num_params == models::llama::num_params(a), "fsdp-plan: the model built through the seam (",
               c.model, " ", c.flavor.empty() ? std::string("(custom)") : c.flavor, ") has ", plan.num_params,
-              " parameters, but the model args given describe ", nn::llama::num_params(a));
+              " parameters, but the model args given describe ", models::llama::num_params(a));
   TORCH_CHECK(static_cast<int64_t>(plan.groups.size()) == a.n_layers + 1, "fsdp-plan internal: the trainer made ",
               plan.groups.size(), " FSDP units of ", a.n_layers, " blocks (expected one per block and the root)");
   const GroupPlan& root = plan.groups.back();

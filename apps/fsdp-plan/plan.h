@@ -37,7 +37,7 @@ struct PlanConfig {
   // model_spec.h) on meta and parallelized as the trainer does, which gives every parameter shard the plan
   // counts; `args` (the flavor's, with vocab_size = the tokenizer's) give the activation model and must
   // describe the same model (the plan checks the parameter count).
-  nn::llama::LlamaArgs args;
+  models::llama::LlamaArgs args;
   std::string model = "llama3";  // a registered family: fsdp-train's model.name
   std::string flavor;
   // A model of the family built otherwise (e.g. args no flavor has), on `meta`: replaces the family's build;

@@ -19,7 +19,7 @@ struct MoESaved {
   int64_t routed = 0, shared = 0;
 };
 MoESaved moe_saved(const PlanConfig& c) {
-  const nn::moe::MoEOptions o = c.args.moe_options();
+  const models::moe::MoEOptions o = c.args.moe_options();
   const int64_t e = bytes_of(c.compute_dtype), k = o.top_k, E = o.num_experts, F = o.hidden, D = c.args.dim,
                 Fs = ceil_div(o.hidden * o.num_shared_experts, c.tp);
   MoESaved out;
@@ -69,7 +69,7 @@ ActivationModel activation_model(const PlanConfig& c, int64_t T) {
   const int64_t T_routed = T / TP;
   int64_t moe_layer = 0, moe_workspace = 0, moe_op_sac = 0;
   if (a.moe) {
-    const nn::moe::MoEOptions o = a.moe_options();
+    const models::moe::MoEOptions o = a.moe_options();
     const MoESaved ms = moe_saved(c);
     const int64_t Fs = ceil_div(o.hidden * o.num_shared_experts, TP);
     const int64_t ffn_norm = TP > 1 ? (4 * D + 2 * e * D) / TP + (Fs > 0 ? e * D : 0) : norm;

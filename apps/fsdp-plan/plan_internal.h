@@ -24,7 +24,7 @@ namespace fsdp::plan::detail {
 inline int64_t bytes_of(c10::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); }
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t align16(int64_t n) { return (n + 15) / 16 * 16; }
-inline bool is_moe(const nn::llama::LlamaArgs& a, int64_t layer) { return a.moe.has_value() && a.is_moe_layer(layer); }
+inline bool is_moe(const models::llama::LlamaArgs& a, int64_t layer) { return a.moe.has_value() && a.is_moe_layer(layer); }
 
 // ---- the model, from the seam (plan_model.cpp) ----
 
@@ -98,7 +98,7 @@ void add_tp_collectives(CommPlan& cm, const PlanConfig& c, const ActivationModel
 void add_ep_collectives(CommPlan& cm, const PlanConfig& c, const ActivationModel& act, int64_t first, int64_t count,
                         int64_t T);
 // The MoE blocks' [E] buffers (expert_bias, tokens_per_expert) among blocks [first, first + count), in bytes.
-int64_t moe_buffer_bytes(const nn::llama::LlamaArgs& a, int64_t first, int64_t count);
+int64_t moe_buffer_bytes(const models::llama::LlamaArgs& a, int64_t first, int64_t count);
 
 // ---- pipeline parallelism (plan_pipeline.cpp) ----
 

@@ -100,11 +100,11 @@ std::string format_plan(const Plan& p) {
     expert_shard_numel += moe_group->expert_shard_numel;
   }
   if (moe_layers > 0) {
-    os << ", " << static_cast<double>(nn::llama::num_active_params(c.args)) / 1e9 << " B active";
+    os << ", " << static_cast<double>(models::llama::num_active_params(c.args)) / 1e9 << " B active";
   }
   os << "), " << c.args.n_layers << " blocks + root\n";
   if (moe_layers > 0) {
-    const nn::moe::MoEOptions o = c.args.moe_options();
+    const models::moe::MoEOptions o = c.args.moe_options();
     os << "MoE        " << moe_layers << " MoE blocks: " << o.num_experts << " experts of hidden " << o.hidden
        << ", top-" << o.top_k;
     if (o.num_shared_experts > 0) os << ", " << o.num_shared_experts << " shared";

@@ -9,10 +9,10 @@
 
 namespace fsdp_train {
 
-std::vector<fsdp::nn::moe::MoEImpl*> moe_layers(torch::nn::Module& model) {
-  std::vector<fsdp::nn::moe::MoEImpl*> out;
+std::vector<fsdp::models::moe::MoEImpl*> moe_layers(torch::nn::Module& model) {
+  std::vector<fsdp::models::moe::MoEImpl*> out;
   for (const auto& m : model.modules(/*include_self=*/true)) {
-    if (auto* moe = m->as<fsdp::nn::moe::MoEImpl>()) out.push_back(moe);
+    if (auto* moe = m->as<fsdp::models::moe::MoEImpl>()) out.push_back(moe);
   }
   return out;
 }
@@ -30,12 +30,12 @@ at::Tensor all_reduced(const at::Tensor& t, const fsdp::ProcessGroupPtr& group, 
 
 }  // namespace
 
-ExpertLoad update_expert_load_balance(const std::vector<fsdp::nn::moe::MoEImpl*>& layers,
+ExpertLoad update_expert_load_balance(const std::vector<fsdp::models::moe::MoEImpl*>& layers,
                                       const fsdp::ProcessGroupPtr& dp_group) {
   return update_expert_load_balance(layers, std::vector<bool>(layers.size(), true), {dp_group}, nullptr);
 }
 
-ExpertLoad update_expert_load_balance(const std::vector<fsdp::nn::moe::MoEImpl*>& layers,
+ExpertLoad update_expert_load_balance(const std::vector<fsdp::models::moe::MoEImpl*>& layers,
                                       const std::vector<bool>& held,
                                       const std::vector<fsdp::ProcessGroupPtr>& stage_dp_groups,
                                       const fsdp::ProcessGroupPtr& pp_group) {
@@ -90,7 +90,7 @@ ExpertLoad update_expert_load_balance(const std::vector<fsdp::nn::moe::MoEImpl*>
   return load;
 }
 
-void record_sequence_aux_loss(const std::vector<fsdp::nn::moe::MoEImpl*>& layers, double share, at::Tensor& sum) {
+void record_sequence_aux_loss(const std::vector<fsdp::models::moe::MoEImpl*>& layers, double share, at::Tensor& sum) {
   if (!at::GradMode::is_enabled()) return;  // validation
   at::NoGradGuard no_grad;
   at::Tensor aux;

@@ -12,14 +12,14 @@
 #include <cstdint>
 #include <vector>
 
-namespace fsdp::nn::moe {
+namespace fsdp::models::moe {
 class MoEImpl;
 }
 
 namespace fsdp_train {
 
 // The MoE blocks of a model, in module order (layers.0.moe, layers.1.moe, ...); empty for a dense model.
-std::vector<fsdp::nn::moe::MoEImpl*> moe_layers(torch::nn::Module& model);
+std::vector<fsdp::models::moe::MoEImpl*> moe_layers(torch::nn::Module& model);
 
 struct ExpertLoad {
   // Per MoE layer: the fewest and most tokens one expert received in the step (summed over the ranks), the mean.
@@ -34,7 +34,7 @@ struct ExpertLoad {
 
 // Sums the layers' token counts over `dp_group` (null: one process), updates every layer's expert_bias from them
 // (a no-op for layers without load balancing) and zeroes the counts. Collective over `dp_group`.
-ExpertLoad update_expert_load_balance(const std::vector<fsdp::nn::moe::MoEImpl*>& layers,
+ExpertLoad update_expert_load_balance(const std::vector<fsdp::models::moe::MoEImpl*>& layers,
                                       const fsdp::ProcessGroupPtr& dp_group);
 
 // The same under pipeline parallelism, where each stage's MoE layers live only on that stage's ranks: `layers` is
@@ -43,7 +43,7 @@ ExpertLoad update_expert_load_balance(const std::vector<fsdp::nn::moe::MoEImpl*>
 // included: each dim's group in turn), their bias updated from that sum; the other layers' figures then come from
 // their holders over `pp_group` (sum: each layer has one holder there), so that every rank reports every layer.
 // The layers this rank does not hold are not touched (they may still be on `meta`). Collective over the groups.
-ExpertLoad update_expert_load_balance(const std::vector<fsdp::nn::moe::MoEImpl*>& layers,
+ExpertLoad update_expert_load_balance(const std::vector<fsdp::models::moe::MoEImpl*>& layers,
                                       const std::vector<bool>& held,
                                       const std::vector<fsdp::ProcessGroupPtr>& stage_dp_groups,
                                       const fsdp::ProcessGroupPtr& pp_group);
@@ -55,6 +55,6 @@ ExpertLoad update_expert_load_balance(const std::vector<fsdp::nn::moe::MoEImpl*>
 // recomputation) without going through the pipeline's outputs. `share`: the microbatch's share of the batch (its
 // sequences / global_batch_size), so that the microbatches of every rank add up to the batch's mean, as without
 // PP. Nothing when gradients are off (validation).
-void record_sequence_aux_loss(const std::vector<fsdp::nn::moe::MoEImpl*>& layers, double share, at::Tensor& sum);
+void record_sequence_aux_loss(const std::vector<fsdp::models::moe::MoEImpl*>& layers, double share, at::Tensor& sum);
 
 }  // namespace fsdp_train

@@ -5,7 +5,7 @@
 
 namespace fsdp_train {
 
-void apply_moe_overrides(const JobConfig::Model& m, fsdp::nn::moe::MoEOptions& o) {
+void apply_moe_overrides(const JobConfig::Model& m, fsdp::models::moe::MoEOptions& o) {
   if (m.moe_score_func != MoeScoreFunc::FlavorDefault) o.score_func = to_string(m.moe_score_func);  // libfsdp's names
   if (m.moe_shared_experts >= 0) o.num_shared_experts = m.moe_shared_experts;
   if (m.moe_route_norm != MoeRouteNorm::FlavorDefault) o.route_norm = m.moe_route_norm == MoeRouteNorm::On;

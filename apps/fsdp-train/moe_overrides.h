@@ -4,7 +4,7 @@
 
 #include "config.h"
 
-namespace fsdp::nn::moe {
+namespace fsdp::models::moe {
 struct MoEOptions;
 }
 
@@ -12,6 +12,6 @@ namespace fsdp_train {
 
 // A key at its "the flavor's" value keeps the flavor's. moe_sequence_aux_loss_coeff > 0 sets the sequence aux
 // loss; 0 leaves the flavor's coefficient to the family.
-void apply_moe_overrides(const JobConfig::Model& model, fsdp::nn::moe::MoEOptions& options);
+void apply_moe_overrides(const JobConfig::Model& model, fsdp::models::moe::MoEOptions& options);
 
 }  // namespace fsdp_train

@@ -223,7 +223,7 @@ ModelStage pipeline_stage(std::shared_ptr<torch::nn::Module> module,
   // The sequence balance loss (model.moe_sequence_aux_loss_coeff) of the stage's MoE layers joins the stage's
   // backward per microbatch (moe_balance.h); x's rows are the microbatch's sequences, weighted by this replica
   // group's batch ([fault_tolerance]: the quorum's gradient average makes it the share of the global batch).
-  const std::vector<fsdp::nn::moe::MoEImpl*> stage_moes = moe_layers(*module);
+  const std::vector<fsdp::models::moe::MoEImpl*> stage_moes = moe_layers(*module);
   const double batch = static_cast<double>(dims.global_batch_size / dims.ft_groups);
   return {module, [call = std::move(call), stage_moes, batch, aux = plan.stage_aux_loss](const at::Tensor& x,
                                                                                           const at::Tensor& ids) {

@@ -46,7 +46,7 @@ struct StepState {
   ModelShape shape;  // what the model was built with: the tokenizer's vocabulary and EOS, seq_len, device
   TrainModel model;
   ParallelPlan plan;  // how the model was parallelised: meshes, FSDP modules, this rank's pipeline stages
-  std::vector<fsdp::nn::moe::MoEImpl*> moe_blocks;
+  std::vector<fsdp::models::moe::MoEImpl*> moe_blocks;
   std::vector<bool> moe_held;  // under PP: whether this rank's stages hold moe_blocks[l]
   // The summed token loss of flattened logits (training and validation alike): with loss parallel the logits are
   // sharded over the vocabulary and the cross entropy reduces over the TP group.

@@ -92,7 +92,7 @@ void Trainer::attach_fault_tolerance() {
   std::vector<fsdp::FSDPModule> hooked;
   for (auto& m : step_.plan.fsdp_modules) {
     bool holds_moe = false;
-    for (const auto& child : m.module().children()) holds_moe = holds_moe || child->as<fsdp::nn::moe::MoEImpl>();
+    for (const auto& child : m.module().children()) holds_moe = holds_moe || child->as<fsdp::models::moe::MoEImpl>();
     if (!holds_moe) {
       hooked.push_back(m);
       continue;

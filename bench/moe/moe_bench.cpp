@@ -22,7 +22,7 @@ double median(std::vector<double> v) {
 }
 
 // One forward + backward of `m` on x; seconds.
-double step(fsdp::nn::moe::MoE& m, const torch::Tensor& x) {
+double step(fsdp::models::moe::MoE& m, const torch::Tensor& x) {
   m->zero_grad();
   const auto t0 = std::chrono::steady_clock::now();
   m->forward(x).pow(2).mean().backward();
@@ -51,16 +51,16 @@ int main(int argc, char** argv) {
               static_cast<long long>(repeats));
   std::printf("| experts | top-k | grouped GEMM | loop | grouped / loop | max abs diff of outputs |\n|---|---|---|---|---|---|\n");
   for (auto [experts, k] : std::vector<std::pair<int64_t, int64_t>>{{8, 2}, {16, 2}, {64, 8}, {128, 8}}) {
-    fsdp::nn::moe::MoEOptions o;
+    fsdp::models::moe::MoEOptions o;
     o.dim = dim;
     o.hidden = hidden;
     o.num_experts = experts;
     o.top_k = k;
     o.score_func = "softmax";
     o.route_norm = true;
-    fsdp::nn::moe::MoE grouped(o);
+    fsdp::models::moe::MoE grouped(o);
     o.use_grouped_mm = false;
-    fsdp::nn::moe::MoE loop(o);
+    fsdp::models::moe::MoE loop(o);
     auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
     grouped->init_weights(gen);
     {

@@ -39,7 +39,7 @@
 #include <iostream>
 #include <sstream>
 
-namespace llama = fsdp::nn::llama;
+namespace llama = fsdp::models::llama;
 namespace st = fsdp::checkpoint::safetensors;
 
 namespace {

@@ -9,7 +9,7 @@
 //
 // The module it applies to holds the experts' weights stacked, experts on dim 0 ([E, ...], every parameter of
 // the module itself), and its forward takes (rows [R, D] grouped by expert in ascending order, counts [E] int64:
-// rows per expert) and returns one row per input row, in the same order (fsdp::nn::moe::GroupedExperts does).
+// rows per expert) and returns one row per input row, in the same order (fsdp::models::moe::GroupedExperts does).
 // ExpertParallel:
 //   - keeps experts [r*E/ep, (r+1)*E/ep) on ep rank r (each parameter's dim 0 split, recorded like a
 //     tensor-parallel Shard(0) so fully_shard, state dicts and checkpoints see the global [E, ...] tensor);

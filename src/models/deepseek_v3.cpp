@@ -12,12 +12,12 @@
 #include <cmath>
 #include <tuple>
 
-namespace fsdp::nn::deepseek_v3 {
+namespace fsdp::models::deepseek_v3 {
 
 using llama::AttentionMask;
 
-fsdp::nn::moe::MoEOptions DeepSeekV3Args::moe_options() const {
-  fsdp::nn::moe::MoEOptions o = moe;
+fsdp::models::moe::MoEOptions DeepSeekV3Args::moe_options() const {
+  fsdp::models::moe::MoEOptions o = moe;
   if (o.dim == 0) o.dim = dim;
   TORCH_CHECK(o.dim == dim, "deepseek_v3: the MoE layers' dim ", o.dim, " differs from the model's dim ", dim);
   return o;
@@ -53,8 +53,8 @@ llama::RopeScaling torchtitan_yarn(double mscale) {
 // TorchTitan's MoE of the DeepSeek flavors (torchtitan/models/deepseek_v3/flavors.py): expert scores applied
 // after the experts, sigmoid scores normalised over the chosen experts (DeepSeek-V2's 236B: softmax, not
 // normalised), load balancing by bias (coefficient 1e-3) and the sequence-wise aux loss (1e-3).
-fsdp::nn::moe::MoEOptions moe_args(int64_t experts, int64_t shared, int64_t top_k, int64_t hidden) {
-  fsdp::nn::moe::MoEOptions o;
+fsdp::models::moe::MoEOptions moe_args(int64_t experts, int64_t shared, int64_t top_k, int64_t hidden) {
+  fsdp::models::moe::MoEOptions o;
   o.hidden = hidden;
   o.num_experts = experts;
   o.num_shared_experts = shared;
@@ -233,7 +233,7 @@ TransformerBlockImpl::TransformerBlockImpl(int64_t id, const DeepSeekV3Args& a) 
   auto opts = at::TensorOptions().device(a.device).dtype(a.dtype);
   attention = register_module("attention", MLA(a));
   if (a.is_moe_layer(id)) {
-    moe = register_module("moe", fsdp::nn::moe::MoE(a.moe_options(), opts));
+    moe = register_module("moe", fsdp::models::moe::MoE(a.moe_options(), opts));
   } else {
     feed_forward = register_module("feed_forward", llama::FeedForward(a.dim, a.inter_dim, opts));
   }
@@ -291,7 +291,7 @@ at::Tensor DeepSeekV3Impl::forward(const at::Tensor& tokens, const std::optional
   TORCH_CHECK(tokens.dim() == 2, "deepseek_v3: tokens must be [batch, seq], got ", tokens.sizes());
   const bool block_causal = args_.attn_mask_type == llama::AttnMaskType::BlockCausal;
   TORCH_CHECK(block_causal == (document_ids.has_value() && document_ids->defined()), "deepseek_v3: ",
-              block_causal ? "a block_causal model needs the tokens' document ids (fsdp::nn::llama::document_ids)"
+              block_causal ? "a block_causal model needs the tokens' document ids (fsdp::models::llama::document_ids)"
                            : "document ids given to a causal model (attn_mask_type is causal)");
   AttentionMask mask;
   if (block_causal) {
@@ -319,7 +319,7 @@ void DeepSeekV3Impl::init_weights(uint64_t seed) {
 
 void DeepSeekV3Impl::init_weights(uint64_t seed, const llama::TransformerImpl::InitScope& scope) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  fsdp::nn::detail::MetaDrawSkipping skip_meta_parts(gen);  // as llama's: meta parts draw nothing
+  fsdp::models::detail::MetaDrawSkipping skip_meta_parts(gen);  // as llama's: meta parts draw nothing
   scope(*tok_embeddings, [&] { llama::detail::normal_(tok_embeddings->weight(), 1.0, gen); });
   for (auto& block : blocks_) scope(*block, [&] { block->init_weights(gen); });
   scope(*norm, [&] { norm->reset_parameters(); });
@@ -327,4 +327,4 @@ void DeepSeekV3Impl::init_weights(uint64_t seed, const llama::TransformerImpl::I
   scope(*output, [&] { llama::detail::trunc_normal_(output->weight(), std, -3 * std, 3 * std, gen); });
 }
 
-}  // namespace fsdp::nn::deepseek_v3
+}  // namespace fsdp::models::deepseek_v3

@@ -7,7 +7,7 @@
 
 #include <algorithm>
 
-namespace fsdp::nn::deepseek_v3 {
+namespace fsdp::models::deepseek_v3 {
 
 DeepSeekV3StageImpl::DeepSeekV3StageImpl(DeepSeekV3Impl& whole, int64_t begin, int64_t end, bool first, bool last)
     : args_(whole.args()), first_(first), last_(last), begin_(begin), end_(end) {
@@ -61,4 +61,4 @@ at::Tensor DeepSeekV3StageImpl::forward(const at::Tensor& x, const std::optional
   return fsdp::nn::call(output, fsdp::nn::call(norm, h));
 }
 
-}  // namespace fsdp::nn::deepseek_v3
+}  // namespace fsdp::models::deepseek_v3

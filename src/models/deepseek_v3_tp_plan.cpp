@@ -4,7 +4,7 @@
 
 #include <string>
 
-namespace fsdp::nn::deepseek_v3 {
+namespace fsdp::models::deepseek_v3 {
 namespace {
 
 // A SwiGLU feed-forward at `prefix` on the gathered sequence: w1, w3 colwise, w2 rowwise back onto the sequence.
@@ -74,4 +74,4 @@ ParallelizePlan tensor_parallel_plan(const DeepSeekV3Args& args, int64_t tp, boo
   return plan;
 }
 
-}  // namespace fsdp::nn::deepseek_v3
+}  // namespace fsdp::models::deepseek_v3

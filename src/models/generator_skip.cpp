@@ -15,7 +15,7 @@
 #include <mutex>
 #include <vector>
 
-namespace fsdp::nn::detail {
+namespace fsdp::models::detail {
 namespace {
 
 constexpr int kStateWords = 624;  // at::MERSENNE_STATE_N
@@ -204,4 +204,4 @@ bool MetaDrawSkipping::skip_draw(const at::Tensor& param, std::optional<uint64_t
 
 uint64_t MetaDrawSkipping::skipped_outputs_on_this_thread() { return skipped_outputs_total; }
 
-}  // namespace fsdp::nn::detail
+}  // namespace fsdp::models::detail

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <optional>
 
-namespace fsdp::nn::detail {
+namespace fsdp::models::detail {
 
 // Advances `gen` (an at::CPUGeneratorImpl: torch's mt19937) past its next `n` 32-bit outputs: afterwards it gives
 // what it would have given after `n` calls of random(). Short skips step the engine; long ones jump in time that
@@ -43,4 +43,4 @@ class MetaDrawSkipping {
   MetaDrawSkipping* outer_ = nullptr;  // an init_weights inside another one's (the innermost one's generator wins)
 };
 
-}  // namespace fsdp::nn::detail
+}  // namespace fsdp::models::detail

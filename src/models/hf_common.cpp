@@ -17,7 +17,7 @@
 #include <filesystem>
 #include <sstream>
 
-namespace fsdp::checkpoint::hf::common {
+namespace fsdp::models::hf::common {
 namespace fs = std::filesystem;
 
 const std::vector<NamePair>& top_names() {
@@ -91,7 +91,7 @@ std::string dtype_name(const std::optional<c10::ScalarType>& dtype) {
   return "float32";
 }
 
-nlohmann::json decoder_config_json(const nn::llama::LlamaArgs& a, const std::string& dtype) {
+nlohmann::json decoder_config_json(const models::llama::LlamaArgs& a, const std::string& dtype) {
   nlohmann::json c;
   c["hidden_size"] = a.dim;
   c["intermediate_size"] = a.ffn_hidden_dim();
@@ -113,11 +113,11 @@ nlohmann::json decoder_config_json(const nn::llama::LlamaArgs& a, const std::str
   nlohmann::json rope = {{"rope_type", "default"}};
   if (a.rope_scaling) {
     const auto& r = *a.rope_scaling;
-    rope = {{"rope_type", nn::llama::rope_type_name(r.type)}, {"factor", r.factor}};
-    if (r.type == nn::llama::RopeScaling::Type::Llama3) {
+    rope = {{"rope_type", models::llama::rope_type_name(r.type)}, {"factor", r.factor}};
+    if (r.type == models::llama::RopeScaling::Type::Llama3) {
       rope["low_freq_factor"] = r.low_freq_factor;
       rope["high_freq_factor"] = r.high_freq_factor;
-    } else if (r.type == nn::llama::RopeScaling::Type::Yarn) {
+    } else if (r.type == models::llama::RopeScaling::Type::Yarn) {
       rope["beta_fast"] = r.beta_fast;
       rope["beta_slow"] = r.beta_slow;
       rope["truncate"] = r.truncate;
@@ -125,7 +125,7 @@ nlohmann::json decoder_config_json(const nn::llama::LlamaArgs& a, const std::str
       if (r.mscale) rope["mscale"] = *r.mscale;
       if (r.mscale_all_dim) rope["mscale_all_dim"] = *r.mscale_all_dim;
     }
-    if (r.type != nn::llama::RopeScaling::Type::Linear) {
+    if (r.type != models::llama::RopeScaling::Type::Linear) {
       rope["original_max_position_embeddings"] = r.original_max_position_embeddings;
     }
     c["rope_scaling"] = rope;
@@ -135,10 +135,10 @@ nlohmann::json decoder_config_json(const nn::llama::LlamaArgs& a, const std::str
   return c;
 }
 
-SafetensorsExportResult write_whole_model(const std::string& dir,
+checkpoint::SafetensorsExportResult write_whole_model(const std::string& dir,
                                           std::vector<std::pair<std::string, at::Tensor>> tensors,
-                                          const SafetensorsExportOptions& options, const std::string& config_text) {
-  SafetensorsExportResult r;
+                                          const checkpoint::SafetensorsExportOptions& options, const std::string& config_text) {
+  checkpoint::SafetensorsExportResult r;
   for (auto& [name, t] : tensors) {
     t = t.detach().to(at::kCPU);
     if (options.dtype && at::isFloatingType(t.scalar_type())) t = t.to(*options.dtype);
@@ -148,7 +148,7 @@ SafetensorsExportResult write_whole_model(const std::string& dir,
   std::map<std::string, std::string> md = options.metadata;
   md.emplace("format", "pt");
   const std::string file = (fs::path(dir) / "model.safetensors").string();
-  safetensors::save_file(file, tensors, md);
+  checkpoint::safetensors::save_file(file, tensors, md);
   const std::string config = (fs::path(dir) / "config.json").string();
   checkpoint::detail::write_file_atomic(config, config_text);
   r.files = {file, config};
@@ -162,7 +162,7 @@ at::Tensor FileTensors::read(const std::string& name) {
   auto w = where_.find(name);
   TORCH_CHECK(w != where_.end(), "'", name, "' is not in ", path_);
   auto& reader = readers_[w->second];
-  if (!reader) reader = std::make_unique<safetensors::Reader>(w->second);
+  if (!reader) reader = std::make_unique<checkpoint::safetensors::Reader>(w->second);
   return reader->read(name);
 }
 
@@ -209,12 +209,12 @@ checkpoint::detail::KeyAdapter import_adapter(const char* who, const KeyToFile& 
   return adapter;
 }
 
-SafetensorsImportResult import_whole_model(const char* who, torch::nn::Module& model, FileTensors& files,
+checkpoint::SafetensorsImportResult import_whole_model(const char* who, torch::nn::Module& model, FileTensors& files,
                                            const checkpoint::detail::KeyAdapter& adapter,
-                                           const SafetensorsImportOptions& options, const TensorMap& from_file,
+                                           const checkpoint::SafetensorsImportOptions& options, const TensorMap& from_file,
                                            const std::function<bool(const std::string&)>& skip,
                                            std::set<std::string>& used) {
-  SafetensorsImportResult r;
+  checkpoint::SafetensorsImportResult r;
   for (auto& item : model.named_parameters(/*recurse=*/true)) {
     if (skip && skip(item.key())) continue;
     auto f = adapter.file_name(item.key());
@@ -234,13 +234,13 @@ SafetensorsImportResult import_whole_model(const char* who, torch::nn::Module& m
 }
 
 void append_stacked_experts(std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& prefix,
-                            const nn::moe::GroupedExpertsImpl& e) {
+                            const models::moe::GroupedExpertsImpl& e) {
   tensors.emplace_back(prefix + "gate_up_proj", at::cat({e.w1.detach(), e.w3.detach()}, /*dim=*/1));
   tensors.emplace_back(prefix + "down_proj", e.w2.detach());
 }
 
 bool import_experts(const char* who, FileTensors& files, const std::string& prefix, const std::string& ours,
-                    nn::moe::GroupedExpertsImpl& e, std::set<std::string>& used, SafetensorsImportResult& r) {
+                    models::moe::GroupedExpertsImpl& e, std::set<std::string>& used, checkpoint::SafetensorsImportResult& r) {
   auto read = [&](const std::string& name) {
     used.insert(name);
     at::Tensor t = files.read(name);
@@ -310,8 +310,8 @@ std::function<std::optional<checkpoint::detail::FileSlice>(const std::string&)> 
   };
 }
 
-SafetensorsExportResult export_sharded(const char* who, torch::nn::Module& model, const std::string& dir,
-                                       const SafetensorsExportOptions& options, const KeyToFile& to_hf,
+checkpoint::SafetensorsExportResult export_sharded(const char* who, torch::nn::Module& model, const std::string& dir,
+                                       const checkpoint::SafetensorsExportOptions& options, const KeyToFile& to_hf,
                                        const std::function<bool(const std::string&)>& skip, int64_t expert_hidden,
                                        const std::string& config_text,
                                        std::vector<std::pair<std::string, at::Tensor>> extra_tensors) {
@@ -328,8 +328,8 @@ SafetensorsExportResult export_sharded(const char* who, torch::nn::Module& model
   return checkpoint::detail::export_safetensors(model, dir, options, adapter);
 }
 
-SafetensorsImportResult import_sharded(const char* who, torch::nn::Module& model, const FileTensors& files,
-                                       checkpoint::detail::KeyAdapter adapter, const SafetensorsImportOptions& options,
+checkpoint::SafetensorsImportResult import_sharded(const char* who, torch::nn::Module& model, const FileTensors& files,
+                                       checkpoint::detail::KeyAdapter adapter, const checkpoint::SafetensorsImportOptions& options,
                                        const std::function<bool(const std::string&)>& skip,
                                        const std::vector<int64_t>& moe_layers, int64_t expert_hidden) {
   // Per layer, the experts' layout in the files: transformers 5's stacked tensors (each rank reads its rows of
@@ -367,7 +367,7 @@ SafetensorsImportResult import_sharded(const char* who, torch::nn::Module& model
 
 void finish_whole_import(const char* who, const std::string& path, const FileTensors& files,
                          const std::set<std::string>& used, const checkpoint::detail::KeyAdapter& adapter,
-                         const SafetensorsImportOptions& options, SafetensorsImportResult& r) {
+                         const checkpoint::SafetensorsImportOptions& options, checkpoint::SafetensorsImportResult& r) {
   for (const auto& [name, file] : files.where()) {
     if (!used.count(name) && !(adapter.ignorable && adapter.ignorable(name))) r.unexpected.push_back(name);
   }
@@ -380,11 +380,11 @@ void finish_whole_import(const char* who, const std::string& path, const FileTen
 }
 
 void check_lm_head(const char* who, const std::string& path, bool files_have_lm_head, bool config_tied,
-                   const nn::llama::LlamaArgs& model, const SafetensorsImportOptions& options) {
+                   const models::llama::LlamaArgs& model, const checkpoint::SafetensorsImportOptions& options) {
   if (files_have_lm_head || config_tied || model.tie_embeddings) return;
   TORCH_CHECK(!options.strict, who, " from ", path, ": config.json says tie_word_embeddings = false but the files ",
               "hold no 'lm_head.weight' (the output layer's weights are missing; transformers would initialise ",
               "them randomly)");
 }
 
-}  // namespace fsdp::checkpoint::hf::common
+}  // namespace fsdp::models::hf::common

@@ -29,7 +29,7 @@ namespace fsdp::checkpoint::safetensors {
 class Reader;
 }
 
-namespace fsdp::checkpoint::hf::common {
+namespace fsdp::models::hf::common {
 
 struct NamePair {
   const char* ours;
@@ -54,7 +54,7 @@ bool uses_fully_shard(torch::nn::Module& model);
 std::string dtype_name(const std::optional<c10::ScalarType>& dtype);
 // The config.json fields every decoder of ours writes the same way (sizes, heads, norm eps, RoPE base and
 // scaling in both forms, tied embeddings, dtype); each adapter adds its architecture's own.
-nlohmann::json decoder_config_json(const nn::llama::LlamaArgs& args, const std::string& dtype);
+nlohmann::json decoder_config_json(const models::llama::LlamaArgs& args, const std::string& dtype);
 
 // Deepest nesting of arrays/objects a config.json may have (Hugging Face's are at most 3 deep); deeper is
 // refused while parsing, before anything is built from it.
@@ -99,31 +99,31 @@ std::string excerpt(const nlohmann::json& v);
 // (mapped to the args) or refused with its name and value (docs/interop.md has the table).
 struct ParsedConfig {
   std::string model_type;  // "llama", "qwen3" or "qwen3_moe"
-  nn::llama::LlamaArgs args;
+  models::llama::LlamaArgs args;
 };
 // RoPE fields as transformers 5 reads them (rope_parameters or rope_scaling; theta, "default" / "linear" / "llama3"
 // / "yarn" with their parameters; partial_rotary_factor refused): args.rope_theta and args.rope_scaling; reads
 // args.max_seq_len as max_position_embeddings' fallback.
-void parse_rope_config(const ConfigJson& config, nn::llama::LlamaArgs& args);
+void parse_rope_config(const ConfigJson& config, models::llama::LlamaArgs& args);
 // `default_model_type`: assumed when config.json has no model_type (empty: model_type is required).
 ParsedConfig parse_config(const ConfigJson& config, const std::string& default_model_type = "");
 
 // The differences that matter between what config.json describes and a model: one error listing all
 // "<field> = <value> (the model has <ours>)". `untied_model_may_load_tied`: a tied checkpoint may fill an untied
 // model's output layer with the embeddings (Llama) instead of being an error (Qwen3).
-void check_config_matches(const ConfigJson& config, const ParsedConfig& parsed, const nn::llama::LlamaArgs& model,
+void check_config_matches(const ConfigJson& config, const ParsedConfig& parsed, const models::llama::LlamaArgs& model,
                           bool untied_model_may_load_tied);
 
 // A file set without lm_head.weight next to a config.json that says tie_word_embeddings = false contradicts
 // itself: an error (strict), or output.weight left as is and listed missing.
 void check_lm_head(const char* who, const std::string& path, bool files_have_lm_head, bool config_tied,
-                   const nn::llama::LlamaArgs& model, const SafetensorsImportOptions& options);
+                   const models::llama::LlamaArgs& model, const checkpoint::SafetensorsImportOptions& options);
 
 // One process holding the whole model: writes `tensors` (Hugging Face names, already in the file layout; cast
 // to options.dtype) into dir/model.safetensors, and config_text as dir/config.json.
-SafetensorsExportResult write_whole_model(const std::string& dir,
+checkpoint::SafetensorsExportResult write_whole_model(const std::string& dir,
                                           std::vector<std::pair<std::string, at::Tensor>> tensors,
-                                          const SafetensorsExportOptions& options, const std::string& config_text);
+                                          const checkpoint::SafetensorsExportOptions& options, const std::string& config_text);
 
 // The tensors of a file set (resolve_files: a directory, an index or one file), read whole, readers opened once.
 class FileTensors {
@@ -138,7 +138,7 @@ class FileTensors {
  private:
   std::string path_;
   std::map<std::string, std::string> where_;
-  std::map<std::string, std::unique_ptr<safetensors::Reader>> readers_;
+  std::map<std::string, std::unique_ptr<checkpoint::safetensors::Reader>> readers_;
 };
 
 // Copies `t` (file tensor `file_name`) into the model's `key`, with a shape check naming both.
@@ -164,22 +164,22 @@ checkpoint::detail::KeyAdapter import_adapter(const char* who, const KeyToFile& 
 // Import into a whole model (no fully_shard): every parameter for which `skip` (may be null) is false, read
 // whole from adapter.file_name(key), mapped by `from_file` (may be null). Missing tensors: an error naming the
 // tensor and the key (strict) or result.missing. File tensors read are added to `used`.
-SafetensorsImportResult import_whole_model(const char* who, torch::nn::Module& model, FileTensors& files,
+checkpoint::SafetensorsImportResult import_whole_model(const char* who, torch::nn::Module& model, FileTensors& files,
                                            const checkpoint::detail::KeyAdapter& adapter,
-                                           const SafetensorsImportOptions& options, const TensorMap& from_file,
+                                           const checkpoint::SafetensorsImportOptions& options, const TensorMap& from_file,
                                            const std::function<bool(const std::string&)>& skip,
                                            std::set<std::string>& used);
 // One MoE layer's routed experts, ours stacked (w1 / w3 [E, F, D], w2 [E, D, F]) <-> Hugging Face's names under
 // `prefix` ("model.layers.<i>.mlp.experts."). Export: transformers 5's stacked gate_up_proj [E, 2F, D] (w1 rows
 // first) and down_proj [E, D, F], appended to `tensors`.
 void append_stacked_experts(std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& prefix,
-                            const nn::moe::GroupedExpertsImpl& experts);
+                            const models::moe::GroupedExpertsImpl& experts);
 // Import: those stacked tensors, or one tensor per expert and projection ({j}.{gate,up,down}_proj.weight, what
 // save_pretrained and the hub hold), copied into `experts` (`ours`: its FQN, for errors naming both sides). False
 // when neither layout is in the files (the caller decides: an error or a missing entry). Tensors read go into
 // `used` and their bytes into r.bytes_read.
 bool import_experts(const char* who, FileTensors& files, const std::string& prefix, const std::string& ours,
-                    nn::moe::GroupedExpertsImpl& experts, std::set<std::string>& used, SafetensorsImportResult& r);
+                    models::moe::GroupedExpertsImpl& experts, std::set<std::string>& used, checkpoint::SafetensorsImportResult& r);
 
 // ---- Sharded models (fully_shard: FSDP, HSDP, DDP, EP, TP; pipeline stages in options.parts) ----
 // Both MoE adapters (Qwen3-MoE, DeepSeek-V3) keep their routed experts under the same names on both sides:
@@ -214,8 +214,8 @@ std::function<std::optional<checkpoint::detail::FileSlice>(const std::string&)> 
 // it does not know), the routed experts as stacked_expert_slices when `expert_hidden` > 0. `extra_tensors`:
 // tensors no model key holds (small: DeepSeek-V3's zero e_score_correction_bias of a model without load
 // balancing), written by rank 0 after the model's. config_text is written as config.json.
-SafetensorsExportResult export_sharded(const char* who, torch::nn::Module& model, const std::string& dir,
-                                       const SafetensorsExportOptions& options, const KeyToFile& to_hf,
+checkpoint::SafetensorsExportResult export_sharded(const char* who, torch::nn::Module& model, const std::string& dir,
+                                       const checkpoint::SafetensorsExportOptions& options, const KeyToFile& to_hf,
                                        const std::function<bool(const std::string&)>& skip, int64_t expert_hidden,
                                        const std::string& config_text,
                                        std::vector<std::pair<std::string, at::Tensor>> extra_tensors = {});
@@ -225,8 +225,8 @@ SafetensorsExportResult export_sharded(const char* who, torch::nn::Module& model
 // routed experts of `moe_layers` (layer ids, hidden size `expert_hidden`) as slices of the stacked tensors or,
 // for a layer whose files hold one tensor per expert and projection (save_pretrained's, the hub's:
 // {j}.{gate,up,down}_proj.weight), each rank reading the tensors of its own experts only (KeyAdapter::file_stack).
-SafetensorsImportResult import_sharded(const char* who, torch::nn::Module& model, const FileTensors& files,
-                                       checkpoint::detail::KeyAdapter adapter, const SafetensorsImportOptions& options,
+checkpoint::SafetensorsImportResult import_sharded(const char* who, torch::nn::Module& model, const FileTensors& files,
+                                       checkpoint::detail::KeyAdapter adapter, const checkpoint::SafetensorsImportOptions& options,
                                        const std::function<bool(const std::string&)>& skip,
                                        const std::vector<int64_t>& moe_layers, int64_t expert_hidden);
 
@@ -234,6 +234,6 @@ SafetensorsImportResult import_sharded(const char* who, torch::nn::Module& model
 // r.unexpected, an error naming them on a strict load (as import_safetensors on any number of ranks).
 void finish_whole_import(const char* who, const std::string& path, const FileTensors& files,
                          const std::set<std::string>& used, const checkpoint::detail::KeyAdapter& adapter,
-                         const SafetensorsImportOptions& options, SafetensorsImportResult& r);
+                         const checkpoint::SafetensorsImportOptions& options, checkpoint::SafetensorsImportResult& r);
 
-}  // namespace fsdp::checkpoint::hf::common
+}  // namespace fsdp::models::hf::common

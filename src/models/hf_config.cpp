@@ -20,9 +20,9 @@
 #include <set>
 #include <sstream>
 
-namespace fsdp::checkpoint::hf {
+namespace fsdp::models::hf {
 namespace fs = std::filesystem;
-namespace llama = fsdp::nn::llama;
+namespace llama = fsdp::models::llama;
 
 namespace common {
 
@@ -279,7 +279,7 @@ ParsedConfig parse_config(const ConfigJson& c, const std::string& default_model_
   if (!is_llama && p.model_type != "qwen3" && !is_moe) {
     c.fail("field 'model_type' = " + excerpt(nlohmann::json(p.model_type)) +
            " is not supported (supported: \"llama\", \"qwen3\", \"qwen3_moe\"; a \"deepseek_v3\" config.json is "
-           "read by fsdp::checkpoint::hf::read_deepseek_v3_config)");
+           "read by fsdp::models::hf::read_deepseek_v3_config)");
   }
   llama::LlamaArgs& a = p.args;
   a = llama::LlamaArgs{};
@@ -338,7 +338,7 @@ ParsedConfig parse_config(const ConfigJson& c, const std::string& default_model_
   if (is_moe) {
     require(c, "output_router_logits", c.get_bool("output_router_logits", false), false,
             "the auxiliary load-balancing loss is not implemented; libfsdp balances experts without it");
-    nn::moe::MoEOptions o;
+    models::moe::MoEOptions o;
     o.dim = a.dim;
     const bool has_e = c.has("num_experts"), has_le = c.has("num_local_experts");
     o.num_experts = positive(c, has_le && !has_e ? "num_local_experts" : "num_experts", 128);
@@ -479,17 +479,17 @@ HfConfig read_config(const std::string& path) {
   return HfConfig{p.model_type, p.args};
 }
 
-SafetensorsImportResult import_hf(nn::llama::TransformerImpl& model, const std::string& path,
-                                  const SafetensorsImportOptions& options) {
+checkpoint::SafetensorsImportResult import_hf(models::llama::TransformerImpl& model, const std::string& path,
+                                  const checkpoint::SafetensorsImportOptions& options) {
   return model.args().rope_layout == llama::RopeLayout::HalfSplit ? import_qwen3(model, path, options)
                                                                   : import_llama(model, path, options);
 }
 
-nn::llama::Transformer load_model(const std::string& dir, const SafetensorsImportOptions& options) {
+models::llama::Transformer load_model(const std::string& dir, const checkpoint::SafetensorsImportOptions& options) {
   const HfConfig config = read_config(dir);
-  nn::llama::Transformer model(config.args);
+  models::llama::Transformer model(config.args);
   import_hf(*model, dir, options);
   return model;
 }
 
-}  // namespace fsdp::checkpoint::hf
+}  // namespace fsdp::models::hf

@@ -15,10 +15,10 @@
 #include <set>
 #include <sstream>
 
-namespace fsdp::checkpoint::hf {
+namespace fsdp::models::hf {
 namespace fs = std::filesystem;
-namespace ds = fsdp::nn::deepseek_v3;
-namespace llama = fsdp::nn::llama;
+namespace ds = fsdp::models::deepseek_v3;
+namespace llama = fsdp::models::llama;
 
 namespace {
 
@@ -140,7 +140,7 @@ ds::DeepSeekV3Args read_deepseek_v3_config(const std::string& path) {
   const std::string type = c.get_string("model_type");
   if (type != "deepseek_v3") {
     c.fail("field 'model_type' = \"" + type + "\" is not supported here (this reader takes \"deepseek_v3\"; " +
-           "fsdp::checkpoint::hf::read_config reads llama / qwen3 / qwen3_moe)");
+           "fsdp::models::hf::read_config reads llama / qwen3 / qwen3_moe)");
   }
   auto positive = [&](const char* field, std::optional<int64_t> fallback) {
     const int64_t v = c.get_int(field, fallback);
@@ -201,7 +201,7 @@ ds::DeepSeekV3Args read_deepseek_v3_config(const std::string& path) {
   a.rope_theta = rope.rope_theta;
   a.rope_scaling = rope.rope_scaling;
 
-  fsdp::nn::moe::MoEOptions& o = a.moe;
+  fsdp::models::moe::MoEOptions& o = a.moe;
   o.dim = a.dim;
   const bool has_e = c.has("n_routed_experts"), has_le = c.has("num_local_experts");
   o.num_experts = positive(has_le && !has_e ? "num_local_experts" : "n_routed_experts", 256);
@@ -286,8 +286,8 @@ std::string deepseek_v3_config_json(const ds::DeepSeekV3Args& a, const std::stri
   return c.dump(2) + "\n";
 }
 
-SafetensorsExportResult export_deepseek_v3(ds::DeepSeekV3Impl& model, const std::string& dir,
-                                           const SafetensorsExportOptions& options) {
+checkpoint::SafetensorsExportResult export_deepseek_v3(ds::DeepSeekV3Impl& model, const std::string& dir,
+                                           const checkpoint::SafetensorsExportOptions& options) {
   const ds::DeepSeekV3Args& args = model.args();
   const std::string config = deepseek_v3_config_json(args, common::dtype_name(options.dtype));
   const int64_t E = args.moe.num_experts;
@@ -319,8 +319,8 @@ SafetensorsExportResult export_deepseek_v3(ds::DeepSeekV3Impl& model, const std:
   return common::write_whole_model(dir, std::move(tensors), options, config);
 }
 
-SafetensorsImportResult import_deepseek_v3(ds::DeepSeekV3Impl& model, const std::string& path,
-                                           const SafetensorsImportOptions& options) {
+checkpoint::SafetensorsImportResult import_deepseek_v3(ds::DeepSeekV3Impl& model, const std::string& path,
+                                           const checkpoint::SafetensorsImportOptions& options) {
   const bool sharded = common::uses_fully_shard(model);
   if (!sharded) check_every_expert("import_deepseek_v3", model);
   const fs::path dir = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
@@ -334,10 +334,10 @@ SafetensorsImportResult import_deepseek_v3(ds::DeepSeekV3Impl& model, const std:
     }
   }
   common::FileTensors files(path);
-  detail::KeyAdapter adapter = common::import_adapter("import_deepseek_v3", to_hf_name, /*files_have_lm_head=*/true,
+  checkpoint::detail::KeyAdapter adapter = common::import_adapter("import_deepseek_v3", to_hf_name, /*files_have_lm_head=*/true,
                                                       /*model_tied=*/false, /*lm_head_from_embeddings=*/false);
   std::set<std::string> used;
-  SafetensorsImportResult r;
+  checkpoint::SafetensorsImportResult r;
   c10::NoGradGuard no_grad;
   auto read = [&](const std::string& name) {
     used.insert(name);
@@ -360,13 +360,13 @@ SafetensorsImportResult import_deepseek_v3(ds::DeepSeekV3Impl& model, const std:
     adapter.ignorable = [ignorable = adapter.ignorable, zero_biases](const std::string& name) {
       return zero_biases.count(name) > 0 || ignorable(name);
     };
-    SafetensorsImportResult sharded_result =
+    checkpoint::SafetensorsImportResult sharded_result =
         common::import_sharded("import_deepseek_v3", model, files, adapter, options, nullptr,
                                common::moe_layer_ids(model), model.args().moe.hidden);
     sharded_result.bytes_read += r.bytes_read;
     return sharded_result;
   }
-  SafetensorsImportResult whole = common::import_whole_model("import_deepseek_v3", model, files, adapter, options,
+  checkpoint::SafetensorsImportResult whole = common::import_whole_model("import_deepseek_v3", model, files, adapter, options,
                                                              nullptr, common::is_expert_key, used);
   whole.bytes_read += r.bytes_read;
   r = std::move(whole);
@@ -395,4 +395,4 @@ SafetensorsImportResult import_deepseek_v3(ds::DeepSeekV3Impl& model, const std:
   return r;
 }
 
-}  // namespace fsdp::checkpoint::hf
+}  // namespace fsdp::models::hf

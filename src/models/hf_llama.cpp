@@ -16,9 +16,9 @@
 #include <filesystem>
 #include <set>
 
-namespace fsdp::checkpoint::hf {
+namespace fsdp::models::hf {
 namespace fs = std::filesystem;
-namespace llama = fsdp::nn::llama;
+namespace llama = fsdp::models::llama;
 
 namespace {
 
@@ -87,8 +87,8 @@ std::string config_json(const llama::LlamaArgs& a, const std::string& dtype) {
   return c.dump(2) + "\n";
 }
 
-SafetensorsExportResult export_llama(llama::TransformerImpl& model, const std::string& dir,
-                                     const SafetensorsExportOptions& options) {
+checkpoint::SafetensorsExportResult export_llama(llama::TransformerImpl& model, const std::string& dir,
+                                     const checkpoint::SafetensorsExportOptions& options) {
   const llama::LlamaArgs args = model.args();
   check_is_llama("export_llama", args);
   const std::string dtype = common::dtype_name(options.dtype);
@@ -101,7 +101,7 @@ SafetensorsExportResult export_llama(llama::TransformerImpl& model, const std::s
     auto tensors = common::whole_model_tensors("export_llama", model, to_hf_name, to_file, nullptr);
     return common::write_whole_model(dir, std::move(tensors), options, config_json(args, dtype));
   }
-  detail::KeyAdapter adapter;
+  checkpoint::detail::KeyAdapter adapter;
   adapter.file_name = [](const std::string& key) {
     auto hf = to_hf_name(key);
     TORCH_CHECK(hf, "export_llama: '", key, "' is not a Llama 3 weight the Hugging Face adapter knows");
@@ -109,11 +109,11 @@ SafetensorsExportResult export_llama(llama::TransformerImpl& model, const std::s
   };
   adapter.to_file = to_file;
   adapter.extra_files.emplace_back("config.json", config_json(args, dtype));
-  return detail::export_safetensors(model, dir, options, adapter);
+  return checkpoint::detail::export_safetensors(model, dir, options, adapter);
 }
 
-SafetensorsImportResult import_llama(llama::TransformerImpl& model, const std::string& path,
-                                     const SafetensorsImportOptions& options) {
+checkpoint::SafetensorsImportResult import_llama(llama::TransformerImpl& model, const std::string& path,
+                                     const checkpoint::SafetensorsImportOptions& options) {
   const llama::LlamaArgs args = model.args();
   check_is_llama("import_llama", args);
   const fs::path dir = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
@@ -123,7 +123,7 @@ SafetensorsImportResult import_llama(llama::TransformerImpl& model, const std::s
   common::FileTensors files(path);
   const bool has_lm_head = files.has("lm_head.weight");
   common::check_lm_head("import_llama", path, has_lm_head, config_tied, args, options);
-  detail::KeyAdapter adapter = common::import_adapter("import_llama", to_hf_name, has_lm_head, args.tie_embeddings,
+  checkpoint::detail::KeyAdapter adapter = common::import_adapter("import_llama", to_hf_name, has_lm_head, args.tie_embeddings,
                                                       /*lm_head_from_embeddings=*/config_tied);
   adapter.file_rows = [args](const std::string& key, int64_t begin, int64_t count) {
     std::vector<int64_t> rows;
@@ -143,7 +143,7 @@ SafetensorsImportResult import_llama(llama::TransformerImpl& model, const std::s
     common::finish_whole_import("import_llama", path, files, used, adapter, options, r);
     return r;
   }
-  return detail::import_safetensors(model, path, options, adapter);
+  return checkpoint::detail::import_safetensors(model, path, options, adapter);
 }
 
-}  // namespace fsdp::checkpoint::hf
+}  // namespace fsdp::models::hf

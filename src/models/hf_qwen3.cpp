@@ -17,9 +17,9 @@
 #include <optional>
 #include <set>
 
-namespace fsdp::checkpoint::hf {
+namespace fsdp::models::hf {
 namespace fs = std::filesystem;
-namespace llama = fsdp::nn::llama;
+namespace llama = fsdp::models::llama;
 
 namespace {
 
@@ -86,8 +86,8 @@ std::string qwen3_config_json(const llama::LlamaArgs& a, const std::string& dtyp
   return c.dump(2) + "\n";
 }
 
-SafetensorsExportResult export_qwen3(llama::TransformerImpl& model, const std::string& dir,
-                                     const SafetensorsExportOptions& options) {
+checkpoint::SafetensorsExportResult export_qwen3(llama::TransformerImpl& model, const std::string& dir,
+                                     const checkpoint::SafetensorsExportOptions& options) {
   const llama::LlamaArgs args = model.args();
   check_is_qwen3("export_qwen3", args);
   const std::string config = qwen3_config_json(args, common::dtype_name(options.dtype));
@@ -113,8 +113,8 @@ SafetensorsExportResult export_qwen3(llama::TransformerImpl& model, const std::s
   return common::write_whole_model(dir, std::move(tensors), options, config);
 }
 
-SafetensorsImportResult import_qwen3(llama::TransformerImpl& model, const std::string& path,
-                                     const SafetensorsImportOptions& options) {
+checkpoint::SafetensorsImportResult import_qwen3(llama::TransformerImpl& model, const std::string& path,
+                                     const checkpoint::SafetensorsImportOptions& options) {
   const llama::LlamaArgs args = model.args();
   check_is_qwen3("import_qwen3", args);
   const fs::path dir = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
@@ -124,14 +124,14 @@ SafetensorsImportResult import_qwen3(llama::TransformerImpl& model, const std::s
   common::FileTensors files(path);
   const bool has_lm_head = files.has("lm_head.weight");
   common::check_lm_head("import_qwen3", path, has_lm_head, config_tied, args, options);
-  detail::KeyAdapter adapter = common::import_adapter("import_qwen3", qwen3_to_hf_name, has_lm_head,
+  checkpoint::detail::KeyAdapter adapter = common::import_adapter("import_qwen3", qwen3_to_hf_name, has_lm_head,
                                                       args.tie_embeddings, /*lm_head_from_embeddings=*/config_tied);
   if (common::uses_fully_shard(model)) {
     return common::import_sharded("import_qwen3", model, files, adapter, options, common::is_expert_bias_key,
                                   common::moe_layer_ids(model), args.moe ? args.moe_options().hidden : 0);
   }
   std::set<std::string> used;
-  SafetensorsImportResult r =
+  checkpoint::SafetensorsImportResult r =
       common::import_whole_model("import_qwen3", model, files, adapter, options, nullptr, common::is_expert_key, used);
   // Per MoE layer: transformers 5's stacked gate_up_proj / down_proj, or one tensor per expert and projection.
   for (auto& block : model.blocks()) {
@@ -148,4 +148,4 @@ SafetensorsImportResult import_qwen3(llama::TransformerImpl& model, const std::s
   return r;
 }
 
-}  // namespace fsdp::checkpoint::hf
+}  // namespace fsdp::models::hf

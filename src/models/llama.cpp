@@ -11,7 +11,7 @@
 
 #include <cmath>
 
-namespace fsdp::nn::llama {
+namespace fsdp::models::llama {
 
 int64_t LlamaArgs::ffn_hidden_dim() const {
   if (explicit_ffn_hidden) return *explicit_ffn_hidden;
@@ -32,9 +32,9 @@ bool LlamaArgs::is_moe_layer(int64_t layer) const {
   return (layer + 1) % moe_layer_step == 0;
 }
 
-fsdp::nn::moe::MoEOptions LlamaArgs::moe_options() const {
+fsdp::models::moe::MoEOptions LlamaArgs::moe_options() const {
   TORCH_CHECK(moe, "llama: moe_options() of a model without MoE layers");
-  fsdp::nn::moe::MoEOptions o = *moe;
+  fsdp::models::moe::MoEOptions o = *moe;
   if (o.dim == 0) o.dim = dim;
   TORCH_CHECK(o.dim == dim, "llama: the MoE layers' dim ", o.dim, " differs from the model's dim ", dim);
   return o;
@@ -252,7 +252,7 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 // matches TorchTitan's in law, not bit for bit, for the same seed.
 void detail::trunc_normal_(at::Tensor& param, double std, double a, double b, at::Generator& gen) {
   // uniform_ on a float CPU tensor: one 32-bit output an element.
-  if (fsdp::nn::detail::MetaDrawSkipping::skip_draw(param, static_cast<uint64_t>(param.numel()), gen)) return;
+  if (fsdp::models::detail::MetaDrawSkipping::skip_draw(param, static_cast<uint64_t>(param.numel()), gen)) return;
   auto norm_cdf = [](double v) { return (1.0 + std::erf(v / std::sqrt(2.0))) / 2.0; };
   const double lo = norm_cdf(a / std), hi = norm_cdf(b / std);
   auto t = at::empty(param.sizes(), at::TensorOptions().dtype(at::kFloat));
@@ -268,7 +268,7 @@ std::optional<uint64_t> detail::normal_fill_outputs(int64_t numel) {
 }
 
 void detail::normal_(at::Tensor& param, double std, at::Generator& gen) {
-  if (fsdp::nn::detail::MetaDrawSkipping::skip_draw(param, normal_fill_outputs(param.numel()), gen)) return;
+  if (fsdp::models::detail::MetaDrawSkipping::skip_draw(param, normal_fill_outputs(param.numel()), gen)) return;
   auto t = at::empty(param.sizes(), at::TensorOptions().dtype(at::kFloat));
   t.normal_(0.0, std, gen);
   torch::NoGradGuard no_grad;
@@ -329,7 +329,7 @@ at::Tensor block_causal_mask(const at::Tensor& ids) {
 AttentionMask attention_mask_for(const LlamaArgs& args, const std::optional<at::Tensor>& ids, const char* who) {
   const bool block_causal = args.attn_mask_type == AttnMaskType::BlockCausal;
   TORCH_CHECK(block_causal == (ids.has_value() && ids->defined()), who, ": ",
-              block_causal ? "a block_causal model needs the tokens' document ids (fsdp::nn::llama::document_ids)"
+              block_causal ? "a block_causal model needs the tokens' document ids (fsdp::models::llama::document_ids)"
                            : "document ids given to a causal model (attn_mask_type is causal)");
   if (!block_causal) return std::nullopt;
   return block_causal_mask(*ids);
@@ -412,7 +412,7 @@ TransformerBlockImpl::TransformerBlockImpl(int64_t id, const LlamaArgs& a) : lay
   auto opts = at::TensorOptions().device(a.device).dtype(a.dtype);
   attention = register_module("attention", Attention(a));
   if (a.is_moe_layer(id)) {
-    moe = register_module("moe", fsdp::nn::moe::MoE(a.moe_options(), opts));
+    moe = register_module("moe", fsdp::models::moe::MoE(a.moe_options(), opts));
   } else {
     feed_forward = register_module("feed_forward", FeedForward(a.dim, a.ffn_hidden_dim(), opts));
   }
@@ -539,7 +539,7 @@ void TransformerImpl::init_weights(uint64_t seed, const InitScope& scope) {
   // One generator drawn in a fixed order: the same numbers whatever the scope does around each part. Parts left on
   // meta (other pipeline ranks' stages) draw nothing; the generator jumps past their numbers.
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  fsdp::nn::detail::MetaDrawSkipping skip_meta_parts(gen);
+  fsdp::models::detail::MetaDrawSkipping skip_meta_parts(gen);
   scope(*tok_embeddings, [&] { detail::normal_(tok_embeddings->weight(), 1.0, gen); });
   for (auto& block : blocks_) scope(*block, [&] { block->init_weights(gen); });
   scope(*norm, [&] { norm->reset_parameters(); });
@@ -549,4 +549,4 @@ void TransformerImpl::init_weights(uint64_t seed, const InitScope& scope) {
   }
 }
 
-}  // namespace fsdp::nn::llama
+}  // namespace fsdp::models::llama

@@ -7,7 +7,7 @@
 
 #include <algorithm>
 
-namespace fsdp::nn::llama {
+namespace fsdp::models::llama {
 
 std::vector<std::pair<int64_t, int64_t>> split_layers(int64_t n_layers, int64_t num_stages, int64_t first_less,
                                                       int64_t last_less) {
@@ -167,4 +167,4 @@ at::Tensor LlamaStageImpl::forward(const at::Tensor& x, const std::optional<at::
   return fsdp::nn::call(output, h);
 }
 
-}  // namespace fsdp::nn::llama
+}  // namespace fsdp::models::llama

@@ -2,7 +2,7 @@
 
 #include <fsdp/models/llama_tp_plan.h>
 
-namespace fsdp::nn::llama {
+namespace fsdp::models::llama {
 namespace {
 
 // A SwiGLU feed-forward at `prefix` (w1, w3 colwise; w2 rowwise onto `out`): a dense layer's, or an MoE block's
@@ -84,4 +84,4 @@ ParallelizePlan tensor_parallel_plan(const LlamaArgs& args, int64_t tp, const Ll
   return plan;
 }
 
-}  // namespace fsdp::nn::llama
+}  // namespace fsdp::models::llama

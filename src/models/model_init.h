@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <optional>
 
-namespace fsdp::nn::llama::detail {
+namespace fsdp::models::llama::detail {
 
 // A truncated normal N(0, std) cut at [a, b], drawn on the CPU from `gen` (inverse CDF) and copied into `param`.
 void trunc_normal_(at::Tensor& param, double std, double a, double b, at::Generator& gen);
@@ -25,4 +25,4 @@ void normal_(at::Tensor& param, double std, at::Generator& gen);
 std::optional<uint64_t> normal_fill_outputs(int64_t numel);
 // Both helpers skip a `meta` parameter's draw under a MetaDrawSkipping of `gen` (generator_skip.h).
 
-}  // namespace fsdp::nn::llama::detail
+}  // namespace fsdp::models::llama::detail

@@ -14,7 +14,7 @@
 #include <cmath>
 #include <limits>
 
-namespace fsdp::nn::moe {
+namespace fsdp::models::moe {
 namespace {
 
 // Identity on the block's output whose backward also hands `scale` to the balance loss (d(scale * aux)/d(aux)):
@@ -60,7 +60,7 @@ void check_options(const MoEOptions& o) {
 }
 
 void trunc_normal(at::Tensor& t, double std, at::Generator& gen) {
-  if (fsdp::nn::detail::MetaDrawSkipping::skip_draw(t, llama::detail::normal_fill_outputs(t.numel()), gen)) return;
+  if (fsdp::models::detail::MetaDrawSkipping::skip_draw(t, llama::detail::normal_fill_outputs(t.numel()), gen)) return;
   at::NoGradGuard no_grad;
   at::Tensor v = at::empty(t.sizes(), t.options().device(at::kCPU).dtype(at::kFloat));
   v.normal_(0.0, std, gen);
@@ -254,4 +254,4 @@ void MoEImpl::init_weights(at::Generator& gen, double std) {
   for (auto& p : parameters()) trunc_normal(p, std, gen);
 }
 
-}  // namespace fsdp::nn::moe
+}  // namespace fsdp::models::moe

@@ -3,7 +3,7 @@
 
 #include <c10/util/Exception.h>
 
-namespace fsdp::nn::llama {
+namespace fsdp::models::llama {
 
 namespace {
 
@@ -32,7 +32,7 @@ void dense(LlamaArgs& a, int64_t dim, int64_t layers, int64_t heads, int64_t kv_
 void moe(LlamaArgs& a, int64_t dim, int64_t layers, int64_t heads, int64_t kv_heads, int64_t experts, int64_t top_k,
          int64_t expert_hidden) {
   a.dim = dim, a.n_layers = layers, a.n_heads = heads, a.n_kv_heads = kv_heads;
-  fsdp::nn::moe::MoEOptions o;
+  fsdp::models::moe::MoEOptions o;
   o.dim = dim;
   o.hidden = expert_hidden;
   o.num_experts = experts;
@@ -104,4 +104,4 @@ LlamaArgs model_flavor(const std::string& model_name, const std::string& flavor)
   TORCH_CHECK(false, "unknown model '", model_name, "' (known: ", known, ")");
 }
 
-}  // namespace fsdp::nn::llama
+}  // namespace fsdp::models::llama

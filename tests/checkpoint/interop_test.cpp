@@ -270,8 +270,8 @@ TEST(DcpRead, WrittenMetadataReadsBack) {
 
 // ---- PyTorch FSDP2 <-> ours ---------------------------------------------------------------------------------
 
-fsdp::nn::llama::LlamaArgs small_llama(bool tied, bool rope_scaling = false) {
-  fsdp::nn::llama::LlamaArgs a;
+fsdp::models::llama::LlamaArgs small_llama(bool tied, bool rope_scaling = false) {
+  fsdp::models::llama::LlamaArgs a;
   a.dim = 64;
   a.n_layers = 2;
   a.n_heads = 4;
@@ -281,11 +281,11 @@ fsdp::nn::llama::LlamaArgs small_llama(bool tied, bool rope_scaling = false) {
   a.rope_theta = 500000;
   a.tie_embeddings = tied;
   // Llama 3.1-style scaling with a short original context, so that it changes the 16-token logits.
-  if (rope_scaling) a.rope_scaling = fsdp::nn::llama::RopeScaling{8.0, 1.0, 4.0, 16};
+  if (rope_scaling) a.rope_scaling = fsdp::models::llama::RopeScaling{8.0, 1.0, 4.0, 16};
   return a;
 }
 
-void write_args(const fsdp::nn::llama::LlamaArgs& a, const fs::path& p) {
+void write_args(const fsdp::models::llama::LlamaArgs& a, const fs::path& p) {
   nlohmann::json j = {{"dim", a.dim}, {"n_layers", a.n_layers}, {"n_heads", a.n_heads}, {"n_kv_heads", a.kv_heads()},
                       {"vocab_size", a.vocab_size}, {"multiple_of", a.multiple_of}, {"ffn_hidden_dim", a.ffn_hidden_dim()},
                       {"norm_eps", a.norm_eps}, {"rope_theta", a.rope_theta}, {"tie_embeddings", a.tie_embeddings ? 1 : 0}};

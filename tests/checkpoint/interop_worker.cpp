@@ -1,5 +1,5 @@
 // One rank of the checkpoint interop tests (started through fsdprun by interop_test). The model is our Llama 3
-// (fsdp::nn::llama) under fully_shard per block + root on a 1-D mesh over the world, as bench/vs_pytorch.
+// (fsdp::models::llama) under fully_shard per block + root on a 1-D mesh over the world, as bench/vs_pytorch.
 //
 //   interop_worker dcp-resume <dcp-dir> <args.json> <tokens> <steps-before> <steps-after> <local-batch> <seq>
 //                             <lr> <weight-decay> <out-dir>
@@ -31,7 +31,7 @@
 #include <fstream>
 #include <iostream>
 
-namespace llama = fsdp::nn::llama;
+namespace llama = fsdp::models::llama;
 namespace ckpt = fsdp::checkpoint;
 
 namespace {
@@ -159,7 +159,7 @@ int hf_import(char** argv, const fsdp::ProcessGroupPtr& world) {
   llama::Transformer model(args);
   model->init_weights(/*seed=*/99);
   shard(model, mesh);
-  const auto res = ckpt::hf::import_llama(*model, argv[3]);
+  const auto res = fsdp::models::hf::import_llama(*model, argv[3]);
   // Only this rank's rows: about 1/W of the model's bytes (uneven shards round up).
   int64_t total = 0;
   for (const auto& [key, t] : fsdp::sharded_state_dict(*model)) total += t.local().numel() * 4;
@@ -184,7 +184,7 @@ int hf_export(char** argv, const fsdp::ProcessGroupPtr& world) {
   shard(model, mesh);
   ckpt::SafetensorsExportOptions eo;
   eo.max_file_bytes = 64 << 10;  // several files + model.safetensors.index.json
-  ckpt::hf::export_llama(*model, argv[4], eo);
+  fsdp::models::hf::export_llama(*model, argv[4], eo);
   write_logits(model, argv[5], std::stoll(argv[6]), std::stoll(argv[7]), argv[8], world->rank());
   return 0;
 }

@@ -28,7 +28,7 @@
 
 namespace {
 
-namespace moe = fsdp::nn::moe;
+namespace moe = fsdp::models::moe;
 
 constexpr int64_t kDim = 16, kHidden = 8, kSeq = 6, kBatchPerRank = 2;
 constexpr double kLr = 0.5;

@@ -76,7 +76,7 @@ int main(int argc, char** argv) {
     auto args = model_args(config);
     args.vocab_size = tokenizer->vocab_size();
     args.max_seq_len = config.training.seq_len;
-    fsdp::nn::llama::Transformer model(args);
+    fsdp::models::llama::Transformer model(args);
     model->init_weights(static_cast<uint64_t>(config.debug.seed));
 
     // Group g's share of every global batch: its data-parallel ranks' samples, in their order (data ranks

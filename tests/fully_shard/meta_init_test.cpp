@@ -8,7 +8,7 @@
 #include <fsdp/models/llama.h>
 
 using namespace fsdp_test;
-namespace llama = fsdp::nn::llama;
+namespace llama = fsdp::models::llama;
 
 TEST(MetaInit, ShardedInitEqualsUnshardedInit) {
   auto world = test_world();

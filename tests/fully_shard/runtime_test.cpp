@@ -695,7 +695,7 @@ TEST(RuntimeGroups, TwoModulesOneGroupAnyOrder) {
 // ---------------------------------------------------------------------------------------------------------
 
 namespace {
-namespace llama = fsdp::nn::llama;
+namespace llama = fsdp::models::llama;
 fsdp::FullyShardOptions bf16_opts() {
   auto o = mesh_opts();
   o.mp_policy.param_dtype = torch::kBFloat16;

@@ -5,8 +5,8 @@
 
 namespace fsdp_test {
 
-inline fsdp::nn::llama::LlamaArgs small_llama_args(c10::Device device) {
-  fsdp::nn::llama::LlamaArgs a;
+inline fsdp::models::llama::LlamaArgs small_llama_args(c10::Device device) {
+  fsdp::models::llama::LlamaArgs a;
   a.dim = 40;
   a.n_layers = 3;
   a.n_heads = 4;

@@ -22,8 +22,8 @@
 
 #include "fuzz_input.h"
 
-namespace hf = fsdp::checkpoint::hf;
-namespace llama = fsdp::nn::llama;
+namespace hf = fsdp::models::hf;
+namespace llama = fsdp::models::llama;
 
 namespace {
 

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-namespace llama = fsdp::nn::llama;
+namespace llama = fsdp::models::llama;
 
 namespace {
 

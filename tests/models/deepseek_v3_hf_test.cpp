@@ -24,9 +24,9 @@
 
 namespace fs = std::filesystem;
 namespace st = fsdp::checkpoint::safetensors;
-namespace hf = fsdp::checkpoint::hf;
-using namespace fsdp::nn::deepseek_v3;
-namespace llama = fsdp::nn::llama;
+namespace hf = fsdp::models::hf;
+using namespace fsdp::models::deepseek_v3;
+namespace llama = fsdp::models::llama;
 
 // `expr` throws a c10::Error whose message holds `needle`.
 #define EXPECT_ERROR_CONTAINS(expr, needle) \

@@ -23,7 +23,7 @@
 #include <filesystem>
 
 using namespace fsdp_test;
-namespace ds = fsdp::nn::deepseek_v3;
+namespace ds = fsdp::models::deepseek_v3;
 namespace fs = std::filesystem;
 namespace tensor_memory = fsdp_train::tensor_memory;
 
@@ -133,7 +133,7 @@ TEST(DeepSeekV3Sharded, HuggingFaceExportGathersOneTensorAtATimeAndImportsBack) 
   tensor_memory::install();
   const int64_t before = tensor_memory::live_bytes();
   tensor_memory::reset_peak();
-  fsdp::checkpoint::hf::export_deepseek_v3(*model, dir.string());
+  fsdp::models::hf::export_deepseek_v3(*model, dir.string());
   const int64_t peak = tensor_memory::peak_bytes() - before;
   std::printf("rank %d: export peak %lld bytes; largest file tensor %lld, model %lld\n", world->rank(),
               static_cast<long long>(peak), static_cast<long long>(largest_file_tensor),
@@ -148,7 +148,7 @@ TEST(DeepSeekV3Sharded, HuggingFaceExportGathersOneTensorAtATimeAndImportsBack) 
 
   // Into an unsharded model (the one-process reader): every parameter and the biases.
   ds::DeepSeekV3 whole(args);
-  fsdp::checkpoint::hf::import_deepseek_v3(*whole, dir.string());
+  fsdp::models::hf::import_deepseek_v3(*whole, dir.string());
   size_t compared = 0;
   for (const auto& item : whole->named_parameters()) {
     EXPECT_TRUE(torch::equal(item.value(), want.at(item.key()))) << item.key();
@@ -164,7 +164,7 @@ TEST(DeepSeekV3Sharded, HuggingFaceExportGathersOneTensorAtATimeAndImportsBack) 
   ds::DeepSeekV3 again(args);
   again->init_weights(5);
   auto units2 = shard(again);
-  const auto r = fsdp::checkpoint::hf::import_deepseek_v3(*again, dir.string());
+  const auto r = fsdp::models::hf::import_deepseek_v3(*again, dir.string());
   EXPECT_TRUE(r.missing.empty());
   EXPECT_TRUE(r.unexpected.empty());
   const auto got = fsdp::full_state_dict(*again, {true, false});
@@ -217,7 +217,7 @@ TEST(DeepSeekV3Sharded, HuggingFaceExportGathersOneTensorAtATimeAndImportsBack) 
     ds::DeepSeekV3 from_hub_layout(args);
     from_hub_layout->init_weights(6);
     auto units5 = shard(from_hub_layout);
-    const auto r3 = fsdp::checkpoint::hf::import_deepseek_v3(*from_hub_layout, per_expert.string());
+    const auto r3 = fsdp::models::hf::import_deepseek_v3(*from_hub_layout, per_expert.string());
     EXPECT_TRUE(r3.missing.empty());
     EXPECT_TRUE(r3.unexpected.empty());
     // Each rank read its own rows only (on 2 ranks, about half of the files' bytes).
@@ -236,7 +236,7 @@ TEST(DeepSeekV3Sharded, HuggingFaceExportGathersOneTensorAtATimeAndImportsBack) 
   plain->init_weights(4);
   ASSERT_FALSE(plain->blocks()[1]->moe->expert_bias.defined());
   auto units3 = shard(plain);
-  fsdp::checkpoint::hf::export_deepseek_v3(*plain, dir.string());
+  fsdp::models::hf::export_deepseek_v3(*plain, dir.string());
   world->barrier().wait();
   const at::Tensor zeros = fsdp::checkpoint::safetensors::Reader((dir / "model.safetensors").string())
                                .read("model.layers.1.mlp.gate.e_score_correction_bias");
@@ -244,7 +244,7 @@ TEST(DeepSeekV3Sharded, HuggingFaceExportGathersOneTensorAtATimeAndImportsBack) 
   ds::DeepSeekV3 plain_again(unbalanced);
   plain_again->init_weights(5);
   auto units4 = shard(plain_again);
-  const auto r2 = fsdp::checkpoint::hf::import_deepseek_v3(*plain_again, dir.string());
+  const auto r2 = fsdp::models::hf::import_deepseek_v3(*plain_again, dir.string());
   EXPECT_TRUE(r2.unexpected.empty());
   const auto plain_got = fsdp::full_state_dict(*plain_again, {true, false});
   const auto plain_want = fsdp::full_state_dict(*plain, {true, false});

@@ -33,8 +33,8 @@
 
 namespace fs = std::filesystem;
 namespace st = fsdp::checkpoint::safetensors;
-namespace hf = fsdp::checkpoint::hf;
-using namespace fsdp::nn::llama;
+namespace hf = fsdp::models::hf;
+using namespace fsdp::models::llama;
 using nlohmann::json;
 
 namespace {

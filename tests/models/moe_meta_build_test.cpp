@@ -21,8 +21,8 @@
 #include <cstdio>
 #include <string>
 
-namespace llama = fsdp::nn::llama;
-namespace ds = fsdp::nn::deepseek_v3;
+namespace llama = fsdp::models::llama;
+namespace ds = fsdp::models::deepseek_v3;
 namespace tensor_memory = fsdp_train::tensor_memory;
 
 namespace {

@@ -17,8 +17,8 @@
 #include <numeric>
 #include <vector>
 
-using fsdp::nn::moe::MoE;
-using fsdp::nn::moe::MoEOptions;
+using fsdp::models::moe::MoE;
+using fsdp::models::moe::MoEOptions;
 
 namespace {
 
@@ -73,9 +73,9 @@ torch::Tensor reference(MoE& m, const torch::Tensor& x) {
     }
     if (m->shared_experts) {
       auto c = m->shared_experts->named_children();
-      out = out + swiglu(xt.unsqueeze(0), c["w1"]->as<fsdp::nn::moe::Projection>()->weight,
-                         c["w2"]->as<fsdp::nn::moe::Projection>()->weight,
-                         c["w3"]->as<fsdp::nn::moe::Projection>()->weight)
+      out = out + swiglu(xt.unsqueeze(0), c["w1"]->as<fsdp::models::moe::Projection>()->weight,
+                         c["w2"]->as<fsdp::models::moe::Projection>()->weight,
+                         c["w3"]->as<fsdp::models::moe::Projection>()->weight)
                       .squeeze(0);
     }
     rows.push_back(out);

@@ -27,8 +27,8 @@
 
 namespace fs = std::filesystem;
 namespace st = fsdp::checkpoint::safetensors;
-namespace hf = fsdp::checkpoint::hf;
-using namespace fsdp::nn::llama;
+namespace hf = fsdp::models::hf;
+using namespace fsdp::models::llama;
 
 namespace {
 
@@ -58,7 +58,7 @@ LlamaArgs args_of(const std::string& kind) {
   a.max_seq_len = 64;
   a.tie_embeddings = kind == "dense_wide_heads";
   if (kind == "moe" || kind == "moe_all") {
-    fsdp::nn::moe::MoEOptions o;
+    fsdp::models::moe::MoEOptions o;
     o.hidden = 16, o.num_experts = 4, o.top_k = 2, o.score_func = "softmax", o.route_norm = true;
     a.moe = o;
     if (kind == "moe") a.moe_layer_step = 2, a.dense_layers = {2};

@@ -20,8 +20,8 @@
 #include <string>
 
 using namespace fsdp_test;
-namespace llama = fsdp::nn::llama;
-namespace hf = fsdp::checkpoint::hf;
+namespace llama = fsdp::models::llama;
+namespace hf = fsdp::models::hf;
 namespace fs = std::filesystem;
 
 namespace {

@@ -23,8 +23,8 @@
 
 namespace {
 
-using fsdp::nn::detail::MetaDrawSkipping;
-using fsdp::nn::detail::skip_generator_outputs;
+using fsdp::models::detail::MetaDrawSkipping;
+using fsdp::models::detail::skip_generator_outputs;
 
 std::vector<uint32_t> outputs(at::Generator& gen, int count) {
   auto* cpu = at::check_generator<at::CPUGeneratorImpl>(gen);
@@ -86,13 +86,13 @@ TEST(GeneratorSkip, CountsAreTorchKernelsConsumption) {
     at::Generator drawn = at::make_generator<at::CPUGeneratorImpl>(5);
     at::Generator skipped = at::make_generator<at::CPUGeneratorImpl>(5);
     at::empty({n}, at::kFloat).normal_(0.0, 1.0, drawn);
-    skip_generator_outputs(skipped, fsdp::nn::llama::detail::normal_fill_outputs(n).value());
+    skip_generator_outputs(skipped, fsdp::models::llama::detail::normal_fill_outputs(n).value());
     EXPECT_EQ(outputs(skipped, 700), outputs(drawn, 700));
     at::empty({n}, at::kFloat).uniform_(-0.5, 0.5, drawn);
     skip_generator_outputs(skipped, n);  // trunc_normal_'s uniform_: one output an element
     EXPECT_EQ(outputs(skipped, 700), outputs(drawn, 700));
   }
-  EXPECT_FALSE(fsdp::nn::llama::detail::normal_fill_outputs(15).has_value());  // torch's serial path: drawn
+  EXPECT_FALSE(fsdp::models::llama::detail::normal_fill_outputs(15).has_value());  // torch's serial path: drawn
 }
 
 // The parts of a decoder in init order, named by the prefix of their parameters.
@@ -192,18 +192,18 @@ void expect_stages_equal_whole_init(const Args& flavor, const std::string& famil
 }
 
 TEST(StageInit, LlamaStagesEqualTheWholeModelInit) {
-  auto flavor = fsdp::nn::llama::llama3_flavor("cpu_small");
-  expect_stages_equal_whole_init<fsdp::nn::llama::Transformer>(flavor, "llama3 cpu_small");
+  auto flavor = fsdp::models::llama::llama3_flavor("cpu_small");
+  expect_stages_equal_whole_init<fsdp::models::llama::Transformer>(flavor, "llama3 cpu_small");
 }
 
 TEST(StageInit, Qwen3MoeStagesEqualTheWholeModelInit) {
-  auto flavor = fsdp::nn::llama::qwen3_flavor("cpu_tiny_moe");
-  expect_stages_equal_whole_init<fsdp::nn::llama::Transformer>(flavor, "qwen3 cpu_tiny_moe");
+  auto flavor = fsdp::models::llama::qwen3_flavor("cpu_tiny_moe");
+  expect_stages_equal_whole_init<fsdp::models::llama::Transformer>(flavor, "qwen3 cpu_tiny_moe");
 }
 
 TEST(StageInit, DeepSeekV3StagesEqualTheWholeModelInit) {
-  auto flavor = fsdp::nn::deepseek_v3::deepseek_v3_flavor("cpu_tiny");
-  expect_stages_equal_whole_init<fsdp::nn::deepseek_v3::DeepSeekV3>(flavor, "deepseek_v3 cpu_tiny");
+  auto flavor = fsdp::models::deepseek_v3::deepseek_v3_flavor("cpu_tiny");
+  expect_stages_equal_whole_init<fsdp::models::deepseek_v3::DeepSeekV3>(flavor, "deepseek_v3 cpu_tiny");
 }
 
 }  // namespace

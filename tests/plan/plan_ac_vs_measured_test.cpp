@@ -54,7 +54,7 @@ TrainSummary::TensorMemory measure(const std::string& flavor, int64_t seq, const
 Plan plan_for(const std::string& flavor, int64_t seq, const Mode& m, int64_t world, int64_t tp) {
   PlanConfig c;
   c.flavor = flavor;
-  c.args = fsdp::nn::llama::llama3_flavor(flavor);
+  c.args = fsdp::models::llama::llama3_flavor(flavor);
   c.args.vocab_size = 258;  // fsdp-train's byte-level tokenizer
   c.shard = world / tp;
   c.tp = tp;  // TorchTitan's Llama plan with sequence and loss parallel, as fsdp-train applies it

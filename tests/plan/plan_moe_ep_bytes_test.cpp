@@ -25,7 +25,7 @@
 #include <string>
 
 using namespace fsdp::plan;
-namespace llama = fsdp::nn::llama;
+namespace llama = fsdp::models::llama;
 
 namespace {
 

@@ -22,7 +22,7 @@
 #include <string>
 
 using namespace fsdp::plan;
-namespace llama = fsdp::nn::llama;
+namespace llama = fsdp::models::llama;
 namespace tensor_memory = fsdp_train::tensor_memory;
 
 namespace {

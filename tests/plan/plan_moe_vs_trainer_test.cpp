@@ -67,7 +67,7 @@ Plan plan_for(const Case& k) {
   PlanConfig c;
   c.model = "qwen3";
   c.flavor = "cpu_small_moe";
-  c.args = fsdp::nn::llama::qwen3_flavor("cpu_small_moe");
+  c.args = fsdp::models::llama::qwen3_flavor("cpu_small_moe");
   c.args.vocab_size = 258;  // fsdp-train's byte-level tokenizer
   c.tp = k.tp;
   c.shard = fsdp::world()->size() / k.tp;

@@ -250,7 +250,7 @@ fsdp::plan::Plan plan_of(const Layout& l) {
   fsdp::plan::PlanConfig c;
   c.model = l.name;
   c.flavor = l.flavor;
-  c.args = fsdp::nn::llama::model_flavor(l.name, l.flavor);
+  c.args = fsdp::models::llama::model_flavor(l.name, l.flavor);
   c.args.vocab_size = kVocab;
   c.replicate = l.replicate;
   c.shard = l.shard();

@@ -12,7 +12,7 @@
 #include <vector>
 
 using namespace fsdp::plan;
-namespace llama = fsdp::nn::llama;
+namespace llama = fsdp::models::llama;
 
 namespace {
 PlanConfig config(const std::string& flavor, int64_t shard, int64_t replicate = 1) {

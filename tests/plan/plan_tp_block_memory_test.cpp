@@ -95,7 +95,7 @@ fsdp::plan::Plan plan_of(const std::string& name, const std::string& flavor) {
   fsdp::plan::PlanConfig c;
   c.model = name;
   c.flavor = flavor;
-  c.args = fsdp::nn::llama::model_flavor(name, flavor);
+  c.args = fsdp::models::llama::model_flavor(name, flavor);
   c.args.vocab_size = kVocab;
   c.tp = kTp;
   c.shard = fsdp::world()->size() / kTp;

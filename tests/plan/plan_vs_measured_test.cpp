@@ -69,7 +69,7 @@ void check_case(const Case& k) {
                          " > /dev/null").c_str()), 0);
   {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
-    at::Tensor t = at::randint(0, fsdp::nn::llama::llama3_flavor(k.flavor).vocab_size,
+    at::Tensor t = at::randint(0, fsdp::models::llama::llama3_flavor(k.flavor).vocab_size,
                                {steps, k.local_batch * k.world, k.seq + 1}, gen, at::kLong);
     std::ofstream f(tokens, std::ios::binary);
     f.write(static_cast<const char*>(t.data_ptr()), t.numel() * 8);
@@ -84,7 +84,7 @@ void check_case(const Case& k) {
 
   PlanConfig c;
   c.flavor = k.flavor;
-  c.args = fsdp::nn::llama::llama3_flavor(k.flavor);
+  c.args = fsdp::models::llama::llama3_flavor(k.flavor);
   c.replicate = k.replicate;
   if (k.bf16) {
     c.compute_dtype = c10::kBFloat16;

@@ -27,8 +27,8 @@ std::string checkpoint_dir() {
 
 // cpu_tiny with an odd vocabulary (2047 = 1024 + 1023 over TP 2, then uneven again over dp) so the strided
 // chunks are uneven.
-fsdp::nn::llama::LlamaArgs model_args() {
-  auto a = fsdp::nn::llama::llama3_flavor("cpu_tiny");
+fsdp::models::llama::LlamaArgs model_args() {
+  auto a = fsdp::models::llama::llama3_flavor("cpu_tiny");
   a.vocab_size = 2047;
   return a;
 }
@@ -48,9 +48,9 @@ TEST(TensorParallelCheckpoint, SaveAtDp2Tp2LoadAtDp4Tp1) {
   if (fsdp_test::test_world()->size() != 4) GTEST_SKIP() << "the saver runs on 4 ranks";
   auto args = model_args();
   auto mesh = fsdp::init_device_mesh("cpu", {2, 2}, {"dp_shard", "tp"});
-  fsdp::nn::llama::Transformer model(args);
+  fsdp::models::llama::Transformer model(args);
   model->init_weights(31);
-  fsdp::parallelize_module(model, mesh["tp"], fsdp::nn::llama::tensor_parallel_plan(args, 2));
+  fsdp::parallelize_module(model, mesh["tp"], fsdp::models::llama::tensor_parallel_plan(args, 2));
   fsdp::FullyShardOptions opts;
   opts.mesh = mesh["dp_shard"];
   for (auto& block : model->blocks()) fsdp::fully_shard(block, opts);
@@ -72,7 +72,7 @@ TEST(TensorParallelCheckpoint, SaveAtDp2Tp2LoadAtDp4Tp1) {
   expect_equal_to_checkpoint(saved, "reader after the (dp 2, tp 2) save");
 
   // (dp 4, tp 1): plain FSDP over the 4 ranks, another initialization, then the load.
-  fsdp::nn::llama::Transformer other(args);
+  fsdp::models::llama::Transformer other(args);
   other->init_weights(77);
   fsdp::FullyShardOptions opts4;
   opts4.mesh = fsdp::init_device_mesh("cpu", {4}, {"dp_shard"});
@@ -93,9 +93,9 @@ TEST(TensorParallelCheckpoint, LoadAtDp1Tp2) {
   if (fsdp_test::test_world()->size() != 2) GTEST_SKIP() << "the (dp 1, tp 2) loader runs on 2 ranks";
   auto args = model_args();
   auto mesh = fsdp::init_device_mesh("cpu", {1, 2}, {"dp_shard", "tp"});
-  fsdp::nn::llama::Transformer model(args);
+  fsdp::models::llama::Transformer model(args);
   model->init_weights(78);
-  fsdp::parallelize_module(model, mesh["tp"], fsdp::nn::llama::tensor_parallel_plan(args, 2));
+  fsdp::parallelize_module(model, mesh["tp"], fsdp::models::llama::tensor_parallel_plan(args, 2));
   fsdp::FullyShardOptions opts;
   opts.mesh = mesh["dp_shard"];
   for (auto& block : model->blocks()) fsdp::fully_shard(block, opts);

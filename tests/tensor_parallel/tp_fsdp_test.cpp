@@ -52,13 +52,13 @@ void run_2d(const Layout& c) {
   fsdp::DeviceMesh tp = mesh["tp"];
   const int64_t dp_rank = mesh.local_rank(0);  // dp_replicate or dp_shard: which half of the batch
 
-  auto args = fsdp::nn::llama::llama3_flavor("cpu_tiny");
+  auto args = fsdp::models::llama::llama3_flavor("cpu_tiny");
   const int64_t B = 4, S = 8, V = args.vocab_size;
-  fsdp::nn::llama::Transformer ref(args), model(args);
+  fsdp::models::llama::Transformer ref(args), model(args);
   ref->init_weights(21);
   model->init_weights(21);
   fsdp::parallelize_module(model, tp,
-                           fsdp::nn::llama::tensor_parallel_plan(args, 2, {c.sequence_parallel, c.loss_parallel}));
+                           fsdp::models::llama::tensor_parallel_plan(args, 2, {c.sequence_parallel, c.loss_parallel}));
   fsdp::FullyShardOptions opts;
   opts.mesh = dp_mesh;
   for (auto& block : model->blocks()) fsdp::fully_shard(block, opts);

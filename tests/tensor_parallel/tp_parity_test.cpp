@@ -117,13 +117,13 @@ struct LlamaCase {
 
 void run_llama_case(const LlamaCase& c) {
   auto mesh = tp_mesh();
-  auto args = fsdp::nn::llama::llama3_flavor("cpu_tiny");
+  auto args = fsdp::models::llama::llama3_flavor("cpu_tiny");
   const int64_t L = args.n_layers, B = 2, S = 8, D = args.dim, V = args.vocab_size;
-  fsdp::nn::llama::Transformer ref(args), model(args);
+  fsdp::models::llama::Transformer ref(args), model(args);
   ref->init_weights(11);
   model->init_weights(11);
   fsdp::parallelize_module(model, mesh,
-                           fsdp::nn::llama::tensor_parallel_plan(args, 2, {c.sequence_parallel, c.loss_parallel}));
+                           fsdp::models::llama::tensor_parallel_plan(args, 2, {c.sequence_parallel, c.loss_parallel}));
   EXPECT_EQ(model->output->weight().size(0), V / 2);
   EXPECT_EQ(model->blocks()[0]->attention->wo->weight().size(1), D / 2);
 
@@ -266,10 +266,10 @@ TEST(TensorParallel, PlanErrorsNameTheProblem) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("'fc9' matches no module"), std::string::npos) << e.what();
   }
-  auto args = fsdp::nn::llama::llama3_flavor("cpu_tiny");
+  auto args = fsdp::models::llama::llama3_flavor("cpu_tiny");
   args.n_kv_heads = 1;
   try {
-    fsdp::nn::llama::tensor_parallel_plan(args, 2);
+    fsdp::models::llama::tensor_parallel_plan(args, 2);
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("n_kv_heads 1"), std::string::npos) << e.what();

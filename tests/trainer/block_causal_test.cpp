@@ -116,9 +116,9 @@ struct Reference {
 // Step 1's loss and gradient norm computed from the stream with a plain causal model; split_documents: each sample
 // cut after every EOS and each piece run alone.
 Reference reference_step_one(const JobConfig& config, bool split_documents) {
-  auto args = fsdp::nn::llama::model_flavor("llama3", "cpu_tiny");
+  auto args = fsdp::models::llama::model_flavor("llama3", "cpu_tiny");
   args.vocab_size = 258;  // the byte-level tokenizer's
-  fsdp::nn::llama::Transformer model(args);
+  fsdp::models::llama::Transformer model(args);
   model->init_weights(static_cast<uint64_t>(config.debug.seed));
   auto rows = torch::tensor(step_one_stream()).view({kGlobalBatch, kSeq + 1});
   auto ce = [](const torch::Tensor& logits, const torch::Tensor& labels) {

@@ -155,13 +155,13 @@ std::string slurp(const fs::path& p) {
 
 // The weights of a libfsdp model-only save, put into the library's DeepSeek-V3 by name (every parameter and
 // buffer of the model found in the save).
-fsdp::nn::deepseek_v3::DeepSeekV3 library_model_from(const std::string& checkpoint_dir) {
+fsdp::models::deepseek_v3::DeepSeekV3 library_model_from(const std::string& checkpoint_dir) {
   const auto tensors = test::model_tensors(checkpoint_dir);
-  auto args = fsdp::nn::deepseek_v3::deepseek_v3_flavor("cpu_tiny");
+  auto args = fsdp::models::deepseek_v3::deepseek_v3_flavor("cpu_tiny");
   args.vocab_size = tensors.at("tok_embeddings.weight").size(0);  // the tokenizer's (byte-level: 258)
   args.max_seq_len = 16;
   args.moe.sequence_aux_loss_coeff.reset();
-  fsdp::nn::deepseek_v3::DeepSeekV3 model(args);
+  fsdp::models::deepseek_v3::DeepSeekV3 model(args);
   torch::NoGradGuard no_grad;
   int64_t copied = 0;
   for (auto& p : model->named_parameters()) {
@@ -378,7 +378,7 @@ TEST(TrainerDeepSeekV3, HuggingFaceSaveLoadsInTransformersAndBack) {
   EXPECT_LE(diff, 1e-5) << "max |transformers - ours| on the trained weights";
   // Not vacuous: the trained weights are not a fresh init's (their logits differ by far more than the tolerance).
   {
-    fsdp::nn::deepseek_v3::DeepSeekV3 fresh(model->args());
+    fsdp::models::deepseek_v3::DeepSeekV3 fresh(model->args());
     fresh->init_weights(0);
     torch::NoGradGuard no_grad;
     EXPECT_GT((fresh->forward(tokens) - logits).abs().max().item<double>(), 1e-2);

@@ -2,8 +2,8 @@
 # and the registry (model_registry.cpp) names a family's classes or headers. Run with -DTRAIN_DIR=apps/fsdp-train.
 # The control: the same patterns are found in the family folders, so an empty result is not a broken pattern.
 cmake_policy(SET CMP0057 NEW)  # if(IN_LIST) in script mode
-set(patterns "fsdp::nn::llama" "<fsdp/models/llama" "<fsdp/models/qwen3" "<fsdp/models/hf_" "llama3::" "qwen3::"
-             "fsdp::nn::deepseek_v3" "<fsdp/models/deepseek_v3" "deepseek_v3::")
+set(patterns "fsdp::models::llama" "<fsdp/models/llama" "<fsdp/models/qwen3" "<fsdp/models/hf_" "llama3::" "qwen3::"
+             "fsdp::models::deepseek_v3" "<fsdp/models/deepseek_v3" "deepseek_v3::")
 file(GLOB trainer_sources ${TRAIN_DIR}/*.cpp ${TRAIN_DIR}/*.h)
 file(GLOB_RECURSE family_sources ${TRAIN_DIR}/models/*.cpp ${TRAIN_DIR}/models/*.h)
 set(violations "")
@@ -23,7 +23,7 @@ endforeach()
 set(found_in_families 0)
 foreach(source ${family_sources})
   file(READ ${source} text)
-  string(FIND "${text}" "fsdp::nn::llama" at)
+  string(FIND "${text}" "fsdp::models::llama" at)
   if(NOT at EQUAL -1)
     math(EXPR found_in_families "${found_in_families} + 1")
   endif()
@@ -67,7 +67,7 @@ endif()
 list(LENGTH trainer_sources n_trainer)
 if(n_trainer LESS 20 OR found_in_families EQUAL 0)
   message(FATAL_ERROR "model seam check saw ${n_trainer} trainer sources and ${found_in_families} family sources "
-                      "naming fsdp::nn::llama: the globs or the patterns are wrong")
+                      "naming fsdp::models::llama: the globs or the patterns are wrong")
 endif()
 if(violations)
   message(FATAL_ERROR "family names outside apps/fsdp-train/models/ (go through the model seam, model_spec.h):\n"

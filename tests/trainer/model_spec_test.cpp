@@ -51,9 +51,9 @@ TEST(ModelSpec, RegistryHoldsEveryFamilyWithEveryEntry) {
     EXPECT_TRUE(spec.hf.import_weights && spec.hf.export_weights);
   }
   // The model library's flavor lists, family by family.
-  EXPECT_EQ(train_spec("llama3").flavors, fsdp::nn::llama::llama3_flavor_names());
-  EXPECT_EQ(train_spec("qwen3").flavors, fsdp::nn::llama::qwen3_flavor_names());
-  EXPECT_EQ(train_spec("deepseek_v3").flavors, fsdp::nn::deepseek_v3::deepseek_v3_flavor_names());
+  EXPECT_EQ(train_spec("llama3").flavors, fsdp::models::llama::llama3_flavor_names());
+  EXPECT_EQ(train_spec("qwen3").flavors, fsdp::models::llama::qwen3_flavor_names());
+  EXPECT_EQ(train_spec("deepseek_v3").flavors, fsdp::models::deepseek_v3::deepseek_v3_flavor_names());
   for (const std::string flavor : {"cpu_tiny", "debugmodel", "16B", "671B"}) {  // TorchTitan's, and ours
     const auto& f = train_spec("deepseek_v3").flavors;
     EXPECT_NE(std::find(f.begin(), f.end(), flavor), f.end()) << flavor;
@@ -73,12 +73,12 @@ TEST(ModelSpec, RegistryHoldsEveryFamilyWithEveryEntry) {
 TEST(ModelSpec, MetaBuildHasTheFlavorsShapesCountsAndFlops) {
   struct Case {
     std::string name, flavor;
-    fsdp::nn::llama::LlamaArgs args;
+    fsdp::models::llama::LlamaArgs args;
   };
-  const std::vector<Case> cases{{"llama3", "cpu_tiny", fsdp::nn::llama::llama3_flavor("cpu_tiny")},
-                                {"llama3", "debugmodel", fsdp::nn::llama::llama3_flavor("debugmodel")},
-                                {"qwen3", "cpu_tiny", fsdp::nn::llama::qwen3_flavor("cpu_tiny")},
-                                {"qwen3", "cpu_tiny_moe", fsdp::nn::llama::qwen3_flavor("cpu_tiny_moe")}};
+  const std::vector<Case> cases{{"llama3", "cpu_tiny", fsdp::models::llama::llama3_flavor("cpu_tiny")},
+                                {"llama3", "debugmodel", fsdp::models::llama::llama3_flavor("debugmodel")},
+                                {"qwen3", "cpu_tiny", fsdp::models::llama::qwen3_flavor("cpu_tiny")},
+                                {"qwen3", "cpu_tiny_moe", fsdp::models::llama::qwen3_flavor("cpu_tiny_moe")}};
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name + " " + c.flavor);
     ModelShape shape;
@@ -119,10 +119,10 @@ TEST(ModelSpec, ForwardAndCachedForwardEqualTheLibraryModel) {
     shape.max_seq_len = 16;
     const TrainModel model = train_spec(name).build(job(name, flavor), shape);
     model.init_weights(7, {});
-    auto args = fsdp::nn::llama::model_flavor(name, flavor);
+    auto args = fsdp::models::llama::model_flavor(name, flavor);
     args.vocab_size = 64;
     args.max_seq_len = 16;
-    fsdp::nn::llama::Transformer reference(args);
+    fsdp::models::llama::Transformer reference(args);
     reference->init_weights(7);
     torch::NoGradGuard no_grad;
     const auto tokens = torch::randint(0, 64, {1, 9}, torch::kLong);
@@ -206,7 +206,7 @@ TEST(ModelSpec, LayoutCheckRefusesBeforeAnyProcessGroup) {
 TEST(ModelSpec, DeepSeekV3MetaBuildHasTheFlavorsShapesCountsAndFlops) {
   for (const std::string flavor : {"cpu_tiny", "debugmodel"}) {
     SCOPED_TRACE(flavor);
-    const auto args = fsdp::nn::deepseek_v3::deepseek_v3_flavor(flavor);
+    const auto args = fsdp::models::deepseek_v3::deepseek_v3_flavor(flavor);
     ModelShape shape;
     shape.vocab_size = 300;
     shape.max_seq_len = 16;
@@ -247,10 +247,10 @@ TEST(ModelSpec, DeepSeekV3ForwardEqualsTheLibraryModel) {
   shape.max_seq_len = 16;
   const TrainModel model = train_spec("deepseek_v3").build(job("deepseek_v3", "cpu_tiny"), shape);
   model.init_weights(7, {});
-  auto args = fsdp::nn::deepseek_v3::deepseek_v3_flavor("cpu_tiny");
+  auto args = fsdp::models::deepseek_v3::deepseek_v3_flavor("cpu_tiny");
   args.vocab_size = 64;
   args.max_seq_len = 16;
-  fsdp::nn::deepseek_v3::DeepSeekV3 reference(args);
+  fsdp::models::deepseek_v3::DeepSeekV3 reference(args);
   reference->init_weights(7);
   torch::NoGradGuard no_grad;
   const auto tokens = torch::randint(0, 64, {1, 9}, torch::kLong);

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-using namespace fsdp::nn::llama;
+using namespace fsdp::models::llama;
 
 namespace {
 int64_t count_params(torch::nn::Module& m) {

@@ -45,8 +45,8 @@ JobConfig config_of(std::vector<std::string> args) {
 }
 
 // The model as the trainer builds it before parallelize_llama (whole and initialized: every plan accepts that).
-fsdp::nn::llama::Transformer build_model(const JobConfig& config) {
-  fsdp::nn::llama::Transformer model(model_args(config));
+fsdp::models::llama::Transformer build_model(const JobConfig& config) {
+  fsdp::models::llama::Transformer model(model_args(config));
   model->init_weights(static_cast<uint64_t>(config.debug.seed));
   return model;
 }
@@ -107,7 +107,7 @@ struct Applied {
   ParallelPlan plan;
 };
 
-Applied parallelize(fsdp::nn::llama::Transformer& model, const JobConfig& config) {
+Applied parallelize(fsdp::models::llama::Transformer& model, const JobConfig& config) {
   Applied a;
   a.dims = resolve_parallelism(config, world_size());
   a.plan = parallelize_llama(model, config, a.dims, fsdp::world());
@@ -145,7 +145,7 @@ TEST(Parallelize, ApplyAcWrapsTheBlocksTheConfigNames) {
     SCOPED_TRACE(args[3] + (args.size() > 5 ? " " + args[5] : std::string()));
     auto model_args_meta = model_args(config);
     model_args_meta.device = c10::kMeta;
-    fsdp::nn::llama::Transformer model(model_args_meta);
+    fsdp::models::llama::Transformer model(model_args_meta);
     ASSERT_EQ(model->blocks().size(), 6u);
     apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option);
     std::vector<int> wrapped;
@@ -227,10 +227,10 @@ TEST(Parallelize, SplitPipelinePlacesTheStagesTheConfigNames) {
     for (int r = 0; r < c.pp; ++r) EXPECT_EQ(split.schedule.stages_of_rank(r), c.stages_of_rank[static_cast<size_t>(r)]) << "rank " << r;
 
     // The stages' parameters: the whole model's FQNs of exactly the modules each stage holds.
-    fsdp::nn::llama::Transformer model(args_meta);
+    fsdp::models::llama::Transformer model(args_meta);
     for (int64_t s = 0; s < split.num_stages; ++s) {
       const auto [begin, end] = c.layers[static_cast<size_t>(s)];
-      fsdp::nn::llama::LlamaStage stage(*model, begin, end, s == 0, s == split.num_stages - 1);
+      fsdp::models::llama::LlamaStage stage(*model, begin, end, s == 0, s == split.num_stages - 1);
       std::set<std::string> modules;
       for (const auto& p : stage->named_parameters()) {
         const std::string& fqn = p.key();

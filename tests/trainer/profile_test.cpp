@@ -105,7 +105,7 @@ std::map<std::string, ModuleBytes> fsdp_bytes(const JobConfig& config, int64_t w
   auto args = llama3::model_args(config);
   args.vocab_size = make_tokenizer(config.model.tokenizer_path)->vocab_size();
   args.max_seq_len = config.training.seq_len;
-  fsdp::nn::llama::Transformer model(args);
+  fsdp::models::llama::Transformer model(args);
   std::map<std::string, ModuleBytes> out;
   std::map<std::string, int64_t> rows_numel;
   for (const auto& p : model->named_parameters()) {

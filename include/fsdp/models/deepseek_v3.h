@@ -43,7 +43,7 @@
 #include <utility>
 #include <vector>
 
-namespace fsdp::nn::deepseek_v3 {
+namespace fsdp::models::deepseek_v3 {
 
 // TorchTitan's DeepSeekV3ModelArgs (its MoEArgs folded into `moe`). Defaults: TorchTitan's (the 16B shapes).
 struct DeepSeekV3Args {
@@ -69,7 +69,7 @@ struct DeepSeekV3Args {
   double rope_theta = 10000.0;
   std::optional<llama::RopeScaling> rope_scaling;
   int64_t max_seq_len = 4096 * 4;  // the RoPE table computed up front (it grows to the sequences seen)
-  fsdp::nn::moe::MoEOptions moe;   // moe.dim 0 means `dim`
+  fsdp::models::moe::MoEOptions moe;   // moe.dim 0 means `dim`
   llama::AttnMaskType attn_mask_type = llama::AttnMaskType::Causal;
   bool depth_init = true;  // as LlamaArgs::depth_init
   c10::Device device = c10::kCPU;
@@ -77,7 +77,7 @@ struct DeepSeekV3Args {
 
   int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
   bool is_moe_layer(int64_t layer) const { return layer >= n_dense_layers; }
-  fsdp::nn::moe::MoEOptions moe_options() const;  // `moe` with dim filled in
+  fsdp::models::moe::MoEOptions moe_options() const;  // `moe` with dim filled in
   // qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN with a non-zero mscale_all_dim
   // (transformers' yarn_apply_mscale; TorchTitan's softmax_scale).
   double softmax_scale() const;
@@ -131,7 +131,7 @@ class TransformerBlockImpl : public torch::nn::Module {
   double weight_init_std;
   MLA attention{nullptr};
   llama::FeedForward feed_forward{nullptr};  // dense layers (null in an MoE layer)
-  fsdp::nn::moe::MoE moe{nullptr};           // MoE layers (null in a dense layer)
+  fsdp::models::moe::MoE moe{nullptr};           // MoE layers (null in a dense layer)
   llama::RMSNorm attention_norm{nullptr}, ffn_norm{nullptr};
 };
 TORCH_MODULE(TransformerBlock);
@@ -168,4 +168,4 @@ class DeepSeekV3Impl : public torch::nn::Module {
 };
 TORCH_MODULE(DeepSeekV3);
 
-}  // namespace fsdp::nn::deepseek_v3
+}  // namespace fsdp::models::deepseek_v3

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-namespace fsdp::nn::deepseek_v3 {
+namespace fsdp::models::deepseek_v3 {
 
 class DeepSeekV3StageImpl : public torch::nn::Module {
  public:
@@ -48,4 +48,4 @@ class DeepSeekV3StageImpl : public torch::nn::Module {
 };
 TORCH_MODULE(DeepSeekV3Stage);
 
-}  // namespace fsdp::nn::deepseek_v3
+}  // namespace fsdp::models::deepseek_v3

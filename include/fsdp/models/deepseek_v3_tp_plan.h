@@ -17,7 +17,7 @@
 
 #include <cstdint>
 
-namespace fsdp::nn::deepseek_v3 {
+namespace fsdp::models::deepseek_v3 {
 
 // Checks that the heads divide by `tp_degree`, naming the numbers. loss_parallel: the output projection keeps its
 // logits vocabulary-sharded (train with loss_parallel_cross_entropy).
@@ -26,4 +26,4 @@ ParallelizePlan tensor_parallel_plan(const DeepSeekV3Args& args, int64_t tp_degr
 ParallelizePlan tensor_parallel_plan(const DeepSeekV3Args& args, int64_t tp_degree, bool loss_parallel, bool first,
                                      int64_t begin, int64_t end, bool last);
 
-}  // namespace fsdp::nn::deepseek_v3
+}  // namespace fsdp::models::deepseek_v3

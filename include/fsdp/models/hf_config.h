@@ -1,12 +1,12 @@
 #pragma once
 // A Hugging Face model directory in one call: its config.json read into our args, nothing mapped by hand.
 //
-//   auto model = fsdp::checkpoint::hf::load_model("Qwen3-0.6B/");   // CPU, float32, every weight loaded
+//   auto model = fsdp::models::hf::load_model("Qwen3-0.6B/");   // CPU, float32, every weight loaded
 //
-//   auto cfg = fsdp::checkpoint::hf::read_config("Qwen3-30B-A3B/");  // or step by step: the args first,
+//   auto cfg = fsdp::models::hf::read_config("Qwen3-30B-A3B/");  // or step by step: the args first,
 //   cfg.args.device = c10::kMeta;                                    // change device/dtype, build,
-//   fsdp::nn::llama::Transformer model(cfg.args);                    // shard (dense models), then
-//   fsdp::checkpoint::hf::import_hf(*model, "Qwen3-30B-A3B/");        // the weights (import_llama/import_qwen3)
+//   fsdp::models::llama::Transformer model(cfg.args);                    // shard (dense models), then
+//   fsdp::models::hf::import_hf(*model, "Qwen3-30B-A3B/");        // the weights (import_llama/import_qwen3)
 //
 // Families: model_type "llama" (LlamaForCausalLM), "qwen3" (Qwen3ForCausalLM), "qwen3_moe" (Qwen3MoeForCausalLM).
 // Every config.json field that changes transformers' computation is honoured (sizes, explicit head_dim,
@@ -22,11 +22,11 @@
 
 #include <string>
 
-namespace fsdp::checkpoint::hf {
+namespace fsdp::models::hf {
 
 struct HfConfig {
   std::string model_type;        // "llama", "qwen3" or "qwen3_moe"
-  fsdp::nn::llama::LlamaArgs args;  // device CPU, dtype float32: set them before building the model
+  fsdp::models::llama::LlamaArgs args;  // device CPU, dtype float32: set them before building the model
 };
 
 // `path`: a directory holding config.json, or the config.json file.
@@ -35,10 +35,10 @@ HfConfig read_config(const std::string& path);
 // The weights of `path` (a directory, an index json or one .safetensors file) into `model` with its family's
 // adapter (import_qwen3 for half-split RoPE models, import_llama otherwise), which checks a config.json there
 // against the model.
-SafetensorsImportResult import_hf(fsdp::nn::llama::TransformerImpl& model, const std::string& path,
-                                  const SafetensorsImportOptions& options = {});
+checkpoint::SafetensorsImportResult import_hf(fsdp::models::llama::TransformerImpl& model, const std::string& path,
+                                  const checkpoint::SafetensorsImportOptions& options = {});
 
 // read_config + build on the CPU in float32 + import_hf (strict by default).
-fsdp::nn::llama::Transformer load_model(const std::string& dir, const SafetensorsImportOptions& options = {});
+fsdp::models::llama::Transformer load_model(const std::string& dir, const checkpoint::SafetensorsImportOptions& options = {});
 
-}  // namespace fsdp::checkpoint::hf
+}  // namespace fsdp::models::hf

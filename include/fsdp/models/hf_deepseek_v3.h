@@ -31,22 +31,22 @@
 
 #include <string>
 
-namespace fsdp::checkpoint::hf {
+namespace fsdp::models::hf {
 
 // The args a config.json (`path`: the file or its directory) describes; device CPU, dtype float32. Errors name
 // the file, the field and the rule.
-fsdp::nn::deepseek_v3::DeepSeekV3Args read_deepseek_v3_config(const std::string& path);
+fsdp::models::deepseek_v3::DeepSeekV3Args read_deepseek_v3_config(const std::string& path);
 // config.json of a DeepseekV3ForCausalLM with these args; throws naming what transformers cannot express
 // (softmax routing, latent_norm_eps other than 1e-6, RoPE scaling other than YaRN).
-std::string deepseek_v3_config_json(const fsdp::nn::deepseek_v3::DeepSeekV3Args& args,
+std::string deepseek_v3_config_json(const fsdp::models::deepseek_v3::DeepSeekV3Args& args,
                                     const std::string& dtype = "float32");
 
 // `dir` receives config.json and model.safetensors.
-SafetensorsExportResult export_deepseek_v3(fsdp::nn::deepseek_v3::DeepSeekV3Impl& model, const std::string& dir,
-                                           const SafetensorsExportOptions& options = {});
+checkpoint::SafetensorsExportResult export_deepseek_v3(fsdp::models::deepseek_v3::DeepSeekV3Impl& model, const std::string& dir,
+                                           const checkpoint::SafetensorsExportOptions& options = {});
 // `path`: a directory, an index json or one .safetensors file. A config.json next to it must describe the model
 // (one error listing every mismatch). Strict by default: tensors missing or left over are errors.
-SafetensorsImportResult import_deepseek_v3(fsdp::nn::deepseek_v3::DeepSeekV3Impl& model, const std::string& path,
-                                           const SafetensorsImportOptions& options = {});
+checkpoint::SafetensorsImportResult import_deepseek_v3(fsdp::models::deepseek_v3::DeepSeekV3Impl& model, const std::string& path,
+                                           const checkpoint::SafetensorsImportOptions& options = {});
 
-}  // namespace fsdp::checkpoint::hf
+}  // namespace fsdp::models::hf

@@ -1,5 +1,5 @@
 #pragma once
-// Hugging Face Llama weights to and from our Llama 3 (fsdp::nn::llama::Transformer), with TorchTitan's Llama 3
+// Hugging Face Llama weights to and from our Llama 3 (fsdp::models::llama::Transformer), with TorchTitan's Llama 3
 // state-dict adapter semantics (torchtitan/models/llama3/state_dict_adapter.py):
 //   tok_embeddings.weight                  <-> model.embed_tokens.weight
 //   layers.{i}.attention.w{q,k,v,o}.weight <-> model.layers.{i}.self_attn.{q,k,v,o}_proj.weight
@@ -27,12 +27,12 @@
 #include <optional>
 #include <string>
 
-namespace fsdp::nn::llama {
+namespace fsdp::models::llama {
 struct LlamaArgs;
 class TransformerImpl;
-}  // namespace fsdp::nn::llama
+}  // namespace fsdp::models::llama
 
-namespace fsdp::checkpoint::hf {
+namespace fsdp::models::hf {
 
 // Our key -> Hugging Face name (nullopt for a key the adapter does not know) and back.
 std::optional<std::string> to_hf_name(const std::string& key);
@@ -41,15 +41,15 @@ std::optional<std::string> from_hf_name(const std::string& hf_name);
 at::Tensor permute_to_hf(const at::Tensor& w, int64_t n_heads);
 at::Tensor permute_from_hf(const at::Tensor& w, int64_t n_heads);
 // config.json of a LlamaForCausalLM with these args (dtype: the weights' torch_dtype).
-std::string config_json(const nn::llama::LlamaArgs& args, const std::string& dtype = "float32");
+std::string config_json(const models::llama::LlamaArgs& args, const std::string& dtype = "float32");
 
 // `dir` receives config.json, model.safetensors or model-0000i-of-0000N.safetensors + the index.
-SafetensorsExportResult export_llama(nn::llama::TransformerImpl& model, const std::string& dir,
-                                     const SafetensorsExportOptions& options = {});
+checkpoint::SafetensorsExportResult export_llama(models::llama::TransformerImpl& model, const std::string& dir,
+                                     const checkpoint::SafetensorsExportOptions& options = {});
 // `path`: a directory (index or model.safetensors), an index json or one file. When the directory holds a
 // config.json, fields we cannot compute are refused by name (<fsdp/models/hf_config.h>) and the others must
 // match the model (sizes, heads, norm eps, RoPE base and scaling, tied embeddings): an error names each.
-SafetensorsImportResult import_llama(nn::llama::TransformerImpl& model, const std::string& path,
-                                     const SafetensorsImportOptions& options = {});
+checkpoint::SafetensorsImportResult import_llama(models::llama::TransformerImpl& model, const std::string& path,
+                                     const checkpoint::SafetensorsImportOptions& options = {});
 
-}  // namespace fsdp::checkpoint::hf
+}  // namespace fsdp::models::hf

@@ -29,31 +29,31 @@
 #include <optional>
 #include <string>
 
-namespace fsdp::nn::llama {
+namespace fsdp::models::llama {
 struct LlamaArgs;
 class TransformerImpl;
-}  // namespace fsdp::nn::llama
+}  // namespace fsdp::models::llama
 
-namespace fsdp::checkpoint::hf {
+namespace fsdp::models::hf {
 
 // Our key -> Hugging Face name, for every key but the stacked experts (nullopt for them and unknown keys).
 std::optional<std::string> qwen3_to_hf_name(const std::string& key);
 std::optional<std::string> qwen3_from_hf_name(const std::string& hf_name);
 // config.json of a Qwen3ForCausalLM (no MoE layers) or Qwen3MoeForCausalLM with these args. Throws when the
 // args are not expressible as one (an MoE router other than Qwen3's: softmax, scale 1, no shared experts).
-std::string qwen3_config_json(const nn::llama::LlamaArgs& args, const std::string& dtype = "float32");
+std::string qwen3_config_json(const models::llama::LlamaArgs& args, const std::string& dtype = "float32");
 
 // `dir` receives config.json and the weights (model.safetensors; for a sharded dense model possibly
 // model-0000i-of-0000N.safetensors + the index).
-SafetensorsExportResult export_qwen3(nn::llama::TransformerImpl& model, const std::string& dir,
-                                     const SafetensorsExportOptions& options = {});
+checkpoint::SafetensorsExportResult export_qwen3(models::llama::TransformerImpl& model, const std::string& dir,
+                                     const checkpoint::SafetensorsExportOptions& options = {});
 // `path`: a directory (index or model.safetensors), an index json or one file. A config.json next to it must
 // describe the model: fields we cannot compute are refused by name (<fsdp/models/hf_config.h>), and those we
 // can must match (sizes, head_dim, norm eps, RoPE base and scaling, experts, top-k, norm_topk_prob, sparse step,
 // dense layers, tied embeddings): an error lists every mismatch. A strict import (the default) refuses file
 // tensors the model does not have and a config saying tie_word_embeddings = false over files without
 // lm_head.weight, on one rank as on N.
-SafetensorsImportResult import_qwen3(nn::llama::TransformerImpl& model, const std::string& path,
-                                     const SafetensorsImportOptions& options = {});
+checkpoint::SafetensorsImportResult import_qwen3(models::llama::TransformerImpl& model, const std::string& path,
+                                     const checkpoint::SafetensorsImportOptions& options = {});
 
-}  // namespace fsdp::checkpoint::hf
+}  // namespace fsdp::models::hf

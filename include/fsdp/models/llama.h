@@ -37,7 +37,7 @@
 #include <utility>
 #include <vector>
 
-namespace fsdp::nn::llama {
+namespace fsdp::models::llama {
 
 // RoPE frequency scaling, as transformers' modeling_rope_utils computes it (rope_type "llama3", "yarn", "linear").
 //   Llama3 (Llama 3.1; TorchTitan's RoPE scaling="llama"): frequencies whose wavelength exceeds
@@ -108,10 +108,10 @@ struct LlamaArgs {
   std::optional<int64_t> explicit_ffn_hidden;  // nullopt: TorchTitan's sizing from dim, multiplier, multiple_of
   bool qk_norm = false;
   RopeLayout rope_layout = RopeLayout::Interleaved;
-  // Mixture of experts: when set, layer i has a `moe` block (fsdp::nn::moe::MoE; FQNs layers.<i>.moe.*) instead
+  // Mixture of experts: when set, layer i has a `moe` block (fsdp::models::moe::MoE; FQNs layers.<i>.moe.*) instead
   // of `feed_forward` iff i is not in dense_layers and (i + 1) % moe_layer_step == 0 (Hugging Face's
   // decoder_sparse_step and mlp_only_layers). moe->dim 0 means `dim`.
-  std::optional<fsdp::nn::moe::MoEOptions> moe;
+  std::optional<fsdp::models::moe::MoEOptions> moe;
   int64_t moe_layer_step = 1;
   std::vector<int64_t> dense_layers;
   AttnMaskType attn_mask_type = AttnMaskType::Causal;
@@ -121,7 +121,7 @@ struct LlamaArgs {
   int64_t ffn_hidden_dim() const;  // explicit_ffn_hidden, else TorchTitan's FeedForward sizing (768 for debugmodel)
   bool is_moe_layer(int64_t layer) const;
   // The MoE options of this model's MoE layers (dim filled in); requires `moe`.
-  fsdp::nn::moe::MoEOptions moe_options() const;
+  fsdp::models::moe::MoEOptions moe_options() const;
 };
 
 // Flavors by name: "debugmodel" (exactly TorchTitan's, with its Llama 3.1 RoPE scaling since TorchTitan PR #1839),
@@ -153,19 +153,19 @@ class ParamModule : public torch::nn::Module {
 
 // A bias-free linear layer whose weight is created on a chosen device (torch::nn::Linear always allocates on
 // the CPU first, which rules out meta-device construction of large models). FQN: <name>.weight.
-class LinearImpl : public ParamModule, public HasWeightLayout {
+class LinearImpl : public ParamModule, public fsdp::nn::HasWeightLayout {
  public:
   LinearImpl(int64_t in_features, int64_t out_features, const at::TensorOptions& options);
   at::Tensor forward(const at::Tensor& x);
-  WeightLayout weight_layout() const override { return WeightLayout::Linear; }
+  fsdp::nn::WeightLayout weight_layout() const override { return fsdp::nn::WeightLayout::Linear; }
 };
 TORCH_MODULE(Linear);
 
-class EmbeddingImpl : public ParamModule, public HasWeightLayout {
+class EmbeddingImpl : public ParamModule, public fsdp::nn::HasWeightLayout {
  public:
   EmbeddingImpl(int64_t num_embeddings, int64_t dim, const at::TensorOptions& options);
   at::Tensor forward(const at::Tensor& tokens);
-  WeightLayout weight_layout() const override { return WeightLayout::Embedding; }
+  fsdp::nn::WeightLayout weight_layout() const override { return fsdp::nn::WeightLayout::Embedding; }
 };
 TORCH_MODULE(Embedding);
 
@@ -253,7 +253,7 @@ class TransformerBlockImpl : public torch::nn::Module {
   double weight_init_std;
   Attention attention{nullptr};
   FeedForward feed_forward{nullptr};  // dense layers (null in an MoE layer)
-  fsdp::nn::moe::MoE moe{nullptr};    // MoE layers (null in a dense layer)
+  fsdp::models::moe::MoE moe{nullptr};    // MoE layers (null in a dense layer)
   RMSNorm attention_norm{nullptr}, ffn_norm{nullptr};
 };
 TORCH_MODULE(TransformerBlock);
@@ -324,4 +324,4 @@ std::pair<at::Tensor, at::Tensor> precompute_rope(int64_t head_dim, int64_t seq_
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                       RopeLayout layout = RopeLayout::Interleaved);
 
-}  // namespace fsdp::nn::llama
+}  // namespace fsdp::models::llama

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-namespace fsdp::nn::llama {
+namespace fsdp::models::llama {
 
 // The layers of each stage, [begin, end) per stage (TorchTitan's split). Effective layers E = n_layers +
 // first_less + last_less; every stage gets E / num_stages of them, the first E % num_stages one more; the first
@@ -76,4 +76,4 @@ class LlamaStageImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaStage);
 
-}  // namespace fsdp::nn::llama
+}  // namespace fsdp::models::llama

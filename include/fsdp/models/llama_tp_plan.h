@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-namespace fsdp::nn::llama {
+namespace fsdp::models::llama {
 
 struct LlamaTensorParallelOptions {
   // TorchTitan always uses it: norms on sequence slices, block inputs gathered by PrepareModuleInput, wo/w2
@@ -23,4 +23,4 @@ struct LlamaTensorParallelOptions {
 ParallelizePlan tensor_parallel_plan(const LlamaArgs& args, int64_t tp_degree,
                                      const LlamaTensorParallelOptions& options = {});
 
-}  // namespace fsdp::nn::llama
+}  // namespace fsdp::models::llama

@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-namespace fsdp::nn::moe {
+namespace fsdp::models::moe {
 
 struct MoEOptions {
   int64_t dim = 0;
@@ -152,4 +152,4 @@ class MoEImpl : public torch::nn::Module {
 };
 TORCH_MODULE(MoE);
 
-}  // namespace fsdp::nn::moe
+}  // namespace fsdp::models::moe

@@ -1,5 +1,5 @@
 #pragma once
-// Qwen3 (dense and MoE) as flavors of our Llama decoder (fsdp::nn::llama::Transformer): TorchTitan's
+// Qwen3 (dense and MoE) as flavors of our Llama decoder (fsdp::models::llama::Transformer): TorchTitan's
 // torchtitan/models/qwen3 and Hugging Face's Qwen3ForCausalLM / Qwen3MoeForCausalLM. What differs from Llama 3
 // is all in LlamaArgs: head_dim 128 independent of dim, a given FFN size, QK-norm (RMSNorm per head on q and k
 // before RoPE), Hugging Face's half-split RoPE layout, norm eps 1e-6, RoPE theta 1e6 (5e6 for 235B-A22B) and,
@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-namespace fsdp::nn::llama {
+namespace fsdp::models::llama {
 
 // "debugmodel" (dense) and "debugmodel_moe", TorchTitan's; the real sizes "0.6B", "1.7B", "4B", "8B", "14B",
 // "32B" (dense; 0.6B-4B tie their embeddings, as TorchTitan and the released checkpoints) and "30B-A3B",
@@ -25,4 +25,4 @@ std::vector<std::string> qwen3_flavor_names();
 LlamaArgs model_flavor(const std::string& model_name, const std::string& flavor);
 std::vector<std::string> model_names();
 
-}  // namespace fsdp::nn::llama
+}  // namespace fsdp::models::llama

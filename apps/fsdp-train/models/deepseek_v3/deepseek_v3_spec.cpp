@@ -16,12 +16,12 @@
 namespace fsdp_train::deepseek_v3 {
 namespace {
 
-namespace ds = fsdp::nn::deepseek_v3;
+namespace ds = fsdp::models::deepseek_v3;
 
 // The model a TrainModel of this spec holds (build_model below made it).
 ds::DeepSeekV3 model_of(const TrainModel& model) {
   auto impl = std::dynamic_pointer_cast<ds::DeepSeekV3Impl>(model.module);
-  TORCH_CHECK(impl, "the model is not a DeepSeek-V3 model (fsdp::nn::deepseek_v3::DeepSeekV3)");
+  TORCH_CHECK(impl, "the model is not a DeepSeek-V3 model (fsdp::models::deepseek_v3::DeepSeekV3)");
   return ds::DeepSeekV3(impl);
 }
 
@@ -54,10 +54,10 @@ TrainModel build_model(const JobConfig& config, const ModelShape& shape) {
   ds::DeepSeekV3 model(args);
   TrainModel out;
   out.module = model.ptr();
-  if (args.attn_mask_type == fsdp::nn::llama::AttnMaskType::BlockCausal) {
+  if (args.attn_mask_type == fsdp::models::llama::AttnMaskType::BlockCausal) {
     TORCH_CHECK(shape.eos_id >= 0, "block_causal attention needs the tokenizer's EOS (ModelShape::eos_id)");
     out.document_ids = [eos = shape.eos_id](const at::Tensor& tokens) {
-      return fsdp::nn::llama::document_ids(tokens, eos);
+      return fsdp::models::llama::document_ids(tokens, eos);
     };
     out.forward = [model, ids = out.document_ids](const at::Tensor& tokens) {
       return fsdp::nn::call(model, tokens, std::optional<at::Tensor>(ids(tokens)));
@@ -114,11 +114,11 @@ TrainSpec train_spec() {
   };
   spec.hf.import_weights = [](torch::nn::Module& model, const std::string& dir,
                               const fsdp::checkpoint::SafetensorsImportOptions& options) {
-    return fsdp::checkpoint::hf::import_deepseek_v3(model_impl(model, "checkpoint.initial_load_in_hf"), dir, options);
+    return fsdp::models::hf::import_deepseek_v3(model_impl(model, "checkpoint.initial_load_in_hf"), dir, options);
   };
   spec.hf.export_weights = [](torch::nn::Module& model, const std::string& dir,
                               const fsdp::checkpoint::SafetensorsExportOptions& options) {
-    return fsdp::checkpoint::hf::export_deepseek_v3(model_impl(model, "checkpoint.last_save_in_hf"), dir, options);
+    return fsdp::models::hf::export_deepseek_v3(model_impl(model, "checkpoint.last_save_in_hf"), dir, options);
   };
   return spec;
 }

@@ -20,7 +20,7 @@
 namespace fsdp_train::deepseek_v3 {
 namespace {
 
-namespace ds = fsdp::nn::deepseek_v3;
+namespace ds = fsdp::models::deepseek_v3;
 
 std::string family_and_flavor(const JobConfig& config) { return "deepseek_v3 " + config.model.flavor; }
 
@@ -74,7 +74,7 @@ void apply_cp(ds::DeepSeekV3& model, const fsdp::DeviceMesh& cp_mesh, CpRotateMe
   for (auto& block : model->blocks()) {
     block->attention->kernel = [group, options, scale = block->attention->softmax_scale](
                                    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                   const fsdp::nn::llama::AttentionMask& document_ids) {
+                                   const fsdp::models::llama::AttentionMask& document_ids) {
       if (document_ids) return fsdp::block_causal_ring_attention(q, k, v, *document_ids, group, options, scale);
       return fsdp::ring_attention(q, k, v, group, options, scale);
     };
@@ -125,8 +125,8 @@ ds::DeepSeekV3Args model_args(const JobConfig& config) {
   } catch (const c10::Error& e) {
     throw ConfigError(std::string("config error: model.flavor: ") + e.what_without_backtrace());
   }
-  args.attn_mask_type = m.attn_mask_type == AttnMaskType::BlockCausal ? fsdp::nn::llama::AttnMaskType::BlockCausal
-                                                                    : fsdp::nn::llama::AttnMaskType::Causal;
+  args.attn_mask_type = m.attn_mask_type == AttnMaskType::BlockCausal ? fsdp::models::llama::AttnMaskType::BlockCausal
+                                                                    : fsdp::models::llama::AttnMaskType::Causal;
   apply_moe_overrides(m, args.moe);
   // The trainer adds the sequence aux loss when the key is set (> 0); the flavor's own coefficient would compute
   // a loss nothing adds.

@@ -38,27 +38,27 @@ namespace fsdp_train::deepseek_v3 {
 // model.flavor with the [model] attn_mask_type and moe_* overrides applied; a ConfigError for an unknown flavor.
 // moe_sequence_aux_loss_coeff = 0 turns the flavor's sequence aux loss off (the key's "0 = off": the trainer
 // adds the loss only when the key is set).
-fsdp::nn::deepseek_v3::DeepSeekV3Args model_args(const JobConfig& config);
+fsdp::models::deepseek_v3::DeepSeekV3Args model_args(const JobConfig& config);
 
 // The layouts the family trains (no collectives): a ConfigError naming deepseek_v3, the flavor and the refused
 // layout.
-void check_layout(const fsdp::nn::deepseek_v3::DeepSeekV3Args& args, const JobConfig& config,
+void check_layout(const fsdp::models::deepseek_v3::DeepSeekV3Args& args, const JobConfig& config,
                   const ParallelDims& dims);
 
 // The blocks as modules, and a block's routed experts (null: a dense block): what the shared FSDP / DDP wrapping
 // takes (parallelize.h: fully_shard_blocks_then_root, replicate_blocks_then_root).
-std::vector<std::shared_ptr<torch::nn::Module>> block_modules(std::vector<fsdp::nn::deepseek_v3::TransformerBlock>& blocks);
+std::vector<std::shared_ptr<torch::nn::Module>> block_modules(std::vector<fsdp::models::deepseek_v3::TransformerBlock>& blocks);
 std::shared_ptr<torch::nn::Module> experts_of_block(torch::nn::Module& block);
 
 // TorchTitan's DeepSeek-V3 TP plan for a pipeline stage (only the entries of the modules it holds) over the 1-D
 // `tp_mesh`; the stage's hidden states then travel split on the sequence.
-void apply_tp(fsdp::nn::deepseek_v3::DeepSeekV3Stage& stage, const fsdp::nn::deepseek_v3::DeepSeekV3Args& args,
+void apply_tp(fsdp::models::deepseek_v3::DeepSeekV3Stage& stage, const fsdp::models::deepseek_v3::DeepSeekV3Args& args,
               const fsdp::DeviceMesh& tp_mesh, bool loss_parallel);
 // "TP <n> (sequence parallel, MLA heads split, loss parallel | logits gathered) + ", for the plan's description.
 std::string tp_description(const ParallelPlan& plan);
 
 // check_layout first; `group`: the world group, or null for one process (then only AC).
-ParallelPlan parallelize_deepseek_v3(fsdp::nn::deepseek_v3::DeepSeekV3& model, const JobConfig& config,
+ParallelPlan parallelize_deepseek_v3(fsdp::models::deepseek_v3::DeepSeekV3& model, const JobConfig& config,
                                      const ParallelDims& dims, const fsdp::ProcessGroupPtr& group);
 
 }  // namespace fsdp_train::deepseek_v3

@@ -15,11 +15,11 @@
 
 namespace fsdp_train::deepseek_v3 {
 
-namespace ds = fsdp::nn::deepseek_v3;
+namespace ds = fsdp::models::deepseek_v3;
 
 PipelineSplit split_pipeline(const ds::DeepSeekV3Args& args, const PipelineSplitOptions& options) {
   // The split only sees the chain of modules, which is the untied Llama decoder's: its layer count is all it takes.
-  fsdp::nn::llama::LlamaArgs chain;
+  fsdp::models::llama::LlamaArgs chain;
   chain.n_layers = args.n_layers;
   chain.tie_embeddings = false;
   return llama3::split_pipeline(chain, options);

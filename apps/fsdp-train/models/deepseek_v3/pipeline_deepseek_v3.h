@@ -16,11 +16,11 @@ namespace fsdp_train::deepseek_v3 {
 
 // TorchTitan's split of `args.n_layers` into stages and the schedule placing them; a ConfigError naming the
 // [parallelism] keys when they do not fit. No collectives.
-PipelineSplit split_pipeline(const fsdp::nn::deepseek_v3::DeepSeekV3Args& args, const PipelineSplitOptions& options);
+PipelineSplit split_pipeline(const fsdp::models::deepseek_v3::DeepSeekV3Args& args, const PipelineSplitOptions& options);
 
 // The pipeline half of parallelize_deepseek_v3: `plan` holds what came before (activation checkpointing); the
 // stages this rank holds, each with TP, EP and FSDP. Collective over `group` (the meshes).
-ParallelPlan parallelize_deepseek_v3_pipeline(fsdp::nn::deepseek_v3::DeepSeekV3& model, const JobConfig& config,
+ParallelPlan parallelize_deepseek_v3_pipeline(fsdp::models::deepseek_v3::DeepSeekV3& model, const JobConfig& config,
                                               const ParallelDims& dims, const fsdp::ProcessGroupPtr& group,
                                               ParallelPlan plan);
 

@@ -13,14 +13,14 @@
 namespace fsdp_train::llama3 {
 namespace {
 
-using fsdp::nn::llama::LlamaArgs;
-using fsdp::nn::llama::Transformer;
-using fsdp::nn::llama::TransformerImpl;
+using fsdp::models::llama::LlamaArgs;
+using fsdp::models::llama::Transformer;
+using fsdp::models::llama::TransformerImpl;
 
 // The decoder a TrainModel holds (every TrainModel of this spec was built by build_model below).
 Transformer decoder_of(const TrainModel& model) {
   auto impl = std::dynamic_pointer_cast<TransformerImpl>(model.module);
-  TORCH_CHECK(impl, "the model is not a Llama 3 decoder (fsdp::nn::llama::Transformer)");
+  TORCH_CHECK(impl, "the model is not a Llama 3 decoder (fsdp::models::llama::Transformer)");
   return Transformer(impl);
 }
 
@@ -53,10 +53,10 @@ TrainModel build_model(const JobConfig& config, const ModelShape& shape) {
   Transformer model(args);
   TrainModel out;
   out.module = model.ptr();
-  if (args.attn_mask_type == fsdp::nn::llama::AttnMaskType::BlockCausal) {
+  if (args.attn_mask_type == fsdp::models::llama::AttnMaskType::BlockCausal) {
     TORCH_CHECK(shape.eos_id >= 0, "block_causal attention needs the tokenizer's EOS (ModelShape::eos_id)");
     out.document_ids = [eos = shape.eos_id](const at::Tensor& tokens) {
-      return fsdp::nn::llama::document_ids(tokens, eos);
+      return fsdp::models::llama::document_ids(tokens, eos);
     };
     out.forward = [model, ids = out.document_ids](const at::Tensor& tokens) {
       return fsdp::nn::call(model, tokens, std::optional<at::Tensor>(ids(tokens)));
@@ -73,13 +73,13 @@ TrainModel build_model(const JobConfig& config, const ModelShape& shape) {
     else impl->init_weights(seed);
   };
   out.cached_forward = [impl](int64_t capacity) {
-    auto cache = std::make_shared<fsdp::nn::llama::KVCache>(impl->make_kv_cache(1, capacity));
+    auto cache = std::make_shared<fsdp::models::llama::KVCache>(impl->make_kv_cache(1, capacity));
     return std::function<at::Tensor(const at::Tensor&)>(
         [impl, cache](const at::Tensor& tokens) { return impl->forward_cached(tokens, *cache); });
   };
   out.summary = summary_of(args);
-  out.num_params = fsdp::nn::llama::num_params(args);
-  out.flops_per_token = fsdp::nn::llama::flops_per_token(args, shape.max_seq_len);
+  out.num_params = fsdp::models::llama::num_params(args);
+  out.flops_per_token = fsdp::models::llama::flops_per_token(args, shape.max_seq_len);
   out.attention = {args.n_heads, args.head_dim(), args.head_dim()};  // K / V repeated to every head under GQA
   return out;
 }
@@ -108,7 +108,7 @@ TrainSpec decoder_train_spec(std::string name, std::vector<std::string> flavors,
     return split_pipeline(decoder_of(model)->args(), options);
   };
   spec.tp_plan = [](const TrainModel& model, int64_t tp_degree, bool loss_parallel) {
-    return fsdp::nn::llama::tensor_parallel_plan(decoder_of(model)->args(), tp_degree, {true, loss_parallel});
+    return fsdp::models::llama::tensor_parallel_plan(decoder_of(model)->args(), tp_degree, {true, loss_parallel});
   };
   // The adapters take the decoder; `what` names the config key in the error for any other module.
   spec.hf.import_weights = [import_hf, name](torch::nn::Module& model, const std::string& dir,

@@ -9,8 +9,8 @@
 namespace fsdp_train::llama3 {
 
 TrainSpec train_spec() {
-  return decoder_train_spec("llama3", fsdp::nn::llama::llama3_flavor_names(), fsdp::checkpoint::hf::import_llama,
-                            fsdp::checkpoint::hf::export_llama);
+  return decoder_train_spec("llama3", fsdp::models::llama::llama3_flavor_names(), fsdp::models::hf::import_llama,
+                            fsdp::models::hf::export_llama);
 }
 
 }  // namespace fsdp_train::llama3

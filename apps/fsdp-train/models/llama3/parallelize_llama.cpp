@@ -19,15 +19,15 @@ namespace fsdp_train::llama3 {
 namespace {
 
 // The MoE block of a transformer block, or null for a dense one (its feed-forward is a child named "moe").
-fsdp::nn::moe::MoEImpl* moe_of(torch::nn::Module& block) {
+fsdp::models::moe::MoEImpl* moe_of(torch::nn::Module& block) {
   for (const auto& child : block.named_children()) {
-    if (child.key() == "moe") return child.value()->as<fsdp::nn::moe::MoEImpl>();
+    if (child.key() == "moe") return child.value()->as<fsdp::models::moe::MoEImpl>();
   }
   return nullptr;
 }
 
 // The routed experts per MoE block (0: a dense model).
-int64_t num_experts_of(fsdp::nn::llama::Transformer& model) {
+int64_t num_experts_of(fsdp::models::llama::Transformer& model) {
   int64_t n = 0;
   for (auto& block : model->blocks()) {
     if (auto* moe = moe_of(*block)) n = moe->options().num_experts;
@@ -62,7 +62,7 @@ std::optional<int64_t> named_layer(const std::string& pattern) {
 
 // The plan keeps the tokens sequence-sharded through the MoE blocks: each block's sequence balance loss sums its
 // per-sequence counts over the TP ranks (the whole sequence's, as TorchTitan computes it).
-void set_moe_sequence_parallel(std::vector<fsdp::nn::llama::TransformerBlock>& blocks, const fsdp::DeviceMesh& tp_mesh) {
+void set_moe_sequence_parallel(std::vector<fsdp::models::llama::TransformerBlock>& blocks, const fsdp::DeviceMesh& tp_mesh) {
   for (auto& block : blocks) {
     if (auto* moe = moe_of(*block)) moe->set_sequence_parallel_group(tp_mesh.group(0));
   }
@@ -71,23 +71,23 @@ void set_moe_sequence_parallel(std::vector<fsdp::nn::llama::TransformerBlock>& b
 // Under cp x tp each rank holds a slice (TP's sequence parallelism) of a chunk (CP) of every sequence: the MoE
 // blocks' sequence balance loss sums its per-sequence counts over the flattened cp x tp group, replacing the tp
 // group apply_tp set and the cp group apply_cp set (each alone would miss the other's pieces of the sequence).
-void set_moe_sequence_parallel_cp_tp(std::vector<fsdp::nn::llama::TransformerBlock>& blocks,
+void set_moe_sequence_parallel_cp_tp(std::vector<fsdp::models::llama::TransformerBlock>& blocks,
                                      const ParallelMeshes& meshes) {
   if (meshes.cp_tp.valid()) set_moe_sequence_parallel(blocks, meshes.cp_tp);
 }
 
 }  // namespace
 
-fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config) {
+fsdp::models::llama::LlamaArgs model_args(const JobConfig& config) {
   const auto& m = config.model;
-  fsdp::nn::llama::LlamaArgs args;
+  fsdp::models::llama::LlamaArgs args;
   try {
-    args = fsdp::nn::llama::model_flavor(m.name, m.flavor);
+    args = fsdp::models::llama::model_flavor(m.name, m.flavor);
   } catch (const c10::Error& e) {
     throw ConfigError(std::string("config error: model.flavor: ") + e.what_without_backtrace());
   }
-  args.attn_mask_type = m.attn_mask_type == AttnMaskType::BlockCausal ? fsdp::nn::llama::AttnMaskType::BlockCausal
-                                                                    : fsdp::nn::llama::AttnMaskType::Causal;
+  args.attn_mask_type = m.attn_mask_type == AttnMaskType::BlockCausal ? fsdp::models::llama::AttnMaskType::BlockCausal
+                                                                    : fsdp::models::llama::AttnMaskType::Causal;
   const bool overrides = m.moe_score_func != MoeScoreFunc::FlavorDefault || m.moe_shared_experts >= 0 ||
                          m.moe_route_norm != MoeRouteNorm::FlavorDefault ||
                          m.moe_route_scale != 0 || m.moe_load_balance_coeff >= 0 || m.moe_sequence_aux_loss_coeff > 0 ||
@@ -101,7 +101,7 @@ fsdp::nn::llama::LlamaArgs model_args(const JobConfig& config) {
   return args;
 }
 
-std::string apply_ac(fsdp::nn::llama::Transformer& model, AcMode mode, const SelectiveAcOption& option) {
+std::string apply_ac(fsdp::models::llama::Transformer& model, AcMode mode, const SelectiveAcOption& option) {
   if (mode == AcMode::None) return "no activation checkpointing";
   std::vector<std::shared_ptr<torch::nn::Module>> blocks;
   for (auto& b : model->blocks()) blocks.push_back(b.ptr());
@@ -121,17 +121,17 @@ std::string apply_ac(fsdp::nn::llama::Transformer& model, AcMode mode, const Sel
          std::to_string(n) + " of " + std::to_string(blocks.size()) + ")";
 }
 
-void apply_tp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& tp_mesh, bool loss_parallel) {
+void apply_tp(fsdp::models::llama::Transformer& model, const fsdp::DeviceMesh& tp_mesh, bool loss_parallel) {
   fsdp::parallelize_module(model, tp_mesh,
-                           fsdp::nn::llama::tensor_parallel_plan(model->args(), tp_mesh.size(), {true, loss_parallel}));
+                           fsdp::models::llama::tensor_parallel_plan(model->args(), tp_mesh.size(), {true, loss_parallel}));
   set_moe_sequence_parallel(model->blocks(), tp_mesh);
 }
 
-void apply_tp(fsdp::nn::llama::LlamaStage& stage, const fsdp::nn::llama::LlamaArgs& args,
+void apply_tp(fsdp::models::llama::LlamaStage& stage, const fsdp::models::llama::LlamaArgs& args,
               const fsdp::DeviceMesh& tp_mesh, bool loss_parallel) {
   // TorchTitan's Llama TP plan without the entries for modules this stage does not hold.
   fsdp::ParallelizePlan kept;
-  for (auto& entry : fsdp::nn::llama::tensor_parallel_plan(args, tp_mesh.size(), {true, loss_parallel})) {
+  for (auto& entry : fsdp::models::llama::tensor_parallel_plan(args, tp_mesh.size(), {true, loss_parallel})) {
     const std::string& pattern = entry.first;
     if (pattern == "tok_embeddings" && !stage->first()) continue;
     if ((pattern == "norm" || pattern == "output") && !stage->last()) continue;
@@ -156,7 +156,7 @@ struct CpHooks {
   std::function<at::Tensor(const at::Tensor&)> document_mask;
 };
 
-CpHooks cp_attention(std::vector<fsdp::nn::llama::TransformerBlock>& blocks, const fsdp::DeviceMesh& cp_mesh,
+CpHooks cp_attention(std::vector<fsdp::models::llama::TransformerBlock>& blocks, const fsdp::DeviceMesh& cp_mesh,
                      CpRotateMethod rotate_method, CpLoadBalancer load_balancer) {
   const fsdp::ProcessGroupPtr group = cp_mesh.group(0);
   const fsdp::ContextParallelOptions options{
@@ -178,7 +178,7 @@ CpHooks cp_attention(std::vector<fsdp::nn::llama::TransformerBlock>& blocks, con
   set_moe_sequence_parallel(blocks, cp_mesh);
   for (auto& block : blocks) {
     block->attention->kernel = [group, options](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                const fsdp::nn::llama::AttentionMask& document_ids) {
+                                                const fsdp::models::llama::AttentionMask& document_ids) {
       if (document_ids) return fsdp::block_causal_ring_attention(q, k, v, *document_ids, group, options);
       return fsdp::ring_attention(q, k, v, group, options);
     };
@@ -188,39 +188,39 @@ CpHooks cp_attention(std::vector<fsdp::nn::llama::TransformerBlock>& blocks, con
 
 }  // namespace
 
-void apply_cp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
+void apply_cp(fsdp::models::llama::Transformer& model, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
               CpLoadBalancer load_balancer) {
   CpHooks hooks = cp_attention(model->blocks(), cp_mesh, rotate_method, load_balancer);
   model->rope_positions = std::move(hooks.rope_positions);
   model->document_mask = std::move(hooks.document_mask);
 }
 
-void apply_cp(fsdp::nn::llama::LlamaStage& stage, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
+void apply_cp(fsdp::models::llama::LlamaStage& stage, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
               CpLoadBalancer load_balancer) {
   CpHooks hooks = cp_attention(stage->blocks(), cp_mesh, rotate_method, load_balancer);
   stage->rope_positions = std::move(hooks.rope_positions);
   stage->document_mask = std::move(hooks.document_mask);
 }
 
-void apply_ep(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& ep_mesh) {
+void apply_ep(fsdp::models::llama::Transformer& model, const fsdp::DeviceMesh& ep_mesh) {
   for (auto& block : model->blocks()) {
     if (auto* moe = moe_of(*block)) fsdp::apply_expert_parallel(moe->experts.ptr(), ep_mesh);
   }
 }
 
-std::vector<fsdp::FSDPModule> apply_fsdp(fsdp::nn::llama::Transformer& model, const FsdpOptions& options) {
+std::vector<fsdp::FSDPModule> apply_fsdp(fsdp::models::llama::Transformer& model, const FsdpOptions& options) {
   return fully_shard_blocks_then_root(module_ptrs(model->blocks()), model.ptr(), options, experts_of_block);
 }
 
-std::vector<fsdp::FSDPModule> apply_fsdp(fsdp::nn::llama::LlamaStage& stage, const FsdpOptions& options) {
+std::vector<fsdp::FSDPModule> apply_fsdp(fsdp::models::llama::LlamaStage& stage, const FsdpOptions& options) {
   return fully_shard_blocks_then_root(module_ptrs(stage->blocks()), stage.ptr(), options, experts_of_block);
 }
 
-std::vector<fsdp::FSDPModule> apply_ddp(fsdp::nn::llama::Transformer& model, const fsdp::DeviceMesh& mesh) {
+std::vector<fsdp::FSDPModule> apply_ddp(fsdp::models::llama::Transformer& model, const fsdp::DeviceMesh& mesh) {
   return replicate_blocks_then_root(module_ptrs(model->blocks()), model.ptr(), mesh);
 }
 
-PipelineSplit split_pipeline(const fsdp::nn::llama::LlamaArgs& args, const PipelineSplitOptions& o) {
+PipelineSplit split_pipeline(const fsdp::models::llama::LlamaArgs& args, const PipelineSplitOptions& o) {
   // Stages: TorchTitan's split, placed by the schedule (loop or V).
   const auto kind = o.schedule_csv.empty() ? o.schedule : fsdp::pipeline::ScheduleKind::Csv;
   const int64_t n_layers = args.n_layers;
@@ -235,7 +235,7 @@ PipelineSplit split_pipeline(const fsdp::nn::llama::LlamaArgs& args, const Pipel
                         std::to_string(o.pp));
     }
   } else if (o.layers_per_stage > 0) {
-    split.num_stages = fsdp::nn::llama::stages_for_layers_per_stage(n_layers, o.layers_per_stage,
+    split.num_stages = fsdp::models::llama::stages_for_layers_per_stage(n_layers, o.layers_per_stage,
                                                                     o.first_stage_less_layers, o.last_stage_less_layers);
     if (split.num_stages % o.pp != 0) {
       throw ConfigError("config error: parallelism.pipeline_parallel_layers_per_stage = " +
@@ -245,8 +245,8 @@ PipelineSplit split_pipeline(const fsdp::nn::llama::LlamaArgs& args, const Pipel
     }
   }
   try {
-    split.layers = explicit_fqns ? fsdp::nn::llama::layers_from_fqns(args, o.module_fqns_per_model_part)
-                                 : fsdp::nn::llama::split_layers(n_layers, split.num_stages, o.first_stage_less_layers,
+    split.layers = explicit_fqns ? fsdp::models::llama::layers_from_fqns(args, o.module_fqns_per_model_part)
+                                 : fsdp::models::llama::split_layers(n_layers, split.num_stages, o.first_stage_less_layers,
                                                                  o.last_stage_less_layers);
     split.schedule = o.schedule_csv.empty()
                          ? fsdp::pipeline::build_schedule({kind, static_cast<int>(o.pp),
@@ -275,7 +275,7 @@ std::string cp_description(const JobConfig& config, const ParallelDims& dims) {
          std::to_string(dims.dp_shard * dims.cp) + " ranks) + ";
 }
 
-ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, const JobConfig& config,
+ParallelPlan parallelize_llama_pipeline(fsdp::models::llama::Transformer& model, const JobConfig& config,
                                         const ParallelDims& dims, const fsdp::ProcessGroupPtr& group) {
   ParallelPlan plan;
   plan.dp_group = group;
@@ -308,7 +308,7 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
   std::string layers;
   for (int s : plan.stage_indices) {
     const auto [begin, end] = split.layers[static_cast<size_t>(s)];
-    fsdp::nn::llama::LlamaStage stage(*model, begin, end, s == 0, s == num_stages - 1);
+    fsdp::models::llama::LlamaStage stage(*model, begin, end, s == 0, s == num_stages - 1);
     if (dims.tp > 1) apply_tp(stage, model->args(), plan.tp_mesh, plan.loss_parallel);
     if (dims.cp > 1) apply_cp(stage, plan.cp_mesh, p.context_parallel_rotate_method, p.context_parallel_load_balancer);
     if (dims.cp > 1 && dims.tp > 1) set_moe_sequence_parallel_cp_tp(stage->blocks(), meshes);
@@ -329,7 +329,7 @@ ParallelPlan parallelize_llama_pipeline(fsdp::nn::llama::Transformer& model, con
 
 }  // namespace
 
-void check_layout(const std::string& family, const fsdp::nn::llama::LlamaArgs& args, const JobConfig& config,
+void check_layout(const std::string& family, const fsdp::models::llama::LlamaArgs& args, const JobConfig& config,
                   const ParallelDims& dims) {
   const int64_t num_experts = args.moe ? args.moe->num_experts : 0;
   const bool has_moe = num_experts > 0;
@@ -344,7 +344,7 @@ void check_layout(const std::string& family, const fsdp::nn::llama::LlamaArgs& a
   }
 }
 
-ParallelPlan parallelize_llama(fsdp::nn::llama::Transformer& model, const JobConfig& config, const ParallelDims& dims,
+ParallelPlan parallelize_llama(fsdp::models::llama::Transformer& model, const JobConfig& config, const ParallelDims& dims,
                                const fsdp::ProcessGroupPtr& group) {
   check_layout(config.model.name, model->args(), config, dims);
   const int64_t num_experts = num_experts_of(model);

@@ -9,8 +9,8 @@
 namespace fsdp_train::qwen3 {
 
 TrainSpec train_spec() {
-  return llama3::decoder_train_spec("qwen3", fsdp::nn::llama::qwen3_flavor_names(), fsdp::checkpoint::hf::import_qwen3,
-                                    fsdp::checkpoint::hf::export_qwen3);
+  return llama3::decoder_train_spec("qwen3", fsdp::models::llama::qwen3_flavor_names(), fsdp::models::hf::import_qwen3,
+                                    fsdp::models::hf::export_qwen3);
 }
 
 }  // namespace fsdp_train::qwen3
