@@ -262,13 +262,14 @@ namespace {
 // expect_parity) and the parameters after the last step (model-only saves read back, 1e-5). MLA's q/k head dim
 // (qk_nope + qk_rope = 24) differs from v's (16): the ring pads v. `corpus`: block_causal over these documents.
 void expect_cp_parity(const std::string& name, int64_t cp, int64_t ep, CpRotateMethod rotate, CpLoadBalancer balancer,
-                      const std::string& corpus = "") {
+                      const std::string& corpus = "", int64_t tp = 1, double aux_coeff = 0) {
   const int64_t world = fsdp::world()->size(), steps = 6;
   auto job = [&](const std::string& folder) {
     JobConfig c = base(folder, world, steps);
     c.checkpoint.enable = true;
     c.checkpoint.interval = steps;
     c.checkpoint.keep_latest_k = 0;
+    c.model.moe_sequence_aux_loss_coeff = aux_coeff;
     if (!corpus.empty()) {
       c.training.dataset = Dataset::Jsonl;
       c.training.dataset_path = corpus;
@@ -282,14 +283,23 @@ void expect_cp_parity(const std::string& name, int64_t cp, int64_t ep, CpRotateM
   JobConfig config = job(test::shared_dir("fsdp_train_dsv3", name));
   config.parallelism.context_parallel_degree = cp;
   config.parallelism.expert_parallel_degree = ep;
+  config.parallelism.tensor_parallel_degree = tp;
   config.parallelism.context_parallel_rotate_method = rotate;
   config.parallelism.context_parallel_load_balancer = balancer;
   const TrainSummary got = run_training(config, test::world_env(), false);
   fsdp::world()->barrier().wait();  // the last save is complete on every rank
   const std::string cp_plan = "CP " + std::to_string(cp) + " (ring attention, " + to_string(rotate) + ", " +
                               to_string(balancer) + "; 8 of 16 tokens per rank; FSDP over dp_shard x cp = " +
-                              std::to_string(world) + " ranks)";
+                              std::to_string(world / tp) + " ranks)";
   EXPECT_NE(got.plan.find(cp_plan), std::string::npos) << got.plan;
+  if (tp > 1) EXPECT_NE(got.plan.find("TP " + std::to_string(tp) + " (sequence parallel, MLA heads split"), std::string::npos) << got.plan;
+  if (aux_coeff > 0) {
+    ASSERT_EQ(got.aux_losses.size(), ref.aux_losses.size());
+    for (size_t i = 0; i < ref.aux_losses.size(); ++i) {
+      EXPECT_GT(ref.aux_losses[i], 0) << "step " << i + 1;
+      EXPECT_NEAR(got.aux_losses[i], ref.aux_losses[i], 1e-5 * ref.aux_losses[i]) << "balance loss, step " << i + 1;
+    }
+  }
   if (ep > 1) EXPECT_NE(got.plan.find("EP " + std::to_string(ep) + " ("), std::string::npos) << got.plan;
   ASSERT_EQ(ref.losses.size(), static_cast<size_t>(steps));
   test::expect_moe_steps_equal(ref, got, 2, /*compare_mean=*/true);
@@ -334,6 +344,14 @@ TEST(TrainerDeepSeekV3, ContextParallelWithExpertParallelEqualsOneRank) {
   if (fsdp::world()->size() != 4) GTEST_SKIP() << "cp 2 x ep 2 on 4 ranks";
   expect_cp_parity("cp2_ep2_ring", 2, 2, CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail);
   expect_cp_parity("cp2_ep2_allgather", 2, 2, CpRotateMethod::AllGather, CpLoadBalancer::None);
+}
+
+// cp 2 x tp 2 on 4 ranks: MLA's heads split over tp, each rank's heads through the ring over cp; with the sequence
+// balance loss, whose per-sequence counts each MoE block sums over the flattened cp x tp group.
+TEST(TrainerDeepSeekV3, ContextParallelWithTensorParallelEqualsOneRank) {
+  if (fsdp::world()->size() != 4) GTEST_SKIP() << "cp 2 x tp 2 on 4 ranks";
+  expect_cp_parity("cp2_tp2_ring", 2, 1, CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail, "", 2, 1e-3);
+  expect_cp_parity("cp2_tp2_allgather", 2, 1, CpRotateMethod::AllGather, CpLoadBalancer::None, "", 2);
 }
 
 TEST(TrainerDeepSeekV3, HuggingFaceSaveLoadsInTransformersAndBack) {

@@ -140,11 +140,11 @@ void check_layout(const ds::DeepSeekV3Args& args, const JobConfig& config, const
     throw ConfigError("config error: parallelism.tensor_parallel_degree = " + std::to_string(dims.tp) +
                       " does not divide the " + std::to_string(args.n_heads) + " attention heads of " + model);
   }
-  if (dims.cp > 1 && (dims.tp > 1 || dims.pp > 1)) {
-    throw ConfigError("config error: parallelism.context_parallel_degree = " + std::to_string(dims.cp) + " with " +
-                      (dims.tp > 1 ? "tensor_parallel_degree" : "pipeline_parallel_degree") + " > 1 (" + model +
-                      ") is not supported yet; context parallelism runs deepseek_v3 with FSDP, HSDP and "
-                      "parallelism.expert_parallel_degree");
+  if (dims.cp > 1 && dims.pp > 1) {
+    throw ConfigError("config error: parallelism.context_parallel_degree = " + std::to_string(dims.cp) +
+                      " with pipeline_parallel_degree > 1 (" + model +
+                      ") is not supported yet; context parallelism runs deepseek_v3 with FSDP, HSDP, "
+                      "parallelism.tensor_parallel_degree and parallelism.expert_parallel_degree");
   }
   const auto& ac = config.activation_checkpoint;
   if (ac.mode == AcMode::Selective && ac.selective_ac_option.kind != SelectiveAcOption::Kind::EveryKth &&
@@ -189,6 +189,10 @@ ParallelPlan parallelize_deepseek_v3(ds::DeepSeekV3& model, const JobConfig& con
       plan.cp_mesh = meshes.cp;
       plan.fsdp_mesh = meshes.dp;  // dp_shard_cp
       apply_cp(model, plan.cp_mesh, p.context_parallel_rotate_method, p.context_parallel_load_balancer);
+      // Under cp x tp a sequence is cut over cp and each chunk over tp (sequence parallel): the MoE blocks sum their
+      // per-sequence counts over both, one flattened group, replacing the tp group apply_tp and the cp group
+      // apply_cp set (as parallelize_llama does).
+      if (dims.tp > 1) set_moe_sequence_group(model->blocks(), meshes.cp_tp);
       parallel_description += "CP " + std::to_string(dims.cp) + " (ring attention, " +
                               to_string(p.context_parallel_rotate_method) + ", " +
                               to_string(p.context_parallel_load_balancer) + "; " +
