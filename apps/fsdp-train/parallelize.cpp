@@ -251,6 +251,15 @@ std::string stage_layers_text(int s, int64_t begin, int64_t end, int num_stages)
          (s == 0 ? " + tok_embeddings" : "") + (s == num_stages - 1 ? " + norm, output" : "");
 }
 
+std::string cp_description(const JobConfig& config, const ParallelDims& dims) {
+  if (dims.cp == 1) return "";
+  const auto& p = config.parallelism;
+  return "CP " + std::to_string(dims.cp) + " (ring attention, " + to_string(p.context_parallel_rotate_method) + ", " +
+         to_string(p.context_parallel_load_balancer) + "; " + std::to_string(config.training.seq_len / dims.cp) +
+         " of " + std::to_string(config.training.seq_len) + " tokens per rank; FSDP over dp_shard x cp = " +
+         std::to_string(dims.dp_shard * dims.cp) + " ranks) + ";
+}
+
 std::string pipeline_description(const ParallelPlan& plan, const JobConfig& config, const ParallelDims& dims,
                                  const std::string& layers, const std::string& parts) {
   const auto& p = config.parallelism;

@@ -164,6 +164,9 @@ std::function<at::Tensor(const at::Tensor& input, const at::Tensor& document_ids
 // (pipeline_description of `layers`, the stages' stage_layers_text, and `parts`, the TP/CP/EP words).
 void finish_pipeline_plan(ParallelPlan& plan, const JobConfig& config, const ParallelDims& dims,
                           const std::string& layers, const std::string& parts);
+// The plan's words for context parallelism, every family's ("" without it): degree, rotate method, load balancer,
+// sequence per rank, FSDP's dp_shard x cp ranks.
+std::string cp_description(const JobConfig& config, const ParallelDims& dims);
 // The plan's description of a pipeline split: "PP <pp> (<schedule>, <n> stages, <m> microbatches; this rank:
 // <layers>) + <parts>" followed by the FSDP mesh and reshard policy.
 std::string pipeline_description(const ParallelPlan& plan, const JobConfig& config, const ParallelDims& dims,

@@ -193,12 +193,7 @@ ParallelPlan parallelize_deepseek_v3(ds::DeepSeekV3& model, const JobConfig& con
       // per-sequence counts over both, one flattened group, replacing the tp group apply_tp and the cp group
       // apply_cp set (as parallelize_llama does).
       if (dims.tp > 1) set_moe_sequence_group(model->blocks(), meshes.cp_tp);
-      parallel_description += "CP " + std::to_string(dims.cp) + " (ring attention, " +
-                              to_string(p.context_parallel_rotate_method) + ", " +
-                              to_string(p.context_parallel_load_balancer) + "; " +
-                              std::to_string(config.training.seq_len / dims.cp) + " of " +
-                              std::to_string(config.training.seq_len) + " tokens per rank; FSDP over dp_shard x cp = " +
-                              std::to_string(dims.dp_shard * dims.cp) + " ranks) + ";
+      parallel_description += cp_description(config, dims);
     }
     // The routed experts' placement (TorchTitan's apply_moe_ep + apply_fsdp): over the ranks left after ep of
     // dp_shard x tp (efsdp); under TP without EP over dp_shard x tp (each TP rank routes its own tokens; no expert

@@ -265,16 +265,6 @@ PipelineSplit split_pipeline(const fsdp::models::llama::LlamaArgs& args, const P
 
 namespace {
 
-// The plan's words for context parallelism ("" without it).
-std::string cp_description(const JobConfig& config, const ParallelDims& dims) {
-  if (dims.cp == 1) return "";
-  const auto& p = config.parallelism;
-  return "CP " + std::to_string(dims.cp) + " (ring attention, " + to_string(p.context_parallel_rotate_method) + ", " +
-         to_string(p.context_parallel_load_balancer) + "; " + std::to_string(config.training.seq_len / dims.cp) +
-         " of " + std::to_string(config.training.seq_len) + " tokens per rank; FSDP over dp_shard x cp = " +
-         std::to_string(dims.dp_shard * dims.cp) + " ranks) + ";
-}
-
 ParallelPlan parallelize_llama_pipeline(fsdp::models::llama::Transformer& model, const JobConfig& config,
                                         const ParallelDims& dims, const fsdp::ProcessGroupPtr& group) {
   ParallelPlan plan;
