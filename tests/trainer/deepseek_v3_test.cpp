@@ -8,9 +8,10 @@
 //            the load-balancing bias, which steers the routing, was updated identically).
 //   tensor parallel: tp 2, with and without the sequence balance loss (2 ranks), and tp 2 x ep 2 (4 ranks) equal
 //            1 rank the same way.
-//   pipeline: pp 2 under 1F1B and Interleaved1F1B (2 ranks), pp 2 x ep 2 with the sequence balance loss (4 ranks),
-//            equal 1 rank the same way (the expert loads summed per stage over its ranks); PP and TP together:
-//            pp 2 x tp 2 under both schedules and pp 2 x tp 2 x ep 2 with the balance loss (4 ranks).
+//   pipeline: pp 2 under 1F1B, Interleaved1F1B, ZBVZeroBubble, DualPipeV and a CSV schedule file (2 ranks), pp 2 x
+//            ep 2 with the sequence balance loss (4 ranks), equal 1 rank the same way (the expert loads summed per
+//            stage over its ranks); PP and TP together: pp 2 x tp 2 under both schedules and pp 2 x tp 2 x ep 2 with
+//            the balance loss (4 ranks), pp 2 x dp_shard 2 x tp 2 x ep 2 with the balance loss (8 ranks).
 //   context parallel: cp 2 (both rotate methods, head-tail and contiguous chunks; block_causal by the masked ring)
 //            on 2 ranks, cp 2 x ep 2 on 4: loss, grad norm, expert loads and the final parameters equal 1 rank.
 //   1 rank:  the trainer's Hugging Face last save loads in transformers' DeepseekV3ForCausalLM with logits equal
@@ -121,21 +122,26 @@ void expect_pipeline_parity(const std::string& name, int64_t pp, int64_t ep, con
   EXPECT_GT(ref.expert_loads.back().bias_l1, 0.0) << "the load-balancing bias moved";
   for (const std::string& schedule : schedules) {
     SCOPED_TRACE(name + " " + schedule);
-    JobConfig config = base(test::shared_dir("fsdp_train_dsv3", name + "_" + schedule), global_batch);
+    const bool csv = schedule.rfind("csv:", 0) == 0;  // "csv:<file>": a schedule file instead of a name
+    JobConfig config = base(test::shared_dir("fsdp_train_dsv3", name + "_" + (csv ? "csv" : schedule)), global_batch);
     config.model.moe_sequence_aux_loss_coeff = aux_coeff;
     config.training.local_batch_size = global_batch / dp;
     config.parallelism.pipeline_parallel_degree = pp;
-    config.parallelism.pipeline_parallel_schedule = parse_choice<PipelineSchedule>(schedule).value();
+    if (csv) config.parallelism.pipeline_parallel_schedule_csv = schedule.substr(4);
+    else config.parallelism.pipeline_parallel_schedule = parse_choice<PipelineSchedule>(schedule).value();
     config.parallelism.pipeline_parallel_microbatch_size = 1;
     config.parallelism.expert_parallel_degree = ep;
     config.parallelism.tensor_parallel_degree = tp;
     const TrainSummary got = run_training(config, test::world_env(), false);
-    EXPECT_NE(got.plan.find("PP " + std::to_string(pp) + " (" + schedule), std::string::npos) << got.plan;
+    EXPECT_NE(got.plan.find("PP " + std::to_string(pp) + " (" + (csv ? "CSV " + schedule.substr(4) : schedule)),
+              std::string::npos)
+        << got.plan;
     if (tp > 1) {
       EXPECT_NE(got.plan.find("TP " + std::to_string(tp) + " (sequence parallel, MLA heads split"), std::string::npos)
           << got.plan;
     }
     if (ep > 1) EXPECT_NE(got.plan.find("EP " + std::to_string(ep) + " ("), std::string::npos) << got.plan;
+    if (dp > 1) EXPECT_NE(got.plan.find("dims [pp, dp_shard"), std::string::npos) << got.plan;  // FSDP in each stage
     test::expect_moe_steps_equal(ref, got, 2, /*compare_mean=*/true);  // every token counted once, per stage
     ASSERT_EQ(got.aux_losses.size(), aux_coeff > 0 ? got.losses.size() : 0u);
     ASSERT_EQ(ref.aux_losses.size(), got.aux_losses.size());
@@ -417,4 +423,27 @@ TEST(TrainerDeepSeekV3, HuggingFaceSaveLoadsInTransformersAndBack) {
   ASSERT_EQ(from_hf.losses.size(), 3u);
   EXPECT_EQ(from_hf.losses, from_ours.losses);
   EXPECT_LT(from_hf.losses.front(), ours.losses.front());
+}
+
+// A CSV schedule (parallelism.pipeline_parallel_schedule_csv, the format of torch's _dump_csv) on 2 ranks: a
+// V-shaped GPipe no schedule name gives. Rank 0 holds stages 0 and 3 (embedding + the dense layer 0 | norm +
+// output: no MoE layer), rank 1 stages 1 and 2 (both MoE layers); 4 microbatches of 1 sample per step.
+TEST(TrainerDeepSeekV3, PipelineFromACsvScheduleEqualsOneRank) {
+  if (fsdp::world()->size() != 2) GTEST_SKIP() << "pp 2 on 2 ranks";
+  const std::string dir = test::shared_dir("fsdp_train_dsv3", "csv_file");
+  fs::create_directories(dir);
+  const std::string v_gpipe = test::write_shared_file(
+      dir + "/v_gpipe.csv",
+      "0F0,0F1,0F2,0F3,3F0,3F1,3F2,3F3,3B0,3B1,3B2,3B3,0B0,0B1,0B2,0B3\n"
+      "1F0,2F0,1F1,2F1,1F2,2F2,1F3,2F3,2B0,1B0,2B1,1B1,2B2,1B2,2B3,1B3\n");
+  expect_pipeline_parity("pp2", 2, 1, {"csv:" + v_gpipe});
+}
+
+// The acceptance's largest layout (8 ranks, its own registration trainer_deepseek_v3_pp_dp_tp_ep_test): pp 2 x
+// dp_shard 2 x tp 2, EP 2 borrowed from each stage's dp_shard x tp ranks (the experts' FSDP over the 2 left), with
+// the sequence balance loss (each MoE block sums its per-sequence counts over TP); 8 microbatches per step, the
+// expert loads summed over each stage's 4 ranks.
+TEST(TrainerDeepSeekV3, PipelineDataTensorExpertParallelOnEightRanksEqualsOneRank) {
+  if (fsdp::world()->size() != 8) GTEST_SKIP() << "pp 2 x dp_shard 2 x tp 2 on 8 ranks";
+  expect_pipeline_parity("pp2_dp2_tp2_ep2", 2, 2, {"1F1B"}, /*aux_coeff=*/1e-3, /*tp=*/2);
 }
