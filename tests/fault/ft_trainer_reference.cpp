@@ -10,21 +10,21 @@
 //     expert counts of the members' batches, and the optimizer step, as fsdp-train.
 // The model, tokenizer, data stream, schedule and optimizer come from fsdp-train's own building blocks (each checked
 // against PyTorch elsewhere); what is under test — sharding, the quorum, the cross-group average, the commit vote
-// and healing — is not here.
+// and healing — is not here. The model is model.name's family built through the trainer's model seam
+// (model_spec.h: train_spec(name).build, unsharded, on the CPU), so every registered family replays; its MoE layers,
+// whatever block holds them, are found by type (moe_layers), as the trainer finds them.
 //
 //   ft_trainer_reference MEMBERSHIP OUT -- <fsdp-train arguments of the run, [fault_tolerance] included>
 // MEMBERSHIP: one line per step, "<step> <id>,<id>,..." (steps 1..N in order); OUT: one line per step, "<step> <loss>".
 #include "config.h"
 #include "data.h"
 #include "lr_schedule.h"
+#include "model_spec.h"
 #include "moe_balance.h"
 #include "parallel_dims.h"
-#include "models/llama3/parallelize_llama.h"
 #include "tokenizer.h"
 
-#include <fsdp/models/llama.h>
 #include <fsdp/models/moe.h>
-#include <fsdp/nn/module_call.h>
 
 #include <torch/torch.h>
 
@@ -34,7 +34,6 @@
 #include <sstream>
 
 using namespace fsdp_train;
-using namespace fsdp_train::llama3;
 
 int main(int argc, char** argv) {
   if (argc < 4 || std::string(argv[3]) != "--") {
@@ -73,11 +72,17 @@ int main(int argc, char** argv) {
     torch::manual_seed(static_cast<uint64_t>(config.debug.seed));
     auto tokenizer = make_tokenizer(config.model.tokenizer_path);
     const auto files = resolve_dataset_files(config.training.dataset, config.training.dataset_path);
-    auto args = model_args(config);
-    args.vocab_size = tokenizer->vocab_size();
-    args.max_seq_len = config.training.seq_len;
-    fsdp::models::llama::Transformer model(args);
-    model->init_weights(static_cast<uint64_t>(config.debug.seed));
+    // The shape fsdp-train gives its model (Trainer::build_data): the tokenizer's vocabulary (and EOS under
+    // block_causal), the run's sequence length; here whole, on the CPU, initialised unsharded from the seed.
+    ModelShape shape;
+    shape.vocab_size = tokenizer->vocab_size();
+    shape.max_seq_len = config.training.seq_len;
+    if (config.model.attn_mask_type == AttnMaskType::BlockCausal) {
+      TORCH_CHECK(tokenizer->eos_id(), "model.attn_mask_type = \"block_causal\" needs a tokenizer with an EOS");
+      shape.eos_id = static_cast<int64_t>(*tokenizer->eos_id());
+    }
+    TrainModel model = train_spec(config.model.name).build(config, shape);
+    model.init_weights(static_cast<uint64_t>(config.debug.seed), {});
 
     // Group g's share of every global batch: its data-parallel ranks' samples, in their order (data ranks
     // g*dp .. g*dp+dp-1).
@@ -85,11 +90,11 @@ int main(int argc, char** argv) {
     const TextOptions text{config.training.dataset_text_field, config.training.bad_records == BadRecords::Skip, false};
     for (int64_t g = 0; g < groups; ++g)
       loaders.push_back(std::make_unique<DataLoader>(
-          files, tokenizer, args.vocab_size,
+          files, tokenizer, shape.vocab_size,
           LoaderOptions{config.training.seq_len, dims.local_batch_size * dims.dp_degree(), A, g, groups}, text));
 
     const auto& o = config.optimizer;
-    auto params = model->parameters();
+    auto params = model.module->parameters();
     torch::optim::AdamW optimizer(
         params, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
     const auto& s = config.lr_scheduler;
@@ -97,7 +102,7 @@ int main(int argc, char** argv) {
     const LRSchedule schedule =
         LRSchedule::build(config.training.steps, s.warmup_steps, decay_ratio, s.decay_type, s.min_lr_factor);
 
-    const auto moe_blocks = moe_layers(*model);
+    const auto moe_blocks = moe_layers(*model.module);
     const double group_batch = static_cast<double>(dims.global_batch_size / groups);
     std::ofstream out(argv[2]);
     for (size_t i = 0; i < members.size(); ++i) {
@@ -119,7 +124,7 @@ int main(int argc, char** argv) {
         for (auto& b : batches) {
           auto inputs = torch::from_blob(b.inputs.data(), {b.batch, b.seq_len}, torch::kLong);
           auto labels = torch::from_blob(b.labels.data(), {b.batch * b.seq_len}, torch::kLong);
-          auto logits = fsdp::nn::call(model, inputs);
+          auto logits = model.forward(inputs);
           auto sum = torch::nn::functional::cross_entropy(
               logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), labels,
               torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(-100));
