@@ -112,10 +112,8 @@ int main(int argc, char** argv) {
   c.loss_parallel = !no_loss_parallel;
   try {
     if (tt8b) return torchtitan_8b();
-    c.model = model;
-    c.flavor = flavor;
+    set_model(c, model, flavor);
     c.runtime_overhead = static_cast<int64_t>(overhead_mib * (1 << 20));
-    c.args = model_args(model, flavor);
     if (vocab > 0) c.args.vocab_size = vocab;
     c.param_dtype = parse_dtype(param);
     c.compute_dtype = parse_dtype(compute);

@@ -38,6 +38,15 @@ struct PlanConfig {
   // counts; `args` (the flavor's, with vocab_size = the tokenizer's) give the activation model and must
   // describe the same model (the plan checks the parameter count).
   models::llama::LlamaArgs args;
+  // DeepSeek-V3's multi-head latent attention (set_model fills it for deepseek_v3; nullopt: Llama attention):
+  // the low-rank projections' widths, for what their norms save (docs/planner.md, "DeepSeek-V3").
+  struct LatentAttention {
+    int64_t q_lora_rank = 0, kv_lora_rank = 0, qk_rope_head_dim = 0;
+    bool operator==(const LatentAttention& o) const {
+      return q_lora_rank == o.q_lora_rank && kv_lora_rank == o.kv_lora_rank && qk_rope_head_dim == o.qk_rope_head_dim;
+    }
+  };
+  std::optional<LatentAttention> latent_attention;
   std::string model = "llama3";  // a registered family: fsdp-train's model.name
   std::string flavor;
   // A model of the family built otherwise (e.g. args no flavor has), on `meta`: replaces the family's build;
@@ -263,6 +272,8 @@ Plan make_plan(const PlanConfig& config);
 // MLA's own shapes (its low-rank projections, q/k and v head dims) are not in the view: the parameters come from
 // the seam's model, the attention kernel's shape from its TrainModel::attention. Throws naming the known models.
 models::llama::LlamaArgs model_args(const std::string& model, const std::string& flavor);
+// Sets config's model, flavor, args (model_args) and, for deepseek_v3, latent_attention.
+void set_model(PlanConfig& config, const std::string& model, const std::string& flavor);
 
 // Human-readable report (GiB/MiB), one quantity per line.
 std::string format_plan(const Plan& plan);

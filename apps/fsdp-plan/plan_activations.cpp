@@ -65,7 +65,17 @@ ActivationModel activation_model(const PlanConfig& c, int64_t T, const fsdp_trai
   TORCH_CHECK(attention.heads == a.n_heads && attention.qk_head_dim > 0 && attention.v_head_dim > 0,
               "fsdp-plan internal: the seam's attention (", attention.heads, " heads) is not the args' (", a.n_heads,
               ")");
-  const int64_t attn = e * heads * (2 * attention.qk_head_dim + 2 * attention.v_head_dim) + 4 * heads;
+  // MLA (DeepSeek-V3): its low-rank projections run on the whole (gathered) sequence with replicated weights, and
+  // their RMSNorms save as the block's do: q_norm its float32 input (wq_a's output, or its float32 copy) and the
+  // normalized tensor and output (wq_b's input); kv_norm the same at the latent's width, except that in float32 its
+  // input is a view of wkv_a's output and keeps the rope key's columns alive with it. The rope parts, the
+  // concatenations and the head views save nothing more (rope multiplies by constants).
+  int64_t latent = 0;
+  if (const auto& mla = c.latent_attention) {
+    latent = (mla->q_lora_rank > 0 ? 4 * mla->q_lora_rank + 2 * e * mla->q_lora_rank : 0) +
+             4 * (e == 4 ? mla->kv_lora_rank + mla->qk_rope_head_dim : mla->kv_lora_rank) + 2 * e * mla->kv_lora_rank;
+  }
+  const int64_t attn = e * heads * (2 * attention.qk_head_dim + 2 * attention.v_head_dim) + 4 * heads + latent;
   // SwiGLU: w1 out (silu input), silu out, w3 out, product (w2 input).
   const int64_t ffn = 4 * e * F;
   const int64_t full_per_token = 2 * norm + attn + qk + ffn;

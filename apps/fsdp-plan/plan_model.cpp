@@ -234,6 +234,10 @@ models::llama::LlamaArgs deepseek_v3_view(const models::deepseek_v3::DeepSeekV3A
   return v;
 }
 
+PlanConfig::LatentAttention latent_attention_of(const models::deepseek_v3::DeepSeekV3Args& d) {
+  return {d.q_lora_rank, d.kv_lora_rank, d.qk_rope_head_dim};
+}
+
 bool same_view(const models::llama::LlamaArgs& a, const models::llama::LlamaArgs& b) {
   return a.dim == b.dim && a.n_layers == b.n_layers && a.n_heads == b.n_heads && a.vocab_size == b.vocab_size &&
          a.explicit_ffn_hidden == b.explicit_ffn_hidden && a.explicit_head_dim == b.explicit_head_dim &&
@@ -249,7 +253,8 @@ int64_t described_num_params(const PlanConfig& c) {
   if (c.model != "deepseek_v3" || c.flavor.empty()) return models::llama::num_params(c.args);
   models::deepseek_v3::DeepSeekV3Args d = models::deepseek_v3::deepseek_v3_flavor(c.flavor);
   d.vocab_size = c.args.vocab_size;  // the tokenizer's, as the trainer builds it
-  return same_view(deepseek_v3_view(d), c.args) ? models::deepseek_v3::num_params(d) : -1;
+  const bool same_latent = c.latent_attention && *c.latent_attention == latent_attention_of(d);
+  return same_view(deepseek_v3_view(d), c.args) && same_latent ? models::deepseek_v3::num_params(d) : -1;
 }
 
 }  // namespace fsdp::plan::detail
@@ -261,6 +266,16 @@ models::llama::LlamaArgs model_args(const std::string& model, const std::string&
   TORCH_CHECK(model == "llama3" || model == "qwen3", "unknown model '", model,
               "' (known: llama3, qwen3, deepseek_v3)");
   return models::llama::model_flavor(model, flavor);
+}
+
+void set_model(PlanConfig& config, const std::string& model, const std::string& flavor) {
+  config.model = model;
+  config.flavor = flavor;
+  config.args = model_args(model, flavor);
+  config.latent_attention.reset();
+  if (model == "deepseek_v3") {
+    config.latent_attention = detail::latent_attention_of(models::deepseek_v3::deepseek_v3_flavor(flavor));
+  }
 }
 
 }  // namespace fsdp::plan

@@ -251,9 +251,7 @@ Held shard_for_real(const Layout& l) {
 
 fsdp::plan::Plan plan_of(const Layout& l) {
   fsdp::plan::PlanConfig c;
-  c.model = l.name;
-  c.flavor = l.flavor;
-  c.args = fsdp::plan::model_args(l.name, l.flavor);
+  fsdp::plan::set_model(c, l.name, l.flavor);
   c.args.vocab_size = kVocab;
   c.replicate = l.replicate;
   c.shard = l.shard();
