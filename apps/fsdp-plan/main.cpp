@@ -1,4 +1,4 @@
-// fsdp-plan: per-rank memory and communication of FSDP training of a Llama 3 or Qwen3 flavor (see
+// fsdp-plan: per-rank memory and communication of FSDP training of a Llama 3, Qwen3 or DeepSeek-V3 flavor (see
 // docs/planner.md).
 //
 //   fsdp-plan --flavor 8B --shard 8 --compute-dtype bf16 --local-batch 2 --seq 8192 --ac selective
@@ -61,9 +61,9 @@ int main(int argc, char** argv) {
   PlanConfig c;
   bool tt8b = false;
   std::string model = "llama3";
-  app.add_option("--model", model, "model family: llama3 | qwen3");
+  app.add_option("--model", model, "model family: llama3 | qwen3 | deepseek_v3");
   app.add_option("--flavor", flavor, "flavor of the model (llama3: cpu_tiny .. 405B; qwen3: cpu_tiny_moe, 0.6B .. "
-                 "32B, 30B-A3B, 235B-A22B)");
+                 "32B, 30B-A3B, 235B-A22B; deepseek_v3: cpu_tiny, debugmodel, 16B, 236B, 671B)");
   app.add_option("--replicate", c.replicate, "HSDP replicate degree");
   app.add_option("--shard", c.shard, "FSDP shard degree");
   app.add_option("--tp", c.tp, "tensor parallel degree (TorchTitan's Llama plan, sequence parallel)");
@@ -112,10 +112,8 @@ int main(int argc, char** argv) {
   c.loss_parallel = !no_loss_parallel;
   try {
     if (tt8b) return torchtitan_8b();
-    c.model = model;
-    c.flavor = flavor;
+    set_model(c, model, flavor);
     c.runtime_overhead = static_cast<int64_t>(overhead_mib * (1 << 20));
-    c.args = fsdp::models::llama::model_flavor(model, flavor);
     if (vocab > 0) c.args.vocab_size = vocab;
     c.param_dtype = parse_dtype(param);
     c.compute_dtype = parse_dtype(compute);

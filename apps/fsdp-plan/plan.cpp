@@ -75,30 +75,29 @@ void add_gradient_reduction(CommPlan& cm, const GroupPlan& g, int64_t S, int64_t
 // (PrepareModuleInput, wo / w2), an MoE block's attention and, if it has them, its shared experts (the router and
 // the routed experts work on the local tokens: nothing over TP); backward mirrors each; a recomputed block runs
 // its forward's again. The embedding reduce-scatters its output, the output layer all-gathers its input (mirrors
-// in backward). All-reduces of replicated weights' gradients (Partial over TP): the two norms per block, Qwen3's
-// q_norm / k_norm, an MoE block's router gate, the final norm; the loss's 3 [T] float vectors (loss parallel).
+// in backward). All-reduces of replicated weights' gradients (Partial over TP): every parameter the seam's model
+// holds Replicate over tp (the units'); the loss's 3 [T] float vectors (loss parallel).
 void add_tp_collectives(CommPlan& cm, const PlanConfig& c, const ActivationModel& act, int64_t first, int64_t count,
-                        bool has_embedding, bool has_output, int64_t T) {
+                        bool has_embedding, bool has_output, int64_t T, const std::vector<GroupPlan>& units) {
   const auto& a = c.args;
   const int64_t TP = c.tp, D = a.dim, e = bytes_of(c.compute_dtype);
   if (TP <= 1) return;
   const int64_t ag_one = (TP - 1) * (T / TP * D * e), rs_one = (TP - 1) * (T * D * e) / TP;
   const auto ar = [&](int64_t bytes) { return 2 * (TP - 1) * bytes / TP; };
   int64_t per_dir = (has_embedding ? 1 : 0) + (has_output ? 1 : 0);
-  int64_t ar_calls = has_output ? 1 : 0, ar_bytes = has_output ? ar(D * e) : 0;
   for (int64_t l = first; l < first + count; ++l) {
     const bool moe = is_moe(a, l);
     const int64_t gathers = moe ? 1 + (a.moe_options().num_shared_experts > 0 ? 1 : 0) : 2;
     per_dir += gathers * (act.recomputed[static_cast<size_t>(l)] ? 3 : 2);
-    ar_calls += 2;
-    ar_bytes += 2 * ar(D * e);
-    if (act.qk_norm_numel > 0) {
-      ar_calls += 2;
-      ar_bytes += 2 * ar(act.qk_norm_numel * e);
-    }
-    if (moe) {
+  }
+  // The replicated parameters' gradient all-reduces, one per parameter: what the seam's parallelize left
+  // Replicate over tp (each block's two norms, Qwen3's q_norm / k_norm, an MoE router's gate, MLA's wq_a, q_norm,
+  // wkv_a and kv_norm, the final norm), not a list of names kept here.
+  int64_t ar_calls = 0, ar_bytes = 0;
+  for (const GroupPlan& g : units) {
+    for (int64_t numel : g.tp_replicated_numels) {
       ar_calls += 1;
-      ar_bytes += ar(a.moe_options().num_experts * D * e);
+      ar_bytes += ar(numel * e);
     }
   }
   cm.tp_all_gather_calls += per_dir;
@@ -177,6 +176,8 @@ std::vector<GroupPlan> groups_of_stages(const SeamLayout& seam) {
       root.local_numel += g.local_numel;
       root.shard_numel += g.shard_numel;
       root.all_gather_bytes += g.all_gather_bytes;
+      root.tp_replicated_numels.insert(root.tp_replicated_numels.end(), g.tp_replicated_numels.begin(),
+                                       g.tp_replicated_numels.end());
     }
   }
   blocks.push_back(root);
@@ -265,9 +266,11 @@ Plan make_plan(const PlanConfig& c) {
   plan.groups = c.pp > 1 ? groups_of_stages(seam) : seam.groups;
   plan.num_params = seam.num_params;
   plan.parallelize = seam.description;
-  TORCH_CHECK(plan.num_params == models::llama::num_params(a), "fsdp-plan: the model built through the seam (",
+  const int64_t described = described_num_params(c);
+  TORCH_CHECK(plan.num_params == described, "fsdp-plan: the model built through the seam (",
               c.model, " ", c.flavor.empty() ? std::string("(custom)") : c.flavor, ") has ", plan.num_params,
-              " parameters, but the model args given describe ", models::llama::num_params(a));
+              " parameters, but the model args given describe ",
+              described < 0 ? std::string("another model") : std::to_string(described));
   TORCH_CHECK(static_cast<int64_t>(plan.groups.size()) == a.n_layers + 1, "fsdp-plan internal: the trainer made ",
               plan.groups.size(), " FSDP units of ", a.n_layers, " blocks (expected one per block and the root)");
   const GroupPlan& root = plan.groups.back();
@@ -287,7 +290,7 @@ Plan make_plan(const PlanConfig& c) {
   // Tokens this rank holds: under cp its seq / cp of every sequence (every per-token count below is of these).
   const int64_t T = c.local_batch * c.seq_len / c.cp;
   const int64_t D = a.dim;
-  const ActivationModel act = activation_model(c, T);
+  const ActivationModel act = activation_model(c, T, seam.attention);
   attention_memory(c, act, m);
   m.act_per_layer_full = act.full_per_layer;
   m.act_per_moe_layer = act.moe_per_layer;
@@ -428,7 +431,7 @@ Plan make_plan(const PlanConfig& c) {
   }
   cm.total_bytes = cm.all_gather_bytes + cm.reduce_scatter_bytes + cm.all_reduce_bytes;
   add_ep_collectives(cm, c, act, 0, L, T);
-  add_tp_collectives(cm, c, act, 0, L, /*has_embedding=*/true, /*has_output=*/true, T);
+  add_tp_collectives(cm, c, act, 0, L, /*has_embedding=*/true, /*has_output=*/true, T, plan.groups);
   if (pipeline) plan_pipeline(c, *pipeline, seam, plan);
   return plan;
 }

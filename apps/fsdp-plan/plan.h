@@ -38,6 +38,15 @@ struct PlanConfig {
   // counts; `args` (the flavor's, with vocab_size = the tokenizer's) give the activation model and must
   // describe the same model (the plan checks the parameter count).
   models::llama::LlamaArgs args;
+  // DeepSeek-V3's multi-head latent attention (set_model fills it for deepseek_v3; nullopt: Llama attention):
+  // the low-rank projections' widths, for what their norms save (docs/planner.md, "DeepSeek-V3").
+  struct LatentAttention {
+    int64_t q_lora_rank = 0, kv_lora_rank = 0, qk_rope_head_dim = 0;
+    bool operator==(const LatentAttention& o) const {
+      return q_lora_rank == o.q_lora_rank && kv_lora_rank == o.kv_lora_rank && qk_rope_head_dim == o.qk_rope_head_dim;
+    }
+  };
+  std::optional<LatentAttention> latent_attention;
   std::string model = "llama3";  // a registered family: fsdp-train's model.name
   std::string flavor;
   // A model of the family built otherwise (e.g. args no flavor has), on `meta`: replaces the family's build;
@@ -124,6 +133,10 @@ struct GroupPlan {
   int64_t expert_shard = 0;       // ranks the experts are FSDP-sharded over (efsdp); 0 when no experts
   int64_t expert_shard_dim = 0;   // 0, or 1 when shard > experts (Shard(1): F for w1/w3, D for w2)
   bool expert_group = false;      // the experts form their own FSDP parameter group (ep > 1)
+  // Parameters replicated over the TP dim (SequenceParallel's: the norms, Qwen3's q_norm / k_norm, an MoE
+  // router's gate, DeepSeek-V3's MLA low-rank projections wq_a / wkv_a and their norms): each one's elements, its
+  // gradient all-reduced over tp once per backward. Empty without TP.
+  std::vector<int64_t> tp_replicated_numels;
 };
 
 struct MemoryPlan {
@@ -252,6 +265,15 @@ struct Plan {
 };
 
 Plan make_plan(const PlanConfig& config);
+
+// PlanConfig::args of fsdp-train's model.name / model.flavor: a llama3 or qwen3 flavor as it is; a deepseek_v3
+// flavor as the Llama-shaped view the activation and communication model reads (dim, layers, heads, vocabulary,
+// the dense layers' FFN, the MoE blocks: DeepSeek-V3's MoE is the same module), with head_dim = MLA's v head dim.
+// MLA's own shapes (its low-rank projections, q/k and v head dims) are not in the view: the parameters come from
+// the seam's model, the attention kernel's shape from its TrainModel::attention. Throws naming the known models.
+models::llama::LlamaArgs model_args(const std::string& model, const std::string& flavor);
+// Sets config's model, flavor, args (model_args) and, for deepseek_v3, latent_attention.
+void set_model(PlanConfig& config, const std::string& model, const std::string& flavor);
 
 // Human-readable report (GiB/MiB), one quantity per line.
 std::string format_plan(const Plan& plan);

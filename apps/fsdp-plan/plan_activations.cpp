@@ -39,15 +39,18 @@ MoESaved moe_saved(const PlanConfig& c) {
 
 }  // namespace
 
-ActivationModel activation_model(const PlanConfig& c, int64_t T) {
+ActivationModel activation_model(const PlanConfig& c, int64_t T, const fsdp_train::AttentionShape& seam_attention) {
   const auto& a = c.args;
+  // A model built otherwise (PlanConfig::build_model) has no TrainModel to report its kernel's shape: a Llama-family
+  // decoder's (K / V repeated to every head under GQA, as the family's build reports it).
+  const fsdp_train::AttentionShape attention =
+      seam_attention.heads > 0 ? seam_attention : fsdp_train::AttentionShape{a.n_heads, a.head_dim(), a.head_dim()};
   const int64_t e = bytes_of(c.compute_dtype), TP = c.tp;
   ActivationModel out;
   // With TP, heads and the FFN hidden dim are split (per token of the whole sequence, which the colwise layers
   // see gathered); norms run on this rank's 1/tp of the tokens (sequence parallel).
   const int64_t D = a.dim, hq = a.n_heads * a.head_dim() / TP, hkv = a.kv_heads() * a.head_dim() / TP,
                 F = ceil_div(a.ffn_hidden_dim(), TP), heads = a.n_heads / TP;
-  const bool gqa = a.n_heads != a.kv_heads();
   // QK-norm (Qwen3): q_norm / k_norm over head_dim save their float32 input (wq / wk out, which RoPE alone would
   // not keep), the normalized tensor (compute dtype) and one float32 rsqrt per head row; their output goes to
   // RoPE, whose roped result SDPA saves (counted in attn).
@@ -58,8 +61,21 @@ ActivationModel activation_model(const PlanConfig& c, int64_t T) {
   // colwise linears save the gathered [T, D] copy instead.
   const int64_t norm = TP > 1 ? (4 * D + e * D) / TP + e * D : 4 * D + 2 * e * D;
   // Attention: q (roped), k and v as SDPA sees them (repeated to n_heads under GQA), SDPA output (= wo
-  // input), log-sum-exp (fp32 per head).
-  const int64_t attn = e * (hq + 2 * (gqa ? hq : hkv) + hq) + 4 * heads;
+  // input), log-sum-exp (fp32 per head); at the kernel's head dims, the seam's (MLA's q/k and v differ).
+  TORCH_CHECK(attention.heads == a.n_heads && attention.qk_head_dim > 0 && attention.v_head_dim > 0,
+              "fsdp-plan internal: the seam's attention (", attention.heads, " heads) is not the args' (", a.n_heads,
+              ")");
+  // MLA (DeepSeek-V3): its low-rank projections run on the whole (gathered) sequence with replicated weights, and
+  // their RMSNorms save as the block's do: q_norm its float32 input (wq_a's output, or its float32 copy) and the
+  // normalized tensor and output (wq_b's input); kv_norm the same at the latent's width, except that in float32 its
+  // input is a view of wkv_a's output and keeps the rope key's columns alive with it. The rope parts, the
+  // concatenations and the head views save nothing more (rope multiplies by constants).
+  int64_t latent = 0;
+  if (const auto& mla = c.latent_attention) {
+    latent = (mla->q_lora_rank > 0 ? 4 * mla->q_lora_rank + 2 * e * mla->q_lora_rank : 0) +
+             4 * (e == 4 ? mla->kv_lora_rank + mla->qk_rope_head_dim : mla->kv_lora_rank) + 2 * e * mla->kv_lora_rank;
+  }
+  const int64_t attn = e * heads * (2 * attention.qk_head_dim + 2 * attention.v_head_dim) + 4 * heads + latent;
   // SwiGLU: w1 out (silu input), silu out, w3 out, product (w2 input).
   const int64_t ffn = 4 * e * F;
   const int64_t full_per_token = 2 * norm + attn + qk + ffn;
@@ -123,9 +139,8 @@ ActivationModel activation_model(const PlanConfig& c, int64_t T) {
   for (int64_t w : out.layer_workspace) out.grad_workspace = std::max(out.grad_workspace, w);
   // Under GQA the kernel gets K and V repeated to the query heads (so does the ring under cp); without GQA
   // n_kv_heads = n_heads.
-  out.attention = fsdp_train::attention_memory({heads, a.head_dim(), a.head_dim()}, T, e, c.cp,
+  out.attention = fsdp_train::attention_memory({heads, attention.qk_head_dim, attention.v_head_dim}, T, e, c.cp,
                                                c.cp_rotate_method == "allgather");
-  out.qk_norm_numel = a.qk_norm ? a.head_dim() : 0;
   out.largest_full = T * full_per_token;
   for (int64_t f : out.layer_full) out.largest_full = std::max(out.largest_full, f);
   return out;

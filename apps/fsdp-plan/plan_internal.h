@@ -37,12 +37,18 @@ struct SeamLayout {
   // each stage as the first rank of its pp rank's data-parallel x TP block holds it.
   std::vector<std::vector<GroupPlan>> stage_groups;
   std::string description;           // the trainer's ParallelPlan::description (rank 0)
+  // The attention kernel's shape (all heads; TP divides them): the trainer's TrainModel::attention, which its
+  // start-up log reads too (DeepSeek-V3's MLA: q/k and v head dims of their own).
+  fsdp_train::AttentionShape attention;
 };
 // Builds config's model through the trainer's model seam (apps/fsdp-train/model_spec.h) on meta and runs its
 // family's parallelize under a fsdp::FakeWorld, once per rank planned. A refused layout is the trainer's
 // ConfigError, as "fsdp-plan: <its message>".
 // `stage_fqns`: explicit stages (PipelineSetup::stage_fqns), empty = the trainer's own split.
 SeamLayout layout_from_seam(const PlanConfig& c, const std::vector<std::vector<std::string>>& stage_fqns = {});
+// The parameters c.args describe (what the seam's model must have): llama::num_params, or for deepseek_v3 the
+// flavor's own count when c.args is its view (model_args); -1 when they describe another model.
+int64_t described_num_params(const PlanConfig& c);
 
 // ---- collectives of a group (plan.cpp) ----
 
@@ -84,17 +90,19 @@ struct ActivationModel {
   // One block's attention on this rank: saved, and held beyond that by a ring-attention call under cp
   // (fsdp-train's attention_memory.h, the formula its start-up log uses too).
   fsdp_train::AttentionMemory attention;
-  int64_t qk_norm_numel = 0;           // one of Qwen3's q_norm / k_norm weights (0: none)
 };
-ActivationModel activation_model(const PlanConfig& c, int64_t T);
+// `attention`: the seam's (SeamLayout::attention).
+ActivationModel activation_model(const PlanConfig& c, int64_t T, const fsdp_train::AttentionShape& attention);
 
 // ---- collectives of the model dims (plan.cpp) ----
 
 // The TP dim's collectives of one forward + backward of T tokens through blocks [first, first + count), plus the
 // embedding and the output layer / loss when held; the ep dim's all-to-alls of the same blocks. Both add to `cm`
 // (a pipeline rank calls them per microbatch and stage).
+// `units`: those blocks' FSDP units (and the root's when it holds the embedding or the output), whose
+// TP-replicated parameters' gradients are all-reduced (GroupPlan::tp_replicated_numels, from the seam).
 void add_tp_collectives(CommPlan& cm, const PlanConfig& c, const ActivationModel& act, int64_t first, int64_t count,
-                        bool has_embedding, bool has_output, int64_t T);
+                        bool has_embedding, bool has_output, int64_t T, const std::vector<GroupPlan>& units);
 void add_ep_collectives(CommPlan& cm, const PlanConfig& c, const ActivationModel& act, int64_t first, int64_t count,
                         int64_t T);
 // The MoE blocks' [E] buffers (expert_bias, tokens_per_expert) among blocks [first, first + count), in bytes.

@@ -11,6 +11,8 @@
 #include "parallelize.h"
 
 #include <fsdp/fake_process_group.h>
+#include <fsdp/models/deepseek_v3.h>
+#include <fsdp/models/qwen3.h>
 #include <fsdp/fully_shard_layout.h>
 #include <fsdp/pipeline/schedule.h>
 
@@ -85,6 +87,10 @@ GroupPlan group_of(const std::string& name, const std::vector<ParamGroupLayout>&
       const int64_t all_gather = align16(p.padded_shard_numel * e);
       g.local_numel += numel;
       g.shard_numel += p.padded_shard_numel;
+      // Replicate on the TP dim (the last of its global placements): its gradient is all-reduced over tp.
+      if (p.global_placements && !p.global_placements->empty() && p.global_placements->back().is_replicate()) {
+        g.tp_replicated_numels.push_back(numel);
+      }
       g.all_gather_bytes += all_gather;
       // The routed experts: the group on their own mesh, or (ep = 1) the MoE block's experts module.
       if (!own_mesh && p.fqn.find("moe.experts.") == std::string::npos) continue;
@@ -107,6 +113,7 @@ struct RankUnits {
   std::vector<std::vector<GroupPlan>> per_stage;  // ... and their units
   int64_t num_params = 0;
   std::string description;
+  fsdp_train::AttentionShape attention;
 };
 
 // Builds and parallelizes the model as world rank `rank` of `world` would, and reads its units back.
@@ -129,6 +136,7 @@ RankUnits units_of_rank(const PlanConfig& c, const fsdp_train::JobConfig& config
   TORCH_CHECK(plan.fsdp, "fsdp-plan internal: the trainer's parallelize applied no fully_shard (", plan.description,
               ")");
   out.description = plan.description;
+  out.attention = model.attention;  // heads 0 for a model built otherwise (no TrainModel around it)
   // Unit names: the whole model's FQN of the module given to fully_shard; the root (or a pipeline stage, which is
   // no module of the whole model) is "root".
   std::map<const torch::nn::Module*, std::string> fqn_of;
@@ -178,6 +186,7 @@ SeamLayout layout_from_seam(const PlanConfig& c, const std::vector<std::vector<s
       out.groups = std::move(r.groups);
       out.num_params = r.num_params;
       out.description = std::move(r.description);
+      out.attention = r.attention;
       return out;
     }
     // Each pp rank holds its own stages: plan the first rank of each pp coordinate (mesh [pp, ...]: pp outermost).
@@ -187,6 +196,7 @@ SeamLayout layout_from_seam(const PlanConfig& c, const std::vector<std::vector<s
       if (p == 0) {
         out.num_params = r.num_params;
         out.description = r.description;
+        out.attention = r.attention;
       }
       for (size_t i = 0; i < r.stages.size(); ++i) {
         const size_t s = static_cast<size_t>(r.stages[i]);
@@ -203,4 +213,69 @@ SeamLayout layout_from_seam(const PlanConfig& c, const std::vector<std::vector<s
   return out;
 }
 
+namespace {
+
+// DeepSeek-V3's args as the planner's Llama-shaped view (plan.h, model_args).
+models::llama::LlamaArgs deepseek_v3_view(const models::deepseek_v3::DeepSeekV3Args& d) {
+  models::llama::LlamaArgs v;
+  v.dim = d.dim;
+  v.n_layers = d.n_layers;
+  v.n_heads = d.n_heads;
+  v.vocab_size = d.vocab_size;
+  v.norm_eps = d.norm_eps;
+  v.max_seq_len = d.max_seq_len;
+  v.explicit_ffn_hidden = d.inter_dim;
+  // wo's input per head (the SDPA output): what the op-level SAC model counts as the attention's width.
+  v.explicit_head_dim = d.v_head_dim;
+  v.moe = d.moe;
+  for (int64_t l = 0; l < d.n_dense_layers; ++l) v.dense_layers.push_back(l);
+  v.moe_layer_step = 1;
+  v.attn_mask_type = d.attn_mask_type;
+  return v;
+}
+
+PlanConfig::LatentAttention latent_attention_of(const models::deepseek_v3::DeepSeekV3Args& d) {
+  return {d.q_lora_rank, d.kv_lora_rank, d.qk_rope_head_dim};
+}
+
+bool same_view(const models::llama::LlamaArgs& a, const models::llama::LlamaArgs& b) {
+  return a.dim == b.dim && a.n_layers == b.n_layers && a.n_heads == b.n_heads && a.vocab_size == b.vocab_size &&
+         a.explicit_ffn_hidden == b.explicit_ffn_hidden && a.explicit_head_dim == b.explicit_head_dim &&
+         a.dense_layers == b.dense_layers &&
+         a.moe.has_value() == b.moe.has_value() &&
+         (!a.moe || (a.moe->num_experts == b.moe->num_experts && a.moe->top_k == b.moe->top_k &&
+                     a.moe->hidden == b.moe->hidden && a.moe->num_shared_experts == b.moe->num_shared_experts));
+}
+
+}  // namespace
+
+int64_t described_num_params(const PlanConfig& c) {
+  if (c.model != "deepseek_v3" || c.flavor.empty()) return models::llama::num_params(c.args);
+  models::deepseek_v3::DeepSeekV3Args d = models::deepseek_v3::deepseek_v3_flavor(c.flavor);
+  d.vocab_size = c.args.vocab_size;  // the tokenizer's, as the trainer builds it
+  const bool same_latent = c.latent_attention && *c.latent_attention == latent_attention_of(d);
+  return same_view(deepseek_v3_view(d), c.args) && same_latent ? models::deepseek_v3::num_params(d) : -1;
+}
+
 }  // namespace fsdp::plan::detail
+
+namespace fsdp::plan {
+
+models::llama::LlamaArgs model_args(const std::string& model, const std::string& flavor) {
+  if (model == "deepseek_v3") return detail::deepseek_v3_view(models::deepseek_v3::deepseek_v3_flavor(flavor));
+  TORCH_CHECK(model == "llama3" || model == "qwen3", "unknown model '", model,
+              "' (known: llama3, qwen3, deepseek_v3)");
+  return models::llama::model_flavor(model, flavor);
+}
+
+void set_model(PlanConfig& config, const std::string& model, const std::string& flavor) {
+  config.model = model;
+  config.flavor = flavor;
+  config.args = model_args(model, flavor);
+  config.latent_attention.reset();
+  if (model == "deepseek_v3") {
+    config.latent_attention = detail::latent_attention_of(models::deepseek_v3::deepseek_v3_flavor(flavor));
+  }
+}
+
+}  // namespace fsdp::plan

@@ -156,7 +156,8 @@ RankWalk walk_rank(const PlanConfig& c, const fsdp::pipeline::PipelineSchedule& 
   for (int64_t mb = 0; mb < c.microbatches; ++mb) {
     for (int s : schedule.stages_of_rank(rank)) {
       const StagePlan& st = stages[s];
-      add_tp_collectives(cm, c, act, st.first_layer, st.num_layers, st.has_embedding, st.has_output, T_mb);
+      add_tp_collectives(cm, c, act, st.first_layer, st.num_layers, st.has_embedding, st.has_output, T_mb,
+                         st.groups);
       add_ep_collectives(cm, c, act, st.first_layer, st.num_layers, T_mb);
     }
   }
@@ -259,7 +260,7 @@ void plan_pipeline(const PlanConfig& c, const PipelineSetup& setup, const SeamLa
   // A microbatch's tokens on this rank: its sequences' seq / cp each under context parallelism (the trainer cuts
   // the cp chunks before the schedule splits the rows into microbatches; each stage's attention runs the ring).
   const int64_t T_mb = pp.microbatch_size * c.seq_len / c.cp;
-  const ActivationModel act = activation_model(c, T_mb);
+  const ActivationModel act = activation_model(c, T_mb, seam.attention);
   // One activation (or its gradient) crossing a stage boundary: the residual stream [T_mb, dim] (this cp rank's
   // chunks), sequence-sharded under TP.
   pp.boundary_bytes = T_mb / TP * a.dim * e;

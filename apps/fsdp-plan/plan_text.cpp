@@ -100,7 +100,16 @@ std::string format_plan(const Plan& p) {
     expert_shard_numel += moe_group->expert_shard_numel;
   }
   if (moe_layers > 0) {
-    os << ", " << static_cast<double>(models::llama::num_active_params(c.args)) / 1e9 << " B active";
+    // A token passes through top_k of each MoE block's E routed experts: the built model's count less the others
+    // (the seam's expert parameters, this rank's E/ep of each block times ep; MLA's shapes included).
+    const models::moe::MoEOptions o = c.args.moe_options();
+    int64_t active = p.num_params;
+    for (int64_t l = 0; l < c.args.n_layers; ++l) {
+      if (!is_moe(c.args, l)) continue;
+      const int64_t experts = p.groups[static_cast<size_t>(l)].expert_numel * c.ep;  // the block's E experts
+      active -= experts / o.num_experts * (o.num_experts - o.top_k);
+    }
+    os << ", " << static_cast<double>(active) / 1e9 << " B active";
   }
   os << "), " << c.args.n_layers << " blocks + root\n";
   if (moe_layers > 0) {

@@ -11,6 +11,7 @@
 #include "tensor_memory.h"
 
 #include <fsdp/models/llama.h>
+#include <fsdp/models/deepseek_v3.h>
 #include <fsdp/models/qwen3.h>
 
 #include <ATen/ATen.h>
@@ -104,4 +105,61 @@ TEST(PlanMoEMemory, QkNormDenseBlockSavedActivations) {
     expect_close(p.memory.act_per_dense_layer, measured_saved(args, 0, dtype), 0.01,
                  std::string("qwen3 cpu_small block (QK-norm), ") + c10::toString(dtype));
   }
+}
+
+// DeepSeek-V3 blocks (MLA: q LoRA with its norm, the kv latent with its norm, the rope key shared by every head;
+// a dense block and an MoE block with a shared expert and group-limited routing) of cpu_tiny, measured the same
+// way. The plan models the attention kernel as flash / memory-efficient attention save it (q, k, v, the output,
+// the log-sum-exp: the CUDA kernels, and the CPU flash kernel when q/k and v head dims are equal). MLA's q/k head
+// dim (24) differs from its v head dim (16), for which libtorch's CPU SDPA takes the math path instead: it saves
+// copies of q (scaled), k and v and the [H, S] probabilities per token, not the output or the log-sum-exp, and
+// wo then saves a copy of its [H v] input (the math output is not laid out [B, S, H, v]). So the measurement is
+// the plan plus, per token, 4 H S (the probabilities) - 4 H (the log-sum-exp), plus the four norms' float32 rsqrt
+// (4 bytes each, left out for every norm, as in the Qwen3 cases above).
+namespace {
+
+int64_t measured_saved_deepseek_v3(const fsdp::models::deepseek_v3::DeepSeekV3Args& args, int64_t layer) {
+  namespace ds = fsdp::models::deepseek_v3;
+  tensor_memory::install();
+  ds::TransformerBlock block(layer, args);
+  at::Generator gen = at::detail::createCPUGenerator(7);
+  block->init_weights(gen);
+  block->train();
+  const auto [cos, sin] = llama::precompute_rope(args.qk_rope_head_dim, kSeq, args.rope_theta);
+  const at::Tensor x = at::randn({kBatch, kSeq, args.dim}, gen).requires_grad_(true);
+  c10::AutoGradMode grad(true);
+  const int64_t before = tensor_memory::live_bytes();
+  at::Tensor out = block->forward(x, cos, sin);
+  const int64_t after = tensor_memory::live_bytes();
+  // As above: the output is the next block's, the float32 input saved by the first norm this block's.
+  const int64_t saved = after - before - static_cast<int64_t>(out.nbytes()) + static_cast<int64_t>(x.nbytes());
+  if (block->moe) {
+    EXPECT_EQ(block->moe->tokens_per_expert().sum().item<int64_t>(), kBatch * kSeq * args.moe_options().top_k);
+  }
+  out = at::Tensor();
+  EXPECT_EQ(tensor_memory::live_bytes(), before);
+  return saved;
+}
+
+}  // namespace
+
+TEST(PlanMoEMemory, DeepSeekV3BlocksSavedActivations) {
+  namespace ds = fsdp::models::deepseek_v3;
+  const ds::DeepSeekV3Args args = ds::deepseek_v3_flavor("cpu_tiny");
+  ASSERT_FALSE(args.is_moe_layer(0));
+  ASSERT_TRUE(args.is_moe_layer(1));
+  ASSERT_NE(args.qk_head_dim(), args.v_head_dim);  // the CPU math path below
+  ASSERT_GT(args.q_lora_rank, 0);
+  PlanConfig c;
+  set_model(c, "deepseek_v3", "cpu_tiny");
+  c.local_batch = kBatch;
+  c.seq_len = kSeq;
+  const Plan p = make_plan(c);
+  const int64_t T = kBatch * kSeq, H = args.n_heads;
+  const int64_t cpu_math_path = T * (4 * H * kSeq - 4 * H), rsqrt = T * 4 * 4;
+  // Within 0.01%: the MoE block saves 32 bytes more (8 floats: one [E] tensor of its router's), nothing else is left.
+  expect_close(p.memory.act_per_dense_layer + cpu_math_path + rsqrt, measured_saved_deepseek_v3(args, 0), 1e-4,
+               "deepseek_v3 cpu_tiny dense block (MLA) + the CPU math kernel, Float");
+  expect_close(p.memory.act_per_moe_layer + cpu_math_path + rsqrt, measured_saved_deepseek_v3(args, 1), 1e-4,
+               "deepseek_v3 cpu_tiny MoE block (MLA, shared expert, group-limited routing) + the CPU math kernel, Float");
 }
