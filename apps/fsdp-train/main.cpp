@@ -191,10 +191,9 @@ int main(int argc, char** argv) {
     // for MSG_NOSIGNAL. Python, where PyTorch normally runs, ignores SIGPIPE from its start alike. (A rank of a
     // replica group resumed after a SIGSTOP died of it in 2 of 6 stops of fault_ft_stop_test.)
     std::signal(SIGPIPE, SIG_IGN);
-    // The model family's layouts, before any process group exists (a refused layout is one line, no rendezvous).
-    const char* world_size = std::getenv("WORLD_SIZE");
-    fsdp_train::check_model_layout(config, world_size && std::atoi(world_size) > 1 ? std::atoi(world_size) : 1);
-    auto env = fsdp_train::init_distributed(config);
+    // The model family's layouts, before any process group exists (a refused layout is one line, no rendezvous);
+    // the Trainer then does not check them again.
+    auto env = fsdp_train::check_and_init_distributed(config);
     const auto summary = fsdp_train::run_training(config, env);
     if (env.rank == 0) print_summary(config, summary);
     if (env.group) fsdp::destroy_process_group();

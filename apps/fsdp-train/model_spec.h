@@ -105,6 +105,8 @@ std::vector<std::string> train_spec_names();
 
 // config.model.name's layout check on `world_size` ranks (its pipeline split too), block_causal's EOS, FT's coordinator
 // and the data files: what fsdp-train checks before init_distributed (a refused one is one line, no rendezvous).
-void check_model_layout(const JobConfig& config, int64_t world_size);
+// Returns whether the family's layout check ran (false: the layout does not resolve on `world_size` ranks, left to
+// the Trainer).
+bool check_model_layout(const JobConfig& config, int64_t world_size);
 
 }  // namespace fsdp_train

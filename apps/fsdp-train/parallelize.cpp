@@ -119,6 +119,27 @@ ParallelMeshes build_meshes(const ParallelDims& dims, const std::string& device_
   return m;
 }
 
+fsdp::DeviceMesh moe_sequence_mesh(const ParallelMeshes& meshes) {
+  // cp_tp exists for MoE models only: a dense model's meshes give none (nothing to sum), never cp or tp alone.
+  if (meshes.cp.valid() && meshes.tp.valid()) return meshes.cp_tp;
+  if (meshes.cp.valid()) return meshes.cp;
+  return meshes.tp;  // invalid without TP
+}
+
+void set_moe_sequence_group(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
+                            const ParallelMeshes& meshes) {
+  const fsdp::DeviceMesh mesh = moe_sequence_mesh(meshes);
+  if (!mesh.valid()) return;
+  for (const auto& block : blocks) {
+    for (const auto& child : block->named_children()) {
+      if (child.key() != "moe") continue;
+      auto* moe = child.value()->as<fsdp::models::moe::MoEImpl>();
+      TORCH_CHECK(moe, "set_moe_sequence_group: a block's child \"moe\" is not an MoE layer");
+      moe->set_sequence_parallel_group(mesh.group(0));
+    }
+  }
+}
+
 namespace {
 c10::ScalarType dtype_of(MixedPrecision p) { return p == MixedPrecision::BFloat16 ? c10::kBFloat16 : c10::kFloat; }
 }  // namespace

@@ -96,6 +96,16 @@ struct ParallelMeshes {
 // Collective over the world (every rank, same order). `device_type`: "cpu" or "cuda". `moe`: the model has MoE
 // layers (their routed experts get their own mesh under EP or TP).
 ParallelMeshes build_meshes(const ParallelDims& dims, const std::string& device_type, bool moe = false);
+// The ranks holding pieces of one sequence, over which the MoE blocks sum their per-sequence expert counts for
+// the sequence balance loss (the whole sequence's, as TorchTitan computes it): cp_tp under cp x tp (cp cuts a
+// sequence into chunks, TP's sequence parallelism each chunk into slices), else cp, else tp; invalid when no
+// rank splits a sequence (or for a dense model under cp x tp: no cp_tp, nothing to sum).
+fsdp::DeviceMesh moe_sequence_mesh(const ParallelMeshes& meshes);
+// Hands every MoE block among `blocks` (its child "moe", in every family) moe_sequence_mesh(meshes)'s group; dense
+// blocks, and every block when that mesh is invalid, are left alone. Once per model or pipeline stage, after its
+// apply_* steps (collective-free).
+void set_moe_sequence_group(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
+                            const ParallelMeshes& meshes);
 
 // ---- FSDP / DDP wrapping (every family) ---------------------------------------------------------------------
 

@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -44,9 +45,19 @@ void set_threads() {
   torch::set_num_threads(std::max(1, hw / local_world));
 }
 
+std::atomic<int64_t> layout_checks{0};
+
+// The family's layout rules on `dims` (under PP its split, a throwaway schedule: once per process, see TrainEnv).
+void run_layout_check(const TrainSpec& spec, const JobConfig& config, const ParallelDims& dims) {
+  ++layout_checks;
+  spec.check_layout(config, dims);
+}
+
 }  // namespace
 
-void check_model_layout(const JobConfig& config, int64_t world_size) {
+int64_t layout_checks_run() { return layout_checks.load(); }
+
+bool check_model_layout(const JobConfig& config, int64_t world_size) {
   // model.name first: an unknown family is one line listing the registered ones, whatever the layout.
   const TrainSpec& spec = train_spec(config.model.name);
   // The rules that need the run's files or environment but no world size, before any process group too.
@@ -63,9 +74,10 @@ void check_model_layout(const JobConfig& config, int64_t world_size) {
   try {
     dims = resolve_parallelism(config, world_size);
   } catch (const ConfigError&) {
-    return;
+    return false;
   }
-  spec.check_layout(config, *dims);
+  run_layout_check(spec, config, *dims);
+  return true;
 }
 
 TrainEnv init_distributed(const JobConfig& config) {
@@ -98,6 +110,16 @@ TrainEnv init_distributed(const JobConfig& config) {
   return env;
 }
 
+TrainEnv check_and_init_distributed(const JobConfig& config) {
+  const char* world_size_text = std::getenv("WORLD_SIZE");
+  const int64_t world_size = world_size_text && std::atoi(world_size_text) > 1 ? std::atoi(world_size_text) : 1;
+  const bool checked = check_model_layout(config, world_size);
+  TrainEnv env = init_distributed(config);
+  // The Trainer resolves the layout on the group's size: the check stands for it only on the same world.
+  env.layout_checked = checked && env.world_size == world_size;
+  return env;
+}
+
 Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
     : config_(config),
       env_(env),
@@ -109,7 +131,8 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
       device_(training_device(config, env)),
       device_memory_(!device_.is_cpu()),
       device_total_bytes_(device_.is_cuda() ? cuda_support::device_total_bytes(device_.index()) : 0) {
-  spec_.check_layout(config, dims_);  // fsdp-train's main checked it before the process group; tests call here
+  // fsdp-train's start checked it before the process group (env.layout_checked); other callers get it here.
+  if (!env.layout_checked) run_layout_check(spec_, config, dims_);
   set_threads();
   torch::manual_seed(static_cast<uint64_t>(config.debug.seed));
   if (config.debug.deterministic) at::globalContext().setDeterministicAlgorithms(true, false);

@@ -20,6 +20,10 @@ struct TrainEnv {
   fsdp::ProcessGroupPtr group;  // world group; null = single process without any process group
   bool verbose = true;          // rank-0 console output
   int64_t stop_after_step = -1; // tests: return after this step (and its checkpoint), as if killed
+  // The model family's layout check (check_model_layout: its pipeline split builds a throwaway schedule) already
+  // ran for this config on world_size ranks, before the process group (check_and_init_distributed): the Trainer
+  // does not run it again. False (any other caller of run_training): the Trainer runs it.
+  bool layout_checked = false;
 };
 
 struct TrainSummary {
@@ -62,6 +66,12 @@ struct TrainSummary {
 // launcher), or when launched at all (WORLD_SIZE set) on a CUDA training.device — FSDP applies at world size 1 then
 // as under torchrun —, else a single process without collectives. The backend: Gloo on the CPU, comm.backend on CUDA.
 TrainEnv init_distributed(const JobConfig& config);
+// fsdp-train's start: check_model_layout on WORLD_SIZE's ranks before any process group exists (a refused layout
+// is one line, no rendezvous), then init_distributed; the env records the check (TrainEnv::layout_checked).
+TrainEnv check_and_init_distributed(const JobConfig& config);
+// How many model-family layout checks this process has run (check_model_layout's and the Trainer's): one per run,
+// whichever way it started (tests).
+int64_t layout_checks_run();
 
 TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool compute_entropy = true);
 

@@ -1,5 +1,6 @@
 // The training loop on one process: it learns, it writes its metrics, it is deterministic, and gradient
-// accumulation does not change the loss curve (loss normalised by the global token count).
+// accumulation does not change the loss curve (loss normalised by the global token count); the layout check runs
+// once per run.
 #include "config.h"
 #include "trainer.h"
 
@@ -7,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
@@ -70,4 +72,23 @@ TEST(TrainingLoop, UnavailableDeviceIsAConfigErrorNamingTheKey) {
     EXPECT_NE(std::string(e.what()).find("training.device = \"cuda\": CUDA is not available"), std::string::npos)
         << e.what();
   }
+}
+
+// The model family's layout check (under PP its split: a throwaway schedule) runs once per training run:
+// fsdp-train's start (check_and_init_distributed) checks before any process group and the Trainer trusts that
+// (TrainEnv::layout_checked); a caller of run_training that did not start that way gets the check in the Trainer.
+TEST(TrainingLoop, LayoutCheckedOncePerRunWhicheverWayItStarts) {
+  ASSERT_EQ(std::getenv("WORLD_SIZE"), nullptr) << "one process without a launcher: no rendezvous here";
+  const JobConfig c = tiny("layout_once", 4, 8, 1);
+  const int64_t before = layout_checks_run();
+  TrainEnv started = check_and_init_distributed(c);
+  EXPECT_TRUE(started.layout_checked);
+  EXPECT_EQ(layout_checks_run(), before + 1) << "fsdp-train's start checks before the process group";
+  started.verbose = false;
+  EXPECT_EQ(run_training(c, started, false).losses.size(), 1u);
+  EXPECT_EQ(layout_checks_run(), before + 1) << "the Trainer checked the layout fsdp-train's start had checked";
+  const TrainEnv caller = quiet();
+  ASSERT_FALSE(caller.layout_checked);
+  EXPECT_EQ(run_training(tiny("layout_caller", 4, 8, 1), caller, false).losses.size(), 1u);
+  EXPECT_EQ(layout_checks_run(), before + 2) << "a run_training caller's layout went unchecked";
 }

@@ -1,13 +1,13 @@
 // See deepseek_v3_spec.h.
 #include "deepseek_v3_spec.h"
 
+#include "models/model_forwards.h"
 #include "parallelize_deepseek_v3.h"
 #include "pipeline_deepseek_v3.h"
 
 #include <fsdp/models/deepseek_v3.h>
 #include <fsdp/models/deepseek_v3_tp_plan.h>
 #include <fsdp/models/hf_deepseek_v3.h>
-#include <fsdp/nn/module_call.h>
 
 #include <ATen/ATen.h>
 
@@ -54,21 +54,7 @@ TrainModel build_model(const JobConfig& config, const ModelShape& shape) {
   ds::DeepSeekV3 model(args);
   TrainModel out;
   out.module = model.ptr();
-  if (args.attn_mask_type == fsdp::models::llama::AttnMaskType::BlockCausal) {
-    TORCH_CHECK(shape.eos_id >= 0, "block_causal attention needs the tokenizer's EOS (ModelShape::eos_id)");
-    out.document_ids = [eos = shape.eos_id](const at::Tensor& tokens) {
-      return fsdp::models::llama::document_ids(tokens, eos);
-    };
-    out.forward = [model, ids = out.document_ids](const at::Tensor& tokens) {
-      return fsdp::nn::call(model, tokens, std::optional<at::Tensor>(ids(tokens)));
-    };
-    // Context parallel: this rank's chunks of the tokens with their chunks of the whole rows' ids.
-    out.forward_with_document_ids = [model](const at::Tensor& tokens, const at::Tensor& ids) {
-      return fsdp::nn::call(model, tokens, std::optional<at::Tensor>(ids));
-    };
-  } else {
-    out.forward = [model](const at::Tensor& tokens) { return fsdp::nn::call(model, tokens); };
-  }
+  set_model_forwards(out, model, args.attn_mask_type == fsdp::models::llama::AttnMaskType::BlockCausal, shape.eos_id);
   const std::shared_ptr<ds::DeepSeekV3Impl> impl = model.ptr();
   out.init_weights = [impl](uint64_t seed, const InitScope& scope) {
     if (scope) impl->init_weights(seed, scope);

@@ -40,25 +40,16 @@ std::string apply_ac(ds::DeepSeekV3& model, AcMode mode, const SelectiveAcOption
          std::to_string(n) + " of " + std::to_string(blocks.size()) + ")";
 }
 
-// The MoE blocks' sequence balance loss: each rank of `mesh` (tp, or cp) routes a slice of every sequence, so the
-// blocks sum their per-sequence counts over it (the whole sequence's, as TorchTitan computes the loss).
-void set_moe_sequence_group(std::vector<ds::TransformerBlock>& blocks, const fsdp::DeviceMesh& mesh) {
-  for (auto& block : blocks) {
-    if (block->moe) block->moe->set_sequence_parallel_group(mesh.group(0));
-  }
-}
-
 // TorchTitan's DeepSeek-V3 TP plan (sequence parallel, MLA split by heads) over the 1-D `tp_mesh`; loss_parallel:
 // the output projection keeps its logits sharded over the vocabulary.
 void apply_tp(ds::DeepSeekV3& model, const fsdp::DeviceMesh& tp_mesh, bool loss_parallel) {
   fsdp::parallelize_module(model, tp_mesh, ds::tensor_parallel_plan(model->args(), tp_mesh.size(), loss_parallel));
-  set_moe_sequence_group(model->blocks(), tp_mesh);
 }
 
 // Context parallelism (TorchTitan's apply_cp): every block's MLA through ring attention over the cp ranks (q and k
 // of qk_nope + qk_rope, v of v_head_dim; the ring pads v, context_parallel.h) at MLA's own softmax scale, RoPE of
 // the rope part at this rank's chunks' global positions, and block_causal's document ids of every cp rank
-// gathered once per forward for the masked ring. The MoE blocks sum their per-sequence counts over cp.
+// gathered once per forward for the masked ring.
 void apply_cp(ds::DeepSeekV3& model, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
               CpLoadBalancer load_balancer) {
   const fsdp::ProcessGroupPtr group = cp_mesh.group(0);
@@ -79,7 +70,6 @@ void apply_cp(ds::DeepSeekV3& model, const fsdp::DeviceMesh& cp_mesh, CpRotateMe
       return fsdp::ring_attention(q, k, v, group, options, scale);
     };
   }
-  set_moe_sequence_group(model->blocks(), cp_mesh);
 }
 
 // The routed experts of every MoE block split over the 1-D `ep_mesh` (collective-free; before fully_shard).
@@ -97,7 +87,6 @@ void apply_tp(ds::DeepSeekV3Stage& stage, const ds::DeepSeekV3Args& args, const 
   fsdp::parallelize_module(stage, tp_mesh,
                            ds::tensor_parallel_plan(args, tp_mesh.size(), loss_parallel, stage->first(),
                                                     stage->begin(), stage->end(), stage->last()));
-  set_moe_sequence_group(stage->blocks(), tp_mesh);
   stage->sequence_shards = tp_mesh.size();  // hidden states travel between stages split on the sequence
 }
 
@@ -189,12 +178,9 @@ ParallelPlan parallelize_deepseek_v3(ds::DeepSeekV3& model, const JobConfig& con
       plan.cp_mesh = meshes.cp;
       plan.fsdp_mesh = meshes.dp;  // dp_shard_cp
       apply_cp(model, plan.cp_mesh, p.context_parallel_rotate_method, p.context_parallel_load_balancer);
-      // Under cp x tp a sequence is cut over cp and each chunk over tp (sequence parallel): the MoE blocks sum their
-      // per-sequence counts over both, one flattened group, replacing the tp group apply_tp and the cp group
-      // apply_cp set (as parallelize_llama does).
-      if (dims.tp > 1) set_moe_sequence_group(model->blocks(), meshes.cp_tp);
       parallel_description += cp_description(config, dims);
     }
+    set_moe_sequence_group(block_modules(model->blocks()), meshes);  // tp, cp or cp x tp: moe_sequence_mesh
     // The routed experts' placement (TorchTitan's apply_moe_ep + apply_fsdp): over the ranks left after ep of
     // dp_shard x tp (efsdp); under TP without EP over dp_shard x tp (each TP rank routes its own tokens; no expert
     // tensor parallel). Shard(1) when the experts would be cut in more pieces than there are (tt#1561).

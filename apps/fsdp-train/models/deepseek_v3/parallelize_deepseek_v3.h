@@ -16,7 +16,8 @@
 //               dp_shard 1; both through the wrapping every family shares (parallelize.h)
 //   pipeline   pipeline_parallel_degree > 1: the stages split as Llama's (pipeline_deepseek_v3.h), TP (the stage's
 //              layers' plan entries), EP and FSDP in each stage this rank holds
-// Under TP or CP each MoE block sums its per-sequence expert counts over that group for the sequence balance loss.
+// Under TP, CP or both each MoE block sums its per-sequence expert counts for the sequence balance loss over the
+// ranks splitting a sequence (moe_sequence_mesh, parallelize.h: set once, after the apply_* steps).
 // Refused with a ConfigError naming the family, the flavor and the layout (check_layout): CP with PP, a TP
 // degree not dividing the heads. Hugging Face load/save (checkpoint.*_in_hf) runs in every layout accepted (the
 // adapter's sharded path: one tensor gathered at a time, each rank reading its own rows).

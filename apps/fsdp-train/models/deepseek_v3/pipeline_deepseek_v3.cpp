@@ -48,6 +48,7 @@ ParallelPlan parallelize_deepseek_v3_pipeline(ds::DeepSeekV3& model, const JobCo
     const auto [begin, end] = split.layers[static_cast<size_t>(s)];
     ds::DeepSeekV3Stage stage(*model, begin, end, s == 0, s == plan.num_stages - 1);
     if (dims.tp > 1) apply_tp(stage, model->args(), plan.tp_mesh, plan.loss_parallel);
+    set_moe_sequence_group(block_modules(stage->blocks()), meshes);  // tp, cp or cp x tp: moe_sequence_mesh
     if (dims.ep > 1) {
       for (auto& block : stage->blocks()) {
         if (block->moe) fsdp::apply_expert_parallel(block->moe->experts.ptr(), meshes.ep);

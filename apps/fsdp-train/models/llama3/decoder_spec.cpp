@@ -1,11 +1,11 @@
 // See decoder_spec.h.
 #include "decoder_spec.h"
 
+#include "models/model_forwards.h"
 #include "parallelize_llama.h"
 
 #include <fsdp/models/llama.h>
 #include <fsdp/models/llama_tp_plan.h>
-#include <fsdp/nn/module_call.h>
 
 #include <memory>
 #include <utility>
@@ -53,20 +53,7 @@ TrainModel build_model(const JobConfig& config, const ModelShape& shape) {
   Transformer model(args);
   TrainModel out;
   out.module = model.ptr();
-  if (args.attn_mask_type == fsdp::models::llama::AttnMaskType::BlockCausal) {
-    TORCH_CHECK(shape.eos_id >= 0, "block_causal attention needs the tokenizer's EOS (ModelShape::eos_id)");
-    out.document_ids = [eos = shape.eos_id](const at::Tensor& tokens) {
-      return fsdp::models::llama::document_ids(tokens, eos);
-    };
-    out.forward = [model, ids = out.document_ids](const at::Tensor& tokens) {
-      return fsdp::nn::call(model, tokens, std::optional<at::Tensor>(ids(tokens)));
-    };
-    out.forward_with_document_ids = [model](const at::Tensor& tokens, const at::Tensor& ids) {
-      return fsdp::nn::call(model, tokens, std::optional<at::Tensor>(ids));
-    };
-  } else {
-    out.forward = [model](const at::Tensor& tokens) { return fsdp::nn::call(model, tokens); };
-  }
+  set_model_forwards(out, model, args.attn_mask_type == fsdp::models::llama::AttnMaskType::BlockCausal, shape.eos_id);
   const std::shared_ptr<TransformerImpl> impl = model.ptr();
   out.init_weights = [impl](uint64_t seed, const InitScope& scope) {
     if (scope) impl->init_weights(seed, scope);

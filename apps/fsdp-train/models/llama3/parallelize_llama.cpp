@@ -60,22 +60,6 @@ std::optional<int64_t> named_layer(const std::string& pattern) {
   return std::stoll(index);
 }
 
-// The plan keeps the tokens sequence-sharded through the MoE blocks: each block's sequence balance loss sums its
-// per-sequence counts over the TP ranks (the whole sequence's, as TorchTitan computes it).
-void set_moe_sequence_parallel(std::vector<fsdp::models::llama::TransformerBlock>& blocks, const fsdp::DeviceMesh& tp_mesh) {
-  for (auto& block : blocks) {
-    if (auto* moe = moe_of(*block)) moe->set_sequence_parallel_group(tp_mesh.group(0));
-  }
-}
-
-// Under cp x tp each rank holds a slice (TP's sequence parallelism) of a chunk (CP) of every sequence: the MoE
-// blocks' sequence balance loss sums its per-sequence counts over the flattened cp x tp group, replacing the tp
-// group apply_tp set and the cp group apply_cp set (each alone would miss the other's pieces of the sequence).
-void set_moe_sequence_parallel_cp_tp(std::vector<fsdp::models::llama::TransformerBlock>& blocks,
-                                     const ParallelMeshes& meshes) {
-  if (meshes.cp_tp.valid()) set_moe_sequence_parallel(blocks, meshes.cp_tp);
-}
-
 }  // namespace
 
 fsdp::models::llama::LlamaArgs model_args(const JobConfig& config) {
@@ -124,7 +108,6 @@ std::string apply_ac(fsdp::models::llama::Transformer& model, AcMode mode, const
 void apply_tp(fsdp::models::llama::Transformer& model, const fsdp::DeviceMesh& tp_mesh, bool loss_parallel) {
   fsdp::parallelize_module(model, tp_mesh,
                            fsdp::models::llama::tensor_parallel_plan(model->args(), tp_mesh.size(), {true, loss_parallel}));
-  set_moe_sequence_parallel(model->blocks(), tp_mesh);
 }
 
 void apply_tp(fsdp::models::llama::LlamaStage& stage, const fsdp::models::llama::LlamaArgs& args,
@@ -143,7 +126,6 @@ void apply_tp(fsdp::models::llama::LlamaStage& stage, const fsdp::models::llama:
     kept.push_back(std::move(entry));
   }
   fsdp::parallelize_module(stage, tp_mesh, kept);
-  set_moe_sequence_parallel(stage->blocks(), tp_mesh);
   stage->sequence_shards = tp_mesh.size();  // the plan is sequence parallel: hidden states travel split on the sequence
 }
 
@@ -172,10 +154,6 @@ CpHooks cp_attention(std::vector<fsdp::models::llama::TransformerBlock>& blocks,
   hooks.document_mask = [group](const at::Tensor& document_ids) {
     return fsdp::context_parallel_gather_document_ids(document_ids, group);
   };
-  // The MoE blocks' sequence balance loss: each cp rank routes its chunks of every sequence, so the blocks sum
-  // their per-sequence counts over the cp ranks (the whole sequence's; under cp x tp the caller then hands them
-  // the flattened cp x tp group instead, set_moe_sequence_parallel_cp_tp).
-  set_moe_sequence_parallel(blocks, cp_mesh);
   for (auto& block : blocks) {
     block->attention->kernel = [group, options](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 const fsdp::models::llama::AttentionMask& document_ids) {
@@ -301,7 +279,7 @@ ParallelPlan parallelize_llama_pipeline(fsdp::models::llama::Transformer& model,
     fsdp::models::llama::LlamaStage stage(*model, begin, end, s == 0, s == num_stages - 1);
     if (dims.tp > 1) apply_tp(stage, model->args(), plan.tp_mesh, plan.loss_parallel);
     if (dims.cp > 1) apply_cp(stage, plan.cp_mesh, p.context_parallel_rotate_method, p.context_parallel_load_balancer);
-    if (dims.cp > 1 && dims.tp > 1) set_moe_sequence_parallel_cp_tp(stage->blocks(), meshes);
+    set_moe_sequence_group(module_ptrs(stage->blocks()), meshes);  // tp, cp or cp x tp: moe_sequence_mesh
     if (dims.ep > 1) {
       for (auto& block : stage->blocks()) {
         if (auto* moe = moe_of(*block)) fsdp::apply_expert_parallel(moe->experts.ptr(), meshes.ep);
@@ -374,9 +352,9 @@ ParallelPlan parallelize_llama(fsdp::models::llama::Transformer& model, const Jo
     plan.cp_mesh = meshes.cp;
     plan.fsdp_mesh = meshes.dp;
     apply_cp(model, plan.cp_mesh, p.context_parallel_rotate_method, p.context_parallel_load_balancer);
-    if (dims.tp > 1) set_moe_sequence_parallel_cp_tp(model->blocks(), meshes);
     tp_description += cp_description(config, dims);
   }
+  set_moe_sequence_group(module_ptrs(model->blocks()), meshes);  // tp, cp or cp x tp: moe_sequence_mesh
   FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/false);
   std::string experts_description;
   if (has_moe) {
