@@ -349,7 +349,8 @@ TEST(UserErrors, FsdpTrainDeepSeekV3ConfigErrorsBeforeAnyProcessGroup) {
   const std::string ds = " --model.name deepseek_v3 --model.flavor cpu_tiny";
   const std::vector<Case> cases = {
       {"flavor", 2, " --model.name deepseek_v3 --model.flavor cpu_huge",
-       "config error: model.flavor: unknown deepseek_v3 flavor 'cpu_huge' (known: cpu_tiny, debugmodel, 16B, 236B, 671B)"},
+       "config error: model.flavor: unknown deepseek_v3 flavor 'cpu_huge' (known: cpu_tiny, debugmodel, 16B, "
+       "236B, 671B)"},
       {"tp_heads", 3, ds + " --parallelism.tensor_parallel_degree 3 --training.seq_len 126 --validation.enable false",
        "config error: parallelism.tensor_parallel_degree = 3 does not divide the 4 attention heads of deepseek_v3 "
        "cpu_tiny"},
@@ -377,7 +378,8 @@ TEST(UserErrors, FsdpTrainDeepSeekV3ConfigErrorsBeforeAnyProcessGroup) {
     const auto cwd = s.cwd(std::string("ds_") + c.name);
     const std::string w = std::to_string(c.world);
     const std::string env = "env -u FSDP_LIGHTHOUSE RANK=0 LOCAL_RANK=0 WORLD_SIZE=" + w + " LOCAL_WORLD_SIZE=" + w +
-                            " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(fsdp_test::free_loopback_port()) + " ";
+                            " MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                            std::to_string(fsdp_test::free_loopback_port()) + " ";
     const auto t0 = std::chrono::steady_clock::now();
     const Outcome r = run_in(cwd, env + FSDP_TRAIN + c.args + " --comm.init_timeout_seconds 30 --job.dump_folder out");
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -436,7 +438,8 @@ TEST(UserErrors, FsdpTrainDeepSeekV3BadHuggingFaceFilesAreOneLineAndWriteNothing
                           "--training.local_batch_size 2 --training.global_batch_size 4 --training.steps 1 "
                           "--validation.enable false --metrics.peak_tflops 1 --checkpoint.enable";
   // The export every case edits: a 1-step job's Hugging Face last save (config.json + model.safetensors).
-  const Outcome made = run_in(s.cwd("export"), FSDP_TRAIN + job + " --checkpoint.last_save_in_hf --job.dump_folder out");
+  const Outcome made =
+      run_in(s.cwd("export"), FSDP_TRAIN + job + " --checkpoint.last_save_in_hf --job.dump_folder out");
   ASSERT_EQ(made.status, 0) << made.output;
   const fs::path good = s.root / "export" / "out" / "checkpoint" / "step-1";
   ASSERT_TRUE(fs::exists(good / "model.safetensors")) << made.output;
@@ -504,23 +507,28 @@ TEST(UserErrors, FsdpTrainDeepSeekV3BadHuggingFaceFilesAreOneLineAndWriteNothing
   std::vector<Case> cases = {
       {"hidden_size_string", with_config("hidden_size_string", "hidden_size", "64"),
        {"config.json: field 'hidden_size' must be an integer, got a string \"64\""}},
-      {"vocab_size_missing", with_config("vocab_size_missing", "vocab_size", nlohmann::json(nlohmann::json::value_t::discarded)),
+      {"vocab_size_missing",
+       with_config("vocab_size_missing", "vocab_size", nlohmann::json(nlohmann::json::value_t::discarded)),
        {"config.json: field 'vocab_size' is missing"}},
       {"rope_head_dim_odd", with_config("rope_head_dim_odd", "qk_rope_head_dim", 7),
        {"config.json: field 'qk_rope_head_dim' must be even"}},
       {"n_group", with_config("n_group", "n_group", 3),
        {"config.json: field 'n_group' = 3 must divide n_routed_experts = 8 into groups of at least 2 experts"}},
-      {"topk_group", with_config("topk_group", "topk_group", 5), {"config.json: field 'topk_group' = 5 exceeds n_group"}},
+      {"topk_group", with_config("topk_group", "topk_group", 5),
+       {"config.json: field 'topk_group' = 5 exceeds n_group"}},
       {"kv_lora_rank", with_config("kv_lora_rank", "kv_lora_rank", -32),
        {"config.json: field 'kv_lora_rank' = -32 must be positive"}},
       {"wrong_shape", with_tensors("wrong_shape", edited(weights, kv_b, weights.at(kv_b).t().contiguous())),
-       {"'" + kv_b + "' in ", "model.safetensors has shape [32, 128] but the model's 'layers.0.attention.wkv_b.weight' is [128, 32]"}},
+       {"'" + kv_b + "' in ",
+        "model.safetensors has shape [32, 128] but the model's 'layers.0.attention.wkv_b.weight' is [128, 32]"}},
       {"int_dtype", with_tensors("int_dtype", edited(weights, gate, weights.at(gate).to(at::kInt))),
-       {"'" + gate + "' in ", "model.safetensors has dtype Int but the model's 'layers.1.moe.router.gate.weight' is Float"}},
+       {"'" + gate + "' in ",
+        "model.safetensors has dtype Int but the model's 'layers.1.moe.router.gate.weight' is Float"}},
       {"expert_missing", with_tensors("expert_missing", edited(per_expert, up5, at::Tensor())),
        {"'" + up5 + "' (expert 5 of 8 for 'layers.2.moe.experts') is missing"},
        {"Missing from the files: ['" + up5 + "']"}},
-      {"expert_wrong_shape", with_tensors("expert_wrong_shape", edited(per_expert, up5, per_expert.at(up5).narrow(0, 0, 16).clone())),
+      {"expert_wrong_shape",
+       with_tensors("expert_wrong_shape", edited(per_expert, up5, per_expert.at(up5).narrow(0, 0, 16).clone())),
        {"'" + up5 + "' in ", "model.safetensors has shape [16, 64] but is", "expected [32, 64]"}},
   };
   {
@@ -535,7 +543,8 @@ TEST(UserErrors, FsdpTrainDeepSeekV3BadHuggingFaceFilesAreOneLineAndWriteNothing
     const int64_t end = static_cast<int64_t>(f.data.size());
     f.header["model.norm.weight"]["data_offsets"] = {end - 100, end + 156};
     f.write(d / "model.safetensors");
-    cases.push_back({"offsets_past_end", d, {"model.safetensors: tensor 'model.norm.weight': data_offsets", "outside the"}});
+    cases.push_back(
+        {"offsets_past_end", d, {"model.safetensors: tensor 'model.norm.weight': data_offsets", "outside the"}});
   }
   // The untouched export loads, in both layouts (the cases' refusals are their edits').
   const fs::path stacked_ok = with_tensors("stacked_ok", edited(weights, "", at::Tensor()));
@@ -568,4 +577,25 @@ TEST(UserErrors, FsdpTrainDeepSeekV3BadHuggingFaceFilesAreOneLineAndWriteNothing
       EXPECT_TRUE(empty_dir(cwd)) << "written before the input was known good: " << fs::directory_iterator(cwd)->path();
     }
   }
+}
+
+// --print-config names a flavor the model family does not have, as the run would: `--model.name deepseek_v3`
+// alone printed llama3's default flavor (cpu_small) with exit 0, and the run with that config was then refused.
+TEST(UserErrors, FsdpTrainPrintConfigRefusesAFlavorTheFamilyLacks) {
+  Scratch s;
+  const auto cwd = s.cwd("print_config");
+  const Outcome bad = run_in(cwd, std::string(FSDP_TRAIN) + " --model.name deepseek_v3 --print-config");
+  expect_one_clean_line(bad, 2, {"fsdp-train: config error: model.flavor: unknown deepseek_v3 flavor 'cpu_small' "
+                                 "(known: cpu_tiny, debugmodel, 16B, 236B, 671B)"});
+  EXPECT_EQ(std::count(bad.output.begin(), bad.output.end(), '\n'), 1) << bad.output;
+  const Outcome run = run_in(cwd, std::string(FSDP_TRAIN) + " --model.name deepseek_v3 --job.dump_folder out");
+  EXPECT_NE(run.output.find("model.flavor: unknown deepseek_v3 flavor 'cpu_small'"), std::string::npos)
+      << "the run's words differ: " << run.output;
+  const Outcome family = run_in(cwd, std::string(FSDP_TRAIN) + " --model.name gpt2 --print-config");
+  expect_one_clean_line(family, 2, {"model.name = \"gpt2\" is not a registered model family"});
+  const Outcome good =
+      run_in(cwd, std::string(FSDP_TRAIN) + " --model.name deepseek_v3 --model.flavor cpu_tiny --print-config");
+  EXPECT_EQ(good.status, 0) << good.output;
+  EXPECT_NE(good.output.find("name = \"deepseek_v3\"\nflavor = \"cpu_tiny\""), std::string::npos) << good.output;
+  EXPECT_TRUE(empty_dir(cwd));
 }
