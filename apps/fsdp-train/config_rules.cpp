@@ -43,6 +43,23 @@ void check_context_parallel(const JobConfig& c) {
                      " (each cp rank's part of the sequence is split over the tp ranks for sequence parallel)");
 }
 
+// The moe_* keys' own ranges (a value outside them used to be taken silently as "the flavor's", or reached the MoE
+// layer's check only after the rendezvous). What depends on the flavor's experts is apply_moe_overrides'.
+void check_moe_keys(const JobConfig::Model& m) {
+  check(m.moe_route_scale >= 0, "model.moe_route_scale: expected > 0 (or 0 = the flavor's), got " +
+                                    format_double(m.moe_route_scale));
+  check(m.moe_load_balance_coeff >= 0 || m.moe_load_balance_coeff == -1,
+        "model.moe_load_balance_coeff: expected >= 0 (0 = off) or -1 = the flavor's, got " +
+            format_double(m.moe_load_balance_coeff));
+  check(m.moe_num_expert_groups >= 0, "model.moe_num_expert_groups: expected >= 0 (0 = no group-limited routing), got " +
+                                          std::to_string(m.moe_num_expert_groups));
+  check(m.moe_num_limited_groups >= 0,
+        "model.moe_num_limited_groups: expected >= 0, got " + std::to_string(m.moe_num_limited_groups));
+  check(m.moe_num_limited_groups == 0 || m.moe_num_expert_groups > 0,
+        "model.moe_num_limited_groups = " + std::to_string(m.moe_num_limited_groups) +
+            " needs model.moe_num_expert_groups (the groups it picks from; 0 = group-limited routing off)");
+}
+
 }  // namespace
 
 void validate(const JobConfig& c) {
@@ -50,6 +67,7 @@ void validate(const JobConfig& c) {
                                               std::to_string(c.model.moe_shared_experts));
   check(c.model.moe_sequence_aux_loss_coeff >= 0, "model.moe_sequence_aux_loss_coeff: expected >= 0, got " +
                                                       std::to_string(c.model.moe_sequence_aux_loss_coeff));
+  check_moe_keys(c.model);
   check(c.parallelism.expert_parallel_degree >= 1,
         "parallelism.expert_parallel_degree: expected >= 1, got " + std::to_string(c.parallelism.expert_parallel_degree));
   check(!c.training.dataset_text_field.empty(), "training.dataset_text_field: expected a field name, got \"\"");

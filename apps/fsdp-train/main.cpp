@@ -182,6 +182,15 @@ int main(int argc, char** argv) {
     }
     const auto config = fsdp_train::load_config(rest);
     if (print_only) {
+      // The family and its flavor, fsdp-train's first model checks, hold here too (another family's model.name alone
+      // printed the default family's flavor, which the run then refuses); the layout needs the world size: not here.
+      const std::vector<std::string>& flavors = fsdp_train::train_spec(config.model.name).flavors;
+      if (std::find(flavors.begin(), flavors.end(), config.model.flavor) == flavors.end()) {
+        std::string known;
+        for (const auto& f : flavors) known += (known.empty() ? "" : ", ") + f;
+        throw fsdp_train::ConfigError("config error: model.flavor: unknown " + config.model.name + " flavor '" +
+                                      config.model.flavor + "' (known: " + known + ")");
+      }
       std::cout << fsdp_train::to_toml(config);
       return 0;
     }

@@ -16,6 +16,22 @@ void apply_moe_overrides(const JobConfig::Model& m, fsdp::models::moe::MoEOption
   if (m.moe_num_expert_groups > 0) {
     o.num_expert_groups = m.moe_num_expert_groups;
     o.num_limited_groups = m.moe_num_limited_groups;
+    // The MoE layer's rules for the groups (fsdp/models/moe.h), in the keys' words and before any process group
+    // (every family's check_layout builds these options); the layer used to refuse them after the rendezvous.
+    const int64_t experts = o.num_experts, groups = o.num_expert_groups, limited = o.num_limited_groups;
+    if (experts % groups != 0 || experts / groups < 2) {
+      throw ConfigError("config error: model.moe_num_expert_groups = " + std::to_string(groups) + " must divide the " +
+                        std::to_string(experts) + " routed experts into groups of at least 2 experts");
+    }
+    if (limited < 1 || limited > groups) {
+      throw ConfigError("config error: model.moe_num_limited_groups = " + std::to_string(limited) +
+                        " must be in [1, model.moe_num_expert_groups = " + std::to_string(groups) + "]");
+    }
+    if (o.top_k > limited * (experts / groups)) {
+      throw ConfigError("config error: model.moe_num_limited_groups = " + std::to_string(limited) + " groups of " +
+                        std::to_string(experts / groups) + " experts hold fewer than the top_k = " +
+                        std::to_string(o.top_k) + " experts each token is routed to");
+    }
   }
 }
 

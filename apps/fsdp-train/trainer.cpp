@@ -159,6 +159,9 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
   // ---- metrics ----
   outputs_.summary.plan = step_.plan.description + "; " + step_.plan.activation_checkpointing;
   build_peak_tflops();
+  // The checkpoint (or Hugging Face weights) is input too: read and checked before the job writes anything, so
+  // that a corrupt or mismatched one leaves the dump folder as it was (no config.toml overwritten, no metrics).
+  build_checkpointer_and_restore();
   outputs_.metrics = std::make_unique<MetricsProcessor>(config, env.rank, env.verbose);
   services_.profiler = std::make_unique<StepProfiler>(config, env.rank, profiled_groups(), device_);
   if (main_rank_) {
@@ -166,8 +169,6 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
     std::ofstream(std::filesystem::path(config.job.dump_folder) / "config.toml") << to_toml(config);
   }
   print_header();
-
-  build_checkpointer_and_restore();
 }
 
 Trainer::~Trainer() = default;

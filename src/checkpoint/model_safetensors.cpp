@@ -146,6 +146,7 @@ at::Tensor read_stacked_piece(std::map<std::string, std::unique_ptr<st::Reader>>
     auto& reader = readers[file];
     if (!reader) reader = std::make_unique<st::Reader>(file);
     const st::TensorInfo& info = reader->info(name);
+    check_loadable_dtype("import_safetensors", name, file, info.dtype, key, t.dtype());
     TORCH_CHECK(info.shape == row_shape, "import_safetensors: '", name, "' in ", file, " has shape ",
                 c10::IntArrayRef(info.shape), " but is index ", offset[0] + i, " of the model's '", key, "' (",
                 c10::IntArrayRef(t.sizes()), "): expected ", c10::IntArrayRef(row_shape));
@@ -173,6 +174,13 @@ SafetensorsImportResult import_safetensors(torch::nn::Module& root, const std::s
 }
 
 namespace detail {
+
+void check_loadable_dtype(const std::string& who, const std::string& file_tensor, const std::string& file,
+                          c10::ScalarType file_dtype, const std::string& key, c10::ScalarType model_dtype) {
+  TORCH_CHECK(!at::isFloatingType(model_dtype) || at::isFloatingType(file_dtype), who, ": '", file_tensor, "' in ",
+              file, " has dtype ", c10::toString(file_dtype), " but the model's '", key, "' is ",
+              c10::toString(model_dtype), " (an integer or bool tensor is not a floating-point weight)");
+}
 
 namespace {
 
@@ -472,6 +480,7 @@ SafetensorsImportResult import_safetensors(torch::nn::Module& root, const std::s
       auto& reader = readers[w->second];
       if (!reader) reader = std::make_unique<st::Reader>(w->second);
       const st::TensorInfo& info = reader->info(fname);
+      check_loadable_dtype("import_safetensors", fname, w->second, info.dtype, name, t.dtype());
       auto sl = slice_of.find(name);
       const std::optional<FileSlice> slice = sl == slice_of.end() ? std::nullopt : std::optional<FileSlice>(sl->second);
       if (slice) {

@@ -53,6 +53,11 @@ struct KeyAdapter {
 // either (the index wins).
 std::map<std::string, std::string> resolve_files(const std::string& path);
 
+// A file tensor of an integer or bool dtype is never a floating-point model tensor's value (copy_ would convert
+// it silently): an error naming `who`, the file tensor, its file, the model key and both dtypes.
+void check_loadable_dtype(const std::string& who, const std::string& file_tensor, const std::string& file,
+                          c10::ScalarType file_dtype, const std::string& key, c10::ScalarType model_dtype);
+
 SafetensorsExportResult export_safetensors(torch::nn::Module& root, const std::string& dir,
                                            const SafetensorsExportOptions& options, const KeyAdapter& adapter);
 SafetensorsImportResult import_safetensors(torch::nn::Module& root, const std::string& path,

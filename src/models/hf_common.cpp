@@ -166,10 +166,16 @@ at::Tensor FileTensors::read(const std::string& name) {
   return reader->read(name);
 }
 
-void copy_checked(const char* who, const std::string& file_name, const std::string& key, at::Tensor& param,
-                  const at::Tensor& t) {
-  TORCH_CHECK(t.sizes() == param.sizes(), who, ": '", file_name, "' has shape ", t.sizes(), " but the model's '", key,
-              "' is ", param.sizes());
+std::string FileTensors::file_of(const std::string& name) const {
+  auto w = where_.find(name);
+  return w == where_.end() ? path_ : w->second;
+}
+
+void copy_checked(const char* who, const std::string& file_name, const std::string& file, const std::string& key,
+                  at::Tensor& param, const at::Tensor& t) {
+  checkpoint::detail::check_loadable_dtype(who, file_name, file, t.scalar_type(), key, param.scalar_type());
+  TORCH_CHECK(t.sizes() == param.sizes(), who, ": '", file_name, "' in ", file, " has shape ", t.sizes(),
+              " but the model's '", key, "' is ", param.sizes());
   c10::NoGradGuard no_grad;
   param.copy_(t);
 }
@@ -227,7 +233,7 @@ checkpoint::SafetensorsImportResult import_whole_model(const char* who, torch::n
     at::Tensor t = files.read(*f);
     used.insert(*f);
     if (from_file) t = from_file(item.key(), t);
-    copy_checked(who, *f, item.key(), item.value(), t);
+    copy_checked(who, *f, files.file_of(*f), item.key(), item.value(), t);
     r.bytes_read += t.nbytes();
   }
   return r;
@@ -253,9 +259,9 @@ bool import_experts(const char* who, FileTensors& files, const std::string& pref
     TORCH_CHECK(files.has(prefix + "down_proj"), who, " from ", files.path(), ": '", prefix, "down_proj' (for '", ours,
                 ".w2') is missing next to its gate_up_proj");
     const at::Tensor gate_up = read(prefix + "gate_up_proj");
-    TORCH_CHECK(gate_up.sizes() == at::IntArrayRef({E, 2 * F, D}), who, ": '", prefix, "gate_up_proj' has shape ",
-                gate_up.sizes(), " but the model's '", ours, ".w1' and '.w3' need [", E, ", ", 2 * F, ", ", D,
-                "] (experts, 2 x moe_intermediate_size, hidden)");
+    TORCH_CHECK(gate_up.sizes() == at::IntArrayRef({E, 2 * F, D}), who, ": '", prefix, "gate_up_proj' in ",
+                files.file_of(prefix + "gate_up_proj"), " has shape ", gate_up.sizes(), " but the model's '", ours,
+                ".w1' and '.w3' need [", E, ", ", 2 * F, ", ", D, "] (experts, 2 x moe_intermediate_size, hidden)");
     w1 = gate_up.narrow(1, 0, F);
     w3 = gate_up.narrow(1, F, F);
     w2 = read(prefix + "down_proj");
@@ -267,9 +273,20 @@ bool import_experts(const char* who, FileTensors& files, const std::string& pref
         TORCH_CHECK(files.has(p + proj + ".weight"), who, " from ", files.path(), ": '", p, proj, ".weight' (expert ",
                     j, " of ", E, " for '", ours, "') is missing");
       }
-      gates.push_back(read(p + "gate_proj.weight"));
-      ups.push_back(read(p + "up_proj.weight"));
-      downs.push_back(read(p + "down_proj.weight"));
+      // Each expert's tensor checked before they are stacked (at::stack would name neither tensor nor file, and
+      // would promote one integer expert among floating ones silently).
+      auto expert = [&](const std::string& name, const at::Tensor& param, std::vector<int64_t> shape) {
+        at::Tensor t = read(name);
+        checkpoint::detail::check_loadable_dtype(who, name, files.file_of(name), t.scalar_type(), ours,
+                                                 param.scalar_type());
+        TORCH_CHECK(t.sizes() == at::IntArrayRef(shape), who, ": '", name, "' in ", files.file_of(name), " has shape ",
+                    t.sizes(), " but is expert ", j, " of the model's '", ours, "' (", param.sizes(), "): expected ",
+                    at::IntArrayRef(shape));
+        return t;
+      };
+      gates.push_back(expert(p + "gate_proj.weight", e.w1, {F, D}));
+      ups.push_back(expert(p + "up_proj.weight", e.w3, {F, D}));
+      downs.push_back(expert(p + "down_proj.weight", e.w2, {D, F}));
     }
     TORCH_CHECK(!files.has(prefix + std::to_string(E) + ".gate_proj.weight"), who, " from ", files.path(),
                 ": the files hold more than the model's ", E, " experts for '", ours, "' ('", prefix, E,
@@ -278,9 +295,9 @@ bool import_experts(const char* who, FileTensors& files, const std::string& pref
   } else {
     return false;
   }
-  copy_checked(who, prefix + "(gate)", ours + ".w1", e.w1, w1);
-  copy_checked(who, prefix + "(up)", ours + ".w3", e.w3, w3);
-  copy_checked(who, prefix + "down_proj", ours + ".w2", e.w2, w2);
+  copy_checked(who, prefix + "(gate)", files.path(), ours + ".w1", e.w1, w1);
+  copy_checked(who, prefix + "(up)", files.path(), ours + ".w3", e.w3, w3);
+  copy_checked(who, prefix + "down_proj", files.path(), ours + ".w2", e.w2, w2);
   return true;
 }
 

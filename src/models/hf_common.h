@@ -134,6 +134,7 @@ class FileTensors {
   const std::map<std::string, std::string>& where() const { return where_; }
   bool has(const std::string& name) const { return where_.count(name) > 0; }
   at::Tensor read(const std::string& name);  // CPU, the file's dtype; error naming the tensor when absent
+  std::string file_of(const std::string& name) const;  // the file holding `name` (path() when none does)
 
  private:
   std::string path_;
@@ -141,9 +142,10 @@ class FileTensors {
   std::map<std::string, std::unique_ptr<checkpoint::safetensors::Reader>> readers_;
 };
 
-// Copies `t` (file tensor `file_name`) into the model's `key`, with a shape check naming both.
-void copy_checked(const char* who, const std::string& file_name, const std::string& key, at::Tensor& param,
-                  const at::Tensor& t);
+// Copies `t` (file tensor `file_name` of `file`) into the model's `key`, with shape and dtype checks naming them
+// (an integer or bool tensor is refused for a floating-point parameter).
+void copy_checked(const char* who, const std::string& file_name, const std::string& file, const std::string& key,
+                  at::Tensor& param, const at::Tensor& t);
 
 using KeyToFile = std::function<std::optional<std::string>(const std::string& key)>;
 using TensorMap = std::function<at::Tensor(const std::string& key, const at::Tensor& t)>;

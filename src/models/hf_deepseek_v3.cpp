@@ -387,8 +387,9 @@ checkpoint::SafetensorsImportResult import_deepseek_v3(ds::DeepSeekV3Impl& model
                   block->layer_id, ".moe.expert_bias') is missing");
       r.missing.push_back(bias_name);
     } else {
-      common::copy_checked("import_deepseek_v3", bias_name, "layers." + std::to_string(block->layer_id) +
-                           ".moe.expert_bias", block->moe->expert_bias, read(bias_name));
+      common::copy_checked("import_deepseek_v3", bias_name, files.file_of(bias_name),
+                           "layers." + std::to_string(block->layer_id) + ".moe.expert_bias", block->moe->expert_bias,
+                           read(bias_name));
     }
   }
   common::finish_whole_import("import_deepseek_v3", path, files, used, adapter, options, r);

@@ -5,6 +5,11 @@
 
 #include "loopback_port.h"
 
+#include <fsdp/checkpoint/safetensors.h>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -13,12 +18,14 @@
 
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -327,3 +334,268 @@ TEST(UserErrors, FsdpLighthouseSurvivesClientsThatLeaveBeforeTheirReply) {
   for (int i = 0; i < 100 && ::kill(static_cast<pid_t>(pid), 0) == 0; ++i) ::usleep(50000);
 }
 #endif
+
+// DeepSeek-V3 (issue 37, a new user's audit): its config errors are one line each, exit 2, before any process
+// group and before anything is written — the MoE keys included, which the MoE layer used to refuse only when the
+// model was built, after the rendezvous (exit 1, "moe: num_expert_groups ...", no key named). As above: rank 0 of
+// a world launched alone, nothing listening on its port.
+TEST(UserErrors, FsdpTrainDeepSeekV3ConfigErrorsBeforeAnyProcessGroup) {
+  Scratch s;
+  struct Case {
+    const char* name;
+    int world;
+    std::string args, line;
+  };
+  const std::string ds = " --model.name deepseek_v3 --model.flavor cpu_tiny";
+  const std::vector<Case> cases = {
+      {"flavor", 2, " --model.name deepseek_v3 --model.flavor cpu_huge",
+       "config error: model.flavor: unknown deepseek_v3 flavor 'cpu_huge' (known: cpu_tiny, debugmodel, 16B, "
+       "236B, 671B)"},
+      {"tp_heads", 3, ds + " --parallelism.tensor_parallel_degree 3 --training.seq_len 126 --validation.enable false",
+       "config error: parallelism.tensor_parallel_degree = 3 does not divide the 4 attention heads of deepseek_v3 "
+       "cpu_tiny"},
+      {"ep_experts", 3, ds + " --parallelism.expert_parallel_degree 3 --training.global_batch_size 24",
+       "config error: parallelism.expert_parallel_degree = 3 does not divide the 8 experts of deepseek_v3 cpu_tiny"},
+      {"cp_pp", 4, ds + " --parallelism.context_parallel_degree 2 --parallelism.pipeline_parallel_degree 2",
+       "config error: parallelism.context_parallel_degree = 2 with pipeline_parallel_degree > 1 (deepseek_v3 "
+       "cpu_tiny) is not supported yet"},
+      {"groups", 2, ds + " --model.moe_num_expert_groups 3",
+       "config error: model.moe_num_expert_groups = 3 must divide the 8 routed experts into groups of at least 2 "
+       "experts"},
+      {"limited", 2, ds + " --model.moe_num_expert_groups 4 --model.moe_num_limited_groups 5",
+       "config error: model.moe_num_limited_groups = 5 must be in [1, model.moe_num_expert_groups = 4]"},
+      {"limited_alone", 2, ds + " --model.moe_num_limited_groups 2",
+       "config error: model.moe_num_limited_groups = 2 needs model.moe_num_expert_groups"},
+      {"groups_negative", 2, ds + " --model.moe_num_expert_groups -2",
+       "config error: model.moe_num_expert_groups: expected >= 0 (0 = no group-limited routing), got -2"},
+      {"route_scale", 2, ds + " --model.moe_route_scale -1",
+       "config error: model.moe_route_scale: expected > 0 (or 0 = the flavor's), got -1.0"},
+      {"balance_coeff", 2, ds + " --model.moe_load_balance_coeff -5",
+       "config error: model.moe_load_balance_coeff: expected >= 0 (0 = off) or -1 = the flavor's, got -5.0"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    const auto cwd = s.cwd(std::string("ds_") + c.name);
+    const std::string w = std::to_string(c.world);
+    const std::string env = "env -u FSDP_LIGHTHOUSE RANK=0 LOCAL_RANK=0 WORLD_SIZE=" + w + " LOCAL_WORLD_SIZE=" + w +
+                            " MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                            std::to_string(fsdp_test::free_loopback_port()) + " ";
+    const auto t0 = std::chrono::steady_clock::now();
+    const Outcome r = run_in(cwd, env + FSDP_TRAIN + c.args + " --comm.init_timeout_seconds 30 --job.dump_folder out");
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    expect_one_clean_line(r, 2, {"fsdp-train: " + c.line});
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+    EXPECT_LT(seconds, 30) << "waited for a rendezvous: " << r.output;
+    EXPECT_TRUE(empty_dir(cwd));
+  }
+}
+
+// DeepSeek-V3's Hugging Face import (checkpoint.initial_load_in_hf) on hostile files, on 1 rank (the whole-model
+// path) and on 2 (the sharded path: each rank reads its own rows): a malformed config.json (wrong type, missing
+// key, odd RoPE head dim, n_group not dividing the experts, topk_group > n_group, a negative kv_lora_rank), a
+// safetensors file truncated or whose header points past its data, a tensor of the wrong shape or of an integer
+// dtype, an expert tensor missing or of the wrong shape in the hub's per-expert layout. Each is one line naming
+// the file, the field or tensor and the rule, exit 1, and the job writes nothing (its dump folder is not created:
+// the files are read and checked before config.toml and metrics.jsonl). The untouched export, in both layouts,
+// loads (so the refusals are the edits'). Before: config.toml and metrics.jsonl were written first; an int32 weight
+// was converted silently; a per-expert tensor of the wrong shape gave at::stack's message naming no file.
+namespace {
+
+std::string read_bytes(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+void write_bytes(const fs::path& p, const std::string& bytes) { std::ofstream(p, std::ios::binary) << bytes; }
+
+// A safetensors file's header (the JSON after the 8-byte length) and its data section.
+struct SafetensorsBytes {
+  nlohmann::json header;
+  std::string data;
+  explicit SafetensorsBytes(const fs::path& p) {
+    const std::string b = read_bytes(p);
+    uint64_t n = 0;
+    std::memcpy(&n, b.data(), 8);
+    header = nlohmann::json::parse(b.substr(8, n));
+    data = b.substr(8 + n);
+  }
+  void write(const fs::path& p) const {
+    std::string h = header.dump();
+    h.append((8 - h.size() % 8) % 8, ' ');
+    const uint64_t n = h.size();
+    write_bytes(p, std::string(reinterpret_cast<const char*>(&n), 8) + h + data);
+  }
+};
+
+}  // namespace
+
+TEST(UserErrors, FsdpTrainDeepSeekV3BadHuggingFaceFilesAreOneLineAndWriteNothing) {
+  namespace st = fsdp::checkpoint::safetensors;
+  Scratch s;
+  const std::string job = " --model.name deepseek_v3 --model.flavor cpu_tiny --training.seq_len 16 "
+                          "--training.local_batch_size 2 --training.global_batch_size 4 --training.steps 1 "
+                          "--validation.enable false --metrics.peak_tflops 1 --checkpoint.enable";
+  // The export every case edits: a 1-step job's Hugging Face last save (config.json + model.safetensors).
+  const Outcome made =
+      run_in(s.cwd("export"), FSDP_TRAIN + job + " --checkpoint.last_save_in_hf --job.dump_folder out");
+  ASSERT_EQ(made.status, 0) << made.output;
+  const fs::path good = s.root / "export" / "out" / "checkpoint" / "step-1";
+  ASSERT_TRUE(fs::exists(good / "model.safetensors")) << made.output;
+  const nlohmann::json config = nlohmann::json::parse(read_bytes(good / "config.json"));
+
+  // A folder holding `tensors` (as given) and `cfg`.
+  auto folder = [&](const std::string& name, const nlohmann::json& cfg) {
+    const fs::path d = s.root / "hf" / name;
+    fs::create_directories(d);
+    write_bytes(d / "config.json", cfg.dump(1));
+    return d;
+  };
+  auto with_config = [&](const std::string& name, const std::string& field, const nlohmann::json& value) {
+    nlohmann::json c = config;
+    if (value.is_discarded()) c.erase(field);
+    else c[field] = value;
+    const fs::path d = folder(name, c);
+    fs::copy_file(good / "model.safetensors", d / "model.safetensors");
+    return d;
+  };
+  auto with_tensors = [&](const std::string& name, const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+    const fs::path d = folder(name, config);
+    st::save_file((d / "model.safetensors").string(), tensors);
+    return d;
+  };
+  const std::map<std::string, at::Tensor> weights = st::load_file((good / "model.safetensors").string());
+  auto edited = [&](const std::map<std::string, at::Tensor>& base, const std::string& key, const at::Tensor& t) {
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (const auto& [k, v] : base) {
+      if (k != key) out.emplace_back(k, v);
+      else if (t.defined()) out.emplace_back(k, t);
+    }
+    return out;
+  };
+  // The hub's per-expert layout of the same weights (what save_pretrained writes).
+  std::map<std::string, at::Tensor> per_expert;
+  for (const auto& [k, v] : weights) {
+    const auto stacked = k.find("mlp.experts.");
+    if (stacked == std::string::npos) {
+      per_expert.emplace(k, v);
+      continue;
+    }
+    const std::string prefix = k.substr(0, stacked + 12);
+    for (int64_t j = 0; j < v.size(0); ++j) {
+      const std::string p = prefix + std::to_string(j) + ".";
+      if (k.size() > 12 && k.compare(k.size() - 12, 12, "gate_up_proj") == 0) {
+        const int64_t F = v.size(1) / 2;
+        per_expert.emplace(p + "gate_proj.weight", v[j].narrow(0, 0, F).clone());
+        per_expert.emplace(p + "up_proj.weight", v[j].narrow(0, F, F).clone());
+      } else {
+        per_expert.emplace(p + "down_proj.weight", v[j].clone());
+      }
+    }
+  }
+  const std::string up5 = "model.layers.2.mlp.experts.5.up_proj.weight";
+  ASSERT_TRUE(per_expert.count(up5)) << "the per-expert layout was not built";
+
+  struct Case {
+    std::string name;
+    fs::path dir;
+    std::vector<std::string> needles;  // besides the folder's path
+    std::vector<std::string> sharded;  // on 2 ranks, when their words differ (else `needles`)
+  };
+  const std::string gate = "model.layers.1.mlp.gate.weight", kv_b = "model.layers.0.self_attn.kv_b_proj.weight";
+  std::vector<Case> cases = {
+      {"hidden_size_string", with_config("hidden_size_string", "hidden_size", "64"),
+       {"config.json: field 'hidden_size' must be an integer, got a string \"64\""}},
+      {"vocab_size_missing",
+       with_config("vocab_size_missing", "vocab_size", nlohmann::json(nlohmann::json::value_t::discarded)),
+       {"config.json: field 'vocab_size' is missing"}},
+      {"rope_head_dim_odd", with_config("rope_head_dim_odd", "qk_rope_head_dim", 7),
+       {"config.json: field 'qk_rope_head_dim' must be even"}},
+      {"n_group", with_config("n_group", "n_group", 3),
+       {"config.json: field 'n_group' = 3 must divide n_routed_experts = 8 into groups of at least 2 experts"}},
+      {"topk_group", with_config("topk_group", "topk_group", 5),
+       {"config.json: field 'topk_group' = 5 exceeds n_group"}},
+      {"kv_lora_rank", with_config("kv_lora_rank", "kv_lora_rank", -32),
+       {"config.json: field 'kv_lora_rank' = -32 must be positive"}},
+      {"wrong_shape", with_tensors("wrong_shape", edited(weights, kv_b, weights.at(kv_b).t().contiguous())),
+       {"'" + kv_b + "' in ",
+        "model.safetensors has shape [32, 128] but the model's 'layers.0.attention.wkv_b.weight' is [128, 32]"}},
+      {"int_dtype", with_tensors("int_dtype", edited(weights, gate, weights.at(gate).to(at::kInt))),
+       {"'" + gate + "' in ",
+        "model.safetensors has dtype Int but the model's 'layers.1.moe.router.gate.weight' is Float"}},
+      {"expert_missing", with_tensors("expert_missing", edited(per_expert, up5, at::Tensor())),
+       {"'" + up5 + "' (expert 5 of 8 for 'layers.2.moe.experts') is missing"},
+       {"Missing from the files: ['" + up5 + "']"}},
+      {"expert_wrong_shape",
+       with_tensors("expert_wrong_shape", edited(per_expert, up5, per_expert.at(up5).narrow(0, 0, 16).clone())),
+       {"'" + up5 + "' in ", "model.safetensors has shape [16, 64] but is", "expected [32, 64]"}},
+  };
+  {
+    const fs::path d = with_config("truncated", "model_type", config["model_type"]);  // config.json as exported
+    const std::string b = read_bytes(d / "model.safetensors");
+    write_bytes(d / "model.safetensors", b.substr(0, b.size() / 2));
+    cases.push_back({"truncated", d, {"model.safetensors: tensor '", "outside the", "data section"}});
+  }
+  {
+    const fs::path d = with_config("offsets_past_end", "model_type", config["model_type"]);
+    SafetensorsBytes f(d / "model.safetensors");
+    const int64_t end = static_cast<int64_t>(f.data.size());
+    f.header["model.norm.weight"]["data_offsets"] = {end - 100, end + 156};
+    f.write(d / "model.safetensors");
+    cases.push_back(
+        {"offsets_past_end", d, {"model.safetensors: tensor 'model.norm.weight': data_offsets", "outside the"}});
+  }
+  // The untouched export loads, in both layouts (the cases' refusals are their edits').
+  const fs::path stacked_ok = with_tensors("stacked_ok", edited(weights, "", at::Tensor()));
+  const fs::path per_expert_ok = with_tensors("per_expert_ok", edited(per_expert, "", at::Tensor()));
+  for (const int nproc : {1, 2}) {
+    const std::string launch = nproc == 1 ? std::string(FSDP_TRAIN)
+                                          : std::string("env -u FSDP_LIGHTHOUSE ") + FSDPRUN +
+                                                " --nproc-per-node 2 --timeout 100 " + FSDP_TRAIN;
+    for (const fs::path& ok : {stacked_ok, per_expert_ok}) {
+      const Outcome r = run_in(s.cwd("ok_" + std::to_string(nproc) + ok.filename().string()),
+                               launch + job + " --checkpoint.initial_load_in_hf --checkpoint.initial_load_path '" +
+                                   ok.string() + "' --job.dump_folder out");
+      EXPECT_EQ(r.status, 0) << r.output;
+      EXPECT_NE(r.output.find("checkpoint: loaded Hugging Face weights " + ok.string()), std::string::npos) << r.output;
+    }
+    for (const auto& c : cases) {
+      SCOPED_TRACE(c.name + " on " + std::to_string(nproc) + " rank(s)");
+      const auto cwd = s.cwd("bad_" + std::to_string(nproc) + "_" + c.name);
+      const Outcome r = run_in(cwd, launch + job + " --checkpoint.initial_load_in_hf --checkpoint.initial_load_path '" +
+                                        c.dir.string() + "' --job.dump_folder out");
+      EXPECT_EQ(r.status, 1) << r.output;
+      for (const auto& n : nproc == 2 && !c.sharded.empty() ? c.sharded : c.needles)
+        EXPECT_NE(r.output.find(n), std::string::npos) << "'" << n << "' not in: " << r.output;
+      EXPECT_NE(r.output.find(c.dir.string()), std::string::npos) << "the file is not named: " << r.output;
+      EXPECT_EQ(r.output.find("frame #"), std::string::npos) << "a C++ stack dump: " << r.output;
+      EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << r.output;
+      // One line per rank (fsdprun adds its own line naming the rank that exited).
+      const auto errors = std::count(r.output.begin(), r.output.end(), '\n') - (nproc == 2 ? 1 : 0);
+      EXPECT_LE(errors, nproc) << r.output;
+      EXPECT_TRUE(empty_dir(cwd)) << "written before the input was known good: " << fs::directory_iterator(cwd)->path();
+    }
+  }
+}
+
+// --print-config names a flavor the model family does not have, as the run would: `--model.name deepseek_v3`
+// alone printed llama3's default flavor (cpu_small) with exit 0, and the run with that config was then refused.
+TEST(UserErrors, FsdpTrainPrintConfigRefusesAFlavorTheFamilyLacks) {
+  Scratch s;
+  const auto cwd = s.cwd("print_config");
+  const Outcome bad = run_in(cwd, std::string(FSDP_TRAIN) + " --model.name deepseek_v3 --print-config");
+  expect_one_clean_line(bad, 2, {"fsdp-train: config error: model.flavor: unknown deepseek_v3 flavor 'cpu_small' "
+                                 "(known: cpu_tiny, debugmodel, 16B, 236B, 671B)"});
+  EXPECT_EQ(std::count(bad.output.begin(), bad.output.end(), '\n'), 1) << bad.output;
+  const Outcome run = run_in(cwd, std::string(FSDP_TRAIN) + " --model.name deepseek_v3 --job.dump_folder out");
+  EXPECT_NE(run.output.find("model.flavor: unknown deepseek_v3 flavor 'cpu_small'"), std::string::npos)
+      << "the run's words differ: " << run.output;
+  const Outcome family = run_in(cwd, std::string(FSDP_TRAIN) + " --model.name gpt2 --print-config");
+  expect_one_clean_line(family, 2, {"model.name = \"gpt2\" is not a registered model family"});
+  const Outcome good =
+      run_in(cwd, std::string(FSDP_TRAIN) + " --model.name deepseek_v3 --model.flavor cpu_tiny --print-config");
+  EXPECT_EQ(good.status, 0) << good.output;
+  EXPECT_NE(good.output.find("name = \"deepseek_v3\"\nflavor = \"cpu_tiny\""), std::string::npos) << good.output;
+  EXPECT_TRUE(empty_dir(cwd));
+}
