@@ -112,11 +112,12 @@ GenerateResult generate(const JobConfig& config, const GenerateOptions& o) {
   const auto eos = tokenizer->eos_id();
 
   std::function<at::Tensor(const at::Tensor&)> cached_forward;  // keeps its KV cache between calls
-  if (o.kv_cache) cached_forward = built.cached_forward(capacity);
+  r.kv_cache = o.kv_cache && static_cast<bool>(built.cached_forward);  // a family without one re-runs the sequence
+  if (r.kv_cache) cached_forward = built.cached_forward(capacity);
   std::vector<int64_t> pending = sequence;  // tokens not yet run through the model (with the cache)
   for (int64_t i = 0; i < o.max_new_tokens; ++i) {
     at::Tensor logits;
-    if (o.kv_cache) {
+    if (r.kv_cache) {
       auto input = torch::tensor(pending, torch::kLong).view({1, -1}).to(device);
       logits = cached_forward(input);  // the cache is made on the model's device (after the move above)
     } else {
@@ -197,7 +198,7 @@ int generate_main(const std::vector<std::string>& args) {
   const GenerateResult r = generate(config, o);
   std::cerr << "generate: " << config.model.name << " " << config.model.flavor << " from " << r.checkpoint_dir << ", "
             << r.new_tokens.size() << " new tokens (temperature " << o.temperature << ", top_k " << o.top_k
-            << ", seed " << o.seed << (o.kv_cache ? ", KV cache" : ", no KV cache") << ")\n";
+            << ", seed " << o.seed << (r.kv_cache ? ", KV cache" : o.kv_cache ? ", no KV cache: the model has none" : ", no KV cache") << ")\n";
   std::cout << o.prompt << r.text << std::endl;
   return 0;
 }

@@ -32,6 +32,7 @@ struct GenerateResult {
   std::vector<uint32_t> prompt_tokens;  // BOS + prompt
   std::vector<uint32_t> new_tokens;     // sampled (EOS included when it ended the text)
   std::string text;                     // the decoded new tokens (without EOS)
+  bool kv_cache = false;                // sampled with a KV cache (asked for, and the family has one)
 };
 
 // The step folder `path` names: itself when it holds metadata.json, else its latest complete step-N.

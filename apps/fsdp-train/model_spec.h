@@ -56,6 +56,7 @@ struct TrainModel {
   // TorchTitan's init_weights: the flavor's initialisation from `seed`, each part inside `scope`.
   std::function<void(uint64_t seed, const InitScope& scope)> init_weights;
   // Generation: a forward over new tokens [1, n] that keeps a KV cache of `capacity` positions between calls.
+  // Empty: the family has no KV cache (generate re-runs the whole sequence per token and says so).
   std::function<std::function<at::Tensor(const at::Tensor& new_tokens)>(int64_t capacity)> cached_forward;
   std::string summary;      // one line for the log: "dim 256, 6 layers, ...", ending with the vocabulary
   int64_t num_params = 0;   // all parameters of the whole model (analytic, from the flavor)

@@ -104,3 +104,26 @@ TEST(Generate, DefaultJobCheckpointWritesLicenseLikeText) {
   EXPECT_NE(rc, 0);
   EXPECT_NE(wrong.find("has shape"), std::string::npos) << wrong;
 }
+
+// A family without a KV cache (deepseek_v3: MLA's latent cache is not written): generate re-runs the whole sequence
+// per token, says so instead of claiming a cache, and --no_kv_cache gives the same greedy text. The checkpoint is a
+// few steps of deepseek_v3 cpu_tiny on 1 rank.
+TEST(Generate, DeepSeekV3HasNoKvCacheAndSaysSo) {
+  const std::string dump = ::testing::TempDir() + "/fsdp_train_generate_deepseek_v3";
+  fs::remove_all(dump);
+  const std::string log =
+      run(std::string(FSDP_TRAIN) + " --model.name deepseek_v3 --model.flavor cpu_tiny --training.steps 4" +
+          " --training.seq_len 64 --metrics.log_freq 1 --validation.enable false --checkpoint.enable" +
+          " --checkpoint.interval 4 --job.dump_folder " + dump + " 2>&1");
+  ASSERT_TRUE(fs::exists(dump + "/checkpoint/step-4/metadata.json")) << log;
+  const std::string gen = std::string(FSDP_TRAIN) + " generate --prompt 'This program' --checkpoint " + dump +
+                          "/checkpoint --temperature 0 --max_new_tokens 12 ";
+  const std::string with = run(gen + "2>&1");
+  EXPECT_NE(with.find("generate: deepseek_v3 cpu_tiny"), std::string::npos) << with;
+  EXPECT_NE(with.find("no KV cache: the model has none"), std::string::npos) << with;
+  EXPECT_EQ(with.find(", KV cache)"), std::string::npos) << with;
+  EXPECT_EQ(run(gen + "2>/dev/null"), run(gen + "--no_kv_cache 2>/dev/null"));
+  const std::string without = run(gen + "--no_kv_cache 2>&1");
+  EXPECT_NE(without.find(", no KV cache)"), std::string::npos) << without;
+  fs::remove_all(dump);
+}

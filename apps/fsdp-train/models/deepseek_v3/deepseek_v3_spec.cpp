@@ -60,16 +60,8 @@ TrainModel build_model(const JobConfig& config, const ModelShape& shape) {
     if (scope) impl->init_weights(seed, scope);
     else impl->init_weights(seed);
   };
-  // The model has no KV cache (MLA's latent cache is not written): each call runs the whole sequence so far and
-  // returns the new positions' logits — the same numbers, quadratic in the generated length.
-  out.cached_forward = [forward = out.forward](int64_t /*capacity*/) {
-    auto seen = std::make_shared<at::Tensor>();
-    return std::function<at::Tensor(const at::Tensor&)>([forward, seen](const at::Tensor& new_tokens) {
-      *seen = seen->defined() ? at::cat({*seen, new_tokens}, 1) : new_tokens;
-      const at::Tensor logits = forward(*seen);
-      return logits.slice(1, logits.size(1) - new_tokens.size(1));
-    });
-  };
+  // No cached_forward: MLA's latent KV cache is not written, so generate re-runs the whole sequence for each new
+  // token (the same numbers, quadratic in the generated length) and says "no KV cache".
   out.summary = summary_of(args);
   out.num_params = ds::num_params(args);
   out.flops_per_token = ds::flops_per_token(args, shape.max_seq_len);
