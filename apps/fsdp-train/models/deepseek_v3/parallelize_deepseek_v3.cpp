@@ -5,7 +5,6 @@
 #include "pipeline_deepseek_v3.h"
 
 #include <fsdp/activation_checkpoint.h>
-#include <fsdp/context_parallel.h>
 #include <fsdp/expert_parallel.h>
 #include <fsdp/models/deepseek_v3_pipeline.h>
 #include <fsdp/models/deepseek_v3_tp_plan.h>
@@ -55,31 +54,23 @@ void apply_tp(ds::DeepSeekV3& model, const fsdp::DeviceMesh& tp_mesh, bool loss_
   set_moe_sequence_group(model->blocks(), tp_mesh);
 }
 
-// Context parallelism (TorchTitan's apply_cp): every block's MLA through ring attention over the cp ranks (q and k
-// of qk_nope + qk_rope, v of v_head_dim; the ring pads v, context_parallel.h) at MLA's own softmax scale, RoPE of
-// the rope part at this rank's chunks' global positions, and block_causal's document ids of every cp rank
-// gathered once per forward for the masked ring. The MoE blocks sum their per-sequence counts over cp.
+// Context parallelism (TorchTitan's apply_cp) on the whole model or a pipeline stage (`holder`: DeepSeekV3Impl or
+// DeepSeekV3StageImpl): the RoPE positions and document mask every family shares (parallelize.h: cp_hooks), and
+// every block's MLA through the ring over the cp ranks: q and k of qk_nope + qk_rope, v of v_head_dim (the ring
+// pads v, context_parallel.h), at MLA's own softmax scale (YaRN's mscale; the ring's default 1/sqrt(qk head dim)
+// would differ). The MoE blocks sum their per-sequence counts over cp.
+template <class Holder>
+void cp_attention(Holder& holder, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
+                  CpLoadBalancer load_balancer) {
+  const CpHooks hooks = cp_hooks(cp_mesh, rotate_method, load_balancer);
+  hooks.install(holder);
+  for (auto& block : holder.blocks()) block->attention->kernel = hooks.ring_attention(block->attention->softmax_scale);
+  set_moe_sequence_group(holder.blocks(), cp_mesh);
+}
+
 void apply_cp(ds::DeepSeekV3& model, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
               CpLoadBalancer load_balancer) {
-  const fsdp::ProcessGroupPtr group = cp_mesh.group(0);
-  const fsdp::ContextParallelOptions options{
-      rotate_method == CpRotateMethod::AllToAll ? fsdp::CpRotateMethod::AllToAll : fsdp::CpRotateMethod::AllGather,
-      load_balancer == CpLoadBalancer::HeadTail ? fsdp::CpLoadBalancer::HeadTail : fsdp::CpLoadBalancer::None};
-  model->rope_positions = [rank = group->rank(), size = group->size(), balancer = options.load_balancer](int64_t len) {
-    return fsdp::context_parallel_positions(len * size, rank, size, balancer);
-  };
-  model->document_mask = [group](const at::Tensor& document_ids) {
-    return fsdp::context_parallel_gather_document_ids(document_ids, group);
-  };
-  for (auto& block : model->blocks()) {
-    block->attention->kernel = [group, options, scale = block->attention->softmax_scale](
-                                   const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                   const fsdp::models::llama::AttentionMask& document_ids) {
-      if (document_ids) return fsdp::block_causal_ring_attention(q, k, v, *document_ids, group, options, scale);
-      return fsdp::ring_attention(q, k, v, group, options, scale);
-    };
-  }
-  set_moe_sequence_group(model->blocks(), cp_mesh);
+  cp_attention(*model, cp_mesh, rotate_method, load_balancer);
 }
 
 // The routed experts of every MoE block split over the 1-D `ep_mesh` (collective-free; before fully_shard).
