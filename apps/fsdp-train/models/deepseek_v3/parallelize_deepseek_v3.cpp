@@ -39,6 +39,8 @@ std::string apply_ac(ds::DeepSeekV3& model, AcMode mode, const SelectiveAcOption
          std::to_string(n) + " of " + std::to_string(blocks.size()) + ")";
 }
 
+}  // namespace
+
 // The MoE blocks' sequence balance loss: each rank of `mesh` (tp, or cp) routes a slice of every sequence, so the
 // blocks sum their per-sequence counts over it (the whole sequence's, as TorchTitan computes the loss).
 void set_moe_sequence_group(std::vector<ds::TransformerBlock>& blocks, const fsdp::DeviceMesh& mesh) {
@@ -46,6 +48,8 @@ void set_moe_sequence_group(std::vector<ds::TransformerBlock>& blocks, const fsd
     if (block->moe) block->moe->set_sequence_parallel_group(mesh.group(0));
   }
 }
+
+namespace {
 
 // TorchTitan's DeepSeek-V3 TP plan (sequence parallel, MLA split by heads) over the 1-D `tp_mesh`; loss_parallel:
 // the output projection keeps its logits sharded over the vocabulary.
@@ -92,6 +96,11 @@ void apply_tp(ds::DeepSeekV3Stage& stage, const ds::DeepSeekV3Args& args, const 
   stage->sequence_shards = tp_mesh.size();  // hidden states travel between stages split on the sequence
 }
 
+void apply_cp(ds::DeepSeekV3Stage& stage, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
+              CpLoadBalancer load_balancer) {
+  cp_attention(*stage, cp_mesh, rotate_method, load_balancer);
+}
+
 std::string tp_description(const ParallelPlan& plan) {
   return "TP " + std::to_string(plan.tp_mesh.size()) + " (sequence parallel, MLA heads split, " +
          (plan.loss_parallel ? "loss parallel" : "logits gathered") + ") + ";
@@ -130,12 +139,6 @@ void check_layout(const ds::DeepSeekV3Args& args, const JobConfig& config, const
   if (dims.tp > 1 && args.n_heads % dims.tp != 0) {
     throw ConfigError("config error: parallelism.tensor_parallel_degree = " + std::to_string(dims.tp) +
                       " does not divide the " + std::to_string(args.n_heads) + " attention heads of " + model);
-  }
-  if (dims.cp > 1 && dims.pp > 1) {
-    throw ConfigError("config error: parallelism.context_parallel_degree = " + std::to_string(dims.cp) +
-                      " with pipeline_parallel_degree > 1 (" + model +
-                      ") is not supported yet; context parallelism runs deepseek_v3 with FSDP, HSDP, "
-                      "parallelism.tensor_parallel_degree and parallelism.expert_parallel_degree");
   }
   const auto& ac = config.activation_checkpoint;
   if (ac.mode == AcMode::Selective && ac.selective_ac_option.kind != SelectiveAcOption::Kind::EveryKth &&

@@ -36,6 +36,13 @@ ParallelPlan parallelize_deepseek_v3_pipeline(ds::DeepSeekV3& model, const JobCo
     plan.tp_mesh = meshes.tp;
     plan.loss_parallel = !config.parallelism.disable_loss_parallel;
   }
+  const auto& p = config.parallelism;
+  if (dims.cp > 1) {
+    // Each stage's MLA runs the ring over its cp ranks; the hidden states between stages are this rank's chunks
+    // (the trainer cuts the rows before the schedule splits them into microbatches). FSDP over dp_shard x cp.
+    plan.cp_mesh = meshes.cp;
+    plan.fsdp_mesh = meshes.dp;
+  }
   const PipelineSplit split = split_pipeline(model->args(), pipeline_split_options(config, dims));
   plan.num_stages = static_cast<int>(split.num_stages);
   plan.stage_indices = split.schedule.stages_of_rank(plan.pp_group->rank());
@@ -48,6 +55,9 @@ ParallelPlan parallelize_deepseek_v3_pipeline(ds::DeepSeekV3& model, const JobCo
     const auto [begin, end] = split.layers[static_cast<size_t>(s)];
     ds::DeepSeekV3Stage stage(*model, begin, end, s == 0, s == plan.num_stages - 1);
     if (dims.tp > 1) apply_tp(stage, model->args(), plan.tp_mesh, plan.loss_parallel);
+    if (dims.cp > 1) apply_cp(stage, plan.cp_mesh, p.context_parallel_rotate_method, p.context_parallel_load_balancer);
+    // Under cp x tp each MoE block sums its per-sequence counts over both (as the whole model's path).
+    if (dims.cp > 1 && dims.tp > 1) set_moe_sequence_group(stage->blocks(), meshes.cp_tp);
     if (dims.ep > 1) {
       for (auto& block : stage->blocks()) {
         if (block->moe) fsdp::apply_expert_parallel(block->moe->experts.ptr(), meshes.ep);
@@ -59,7 +69,8 @@ ParallelPlan parallelize_deepseek_v3_pipeline(ds::DeepSeekV3& model, const JobCo
     plan.stages.push_back(pipeline_stage(stage.ptr(), stage_call(stage), plan, dims));
   }
   finish_pipeline_plan(plan, config, dims, layers,
-                       (dims.tp > 1 ? tp_description(plan) : std::string()) + experts_description);
+                       (dims.tp > 1 ? tp_description(plan) : std::string()) + cp_description(config, dims) +
+                           experts_description);
   return plan;
 }
 
