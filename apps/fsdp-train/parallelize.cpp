@@ -239,6 +239,25 @@ ModelStage pipeline_stage(std::shared_ptr<torch::nn::Module> module,
           }};
 }
 
+ParallelMeshes start_pipeline_plan(ParallelPlan& plan, const JobConfig& config, const ParallelDims& dims, bool moe,
+                                   const PipelineSplit& split) {
+  const ParallelMeshes meshes = build_meshes(dims, mesh_device(config).is_cuda() ? "cuda" : "cpu", moe);
+  plan.mesh = meshes.world;
+  plan.pp_group = plan.mesh.group("pp");
+  if (dims.tp > 1) {
+    plan.tp_mesh = meshes.tp;
+    plan.loss_parallel = !config.parallelism.disable_loss_parallel;
+  }
+  if (dims.cp > 1) {
+    plan.cp_mesh = meshes.cp;
+    plan.fsdp_mesh = meshes.dp;  // dp_shard_cp
+  }
+  plan.num_stages = static_cast<int>(split.num_stages);
+  plan.stage_indices = split.schedule.stages_of_rank(plan.pp_group->rank());
+  plan.pipeline_schedule = split.schedule;
+  return meshes;
+}
+
 void finish_pipeline_plan(ParallelPlan& plan, const JobConfig& config, const ParallelDims& dims,
                           const std::string& layers, const std::string& parts) {
   plan.holds_first_stage = plan.stage_indices.front() == 0;

@@ -223,5 +223,12 @@ struct PipelineSplit {
   std::vector<std::pair<int64_t, int64_t>> layers;  // [begin, end) per stage
   fsdp::pipeline::PipelineSchedule schedule;        // stages_of_rank(r): the stages pipeline rank r holds
 };
+// The head of every family's pipeline path, once the family has split its layers (`split`): the meshes
+// (build_meshes; `moe`: the model has MoE layers) on training.device, the world mesh and its pp group, the tp mesh
+// (and loss parallel) under TP, the cp mesh under CP (each stage's attention runs the ring over its cp ranks on the
+// chunks the trainer cut before the schedule split the rows into microbatches; FSDP over dp_shard_cp), and the
+// stages this rank holds under the split's schedule. Returns the meshes. Collective over the world.
+ParallelMeshes start_pipeline_plan(ParallelPlan& plan, const JobConfig& config, const ParallelDims& dims, bool moe,
+                                   const PipelineSplit& split);
 
 }  // namespace fsdp_train

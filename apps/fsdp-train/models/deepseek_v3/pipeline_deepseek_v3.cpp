@@ -29,24 +29,9 @@ ParallelPlan parallelize_deepseek_v3_pipeline(ds::DeepSeekV3& model, const JobCo
                                               const ParallelDims& dims, const fsdp::ProcessGroupPtr& group,
                                               ParallelPlan plan) {
   TORCH_CHECK(group, "pipeline parallelism needs a process group (run under fsdprun)");
-  const ParallelMeshes meshes = build_meshes(dims, mesh_device(config).is_cuda() ? "cuda" : "cpu", /*moe=*/true);
-  plan.mesh = meshes.world;
-  plan.pp_group = plan.mesh.group("pp");
-  if (dims.tp > 1) {
-    plan.tp_mesh = meshes.tp;
-    plan.loss_parallel = !config.parallelism.disable_loss_parallel;
-  }
-  const auto& p = config.parallelism;
-  if (dims.cp > 1) {
-    // Each stage's MLA runs the ring over its cp ranks; the hidden states between stages are this rank's chunks
-    // (the trainer cuts the rows before the schedule splits them into microbatches). FSDP over dp_shard x cp.
-    plan.cp_mesh = meshes.cp;
-    plan.fsdp_mesh = meshes.dp;
-  }
   const PipelineSplit split = split_pipeline(model->args(), pipeline_split_options(config, dims));
-  plan.num_stages = static_cast<int>(split.num_stages);
-  plan.stage_indices = split.schedule.stages_of_rank(plan.pp_group->rank());
-  plan.pipeline_schedule = split.schedule;
+  const ParallelMeshes meshes = start_pipeline_plan(plan, config, dims, /*moe=*/true, split);
+  const auto& p = config.parallelism;
   FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/true);
   const std::string experts_description =
       pipeline_moe_setup(plan, fsdp, model->args().moe.num_experts, config, dims, meshes);

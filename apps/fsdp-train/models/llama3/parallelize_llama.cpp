@@ -242,29 +242,13 @@ ParallelPlan parallelize_llama_pipeline(fsdp::models::llama::Transformer& model,
                                         const ParallelDims& dims, const fsdp::ProcessGroupPtr& group) {
   ParallelPlan plan;
   plan.dp_group = group;
-  const std::string device = mesh_device(config).is_cuda() ? "cuda" : "cpu";
   plan.activation_checkpointing =
       apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option);
   TORCH_CHECK(group, "pipeline parallelism needs a process group (run under fsdprun)");
-  const ParallelMeshes meshes = build_meshes(dims, device, /*moe=*/num_experts_of(model) > 0);
-  plan.mesh = meshes.world;
-  plan.pp_group = plan.mesh.group("pp");
-  if (dims.tp > 1) {
-    plan.tp_mesh = meshes.tp;
-    plan.loss_parallel = !config.parallelism.disable_loss_parallel;
-  }
-  const auto& p = config.parallelism;
-  if (dims.cp > 1) {
-    // Each stage's attention runs the ring over its cp ranks; the hidden states between stages are this rank's
-    // chunks (the trainer cuts the rows before the schedule splits them into microbatches).
-    plan.cp_mesh = meshes.cp;
-    plan.fsdp_mesh = meshes.dp;
-  }
   const PipelineSplit split = split_pipeline(model->args(), pipeline_split_options(config, dims));
+  const ParallelMeshes meshes = start_pipeline_plan(plan, config, dims, /*moe=*/num_experts_of(model) > 0, split);
   const int64_t num_stages = split.num_stages;
-  plan.num_stages = static_cast<int>(num_stages);
-  plan.stage_indices = split.schedule.stages_of_rank(plan.pp_group->rank());
-  plan.pipeline_schedule = split.schedule;
+  const auto& p = config.parallelism;
   FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/true);
   const std::string experts_description =
       pipeline_moe_setup(plan, fsdp, num_experts_of(model), config, dims, meshes);
