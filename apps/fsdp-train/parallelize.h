@@ -167,6 +167,12 @@ void finish_pipeline_plan(ParallelPlan& plan, const JobConfig& config, const Par
 // The plan's words for context parallelism, every family's ("" without it): degree, rotate method, load balancer,
 // sequence per rank, FSDP's dp_shard x cp ranks.
 std::string cp_description(const JobConfig& config, const ParallelDims& dims);
+// The plan's description of a pipeline split: "PP <pp> (<schedule>, <n> stages, <m> microbatches; this rank:
+// <layers>) + <parts>" followed by the FSDP mesh and reshard policy.
+std::string pipeline_description(const ParallelPlan& plan, const JobConfig& config, const ParallelDims& dims,
+                                 const std::string& layers, const std::string& parts);
+// "stage <s> = layers <begin>..<end-1> [+ tok_embeddings] [+ norm, output]", for the description.
+std::string stage_layers_text(int s, int64_t begin, int64_t end, int num_stages);
 
 // ---- context parallelism (every family) ---------------------------------------------------------------------
 
@@ -198,12 +204,6 @@ struct CpHooks {
 };
 // The hooks over `cp_mesh` with the [parallelism] rotate method and load balancer. Collective-free.
 CpHooks cp_hooks(const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method, CpLoadBalancer load_balancer);
-// The plan's description of a pipeline split: "PP <pp> (<schedule>, <n> stages, <m> microbatches; this rank:
-// <layers>) + <parts>" followed by the FSDP mesh and reshard policy.
-std::string pipeline_description(const ParallelPlan& plan, const JobConfig& config, const ParallelDims& dims,
-                                 const std::string& layers, const std::string& parts);
-// "stage <s> = layers <begin>..<end-1> [+ tok_embeddings] [+ norm, output]", for the description.
-std::string stage_layers_text(int s, int64_t begin, int64_t end, int num_stages);
 
 // ---- pipeline split -----------------------------------------------------------------------------------------
 
