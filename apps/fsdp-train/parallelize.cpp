@@ -3,6 +3,7 @@
 
 #include "moe_balance.h"
 
+#include <fsdp/context_parallel.h>
 #include <fsdp/models/moe.h>
 #include <fsdp/replicate.h>
 
@@ -259,6 +260,25 @@ ModelStage pipeline_stage(std::shared_ptr<torch::nn::Module> module,
           }};
 }
 
+ParallelMeshes start_pipeline_plan(ParallelPlan& plan, const JobConfig& config, const ParallelDims& dims, bool moe,
+                                   const PipelineSplit& split) {
+  const ParallelMeshes meshes = build_meshes(dims, mesh_device(config).is_cuda() ? "cuda" : "cpu", moe);
+  plan.mesh = meshes.world;
+  plan.pp_group = plan.mesh.group("pp");
+  if (dims.tp > 1) {
+    plan.tp_mesh = meshes.tp;
+    plan.loss_parallel = !config.parallelism.disable_loss_parallel;
+  }
+  if (dims.cp > 1) {
+    plan.cp_mesh = meshes.cp;
+    plan.fsdp_mesh = meshes.dp;  // dp_shard_cp
+  }
+  plan.num_stages = static_cast<int>(split.num_stages);
+  plan.stage_indices = split.schedule.stages_of_rank(plan.pp_group->rank());
+  plan.pipeline_schedule = split.schedule;
+  return meshes;
+}
+
 void finish_pipeline_plan(ParallelPlan& plan, const JobConfig& config, const ParallelDims& dims,
                           const std::string& layers, const std::string& parts) {
   plan.holds_first_stage = plan.stage_indices.front() == 0;
@@ -279,6 +299,40 @@ std::string cp_description(const JobConfig& config, const ParallelDims& dims) {
          to_string(p.context_parallel_load_balancer) + "; " + std::to_string(config.training.seq_len / dims.cp) +
          " of " + std::to_string(config.training.seq_len) + " tokens per rank; FSDP over dp_shard x cp = " +
          std::to_string(dims.dp_shard * dims.cp) + " ranks) + ";
+}
+
+namespace {
+fsdp::ContextParallelOptions ring_options(const CpHooks& hooks) {
+  return {hooks.rotate_method == CpRotateMethod::AllToAll ? fsdp::CpRotateMethod::AllToAll
+                                                           : fsdp::CpRotateMethod::AllGather,
+          hooks.load_balancer == CpLoadBalancer::HeadTail ? fsdp::CpLoadBalancer::HeadTail : fsdp::CpLoadBalancer::None};
+}
+}  // namespace
+
+CpHooks cp_hooks(const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method, CpLoadBalancer load_balancer) {
+  CpHooks hooks;
+  hooks.group = cp_mesh.group(0);
+  hooks.rotate_method = rotate_method;
+  hooks.load_balancer = load_balancer;
+  const fsdp::CpLoadBalancer balancer = ring_options(hooks).load_balancer;
+  hooks.rope_positions = [rank = hooks.group->rank(), size = hooks.group->size(), balancer](int64_t local_len) {
+    return fsdp::context_parallel_positions(local_len * size, rank, size, balancer);
+  };
+  // block_causal: every cp rank's document ids (of the whole rows, cut like the tokens), gathered once per forward
+  // and handed to every block in the mask's place; the blocks' ring then masks each chunk pair by them.
+  hooks.document_mask = [group = hooks.group](const at::Tensor& document_ids) {
+    return fsdp::context_parallel_gather_document_ids(document_ids, group);
+  };
+  return hooks;
+}
+
+CpHooks::AttentionKernel CpHooks::ring_attention(std::optional<double> scale) const {
+  return [group = group, options = ring_options(*this), scale](const at::Tensor& q, const at::Tensor& k,
+                                                               const at::Tensor& v,
+                                                               const std::optional<at::Tensor>& all_document_ids) {
+    if (all_document_ids) return fsdp::block_causal_ring_attention(q, k, v, *all_document_ids, group, options, scale);
+    return fsdp::ring_attention(q, k, v, group, options, scale);
+  };
 }
 
 std::string pipeline_description(const ParallelPlan& plan, const JobConfig& config, const ParallelDims& dims,

@@ -184,6 +184,37 @@ std::string pipeline_description(const ParallelPlan& plan, const JobConfig& conf
 // "stage <s> = layers <begin>..<end-1> [+ tok_embeddings] [+ norm, output]", for the description.
 std::string stage_layers_text(int s, int64_t begin, int64_t end, int num_stages);
 
+// ---- context parallelism (every family) ---------------------------------------------------------------------
+
+// What context parallelism over a 1-D `cp_mesh` gives a model or a pipeline stage (TorchTitan's apply_cp), the
+// same for every family: the RoPE positions of this rank's chunks, block_causal's document ids of every cp rank
+// (gathered once per forward), and each block's attention through the ring. The only per-family part is the
+// attention's softmax scale (Llama: 1/sqrt(head dim); DeepSeek-V3's MLA: its own, with YaRN's mscale); a v head
+// dim other than q/k's the ring handles itself (it pads v).
+struct CpHooks {
+  // this rank's tokens' global positions (int64 [local_len]) for the local_len tokens a forward is given
+  std::function<at::Tensor(int64_t local_len)> rope_positions;
+  // this rank's chunks' document ids -> every cp rank's ([cp, batch, local_len]; collective over cp)
+  std::function<at::Tensor(const at::Tensor& document_ids)> document_mask;
+  // A block's attention kernel: q, k, v of this rank's chunks through ring attention over cp at `scale` (unset:
+  // 1/sqrt(q's head dim)), masked by the gathered document ids when given (block_causal), causal otherwise.
+  using AttentionKernel = std::function<at::Tensor(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   const std::optional<at::Tensor>& all_document_ids)>;
+  AttentionKernel ring_attention(std::optional<double> scale = std::nullopt) const;
+  // Sets rope_positions and document_mask on a model or a stage (any holder with those two members).
+  template <class Holder>
+  void install(Holder& holder) const {
+    holder.rope_positions = rope_positions;
+    holder.document_mask = document_mask;
+  }
+
+  fsdp::ProcessGroupPtr group;  // the cp ranks
+  CpRotateMethod rotate_method = CpRotateMethod::AllGather;
+  CpLoadBalancer load_balancer = CpLoadBalancer::HeadTail;
+};
+// The hooks over `cp_mesh` with the [parallelism] rotate method and load balancer. Collective-free.
+CpHooks cp_hooks(const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method, CpLoadBalancer load_balancer);
+
 // ---- pipeline split -----------------------------------------------------------------------------------------
 
 struct PipelineSplitOptions {
@@ -202,5 +233,12 @@ struct PipelineSplit {
   std::vector<std::pair<int64_t, int64_t>> layers;  // [begin, end) per stage
   fsdp::pipeline::PipelineSchedule schedule;        // stages_of_rank(r): the stages pipeline rank r holds
 };
+// The head of every family's pipeline path, once the family has split its layers (`split`): the meshes
+// (build_meshes; `moe`: the model has MoE layers) on training.device, the world mesh and its pp group, the tp mesh
+// (and loss parallel) under TP, the cp mesh under CP (each stage's attention runs the ring over its cp ranks on the
+// chunks the trainer cut before the schedule split the rows into microbatches; FSDP over dp_shard_cp), and the
+// stages this rank holds under the split's schedule. Returns the meshes. Collective over the world.
+ParallelMeshes start_pipeline_plan(ParallelPlan& plan, const JobConfig& config, const ParallelDims& dims, bool moe,
+                                   const PipelineSplit& split);
 
 }  // namespace fsdp_train

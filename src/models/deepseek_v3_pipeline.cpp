@@ -46,16 +46,26 @@ at::Tensor DeepSeekV3StageImpl::forward(const at::Tensor& x, const std::optional
   if (block_causal) {
     TORCH_CHECK(document_ids->size(0) == x.size(0) && document_ids->size(1) == seq_len, "deepseek_v3 stage: ",
                 "document ids ", document_ids->sizes(), " do not fit ", x.size(0), " sequences of ", seq_len);
-    mask = llama::block_causal_mask(*document_ids);
+    mask = document_mask ? document_mask(*document_ids) : llama::block_causal_mask(*document_ids);
+  }
+  // RoPE at positions 0 .. seq_len-1, or (context parallel) at the global positions of this rank's chunks.
+  at::Tensor positions;
+  int64_t table_len = seq_len;
+  if (rope_positions) {
+    positions = rope_positions(seq_len).to(h.device());
+    TORCH_CHECK(positions.dim() == 1 && positions.size(0) == seq_len, "deepseek_v3 stage: rope_positions gave ",
+                positions.sizes(), " for ", seq_len, " tokens");
+    table_len = positions.max().item<int64_t>() + 1;
   }
   // The whole model's RoPE table (DeepSeekV3Impl::rope_tables): only the qk_rope_head_dim part is rotated.
-  if (!rope_cos_.defined() || rope_cos_.size(0) < seq_len || rope_cos_.device() != h.device()) {
-    auto [c, s] = llama::precompute_rope(args_.qk_rope_head_dim, std::max(seq_len, args_.max_seq_len),
+  if (!rope_cos_.defined() || rope_cos_.size(0) < table_len || rope_cos_.device() != h.device()) {
+    auto [c, s] = llama::precompute_rope(args_.qk_rope_head_dim, std::max(table_len, args_.max_seq_len),
                                          args_.rope_theta, args_.rope_scaling);
     rope_cos_ = c.to(h.device());
     rope_sin_ = s.to(h.device());
   }
-  const at::Tensor cos = rope_cos_.slice(0, 0, seq_len), sin = rope_sin_.slice(0, 0, seq_len);
+  const at::Tensor cos = positions.defined() ? rope_cos_.index_select(0, positions) : rope_cos_.slice(0, 0, seq_len);
+  const at::Tensor sin = positions.defined() ? rope_sin_.index_select(0, positions) : rope_sin_.slice(0, 0, seq_len);
   for (auto& block : blocks_) h = mask ? fsdp::nn::call(block, h, cos, sin, mask) : fsdp::nn::call(block, h, cos, sin);
   if (!last_) return h;
   return fsdp::nn::call(output, fsdp::nn::call(norm, h));

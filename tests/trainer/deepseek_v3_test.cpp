@@ -13,7 +13,8 @@
 //            stage over its ranks); PP and TP together: pp 2 x tp 2 under both schedules and pp 2 x tp 2 x ep 2 with
 //            the balance loss (4 ranks), pp 2 x dp_shard 2 x tp 2 x ep 2 with the balance loss (8 ranks).
 //   context parallel: cp 2 (both rotate methods, head-tail and contiguous chunks; block_causal by the masked ring)
-//            on 2 ranks, cp 2 x ep 2 on 4: loss, grad norm, expert loads and the final parameters equal 1 rank.
+//            on 2 ranks, cp 2 x ep 2, cp 2 x tp 2 and pp 2 x cp 2 (CP inside the stages) on 4: loss, grad norm,
+//            expert loads and the final parameters equal 1 rank.
 //   1 rank:  the trainer's Hugging Face last save loads in transformers' DeepseekV3ForCausalLM with logits equal
 //            (1e-5) to the library model holding the same run's libfsdp model-only save (the other format, read
 //            tensor by tensor here: no adapter in the reference path); and a job started from that export
@@ -267,9 +268,11 @@ namespace {
 // `balancer` equal 1 rank on the same global batches: loss, grad norm and expert loads of every step (as
 // expect_parity) and the parameters after the last step (model-only saves read back, 1e-5). MLA's q/k head dim
 // (qk_nope + qk_rope = 24) differs from v's (16): the ring pads v. `corpus`: block_causal over these documents.
+// `pp_schedule`: under pipeline parallelism of degree 2 with this schedule too (1-row microbatches).
 void expect_cp_parity(const std::string& name, int64_t cp, int64_t ep, CpRotateMethod rotate, CpLoadBalancer balancer,
-                      const std::string& corpus = "", int64_t tp = 1, double aux_coeff = 0) {
-  const int64_t world = fsdp::world()->size(), steps = 6;
+                      const std::string& corpus = "", int64_t tp = 1, double aux_coeff = 0,
+                      const std::string& pp_schedule = "") {
+  const int64_t world = fsdp::world()->size(), steps = 6, pp = pp_schedule.empty() ? 1 : 2;
   auto job = [&](const std::string& folder) {
     JobConfig c = base(folder, world, steps);
     c.checkpoint.enable = true;
@@ -292,12 +295,20 @@ void expect_cp_parity(const std::string& name, int64_t cp, int64_t ep, CpRotateM
   config.parallelism.tensor_parallel_degree = tp;
   config.parallelism.context_parallel_rotate_method = rotate;
   config.parallelism.context_parallel_load_balancer = balancer;
+  if (pp > 1) {
+    config.parallelism.pipeline_parallel_degree = pp;
+    config.parallelism.pipeline_parallel_schedule = parse_choice<PipelineSchedule>(pp_schedule).value();
+    config.parallelism.pipeline_parallel_microbatch_size = 1;
+    // The global batch (world rows) over the world / (pp cp tp) data-parallel ranks in one pipeline step each.
+    config.training.local_batch_size = world / (world / (pp * cp * tp));
+  }
   const TrainSummary got = run_training(config, test::world_env(), false);
   fsdp::world()->barrier().wait();  // the last save is complete on every rank
   const std::string cp_plan = "CP " + std::to_string(cp) + " (ring attention, " + to_string(rotate) + ", " +
                               to_string(balancer) + "; 8 of 16 tokens per rank; FSDP over dp_shard x cp = " +
-                              std::to_string(world / tp) + " ranks)";
+                              std::to_string(world / tp / pp) + " ranks)";
   EXPECT_NE(got.plan.find(cp_plan), std::string::npos) << got.plan;
+  if (pp > 1) EXPECT_NE(got.plan.find("PP " + std::to_string(pp) + " (" + pp_schedule), std::string::npos) << got.plan;
   if (tp > 1) EXPECT_NE(got.plan.find("TP " + std::to_string(tp) + " (sequence parallel, MLA heads split"), std::string::npos) << got.plan;
   if (aux_coeff > 0) {
     ASSERT_EQ(got.aux_losses.size(), ref.aux_losses.size());
@@ -446,4 +457,23 @@ TEST(TrainerDeepSeekV3, PipelineFromACsvScheduleEqualsOneRank) {
 TEST(TrainerDeepSeekV3, PipelineDataTensorExpertParallelOnEightRanksEqualsOneRank) {
   if (fsdp::world()->size() != 8) GTEST_SKIP() << "pp 2 x dp_shard 2 x tp 2 on 8 ranks";
   expect_pipeline_parity("pp2_dp2_tp2_ep2", 2, 2, {"1F1B"}, /*aux_coeff=*/1e-3, /*tp=*/2);
+}
+
+// CP inside pipeline stages (np4: pp 2 x cp 2): each stage's MLA runs the ring over the stage's cp ranks at MLA's
+// softmax scale, RoPE at the chunks' global positions (DeepSeekV3Stage::rope_positions), block_causal by the
+// masked ring (DeepSeekV3Stage::document_mask); FSDP over the stage's dp_shard x cp. Under 1F1B (one stage per
+// rank) and Interleaved1F1B (two), both rotate methods; loss, grad norm, expert loads and the final parameters
+// equal 1 rank. Checked by hand once: with the stages' rope_positions left unset (RoPE at 0 .. 7 on every cp rank)
+// every case fails: the final parameters in all four (up to 1e-2 apart), the loss from step 5 on under head-tail
+// chunks (contiguous chunks leave cp rank 0 its true positions 0 .. 7, and only the parameters tell).
+TEST(TrainerDeepSeekV3, ContextParallelInsidePipelineStagesEqualsOneRank) {
+  if (fsdp::world()->size() != 4) GTEST_SKIP() << "pp 2 x cp 2 on 4 ranks";
+  expect_cp_parity("pp2_cp2_1f1b_ring", 2, 1, CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail, "", 1, 0, "1F1B");
+  expect_cp_parity("pp2_cp2_interleaved_allgather", 2, 1, CpRotateMethod::AllGather, CpLoadBalancer::None, "", 1, 0,
+                   "Interleaved1F1B");
+  const std::string corpus = test::short_documents_corpus("fsdp_train_dsv3", 200, 3, 7, 29);
+  expect_cp_parity("pp2_cp2_block_causal", 2, 1, CpRotateMethod::AllToAll, CpLoadBalancer::HeadTail, corpus, 1, 0,
+                   "Interleaved1F1B");
+  // The sequence balance loss: each stage's MoE blocks sum their per-sequence counts over the stage's cp ranks.
+  expect_cp_parity("pp2_cp2_aux", 2, 1, CpRotateMethod::AllGather, CpLoadBalancer::HeadTail, "", 1, 1e-3, "1F1B");
 }

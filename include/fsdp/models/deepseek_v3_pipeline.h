@@ -10,6 +10,7 @@
 #include <torch/nn/modules/container/moduledict.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -27,6 +28,12 @@ class DeepSeekV3StageImpl : public torch::nn::Module {
   // The hidden states between stages are split along the sequence over this many ranks (sequence parallel);
   // RoPE and the mask need the full length. Set by the tensor-parallel plan's user (1 = not split).
   int64_t sequence_shards = 1;
+  // Context parallelism, as on the whole model (DeepSeekV3Impl::rope_positions / document_mask): the global RoPE
+  // positions (int64 [S]) of the S tokens of this rank's chunks, and block_causal's mask of the microbatch's
+  // document ids as the blocks' attention kernel takes it (every cp rank's ids, for the masked ring). Unset:
+  // positions 0 .. S-1, llama::block_causal_mask(ids).
+  std::function<at::Tensor(int64_t seq_len)> rope_positions;
+  std::function<at::Tensor(const at::Tensor& document_ids)> document_mask;
 
   bool first() const { return first_; }
   bool last() const { return last_; }

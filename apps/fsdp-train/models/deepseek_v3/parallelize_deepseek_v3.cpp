@@ -5,7 +5,6 @@
 #include "pipeline_deepseek_v3.h"
 
 #include <fsdp/activation_checkpoint.h>
-#include <fsdp/context_parallel.h>
 #include <fsdp/expert_parallel.h>
 #include <fsdp/models/deepseek_v3_pipeline.h>
 #include <fsdp/models/deepseek_v3_tp_plan.h>
@@ -46,30 +45,22 @@ void apply_tp(ds::DeepSeekV3& model, const fsdp::DeviceMesh& tp_mesh, bool loss_
   fsdp::parallelize_module(model, tp_mesh, ds::tensor_parallel_plan(model->args(), tp_mesh.size(), loss_parallel));
 }
 
-// Context parallelism (TorchTitan's apply_cp): every block's MLA through ring attention over the cp ranks (q and k
-// of qk_nope + qk_rope, v of v_head_dim; the ring pads v, context_parallel.h) at MLA's own softmax scale, RoPE of
-// the rope part at this rank's chunks' global positions, and block_causal's document ids of every cp rank
-// gathered once per forward for the masked ring.
+// Context parallelism (TorchTitan's apply_cp) on the whole model or a pipeline stage (`holder`: DeepSeekV3Impl or
+// DeepSeekV3StageImpl): the RoPE positions and document mask every family shares (parallelize.h: cp_hooks), and
+// every block's MLA through the ring over the cp ranks: q and k of qk_nope + qk_rope, v of v_head_dim (the ring
+// pads v, context_parallel.h), at MLA's own softmax scale (YaRN's mscale; the ring's default 1/sqrt(qk head dim)
+// would differ).
+template <class Holder>
+void cp_attention(Holder& holder, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
+                  CpLoadBalancer load_balancer) {
+  const CpHooks hooks = cp_hooks(cp_mesh, rotate_method, load_balancer);
+  hooks.install(holder);
+  for (auto& block : holder.blocks()) block->attention->kernel = hooks.ring_attention(block->attention->softmax_scale);
+}
+
 void apply_cp(ds::DeepSeekV3& model, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
               CpLoadBalancer load_balancer) {
-  const fsdp::ProcessGroupPtr group = cp_mesh.group(0);
-  const fsdp::ContextParallelOptions options{
-      rotate_method == CpRotateMethod::AllToAll ? fsdp::CpRotateMethod::AllToAll : fsdp::CpRotateMethod::AllGather,
-      load_balancer == CpLoadBalancer::HeadTail ? fsdp::CpLoadBalancer::HeadTail : fsdp::CpLoadBalancer::None};
-  model->rope_positions = [rank = group->rank(), size = group->size(), balancer = options.load_balancer](int64_t len) {
-    return fsdp::context_parallel_positions(len * size, rank, size, balancer);
-  };
-  model->document_mask = [group](const at::Tensor& document_ids) {
-    return fsdp::context_parallel_gather_document_ids(document_ids, group);
-  };
-  for (auto& block : model->blocks()) {
-    block->attention->kernel = [group, options, scale = block->attention->softmax_scale](
-                                   const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                   const fsdp::models::llama::AttentionMask& document_ids) {
-      if (document_ids) return fsdp::block_causal_ring_attention(q, k, v, *document_ids, group, options, scale);
-      return fsdp::ring_attention(q, k, v, group, options, scale);
-    };
-  }
+  cp_attention(*model, cp_mesh, rotate_method, load_balancer);
 }
 
 // The routed experts of every MoE block split over the 1-D `ep_mesh` (collective-free; before fully_shard).
@@ -88,6 +79,11 @@ void apply_tp(ds::DeepSeekV3Stage& stage, const ds::DeepSeekV3Args& args, const 
                            ds::tensor_parallel_plan(args, tp_mesh.size(), loss_parallel, stage->first(),
                                                     stage->begin(), stage->end(), stage->last()));
   stage->sequence_shards = tp_mesh.size();  // hidden states travel between stages split on the sequence
+}
+
+void apply_cp(ds::DeepSeekV3Stage& stage, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
+              CpLoadBalancer load_balancer) {
+  cp_attention(*stage, cp_mesh, rotate_method, load_balancer);
 }
 
 std::string tp_description(const ParallelPlan& plan) {
@@ -128,12 +124,6 @@ void check_layout(const ds::DeepSeekV3Args& args, const JobConfig& config, const
   if (dims.tp > 1 && args.n_heads % dims.tp != 0) {
     throw ConfigError("config error: parallelism.tensor_parallel_degree = " + std::to_string(dims.tp) +
                       " does not divide the " + std::to_string(args.n_heads) + " attention heads of " + model);
-  }
-  if (dims.cp > 1 && dims.pp > 1) {
-    throw ConfigError("config error: parallelism.context_parallel_degree = " + std::to_string(dims.cp) +
-                      " with pipeline_parallel_degree > 1 (" + model +
-                      ") is not supported yet; context parallelism runs deepseek_v3 with FSDP, HSDP, "
-                      "parallelism.tensor_parallel_degree and parallelism.expert_parallel_degree");
   }
   const auto& ac = config.activation_checkpoint;
   if (ac.mode == AcMode::Selective && ac.selective_ac_option.kind != SelectiveAcOption::Kind::EveryKth &&

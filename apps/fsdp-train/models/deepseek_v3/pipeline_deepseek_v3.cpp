@@ -29,17 +29,9 @@ ParallelPlan parallelize_deepseek_v3_pipeline(ds::DeepSeekV3& model, const JobCo
                                               const ParallelDims& dims, const fsdp::ProcessGroupPtr& group,
                                               ParallelPlan plan) {
   TORCH_CHECK(group, "pipeline parallelism needs a process group (run under fsdprun)");
-  const ParallelMeshes meshes = build_meshes(dims, mesh_device(config).is_cuda() ? "cuda" : "cpu", /*moe=*/true);
-  plan.mesh = meshes.world;
-  plan.pp_group = plan.mesh.group("pp");
-  if (dims.tp > 1) {
-    plan.tp_mesh = meshes.tp;
-    plan.loss_parallel = !config.parallelism.disable_loss_parallel;
-  }
   const PipelineSplit split = split_pipeline(model->args(), pipeline_split_options(config, dims));
-  plan.num_stages = static_cast<int>(split.num_stages);
-  plan.stage_indices = split.schedule.stages_of_rank(plan.pp_group->rank());
-  plan.pipeline_schedule = split.schedule;
+  const ParallelMeshes meshes = start_pipeline_plan(plan, config, dims, /*moe=*/true, split);
+  const auto& p = config.parallelism;
   FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/true);
   const std::string experts_description =
       pipeline_moe_setup(plan, fsdp, model->args().moe.num_experts, config, dims, meshes);
@@ -48,6 +40,7 @@ ParallelPlan parallelize_deepseek_v3_pipeline(ds::DeepSeekV3& model, const JobCo
     const auto [begin, end] = split.layers[static_cast<size_t>(s)];
     ds::DeepSeekV3Stage stage(*model, begin, end, s == 0, s == plan.num_stages - 1);
     if (dims.tp > 1) apply_tp(stage, model->args(), plan.tp_mesh, plan.loss_parallel);
+    if (dims.cp > 1) apply_cp(stage, plan.cp_mesh, p.context_parallel_rotate_method, p.context_parallel_load_balancer);
     set_moe_sequence_group(block_modules(stage->blocks()), meshes);  // tp, cp or cp x tp: moe_sequence_mesh
     if (dims.ep > 1) {
       for (auto& block : stage->blocks()) {
@@ -60,7 +53,8 @@ ParallelPlan parallelize_deepseek_v3_pipeline(ds::DeepSeekV3& model, const JobCo
     plan.stages.push_back(pipeline_stage(stage.ptr(), stage_call(stage), plan, dims));
   }
   finish_pipeline_plan(plan, config, dims, layers,
-                       (dims.tp > 1 ? tp_description(plan) : std::string()) + experts_description);
+                       (dims.tp > 1 ? tp_description(plan) : std::string()) + cp_description(config, dims) +
+                           experts_description);
   return plan;
 }
 

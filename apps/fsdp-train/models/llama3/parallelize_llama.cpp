@@ -4,7 +4,6 @@
 #include "moe_overrides.h"
 
 #include <fsdp/activation_checkpoint.h>
-#include <fsdp/context_parallel.h>
 #include <fsdp/expert_parallel.h>
 #include <fsdp/models/moe.h>
 #include <fsdp/models/llama_tp_plan.h>
@@ -131,53 +130,28 @@ void apply_tp(fsdp::models::llama::LlamaStage& stage, const fsdp::models::llama:
 
 namespace {
 
-// apply_cp's hooks: every given block's attention through ring attention over the cp group; the RoPE positions
-// and the document mask a model (or a pipeline stage) takes for this rank's chunks.
-struct CpHooks {
-  std::function<at::Tensor(int64_t)> rope_positions;
-  std::function<at::Tensor(const at::Tensor&)> document_mask;
-};
-
-CpHooks cp_attention(std::vector<fsdp::models::llama::TransformerBlock>& blocks, const fsdp::DeviceMesh& cp_mesh,
-                     CpRotateMethod rotate_method, CpLoadBalancer load_balancer) {
-  const fsdp::ProcessGroupPtr group = cp_mesh.group(0);
-  const fsdp::ContextParallelOptions options{
-      rotate_method == CpRotateMethod::AllToAll ? fsdp::CpRotateMethod::AllToAll : fsdp::CpRotateMethod::AllGather,
-      load_balancer == CpLoadBalancer::HeadTail ? fsdp::CpLoadBalancer::HeadTail : fsdp::CpLoadBalancer::None};
-  const int64_t cp_rank = group->rank(), cp_size = group->size();
-  CpHooks hooks;
-  hooks.rope_positions = [cp_rank, cp_size, balancer = options.load_balancer](int64_t local_len) {
-    return fsdp::context_parallel_positions(local_len * cp_size, cp_rank, cp_size, balancer);
-  };
-  // block_causal: every cp rank's document ids (of the whole rows, cut like the tokens), gathered once per forward
-  // and handed to every block in the mask's place; the blocks' ring then masks each chunk pair by them.
-  hooks.document_mask = [group](const at::Tensor& document_ids) {
-    return fsdp::context_parallel_gather_document_ids(document_ids, group);
-  };
-  for (auto& block : blocks) {
-    block->attention->kernel = [group, options](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                const fsdp::models::llama::AttentionMask& document_ids) {
-      if (document_ids) return fsdp::block_causal_ring_attention(q, k, v, *document_ids, group, options);
-      return fsdp::ring_attention(q, k, v, group, options);
-    };
-  }
-  return hooks;
+// apply_cp's blocks (TorchTitan's apply_cp): every given block's attention through ring attention over the cp
+// group at the ring's default scale (1/sqrt(head dim), Llama's). (The MoE blocks' sequence group is set once after
+// the apply_* steps: moe_sequence_mesh.)
+void cp_attention(std::vector<fsdp::models::llama::TransformerBlock>& blocks, const fsdp::DeviceMesh& cp_mesh,
+                  const CpHooks& hooks) {
+  for (auto& block : blocks) block->attention->kernel = hooks.ring_attention();
 }
 
 }  // namespace
 
 void apply_cp(fsdp::models::llama::Transformer& model, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
               CpLoadBalancer load_balancer) {
-  CpHooks hooks = cp_attention(model->blocks(), cp_mesh, rotate_method, load_balancer);
-  model->rope_positions = std::move(hooks.rope_positions);
-  model->document_mask = std::move(hooks.document_mask);
+  const CpHooks hooks = cp_hooks(cp_mesh, rotate_method, load_balancer);
+  cp_attention(model->blocks(), cp_mesh, hooks);
+  hooks.install(*model);
 }
 
 void apply_cp(fsdp::models::llama::LlamaStage& stage, const fsdp::DeviceMesh& cp_mesh, CpRotateMethod rotate_method,
               CpLoadBalancer load_balancer) {
-  CpHooks hooks = cp_attention(stage->blocks(), cp_mesh, rotate_method, load_balancer);
-  stage->rope_positions = std::move(hooks.rope_positions);
-  stage->document_mask = std::move(hooks.document_mask);
+  const CpHooks hooks = cp_hooks(cp_mesh, rotate_method, load_balancer);
+  cp_attention(stage->blocks(), cp_mesh, hooks);
+  hooks.install(*stage);
 }
 
 void apply_ep(fsdp::models::llama::Transformer& model, const fsdp::DeviceMesh& ep_mesh) {
@@ -247,29 +221,13 @@ ParallelPlan parallelize_llama_pipeline(fsdp::models::llama::Transformer& model,
                                         const ParallelDims& dims, const fsdp::ProcessGroupPtr& group) {
   ParallelPlan plan;
   plan.dp_group = group;
-  const std::string device = mesh_device(config).is_cuda() ? "cuda" : "cpu";
   plan.activation_checkpointing =
       apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option);
   TORCH_CHECK(group, "pipeline parallelism needs a process group (run under fsdprun)");
-  const ParallelMeshes meshes = build_meshes(dims, device, /*moe=*/num_experts_of(model) > 0);
-  plan.mesh = meshes.world;
-  plan.pp_group = plan.mesh.group("pp");
-  if (dims.tp > 1) {
-    plan.tp_mesh = meshes.tp;
-    plan.loss_parallel = !config.parallelism.disable_loss_parallel;
-  }
-  const auto& p = config.parallelism;
-  if (dims.cp > 1) {
-    // Each stage's attention runs the ring over its cp ranks; the hidden states between stages are this rank's
-    // chunks (the trainer cuts the rows before the schedule splits them into microbatches).
-    plan.cp_mesh = meshes.cp;
-    plan.fsdp_mesh = meshes.dp;
-  }
   const PipelineSplit split = split_pipeline(model->args(), pipeline_split_options(config, dims));
+  const ParallelMeshes meshes = start_pipeline_plan(plan, config, dims, /*moe=*/num_experts_of(model) > 0, split);
   const int64_t num_stages = split.num_stages;
-  plan.num_stages = static_cast<int>(num_stages);
-  plan.stage_indices = split.schedule.stages_of_rank(plan.pp_group->rank());
-  plan.pipeline_schedule = split.schedule;
+  const auto& p = config.parallelism;
   FsdpOptions fsdp = fsdp_options(config, meshes.dp, /*pipeline=*/true);
   const std::string experts_description =
       pipeline_moe_setup(plan, fsdp, num_experts_of(model), config, dims, meshes);
