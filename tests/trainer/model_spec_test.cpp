@@ -256,9 +256,8 @@ TEST(ModelSpec, DeepSeekV3ForwardEqualsTheLibraryModel) {
   const auto tokens = torch::randint(0, 64, {1, 9}, torch::kLong);
   const auto logits = model.forward(tokens);
   EXPECT_TRUE(torch::equal(logits, reference->forward(tokens)));
-  auto cached = model.cached_forward(16);
-  EXPECT_TRUE(torch::allclose(cached(tokens.slice(1, 0, 8)), logits.slice(1, 0, 8), 1e-5, 1e-5));
-  EXPECT_TRUE(torch::allclose(cached(tokens.slice(1, 8, 9)), logits.slice(1, 8, 9), 1e-5, 1e-5));
+  // No KV cache (MLA's latent cache is not written): generate re-runs the sequence and says so.
+  EXPECT_FALSE(model.cached_forward);
 }
 
 // DeepSeek-V3's refused layouts (one line naming the family, the flavor and the layout; no process group), and
