@@ -55,7 +55,7 @@ int torchtitan_8b() {
 int main(int argc, char** argv) {
   fsdp_apps::hide_cpp_backtraces_unless_requested();
   using namespace fsdp::plan;
-  CLI::App app{"fsdp-plan: per-rank memory and communication of FSDP training (Llama 3, Qwen3 dense and MoE)"};
+  CLI::App app{"fsdp-plan: per-rank memory and communication of FSDP training (Llama 3, Qwen3 dense and MoE, DeepSeek-V3)"};
   std::string flavor = "8B", param = "fp32", compute = "fp32", reduce = "fp32", optim = "fp32", ac = "none",
               selective = "layer", reshard = "true";
   PlanConfig c;

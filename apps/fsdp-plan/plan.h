@@ -1,6 +1,6 @@
 #pragma once
 // fsdp-plan: per-rank memory and communication of FSDP (fully_shard per transformer block + root) training
-// of a model fsdp-train registers (Llama 3, Qwen3 dense and MoE), without allocating (any size, 405B and
+// of a model fsdp-train registers (Llama 3, Qwen3 dense and MoE, DeepSeek-V3), without allocating (any size, 405B and
 // 235B-A22B included). The parameters' shards are the trainer's own: the model is built on meta through
 // fsdp-train's model seam and parallelized by its family's parallelize step under a fake process group, once per
 // rank planned (plan_model.cpp); activations, buffers and collective bytes follow from those shards by the

@@ -446,7 +446,7 @@ TEST(PlanShardsVsTrainer, MoEContextParallelWithExpertParallel) {
 // over 4 expert groups of which 2 are kept; MLA with q LoRA) through the same seam: its shards in every layout the
 // trainer runs, the FSDP bytes of the data-parallel ones, the EP all-to-alls of the expert-parallel ones (routing
 // group-limited: the rows counted are those the step really moved), the MoE buffers of each pipeline stage.
-// cp x pp is refused by the trainer for this family (DeepSeekV3Stage has no CP hooks yet), so not planned here.
+// pp x cp too (the stages' MLA through the ring, FSDP over dp_shard x cp in each stage).
 TEST(PlanShardsVsTrainer, DeepSeekV3DataParallel) { check({"deepseek_v3", "cpu_tiny"}); }
 TEST(PlanShardsVsTrainer, DeepSeekV3ExpertParallel) { check({"deepseek_v3", "cpu_tiny", 1, 1, /*ep=*/2}); }
 TEST(PlanShardsVsTrainer, DeepSeekV3TensorParallel) { check({"deepseek_v3", "cpu_tiny", 1, /*tp=*/2}); }
@@ -481,4 +481,8 @@ TEST(PlanShardsVsTrainer, DeepSeekV3PipelineWithTensorAndExpertParallel) {
 TEST(PlanShardsVsTrainer, DeepSeekV3ContextParallelWithTensorParallel) {
   if (!four()) GTEST_SKIP() << "4 ranks";
   check({"deepseek_v3", "cpu_tiny", 1, /*tp=*/2, 1, 1, /*cp=*/2});
+}
+TEST(PlanShardsVsTrainer, DeepSeekV3PipelineWithContextParallel) {
+  if (!four()) GTEST_SKIP() << "4 ranks";
+  check({"deepseek_v3", "cpu_tiny", 1, 1, 1, /*pp=*/2, /*cp=*/2});
 }
