@@ -356,9 +356,6 @@ TEST(UserErrors, FsdpTrainDeepSeekV3ConfigErrorsBeforeAnyProcessGroup) {
        "cpu_tiny"},
       {"ep_experts", 3, ds + " --parallelism.expert_parallel_degree 3 --training.global_batch_size 24",
        "config error: parallelism.expert_parallel_degree = 3 does not divide the 8 experts of deepseek_v3 cpu_tiny"},
-      {"cp_pp", 4, ds + " --parallelism.context_parallel_degree 2 --parallelism.pipeline_parallel_degree 2",
-       "config error: parallelism.context_parallel_degree = 2 with pipeline_parallel_degree > 1 (deepseek_v3 "
-       "cpu_tiny) is not supported yet"},
       {"groups", 2, ds + " --model.moe_num_expert_groups 3",
        "config error: model.moe_num_expert_groups = 3 must divide the 8 routed experts into groups of at least 2 "
        "experts"},
