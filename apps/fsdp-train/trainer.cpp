@@ -12,7 +12,6 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -45,17 +44,7 @@ void set_threads() {
   torch::set_num_threads(std::max(1, hw / local_world));
 }
 
-std::atomic<int64_t> layout_checks{0};
-
-// The family's layout rules on `dims` (under PP its split, a throwaway schedule: once per process, see TrainEnv).
-void run_layout_check(const TrainSpec& spec, const JobConfig& config, const ParallelDims& dims) {
-  ++layout_checks;
-  spec.check_layout(config, dims);
-}
-
 }  // namespace
-
-int64_t layout_checks_run() { return layout_checks.load(); }
 
 bool check_model_layout(const JobConfig& config, int64_t world_size) {
   // model.name first: an unknown family is one line listing the registered ones, whatever the layout.
@@ -76,7 +65,7 @@ bool check_model_layout(const JobConfig& config, int64_t world_size) {
   } catch (const ConfigError&) {
     return false;
   }
-  run_layout_check(spec, config, *dims);
+  spec.check_layout(config, *dims);  // under PP its split builds a throwaway schedule: once per run (TrainEnv)
   return true;
 }
 
@@ -132,7 +121,10 @@ Trainer::Trainer(const JobConfig& config, const TrainEnv& env)
       device_memory_(!device_.is_cpu()),
       device_total_bytes_(device_.is_cuda() ? cuda_support::device_total_bytes(device_.index()) : 0) {
   // fsdp-train's start checked it before the process group (env.layout_checked); other callers get it here.
-  if (!env.layout_checked) run_layout_check(spec_, config, dims_);
+  if (!env.layout_checked) {
+    spec_.check_layout(config, dims_);
+    outputs_.summary.layout_checked_by_trainer = true;
+  }
   set_threads();
   torch::manual_seed(static_cast<uint64_t>(config.debug.seed));
   if (config.debug.deterministic) at::globalContext().setDeterministicAlgorithms(true, false);

@@ -39,6 +39,7 @@ struct TrainSummary {
   std::vector<std::pair<std::string, std::string>> outputs;  // rank 0: what was written where
   std::string dump_folder;          // job.dump_folder, or under [fault_tolerance] this replica group's folder in it
   double mean_tps = 0;              // tokens/s per rank after the first step
+  bool layout_checked_by_trainer = false;  // the Trainer ran the layout check (TrainEnv::layout_checked was false)
   double mean_mfu = 0;
   double peak_tflops = 0;
   std::string plan;                 // how the model was parallelised
@@ -69,9 +70,6 @@ TrainEnv init_distributed(const JobConfig& config);
 // fsdp-train's start: check_model_layout on WORLD_SIZE's ranks before any process group exists (a refused layout
 // is one line, no rendezvous), then init_distributed; the env records the check (TrainEnv::layout_checked).
 TrainEnv check_and_init_distributed(const JobConfig& config);
-// How many model-family layout checks this process has run (check_model_layout's and the Trainer's): one per run,
-// whichever way it started (tests).
-int64_t layout_checks_run();
 
 TrainSummary run_training(const JobConfig& config, const TrainEnv& env, bool compute_entropy = true);
 
