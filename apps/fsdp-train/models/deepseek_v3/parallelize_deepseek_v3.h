@@ -21,8 +21,8 @@
 // Under TP, CP or both each MoE block sums its per-sequence expert counts for the sequence balance loss over the
 // ranks splitting a sequence (moe_sequence_mesh, parallelize.h: set once, after the apply_* steps).
 // Refused with a ConfigError naming the family, the flavor and the layout (check_layout): a TP degree not
-// dividing the heads, an EP degree not dividing the experts. Hugging Face load/save (checkpoint.*_in_hf) runs in every layout accepted (the
-// adapter's sharded path: one tensor gathered at a time, each rank reading its own rows).
+// dividing the heads, an EP degree not dividing the experts. Hugging Face load/save (checkpoint.*_in_hf) runs in
+// every layout accepted (the adapter's sharded path: one tensor gathered at a time, each rank reading its own rows).
 
 #include "config.h"
 #include "parallel_dims.h"
